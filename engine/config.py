@@ -1,0 +1,161 @@
+"""Typed, frozen configuration. Validated once at construction, then passed down."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.errors import InvalidRequestError
+
+
+class CapacityPolicy(str, enum.Enum):
+    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"  # admit only what can run to completion
+    MAX_UTILIZATION = "MAX_UTILIZATION"  # pack; preempt (by recompute) when the cache is full
+    STATIC_BATCH = "STATIC_BATCH"  # admit a batch, run it to the end, then the next
+
+
+class ChunkingPolicy(str, enum.Enum):
+    FIRST_COME_FIRST_SERVED = "FIRST_COME_FIRST_SERVED"  # finish the oldest prompt first
+    EQUAL_PROGRESS = "EQUAL_PROGRESS"  # share the token budget evenly among prompts
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, derived from a transformers config."""
+
+    architecture: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] = ()  # sorted items of the HF rope_scaling dict
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidRequestError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, name: str = "") -> "ModelConfig":
+        model_type = getattr(hf_config, "model_type", "llama")
+        arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
+        if arch is None:
+            from pdserve.engine.errors import ModelLoadError
+            raise ModelLoadError(f"unsupported model_type {model_type!r} (llama, mistral, qwen2, qwen3)")
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        rope_scaling = getattr(hf_config, "rope_scaling", None) or {}
+        # transformers 5 keeps rope settings in `rope_parameters` (theta + scaling together).
+        rope_params = getattr(hf_config, "rope_parameters", None) or {}
+        theta = rope_params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        if not rope_scaling and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
+            rope_scaling = {}
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """How the paged KV cache is sized and laid out.
+
+    Per layer the cache is one tensor `[num_blocks, 2, block_size, num_kv_heads, head_dim]`
+    (index 0 on dim 1 = K, 1 = V). Sizing: the smaller of `max_tokens` and
+    `free_memory_fraction` of the memory that is free after the weights.
+    """
+
+    block_size: int = 16
+    max_tokens: int | None = None
+    free_memory_fraction: float = 0.9
+    num_blocks: int | None = None  # explicit override (tests); wins over both above
+    attention_window: int | None = None  # keep only the last W tokens' blocks
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    cpu_memory_budget_gb: float = 4.0  # what "free memory" means on CPU, before the fraction
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise InvalidRequestError(f"block_size {self.block_size} must be 8, 16, 32, 64 or 128")
+        if not 0.0 < self.free_memory_fraction <= 1.0:
+            raise InvalidRequestError("free_memory_fraction must be in (0, 1]")
+        if self.max_tokens is not None and self.max_tokens < self.block_size:
+            raise InvalidRequestError("max_tokens must hold at least one block")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequestError("num_blocks must be >= 1")
+        if self.attention_window is not None and self.attention_window < 1:
+            raise InvalidRequestError("attention_window must be >= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidRequestError(f"unsupported cache dtype {self.dtype!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    capacity_policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
+    chunking_policy: ChunkingPolicy = ChunkingPolicy.FIRST_COME_FIRST_SERVED
+    max_num_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
+    max_batch_size: int = 64  # sequences in one step
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity_policy", CapacityPolicy(self.capacity_policy))
+        object.__setattr__(self, "chunking_policy", ChunkingPolicy(self.chunking_policy))
+        if self.max_num_tokens < 1 or self.max_batch_size < 1:
+            raise InvalidRequestError("max_num_tokens and max_batch_size must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError("max_model_len must be >= 2")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "default"  # "default" | a transformers directory | a .gguf file
+    dtype: str = "float32"  # weights and activations
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    use_build_cache: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")

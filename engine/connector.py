@@ -1,0 +1,183 @@
+"""The engine's extension point for moving KV blocks in and out of the paged cache.
+
+The connector comes in two halves that never share memory:
+
+* the scheduler half runs beside the scheduler. It sees requests and block ids, never
+  tensors. Each step it packs what the worker half must do into a `ConnectorMetadata`.
+* the worker half runs beside the model. It owns the cache tensors (registered once) and
+  moves bytes: loads before the forward, saves layer by layer during it, so a send can
+  overlap the rest of the forward.
+
+The engine calls, per step, in this order::
+
+    scheduler: get_num_new_matched_tokens -> (allocate) -> update_state_after_alloc
+    scheduler: build_connector_meta                  (once, after scheduling the step)
+    worker:    start_load_kv(meta)                   (before the forward)
+    worker:    wait_for_layer_load(i); save_kv_layer(i, ...)   (per layer, in the forward)
+    worker:    wait_for_save()                        (after the forward)
+    worker:    get_finished(finished_ids)             (after the step)
+    scheduler: request_finished                        (when a request ends, any way)
+
+`NoopConnector` is the "no connector" object; the engine never checks for None.
+Backends live in `pdserve.kvtransfer`; the engine never imports that package.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """What a peer must agree on before it may write our blocks.
+
+    Per layer: `[num_blocks, 2, block_size, num_kv_heads, head_dim]` of `dtype`. One block of
+    one layer is `2 * block_size * num_kv_heads * head_dim` elements; a block across all
+    layers (the unit the transfer layer moves) is `num_layers` times that.
+    """
+
+    model_name: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def block_numel_per_layer(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+    def compatibility_hash(self) -> int:
+        """64-bit hash of everything but num_blocks: equal hashes mean interchangeable blocks."""
+        from pdserve.proto.block_hash import stable_hash64
+
+        return stable_hash64(
+            "kv-layout-v1", self.model_name, self.num_layers, self.block_size,
+            self.num_kv_heads, self.head_dim, self.dtype, "layout=[blocks,2,bs,kvh,hd]")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorRequest:
+    """What the scheduler half knows of a request: ids and hashes, no tensors."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]  # hash of each *full* prompt block, chained (block_pool)
+    transfer_params: object | None = None  # backend-specific typed params (a handoff), opaque here
+
+
+@dataclass(slots=True)
+class ConnectorMetadata:
+    """What the worker half must do this step. Backends subclass it with typed fields."""
+
+    request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSaveContext:
+    """Passed with each `save_kv_layer`: which request owns which blocks this step."""
+
+    block_ids_by_request: dict[str, tuple[int, ...]]
+    num_computed_by_request: dict[str, int]  # tokens whose KV is final after this step
+
+
+class KVConnectorScheduler(abc.ABC):
+    """Scheduler half. Runs on the scheduler's thread; must not block for long."""
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: ConnectorRequest,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """How many prompt tokens beyond `num_computed_tokens` (the local prefix-cache hit)
+        the connector can provide, and whether they arrive asynchronously (True: the request
+        waits in WAITING_FOR_REMOTE_KVS until `get_finished` reports it). Called before
+        allocation; must not reserve anything it would leak if allocation fails."""
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        """Blocks are allocated for `request`; remember what to load/receive into them."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """Everything recorded since the last call, for the worker half. Resets the record."""
+
+    @abc.abstractmethod
+    def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
+        """The request ended (any way). True: keep its blocks until `get_finished` reports
+        its save done; False: the engine may free them now."""
+
+
+class KVConnectorWorker(abc.ABC):
+    """Worker half. Runs beside the model forward; owns no scheduling state."""
+
+    @abc.abstractmethod
+    def register_kv_caches(self, kv_caches: Sequence["torch.Tensor"], layout: KVCacheLayout) -> None:
+        """The engine's cache tensors, one per layer. Called once before the first step."""
+
+    @abc.abstractmethod
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        """Begin loading what `metadata` names into the cache (before the forward)."""
+
+    @abc.abstractmethod
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Block until layer `layer_idx`'s loads are in place (with a deadline)."""
+
+    @abc.abstractmethod
+    def save_kv_layer(self, layer_idx: int, kv_layer: "torch.Tensor",
+                      context: LayerSaveContext) -> None:
+        """Layer `layer_idx` is written for this step; start sending/storing what must go."""
+
+    @abc.abstractmethod
+    def wait_for_save(self) -> None:
+        """Block until this step's saves are handed off (with a deadline)."""
+
+    @abc.abstractmethod
+    def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(ids whose sends are done, ids whose receives are done) since the last call."""
+
+
+class NoopConnectorScheduler(KVConnectorScheduler):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass
+
+    def build_connector_meta(self):
+        return ConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        return False
+
+
+class NoopConnectorWorker(KVConnectorWorker):
+    def register_kv_caches(self, kv_caches, layout):
+        pass
+
+    def start_load_kv(self, metadata):
+        pass
+
+    def wait_for_layer_load(self, layer_idx):
+        pass
+
+    def save_kv_layer(self, layer_idx, kv_layer, context):
+        pass
+
+    def wait_for_save(self):
+        pass
+
+    def get_finished(self, finished_request_ids):
+        return set(), set()
+
+
+@dataclass(frozen=True, slots=True)
+class Connector:
+    """The pair the engine is built with."""
+
+    scheduler: KVConnectorScheduler = field(default_factory=NoopConnectorScheduler)
+    worker: KVConnectorWorker = field(default_factory=NoopConnectorWorker)
