@@ -1,0 +1,190 @@
+"""The KV cache manager: per-layer cache tensors, and which blocks each request holds.
+
+Resource-manager contract (what the scheduler and the services call): `prepare_resources`,
+`update_resources`, `free_resources`, `get_max_resource_count`,
+`get_needed_resource_to_completion`, `get_batch_cache_indices`, `get_buffers`,
+`get_num_free_blocks`, `add_padding_request`.
+
+Token t of a request lives in `blocks[t // block_size]` at offset `t % block_size`; its slot
+id is `block_id * block_size + offset`. With an attention window W, once a block's last
+token is older than the window it is returned to the pool and its table entry points at
+the null block (never read: attention only reads the last W positions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from pdserve.engine.config import CacheConfig, ModelConfig
+from pdserve.engine.request import Request
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """What the prefix cache already holds for a request's prompt."""
+
+    blocks: tuple[KVBlock, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+def size_num_blocks(model: ModelConfig, cache: CacheConfig, device: torch.device,
+                    bytes_free: int | None = None) -> int:
+    """Blocks to allocate: the smaller of `max_tokens` and `free_memory_fraction` of free memory."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks + 1  # + the null block
+    itemsize = torch.empty((), dtype=DTYPES[cache.dtype]).element_size()
+    block_bytes = model.num_layers * 2 * cache.block_size * model.num_kv_heads * model.head_dim * itemsize
+    if bytes_free is None:
+        if device.type == "cuda":
+            bytes_free, _ = torch.cuda.mem_get_info(device)
+        else:
+            bytes_free = int(cache.cpu_memory_budget_gb * 2**30)
+    by_memory = int(bytes_free * cache.free_memory_fraction) // block_bytes
+    by_tokens = cdiv(cache.max_tokens, cache.block_size) if cache.max_tokens else by_memory
+    num = min(by_memory, by_tokens)
+    if num < 1:
+        raise ValueError("not enough memory for a single KV block")
+    return num + 1
+
+
+class KVCacheManager:
+    def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device,
+                 num_blocks: int | None = None) -> None:
+        self.model = model
+        self.config = cache
+        self.block_size = cache.block_size
+        self.device = device
+        self.num_blocks = num_blocks or size_num_blocks(model, cache, device)
+        self.pool = BlockPool(self.num_blocks, enable_caching=cache.enable_prefix_caching)
+        shape = (self.num_blocks, 2, cache.block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=DTYPES[cache.dtype], device=device)
+                          for _ in range(model.num_layers)]
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already published by hash
+        self._num_dropped_blocks: dict[str, int] = {}  # leading blocks a window released
+
+    # -- contract -----------------------------------------------------------------------
+    def get_max_resource_count(self) -> int:
+        return self.pool.num_usable_blocks
+
+    def get_num_free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def get_buffers(self, layer_idx: int) -> torch.Tensor:
+        """Layer `layer_idx`'s cache: `[num_blocks, 2, block_size, num_kv_heads, head_dim]`."""
+        return self.kv_caches[layer_idx]
+
+    def get_batch_cache_indices(self, request_ids: list[str]) -> list[list[int]]:
+        return [[b.block_id for b in self._blocks.get(rid, ())] for rid in request_ids]
+
+    def num_blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks a request of `num_tokens` tokens holds at once (a window caps it)."""
+        n = cdiv(num_tokens, self.block_size)
+        window = self.config.attention_window
+        if window is not None:
+            n = min(n, cdiv(window, self.block_size) + 1)
+        return n
+
+    def get_needed_resource_to_completion(self, request: Request, max_model_len: int) -> int:
+        """Blocks still to allocate for `request` to reach its max length (beyond those held)."""
+        final = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_model_len)
+        held = len(self._blocks.get(request.request_id, ())) - self._num_dropped_blocks.get(
+            request.request_id, 0)
+        return max(0, self.num_blocks_for_tokens(final) - held)
+
+    def prepare_resources(self, request: Request, num_new_tokens: int) -> bool:
+        """Make sure `request` has blocks for `num_computed_tokens + num_new_tokens` tokens.
+        False (and nothing allocated) if the pool is short."""
+        blocks = self._blocks.setdefault(request.request_id, [])
+        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
+        if need <= 0:
+            return True
+        new = self.pool.try_allocate(need)
+        if new is None:
+            if not blocks:
+                del self._blocks[request.request_id]
+            return False
+        blocks.extend(new)
+        return True
+
+    def update_resources(self, request: Request) -> None:
+        """After a step: publish newly full prompt blocks by hash; release blocks a window dropped."""
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        for i in range(start, num_full):
+            if blocks[i].block_id != NULL_BLOCK_ID:
+                self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = max(start, num_full)
+        window = self.config.attention_window
+        if window is not None:
+            # the next query sits at position num_computed_tokens and reads positions
+            # > num_computed_tokens - window; block i is dead once (i+1)*bs <= that bound + 1
+            first_live = max(0, request.num_computed_tokens - window + 1) // self.block_size
+            dropped = self._num_dropped_blocks.get(request.request_id, 0)
+            if first_live > dropped:
+                dead = blocks[dropped:first_live]
+                self.pool.free(list(reversed(dead)))
+                for i in range(dropped, first_live):
+                    blocks[i] = self.pool.blocks[NULL_BLOCK_ID]
+                self._num_dropped_blocks[request.request_id] = first_live
+
+    def free_resources(self, request_id: str) -> None:
+        """Return every block of `request_id` to the pool (tail first). Idempotent."""
+        blocks = self._blocks.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+        self._num_dropped_blocks.pop(request_id, None)
+        if blocks:
+            self.pool.free([b for b in reversed(blocks) if b.block_id != NULL_BLOCK_ID])
+
+    def add_padding_request(self, request_id: str, num_tokens: int) -> bool:
+        """Hold blocks for a dummy request (warm-up / padded batches); free with free_resources."""
+        if request_id in self._blocks:
+            raise ValueError(f"request {request_id} already holds blocks")
+        new = self.pool.try_allocate(cdiv(max(1, num_tokens), self.block_size))
+        if new is None:
+            return False
+        self._blocks[request_id] = new
+        return True
+
+    # -- prefix caching -----------------------------------------------------------------
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """Longest run of the prompt's full blocks already cached. At least one prompt token
+        is always left to compute (its logits give the next token)."""
+        max_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        hit: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return PrefixHit(tuple(hit))
+
+    def take_prefix_hit(self, request: Request, hit: PrefixHit) -> None:
+        """Adopt `hit`'s blocks as `request`'s first blocks (before it holds any)."""
+        if request.request_id in self._blocks:
+            raise ValueError(f"request {request.request_id} already holds blocks")
+        self.pool.touch(hit.blocks)
+        self._blocks[request.request_id] = list(hit.blocks)
+        self._num_cached_blocks[request.request_id] = hit.num_blocks
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def assert_all_free(self) -> None:
+        if self._blocks:
+            raise AssertionError(f"requests still hold blocks: {sorted(self._blocks)[:10]}")
+        self.pool.assert_all_free()

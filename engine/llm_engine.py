@@ -1,0 +1,241 @@
+"""The engine: requests in, one step at a time, token deltas out. Single-threaded by design;
+services drive it from one thread (see `engine_loop.py`)."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.connector import Connector, KVCacheLayout
+from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
+from pdserve.engine.kv_cache_manager import DTYPES, KVCacheManager
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.llama import CausalLM
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request, RequestStatus, TokenLogprob
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.proto.block_hash import hash_prompt_blocks
+
+log = logging.getLogger("pdserve.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_waiting_remote: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    num_prompt_tokens_computed: int  # prompt tokens run through the model, all requests
+    num_generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, connector: Connector | None = None,
+                 loaded=None) -> None:
+        from pdserve.engine.loader import load_model
+
+        self.config = config or EngineConfig()
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.device = torch.device(self.config.device)
+        dtype = DTYPES[self.config.dtype]
+        self.loaded = loaded or load_model(self.config.model, dtype=self.config.dtype)
+        self.model_config: ModelConfig = self.loaded.model_config
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        self.model = CausalLM(self.model_config, self.loaded.load_state_dict(), self.device, dtype)
+        sched_cfg = self.config.scheduler
+        self.max_model_len = min(sched_cfg.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.kv = KVCacheManager(self.model_config, self.config.cache, self.device)
+        self.layout = KVCacheLayout(
+            model_name=self.model_name, num_layers=self.model_config.num_layers,
+            num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
+            num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim,
+            dtype=self.config.cache.dtype)
+        self.compat_hash = self.layout.compatibility_hash()
+        self.connector = connector or Connector()
+        self.connector.worker.register_kv_caches(self.kv.kv_caches, self.layout)
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.connector.scheduler, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv, self.connector.worker)
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self._pending: list[RequestOutput] = []  # ends decided outside step() (abort, errors)
+        self._sending: set[str] = set()  # finished, blocks kept until the connector's send ends
+        self._generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        self._num_prompt_computed = 0
+        self._num_generated = 0
+        log.info("engine ready: model %s, %d KV blocks of %d tokens, max_model_len %d",
+                 self.model_name, self.kv.num_blocks - 1, self.kv.block_size, self.max_model_len)
+
+    # -- requests -----------------------------------------------------------------------
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, remote_prefill: bool = False,
+                    transfer_params: object | None = None) -> Request:
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        self.validate_prompt(ids, params)
+        request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,
+                          transfer_params=transfer_params, remote_prefill=remote_prefill)
+        request.block_hashes = hash_prompt_blocks(ids, self.kv.block_size, self.compat_hash)
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        else:
+            request.generator = self._generator
+        self.scheduler.add(request)
+        self._requests[request_id] = request
+        self._detok[request_id] = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        return request
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens")
+
+    def abort(self, request_id: str) -> bool:
+        """End a request wherever it is; its blocks go back now. False if unknown/finished."""
+        request = self._requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._pending.append(self._output(request, (), "", ()))
+        return True
+
+    def finish_remote_prefill(self, request_id: str, first_token_id: int,
+                              logprob: TokenLogprob | None = None) -> bool:
+        """Decode side: the prefill service filled the blocks and chose the first token."""
+        request = self.scheduler.finish_remote(request_id)
+        if request is None:
+            return False
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_external_tokens = request.num_prompt_tokens - max(0, request.num_cached_tokens)
+        self.kv.update_resources(request)
+        self._append_tokens([(request, first_token_id, logprob)])
+        return True
+
+    def recompute_remote_prefill(self, request_id: str) -> bool:
+        """Decode side: the prefill leg failed; compute the prompt here instead."""
+        return self.scheduler.recompute_remote(request_id) is not None
+
+    def remote_block_ids(self, request_id: str) -> list[int]:
+        return self.kv.blocks_of(request_id)
+
+    # -- the step -----------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending) or bool(self._sending)
+
+    def step(self) -> tuple[list[RequestOutput], list[Request]]:
+        """Run one step. Returns (deltas, requests that now wait for a remote prefill)."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.chunks:
+            result = self.runner.execute(plan)
+            for chunk in plan.chunks:
+                req = chunk.request
+                if req.num_computed_tokens < req.num_prompt_tokens:
+                    self._num_prompt_computed += min(chunk.num_new_tokens,
+                                                     req.num_prompt_tokens - chunk.start)
+                req.num_computed_tokens = chunk.start + chunk.num_new_tokens
+                self.kv.update_resources(req)
+            if result.sampling_chunks:
+                reqs = [c.request for c in result.sampling_chunks]
+                tokens = sample(result.logits, reqs)
+                self._append_tokens([(r, t.token_id, t.logprob) for r, t in zip(reqs, tokens)])
+        outputs += self._pending
+        self._pending = []
+        done_sending, _ = self.connector.worker.get_finished(set())
+        for request_id in done_sending & self._sending:
+            self._sending.discard(request_id)
+            self.kv.free_resources(request_id)
+        return outputs, plan.remote_ready
+
+    def _append_tokens(self, items) -> None:
+        """Record sampled tokens; their deltas go out with the next step's outputs."""
+        now = time.monotonic()
+        for request, token, logprob in items:
+            if request.is_finished:
+                continue
+            request.output_token_ids.append(token)
+            if logprob is not None:
+                request.output_logprobs.append(logprob)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._num_generated += 1
+            detok = self._detok[request.request_id]
+            text = detok.push(token)
+            status = self._check_stop(request, token, detok)
+            if status is not None:
+                text += detok.flush() if detok.stopped_by is None else ""
+                self._finish(request, status)
+            self._pending.append(
+                self._output(request, (token,), text, (logprob,) if logprob else ()))
+
+    def _check_stop(self, request: Request, token: int, detok: Detokenizer) -> RequestStatus | None:
+        p = request.sampling_params
+        n = request.num_output_tokens
+        if n >= p.min_tokens:
+            if not p.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if detok.stopped_by is not None:
+                request.stop_reason = detok.stopped_by
+                return RequestStatus.FINISHED_STOPPED
+        if n >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        freed = self.scheduler.finish(request, status)
+        if not freed:
+            self._sending.add(request.request_id)
+        self._requests.pop(request.request_id, None)
+        self._detok.pop(request.request_id, None)
+
+    def _output(self, request: Request, tokens, text, logprobs) -> RequestOutput:
+        return RequestOutput(
+            request.request_id, tuple(tokens), text, tuple(logprobs), request.is_finished,
+            request.finish_reason, request.stop_reason, request.num_prompt_tokens,
+            request.num_output_tokens, max(0, request.num_cached_tokens),
+            request.num_external_tokens)
+
+    # -- introspection ------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.waiting), len(s.running), len(s.remote),
+                           self.kv.get_num_free_blocks(), self.kv.get_max_resource_count(),
+                           s.num_preemptions, self._num_prompt_computed, self._num_generated)
+
+    def assert_no_leaks(self) -> None:
+        """Every KV block is back in the pool (call when nothing is in flight)."""
+        self.kv.assert_all_free()

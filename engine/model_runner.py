@@ -1,0 +1,88 @@
+"""Turns a scheduled step into tensors, runs the model over the paged cache, returns logits."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.connector import KVConnectorWorker, LayerSaveContext
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.models.llama import CausalLM
+from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    sampling_chunks: list[ScheduledChunk]  # chunks whose last token's logits are below, in order
+    logits: torch.Tensor  # [len(sampling_chunks), vocab] fp32
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv: KVCacheManager, connector: KVConnectorWorker) -> None:
+        self.model = model
+        self.kv = kv
+        self.connector = connector
+        self.device = model.device
+        self.block_size = kv.block_size
+
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        # decodes first, then prefill chunks (AttentionMetadata's packing order)
+        chunks = sorted(step.chunks, key=lambda c: c.num_new_tokens > 1)
+        input_ids, positions, slots = [], [], []
+        logit_rows: list[int] = []
+        sampling: list[ScheduledChunk] = []
+        dec_tables, dec_lens, pre_tables, pre_lens, pre_starts = [], [], [], [], [0]
+        num_decodes = 0
+        for chunk in chunks:
+            req = chunk.request
+            block_ids = self.kv.blocks_of(req.request_id)
+            end = chunk.start + chunk.num_new_tokens
+            for pos in range(chunk.start, end):
+                input_ids.append(req.token_id_at(pos))
+                positions.append(pos)
+                slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
+            if chunk.num_new_tokens == 1:
+                num_decodes += 1
+                dec_tables.append(block_ids)
+                dec_lens.append(end)
+            else:
+                pre_tables.append(block_ids)
+                pre_lens.append(end)
+                pre_starts.append(pre_starts[-1] + chunk.num_new_tokens)
+            if chunk.samples_token:
+                logit_rows.append(len(input_ids) - 1)
+                sampling.append(chunk)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=self._table(dec_tables),
+            decode_context_lens=self._tensor(dec_lens, torch.int32),
+            prefill_block_tables=self._table(pre_tables),
+            prefill_query_start_loc=self._tensor(pre_starts, torch.int32),
+            prefill_context_lens=self._tensor(pre_lens, torch.int32),
+            window=self.kv.config.attention_window,
+        )
+        save_ctx = LayerSaveContext(
+            {c.request.request_id: tuple(self.kv.blocks_of(c.request.request_id)) for c in chunks},
+            {c.request.request_id: c.start + c.num_new_tokens for c in chunks})
+        self.connector.start_load_kv(step.connector_meta)
+        hidden = self.model.forward(self._tensor(input_ids, torch.int64),
+                                    self._tensor(positions, torch.int64), meta,
+                                    self.kv.kv_caches, self.connector, save_ctx)
+        self.connector.wait_for_save()
+        if logit_rows:
+            logits = self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)])
+        else:
+            logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return StepResult(sampling, logits)
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _table(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max((len(t) for t in tables), default=0)
+        out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        return out.to(self.device)

@@ -1,0 +1,131 @@
+"""Forward pass of the Llama family (Llama 2/3, Mistral, SmolLM) and Qwen2 / Qwen3 over the
+paged KV cache. Our own code: transformers only supplies the weights (by its names).
+
+Differences between the families are flags on ModelConfig: `attention_bias` (Qwen2: q/k/v
+carry a bias), `qk_norm` (Qwen3: RMSNorm over each head of q and k before RoPE),
+`tie_word_embeddings` (lm_head = embed_tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve import kernels
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.connector import KVConnectorWorker, LayerSaveContext
+from pdserve.engine.errors import ModelLoadError
+from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # same order of operations as transformers: normalise in fp32, scale in the input dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]: q, k, v projections stacked
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor  # [hidden, Hq * D]
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate then up
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class CausalLM:
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = state.get(name)
+            if t is None:
+                if required:
+                    raise ModelLoadError(f"weight {name} missing from the checkpoint")
+                return None
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        lm_head = None if config.tie_word_embeddings else take("lm_head.weight", required=False)
+        self.lm_head = lm_head if lm_head is not None else self.embed
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+            self.layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]),
+                qkv_bias=bias,
+                q_norm=take(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=take(a + "k_norm.weight") if config.qk_norm else None,
+                o_proj=take(a + "o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                down=take(p + "mlp.down_proj.weight"),
+            ))
+        self.rope = RotaryEmbedding(config, device)
+        self.scale = config.head_dim ** -0.5
+        c = config
+        self._q_size = c.num_heads * c.head_dim
+        self._kv_size = c.num_kv_heads * c.head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor], connector: KVConnectorWorker,
+                save_context: LayerSaveContext) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns the final hidden states [T, hidden]."""
+        c = self.config
+        T = input_ids.shape[0]
+        h = self.embed[input_ids]
+        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        for i, w in enumerate(self.layers):
+            connector.wait_for_layer_load(i)
+            x = rms_norm(h, w.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+            q = q.reshape(T, c.num_heads, c.head_dim)
+            k = k.reshape(T, c.num_kv_heads, c.head_dim)
+            v = v.reshape(T, c.num_kv_heads, c.head_dim)
+            if w.q_norm is not None:
+                q = rms_norm(q, w.q_norm, c.rms_norm_eps)
+                k = rms_norm(k, w.k_norm, c.rms_norm_eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            kernels.store_kv(k.contiguous(), v.contiguous(), kv_caches[i], meta.slot_mapping)
+            attn = self._attention(q.contiguous(), kv_caches[i], meta)
+            h = h + F.linear(attn.reshape(T, self._q_size), w.o_proj)
+            x = rms_norm(h, w.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w.down)
+            connector.save_kv_layer(i, kv_caches[i], save_context)
+        return rms_norm(h, self.norm, c.rms_norm_eps)
+
+    def _attention(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        nd = meta.num_decode_tokens
+        parts = []
+        if nd:
+            parts.append(kernels.paged_decode_attention(
+                q[:nd], cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                window=meta.window))
+        if q.shape[0] > nd:
+            parts.append(kernels.paged_prefill_attention(
+                q[nd:], cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                meta.prefill_context_lens, self.scale, window=meta.window))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

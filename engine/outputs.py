@@ -1,0 +1,44 @@
+"""What the engine hands back: per-step deltas and, offline, whole completions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.request import TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One request's progress in one engine step (a delta), or its end."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    new_logprobs: tuple[TokenLogprob, ...]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None  # the stop string or stop token id that ended it
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens found in the local prefix cache
+    num_external_tokens: int  # prompt tokens loaded or received through a connector
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A finished request, as the offline API returns it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_cached_tokens: int
+    num_external_tokens: int
+
+    @property
+    def num_computed_prompt_tokens(self) -> int:
+        """Prompt tokens this engine actually ran through the model."""
+        return len(self.prompt_token_ids) - self.num_cached_tokens - self.num_external_tokens

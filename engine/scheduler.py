@@ -1,0 +1,259 @@
+"""Continuous batching: each step picks which requests compute how many tokens.
+
+One step's token budget (`max_num_tokens`) goes first to running requests that decode (one
+token each), then to running prompts still being prefilled in chunks, then to waiting
+requests in arrival order. Capacity policies decide admission and what happens when the
+cache is full:
+
+* GUARANTEED_NO_EVICT: admit only if the free blocks cover every running request's blocks
+  to completion plus the new one's; nothing is ever preempted.
+* MAX_UTILIZATION: admit whatever fits now; when a running request cannot grow, preempt the
+  most recently admitted one (its blocks are freed, it is recomputed later).
+* STATIC_BATCH: admit a batch only when nothing runs; run it to its end.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.config import CapacityPolicy, ChunkingPolicy, SchedulerConfig
+from pdserve.engine.connector import ConnectorMetadata, ConnectorRequest, KVConnectorScheduler
+from pdserve.engine.errors import CapacityError
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`request` computes tokens [start, start + num_new_tokens) this step."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples_token(self) -> bool:
+        """True when this chunk reaches the end of the known tokens (logits are needed)."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    remote_ready: list[Request] = field(default_factory=list)  # now waiting for remote KV
+    connector_meta: ConnectorMetadata = field(default_factory=ConnectorMetadata)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+def connector_view(request: Request) -> ConnectorRequest:
+    return ConnectorRequest(request.request_id, tuple(request.prompt_token_ids),
+                            tuple(request.block_hashes), request.transfer_params)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 connector: KVConnectorScheduler, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.connector = connector
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, blocks held
+        self.num_preemptions = 0
+
+    # -- admission control --------------------------------------------------------------
+    def check_fits(self, request: Request) -> None:
+        """Raise CapacityError if the cache could never hold `request`, even alone."""
+        if self.config.capacity_policy == CapacityPolicy.MAX_UTILIZATION:
+            final = request.num_prompt_tokens + 1
+        else:
+            final = min(request.num_prompt_tokens + request.sampling_params.max_tokens,
+                        self.max_model_len)
+        need = self.kv.num_blocks_for_tokens(final)
+        if need > self.kv.get_max_resource_count():
+            raise CapacityError(
+                f"request needs {need} KV blocks but the cache has "
+                f"{self.kv.get_max_resource_count()}: lower max_tokens or enlarge the cache")
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.remote)
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_tokens
+        had_running = bool(self.running) or bool(self.remote)
+        budget = self._schedule_running(out, budget)
+        if not (self.config.capacity_policy == CapacityPolicy.STATIC_BATCH and had_running):
+            self._schedule_waiting(out, budget)
+        for chunk in out.chunks:
+            if chunk.request.first_scheduled_time is None:
+                import time
+                chunk.request.first_scheduled_time = time.monotonic()
+        out.connector_meta = self.connector.build_connector_meta()
+        return out
+
+    def _chunk_cap(self, num_prefilling: int, budget: int) -> int:
+        if not self.config.enable_chunked_prefill:
+            return 1 << 30
+        if self.config.chunking_policy == ChunkingPolicy.EQUAL_PROGRESS and num_prefilling > 1:
+            return max(self.kv.block_size, budget // num_prefilling)
+        return budget
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            remaining = request.num_tokens - request.num_computed_tokens
+            n = min(remaining, budget, self._chunk_cap(len(prefills) + len(self.waiting), budget)) \
+                if remaining > 1 else 1
+            if n > budget or n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
+                continue
+            if not self._grow(request, n, out):
+                continue
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+            budget -= n
+        return budget
+
+    def _grow(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for `n` more tokens of a running request, preempting if the policy allows."""
+        while not self.kv.prepare_resources(request, n):
+            if self.config.capacity_policy != CapacityPolicy.MAX_UTILIZATION:
+                return False  # admission guaranteed room; only a racing free can get here
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        out.chunks[:] = [c for c in out.chunks if c.request is not request]
+        self.kv.free_resources(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_ids.append(request.request_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        prefilling = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        while self.waiting and budget > 0:
+            if len(self.running) + len(self.remote) >= self.config.max_batch_size:
+                return
+            request = self.waiting[0]
+            if not self._admit(request, out, budget, prefilling + len(self.waiting)):
+                return
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.remote[request.request_id] = request
+                out.remote_ready.append(request)
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= out.chunks[-1].num_new_tokens
+
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int,
+               num_prefilling: int) -> bool:
+        hit = self.kv.find_prefix_hit(request)
+        hit_tokens = hit.num_blocks * self.kv.block_size
+        creq = connector_view(request)
+        num_external, _is_async = self.connector.get_num_new_matched_tokens(creq, hit_tokens)
+        wants_remote = request.remote_prefill and request.num_output_tokens == 0
+        if self.config.capacity_policy != CapacityPolicy.MAX_UTILIZATION:
+            final = min(request.num_tokens + request.sampling_params.max_tokens
+                        - request.num_output_tokens, self.max_model_len)
+            needed = self.kv.num_blocks_for_tokens(final) - hit.num_blocks
+            free = self.kv.get_num_free_blocks() - sum(1 for b in hit.blocks if b.ref_cnt == 0)
+            reserved = sum(self.kv.get_needed_resource_to_completion(r, self.max_model_len)
+                           for r in (*self.running, *self.remote.values()))
+            if free - reserved < needed:
+                return False
+        computed = hit_tokens + num_external
+        remaining = request.num_tokens - computed
+        if wants_remote:
+            n = request.num_prompt_tokens - hit_tokens  # the whole uncached prompt arrives
+        else:
+            cap = self._chunk_cap(num_prefilling, budget)
+            n = min(remaining, budget, cap)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                if out.chunks:
+                    return False
+                n = remaining  # alone in the step: run the whole prompt over budget
+        self.kv.take_prefix_hit(request, hit)
+        request.num_computed_tokens = hit_tokens
+        if not self.kv.prepare_resources(request, (n if wants_remote else num_external + n)):
+            self.kv.free_resources(request.request_id)
+            request.num_computed_tokens = 0
+            return False
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = hit_tokens
+        if num_external:
+            self.connector.update_state_after_alloc(
+                creq, self.kv.blocks_of(request.request_id), num_external)
+            request.num_external_tokens = num_external
+        if wants_remote:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            return True
+        request.num_computed_tokens = computed
+        out.chunks.append(ScheduledChunk(request, computed, n))
+        return True
+
+    # -- remote prefill (decode side of a disaggregated request) ------------------------
+    def finish_remote(self, request_id: str) -> Request | None:
+        """The remote prefill filled this request's blocks: it decodes from now on."""
+        request = self.remote.pop(request_id, None)
+        if request is not None:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return request
+
+    def recompute_remote(self, request_id: str) -> Request | None:
+        """The remote prefill failed: compute the prompt here, in the blocks already held."""
+        request = self.remote.pop(request_id, None)
+        if request is not None:
+            request.remote_prefill = False
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return request
+
+    # -- endings ------------------------------------------------------------------------
+    def find(self, request_id: str) -> Request | None:
+        for r in self.running:
+            if r.request_id == request_id:
+                return r
+        if request_id in self.remote:
+            return self.remote[request_id]
+        for r in self.waiting:
+            if r.request_id == request_id:
+                return r
+        return None
+
+    def finish(self, request: Request, status: RequestStatus) -> bool:
+        """End `request`. Returns True if its blocks were freed now (False: the connector
+        still sends from them; free them when it reports the send done)."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request.request_id in self.remote:
+            del self.remote[request.request_id]
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        keep = self.connector.request_finished(
+            connector_view(request), self.kv.blocks_of(request.request_id))
+        if not keep:
+            self.kv.free_resources(request.request_id)
+        return not keep

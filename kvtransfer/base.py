@@ -1,0 +1,109 @@
+"""The two kinds of backend behind the connector.
+
+* `KVTransport`: point-to-point. The sender pushes one encoded message (wire.py) straight into
+  a receiver, whose `BlockSink` checks it and scatters it into pre-allocated cache blocks.
+  Backends: ucx, nccl.
+* `BlockStore`: content-addressed. Blocks are put under their block hash and fetched by it by
+  anyone with the same compatibility hash. Backends: redis, disk. A failing store counts as a
+  miss, never as an error that fails a request.
+
+Both are chosen by name (`registry.py`) and import their heavy dependency only when chosen.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from pdserve.kvtransfer.wire import BlockHeader, WireLimits
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMessage:
+    """One encoded message: header (64 B) + index (16 B per block) + payload (raw bytes).
+
+    `payload` is a contiguous buffer (bytes, memoryview, or a CPU/CUDA tensor viewed as
+    uint8) laid out `[N, L, 2, BS, H, D]`, as `kernels.gather_blocks` produces it.
+    """
+
+    transfer_id: bytes
+    header: bytes
+    index: bytes
+    payload: object
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + len(self.index) + self.payload_nbytes
+
+    @property
+    def payload_nbytes(self) -> int:
+        p = self.payload
+        return p.numel() * p.element_size() if hasattr(p, "element_size") else len(p)
+
+
+class BlockSink(Protocol):
+    """The receiving side of a transport: owned by the connector, backed by the cache.
+
+    Contract for transports: call `limits` / `check` on the header before receiving the
+    payload; receive into `staging(header)` (a buffer of exactly payload_len bytes), then call
+    `commit`. Any exception from these means: refuse the message, tell the sender, move on.
+    """
+
+    @property
+    def limits(self) -> WireLimits: ...
+
+    def check(self, header: BlockHeader, index: bytes) -> None:
+        """Raise WireError/TransferError unless this transfer id is expected (not a duplicate,
+        not aborted, not past its deadline) and the index names its reserved blocks."""
+
+    def staging(self, header: BlockHeader) -> object:
+        """A writable contiguous buffer of header.payload_len bytes to receive into."""
+
+    def commit(self, header: BlockHeader, index: bytes, payload: object) -> None:
+        """Verify the checksum and scatter into the destination blocks. Idempotence is the
+        sink's job: a second commit of the same transfer id is refused."""
+
+
+class KVTransport(abc.ABC):
+    """Point-to-point transport. Thread-safe; every blocking call takes a deadline."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def open_receiver(self, sink: BlockSink) -> str:
+        """Start accepting messages into `sink`; return the endpoint string peers send to
+        (e.g. "127.0.0.1:50100"). Binds 127.0.0.1 unless the backend was configured otherwise."""
+
+    @abc.abstractmethod
+    def send(self, endpoint: str, message: BlockMessage, deadline: float) -> None:
+        """Deliver `message` to the receiver at `endpoint` and wait for its verdict.
+        `deadline` is a `time.monotonic()` instant. Raises TransferError (refused by the
+        receiver, peer unreachable) or TimeoutError (deadline passed)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop listening, drop connections. Idempotent."""
+
+
+class BlockStore(abc.ABC):
+    """Content-addressed block store keyed by (compatibility hash, block hash)."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def put(self, block_hashes: Sequence[int], message: BlockMessage) -> int:
+        """Store each block of `message` under its hash. Returns how many were stored.
+        Never raises for backend trouble (logs, returns 0)."""
+
+    @abc.abstractmethod
+    def get(self, block_hashes: Sequence[int], limits: WireLimits) -> list[bytes | None]:
+        """Payload of each block (one block across all layers), or None for a miss. A
+        corrupt or incompatible record is a miss (and is deleted)."""
+
+    @abc.abstractmethod
+    def count_prefix_hits(self, block_hashes: Sequence[int]) -> int:
+        """Length of the longest prefix of `block_hashes` present in the store."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Idempotent."""

@@ -1,0 +1,185 @@
+"""The KV wire format: a fixed binary header, an index section, then raw tensor bytes.
+
+    offset  size  field
+    0       4     magic b"PDKV"
+    4       2     format version (1)
+    6       1     dtype code (DTYPE_CODES)
+    7       1     flags (reserved, 0)
+    8       8     compatibility hash, int64 (KVCacheLayout.compatibility_hash)
+    16      16    transfer id (16 raw bytes, a uuid)
+    32      4     num_blocks N
+    36      2     num_layers L
+    38      2     block_size BS
+    40      2     num_kv_heads H
+    42      2     head_dim D
+    44      8     payload length in bytes = N * L * 2 * BS * H * D * itemsize
+    52      8     checksum: xxh64 of index section + payload
+    60      4     crc32 of bytes [0, 60)
+    -- 64 bytes; then the index section, N entries of 16 bytes:
+    +0      4     destination block id (uint32; 0xFFFFFFFF = none, content-addressed stores)
+    +4      4     reserved, 0
+    +8      8     block hash (int64; 0 = none)
+    -- then the payload: N blocks, block-major [N, L, 2, BS, H, D] (kernels.gather_blocks).
+
+All integers little-endian. Nothing here is pickled. Every field a peer sends is checked
+against `WireLimits` (what the receiver expects) BEFORE anything is allocated or indexed.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import xxhash
+
+from pdserve.engine.errors import TransferError
+
+MAGIC = b"PDKV"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sHBBq16sIHHHHQQI")
+HEADER_SIZE = HEADER.size  # 64
+INDEX_ENTRY = struct.Struct("<IIq")
+INDEX_ENTRY_SIZE = INDEX_ENTRY.size  # 16
+NO_BLOCK = 0xFFFFFFFF
+
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+assert HEADER_SIZE == 64 and INDEX_ENTRY_SIZE == 16
+
+
+class WireError(TransferError):
+    """A message was refused: malformed, corrupt, incompatible or over a limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    transfer_id: bytes
+    compat_hash: int
+    dtype: str
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    payload_len: int
+    checksum: int
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all layers."""
+        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+                * ITEMSIZE[self.dtype])
+
+    @property
+    def index_len(self) -> int:
+        return self.num_blocks * INDEX_ENTRY_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class WireLimits:
+    """What a receiver accepts. A header that disagrees with any field is refused."""
+
+    compat_hash: int
+    dtype: str
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    max_blocks: int  # most blocks in one message (and the receiver's pool size)
+
+
+def payload_nbytes(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
+                   head_dim: int, dtype: str) -> int:
+    return num_blocks * num_layers * 2 * block_size * num_kv_heads * head_dim * ITEMSIZE[dtype]
+
+
+def checksum(index: bytes | memoryview, payload: bytes | memoryview) -> int:
+    h = xxhash.xxh64()
+    h.update(index)
+    h.update(payload)
+    return h.intdigest()
+
+
+def encode_index(dst_block_ids, block_hashes) -> bytes:
+    if len(dst_block_ids) != len(block_hashes):
+        raise ValueError("dst_block_ids and block_hashes differ in length")
+    return b"".join(INDEX_ENTRY.pack(int(b), 0, int(h)) for b, h in zip(dst_block_ids, block_hashes))
+
+
+def encode_header(*, transfer_id: bytes, compat_hash: int, dtype: str, num_blocks: int,
+                  num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                  index: bytes, payload: bytes | memoryview) -> bytes:
+    """The 64-byte header for `index` + `payload` (already laid out as documented above)."""
+    if len(transfer_id) != 16:
+        raise ValueError("transfer_id must be 16 bytes")
+    expected = payload_nbytes(num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype)
+    if len(payload) != expected or len(index) != num_blocks * INDEX_ENTRY_SIZE:
+        raise ValueError(f"payload {len(payload)} B / index {len(index)} B do not match the shape")
+    body = HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], 0, compat_hash, transfer_id,
+                       num_blocks, num_layers, block_size, num_kv_heads, head_dim,
+                       len(payload), checksum(index, payload), 0)
+    return body[:60] + struct.pack("<I", zlib.crc32(body[:60]))
+
+
+def parse_header(data: bytes | memoryview, limits: WireLimits) -> BlockHeader:
+    """Parse and check a header. Raises WireError; never allocates based on peer values."""
+    if len(data) < HEADER_SIZE:
+        raise WireError(f"truncated header: {len(data)} of {HEADER_SIZE} bytes")
+    raw = bytes(data[:HEADER_SIZE])
+    (magic, version, dtype_code, flags, compat, transfer_id, num_blocks, num_layers, block_size,
+     num_kv_heads, head_dim, payload_len, csum, crc) = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise WireError("bad magic: not a pdserve KV message")
+    if zlib.crc32(raw[:60]) != crc:
+        raise WireError("header checksum mismatch")
+    if version != FORMAT_VERSION:
+        raise WireError(f"unsupported wire format version {version} (this side speaks {FORMAT_VERSION})")
+    if flags != 0:
+        raise WireError(f"unknown flags {flags:#x}")
+    dtype = DTYPE_NAMES.get(dtype_code)
+    if dtype is None:
+        raise WireError(f"unknown dtype code {dtype_code}")
+    if compat != limits.compat_hash:
+        raise WireError(f"compatibility hash mismatch: peer {compat:#x}, ours {limits.compat_hash:#x}")
+    got = (dtype, num_layers, block_size, num_kv_heads, head_dim)
+    want = (limits.dtype, limits.num_layers, limits.block_size, limits.num_kv_heads, limits.head_dim)
+    if got != want:
+        raise WireError(f"layout mismatch: peer {got}, ours {want}")
+    if not 0 < num_blocks <= limits.max_blocks:
+        raise WireError(f"num_blocks {num_blocks} outside 1..{limits.max_blocks}")
+    expected = payload_nbytes(num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype)
+    if payload_len != expected:
+        raise WireError(f"payload length {payload_len} != {expected} implied by the shape")
+    return BlockHeader(transfer_id, compat, dtype, num_blocks, num_layers, block_size,
+                       num_kv_heads, head_dim, payload_len, csum)
+
+
+def parse_index(header: BlockHeader, index: bytes | memoryview,
+                num_pool_blocks: int | None) -> tuple[list[int], list[int]]:
+    """(destination block ids, block hashes). With `num_pool_blocks`, every id must be a
+    valid, distinct block of that pool; without it (stores) ids must be NO_BLOCK or valid."""
+    if len(index) != header.index_len:
+        raise WireError(f"index section is {len(index)} bytes, expected {header.index_len}")
+    block_ids: list[int] = []
+    hashes: list[int] = []
+    for off in range(0, header.index_len, INDEX_ENTRY_SIZE):
+        block_id, reserved, block_hash = INDEX_ENTRY.unpack_from(index, off)
+        if reserved != 0:
+            raise WireError("reserved index bytes are not zero")
+        if num_pool_blocks is not None and block_id >= num_pool_blocks:
+            raise WireError(f"destination block {block_id} outside the pool of {num_pool_blocks}")
+        block_ids.append(block_id)
+        hashes.append(block_hash)
+    if num_pool_blocks is not None and len(set(block_ids)) != len(block_ids):
+        raise WireError("duplicate destination block ids")
+    return block_ids, hashes
+
+
+def verify_payload(header: BlockHeader, index: bytes | memoryview,
+                   payload: bytes | memoryview) -> None:
+    if len(payload) != header.payload_len:
+        raise WireError(f"truncated payload: {len(payload)} of {header.payload_len} bytes")
+    if checksum(index, payload) != header.checksum:
+        raise WireError("payload checksum mismatch")
