@@ -1,0 +1,43 @@
+"""Prometheus metrics of a worker process (its own registry, no global state)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_worker_requests", "requests by outcome", ["outcome"], registry=r)
+        self.prefill_decisions = Counter("pdserve_prefill_decisions", "where prompts were prefilled",
+                                         ["outcome", "reason"], registry=r)
+        self.ttft_phase = Histogram("pdserve_ttft_phase_seconds", "time to first token by phase",
+                                    ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_bytes = Counter("pdserve_transfer_bytes", "KV bytes moved", ["backend"], registry=r)
+        self.transfer_seconds = Histogram("pdserve_transfer_seconds", "KV transfer latency", ["backend"],
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_failures = Counter("pdserve_transfer_failures", "failed transfer steps",
+                                         ["backend"], registry=r)
+        self.kv_blocks_free = Gauge("pdserve_kv_blocks_free", "free KV blocks", registry=r)
+        self.kv_blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.prompt_tokens_computed = Gauge("pdserve_prompt_tokens_computed",
+                                            "prompt tokens run through the model", registry=r)
+        self.role = role
+
+    def observe_engine(self, stats) -> None:
+        self.kv_blocks_free.set(stats.num_free_blocks)
+        self.kv_blocks_total.set(stats.num_total_blocks)
+        self.prompt_tokens_computed.set(stats.num_prompt_tokens_computed)
+
+    def observe_verdict(self, verdict) -> None:
+        for step in verdict.fallbacks:
+            self.transfer_failures.labels(backend=step.backend).inc()
+        if verdict.backend:
+            self.transfer_bytes.labels(backend=verdict.backend).inc(verdict.num_bytes)
+            self.transfer_seconds.labels(backend=verdict.backend).observe(verdict.duration_ms / 1000)
+
+    def serve(self, host: str, port: int) -> None:
+        if port:
+            start_http_server(port, addr=host, registry=self.registry)

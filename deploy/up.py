@@ -1,0 +1,170 @@
+"""`pdserve up`: router + prefill + decode services on this machine, one command.
+
+Each role runs as its own process (`python -m pdserve.deploy.cli <role> ...`), exactly as in
+a cluster. Workers pick free ports and register with the router. `up` waits until every
+service is ready (or fails fast if one dies), prints the URL and a curl line, and on Ctrl-C
+(or SIGTERM) stops every process: SIGTERM, then SIGKILL after a grace period.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.deploy.cli import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT
+
+GRACE_S = 10.0
+# flags passed through to every worker when given
+WORKER_FLAGS = ("model", "served_model_name", "dtype", "device", "num_threads", "block_size",
+                "max_kv_tokens", "free_memory_fraction", "max_num_tokens", "max_batch_size",
+                "max_model_len", "capacity_policy", "chunking_policy", "kv_backends",
+                "redis_url", "disk_store", "disk_store_max_gb", "transfer_timeout_s",
+                "failure_policy", "log_level", "heartbeat_s")
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    lines: list[str] = field(default_factory=list)
+
+
+def _flags(settings: dict[str, Any], names) -> list[str]:
+    out = []
+    for name in names:
+        value = settings.get(name)
+        if value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
+def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
+    host = settings.get("host") or "127.0.0.1"
+    http_port = int(settings.get("http_port") or ROUTER_HTTP_PORT)
+    grpc_port = int(settings.get("router_grpc_port") or ROUTER_GRPC_PORT)
+    local = bool(settings.get("local_prefill"))
+    num_prefill = 0 if local else int(settings.get("num_prefill") or 1)
+    num_decode = int(settings.get("num_decode") or 1)
+    py = [sys.executable, "-m", "pdserve.deploy.cli"]
+    router = [*py, "router", "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+    if settings.get("log_level"):
+        router += ["--log-level", str(settings["log_level"])]
+    children = [Child("router", router)]
+    worker_common = ["--host", host, "--router", f"{host}:{grpc_port}", "--grpc-port", "0",
+                     *_flags(settings, WORKER_FLAGS)]
+    if local:
+        worker_common += ["--kv-backends", ""]
+    for i in range(num_prefill):
+        children.append(Child(f"prefill-{i}", [*py, "prefill", *worker_common,
+                                               "--worker-id", f"prefill-{i}", "--transfer-port", "0"]))
+    for i in range(num_decode):
+        children.append(Child(f"decode-{i}", [*py, "decode", *worker_common,
+                                              "--worker-id", f"decode-{i}", "--transfer-port", "0"]))
+    return children, http_port
+
+
+def _pump(child: Child) -> None:
+    assert child.proc is not None and child.proc.stdout is not None
+    for line in child.proc.stdout:
+        line = line.rstrip("\n")
+        child.lines.append(line)
+        del child.lines[:-200]
+        if "ready on" in line or "Uvicorn running" in line or "router ready" in line:
+            child.ready.set()
+        print(f"[{child.name}] {line}", flush=True)
+
+
+def _router_ready(http_port: int, host: str, num_workers: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{http_port}/health", timeout=2) as resp:
+            body = json.loads(resp.read() or b"{}")
+    except Exception:
+        return False
+    workers = body.get("workers")
+    if isinstance(workers, list):
+        return len(workers) >= num_workers
+    if isinstance(workers, dict):
+        return sum(int(v) for v in workers.values() if isinstance(v, (int, float))) >= num_workers
+    return body.get("status") in ("ok", "healthy")
+
+
+def start(settings: dict[str, Any]) -> tuple[list[Child], int]:
+    children, http_port = plan(settings)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for child in children:
+        child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env, start_new_session=True)
+        threading.Thread(target=_pump, args=(child,), daemon=True).start()
+    return children, http_port
+
+
+def wait_ready(children: list[Child], http_port: int, host: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    workers = [c for c in children if c.name != "router"]
+    while time.monotonic() < deadline:
+        for child in children:
+            if child.proc.poll() is not None:
+                tail = "\n".join(child.lines[-20:])
+                raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{tail}")
+        if all(c.ready.is_set() for c in workers) and _router_ready(http_port, host, len(workers)):
+            return
+        time.sleep(0.5)
+    missing = [c.name for c in children if not c.ready.is_set()]
+    raise TimeoutError(f"services not ready after {timeout_s:.0f} s: {missing or 'router registry'}")
+
+
+def stop(children: list[Child], grace_s: float = GRACE_S) -> None:
+    for child in children:
+        if child.proc and child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        if child.proc is None:
+            continue
+        try:
+            child.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait(5)
+
+
+def main(settings: dict[str, Any]) -> int:
+    host = settings.get("host") or "127.0.0.1"
+    children, http_port = start(settings)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    try:
+        wait_ready(children, http_port, host, float(settings.get("ready_timeout_s") or 300))
+        url = f"http://{host}:{http_port}"
+        print(f"\npdserve is up: {url}/v1  (OpenAI API)\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": "
+              "[{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'\n"
+              "Ctrl-C stops every service.", flush=True)
+        while not stopping.is_set():
+            for child in children:
+                if child.proc.poll() is not None:
+                    print(f"pdserve up: {child.name} exited with {child.proc.returncode}; stopping",
+                          flush=True)
+                    return 1
+            stopping.wait(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stop(children)
+        print("pdserve up: stopped", flush=True)

@@ -1,0 +1,340 @@
+"""What the prefill and decode services share: typed settings, the gRPC server with health
+checking and reflection, conversions between proto and engine types, error mapping, and
+registration with the router (register, heartbeat, re-register on NOT_FOUND, deregister)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.engine.errors import (CapacityError, InvalidRequestError, ModelLoadError,
+                                   PdserveError, RequestAbortedError, TransferError)
+from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger("pdserve.worker")
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    role: str
+    model: str = "default"
+    served_model_name: str = ""
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int = 0
+    block_size: int = 16
+    max_kv_tokens: int = 0
+    free_memory_fraction: float = 0.9
+    max_num_tokens: int = 2048
+    max_batch_size: int = 64
+    max_model_len: int = 0
+    capacity_policy: str = "GUARANTEED_NO_EVICT"
+    chunking_policy: str = "FIRST_COME_FIRST_SERVED"
+    host: str = "127.0.0.1"
+    grpc_port: int = 0
+    advertise_host: str = ""
+    router: str = ""
+    worker_id: str = ""
+    heartbeat_s: float = 2.0
+    kv_backends: str = "ucx,nccl,redis,disk"
+    transfer_port: int = 0
+    redis_url: str = ""
+    disk_store: str = ""
+    disk_store_max_gb: float = 10.0
+    transfer_timeout_s: float = 10.0
+    failure_policy: str = "recompute"
+    max_queue: int = 64
+    local_prefill_threshold: int = 32
+    prefill_queue_threshold: int = 8
+    metrics_port: int = 0
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_settings(cls, role: str, settings: Mapping[str, Any]) -> "WorkerSettings":
+        """Typed from the CLI's merged dict (values from env/YAML may be strings)."""
+        values: dict[str, Any] = {"role": role}
+        for f in fields(cls):
+            if f.name == "role" or settings.get(f.name) is None:
+                continue
+            raw = settings[f.name]
+            try:
+                values[f.name] = _coerce(raw, type(getattr(cls, f.name)) if hasattr(cls, f.name) else str, f.default)
+            except (TypeError, ValueError):
+                raise SettingsError(f"--{f.name.replace('_', '-')}: cannot use {raw!r}") from None
+        out = cls(**values)
+        if out.failure_policy not in ("recompute", "fail"):
+            raise SettingsError("--failure-policy must be recompute or fail")
+        return out
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return tuple(b.strip() for b in self.kv_backends.split(",") if b.strip())
+
+    def engine_config(self):
+        from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device,
+            num_threads=self.num_threads or None,
+            cache=CacheConfig(block_size=self.block_size, max_tokens=self.max_kv_tokens or None,
+                              free_memory_fraction=self.free_memory_fraction, dtype=self.dtype),
+            scheduler=SchedulerConfig(
+                capacity_policy=self.capacity_policy, chunking_policy=self.chunking_policy,
+                max_num_tokens=self.max_num_tokens, max_batch_size=self.max_batch_size,
+                max_model_len=self.max_model_len or None))
+
+
+def _coerce(raw: Any, kind: type, default: Any) -> Any:
+    if isinstance(default, bool):
+        return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    return str(raw)
+
+
+# -- conversions ---------------------------------------------------------------------------
+def sampling_from_proto(p: common_pb2.SamplingParams):
+    from pdserve.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=int(p.max_tokens) if p.HasField("max_tokens") else 16,
+        min_tokens=int(p.min_tokens),
+        temperature=float(p.temperature) if p.HasField("temperature") else 1.0,
+        top_p=float(p.top_p) if p.HasField("top_p") else 1.0,
+        top_k=int(p.top_k) if p.HasField("top_k") else 0,
+        seed=int(p.seed) if p.HasField("seed") else None,
+        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        logprobs=(int(p.top_logprobs) if p.logprobs else None))
+
+
+def logprob_to_proto(lp, tokenizer=None) -> common_pb2.TokenLogprob:
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, token=text(lp.token_id),
+        top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v, token=text(t)) for t, v in lp.top])
+
+
+def logprob_from_proto(p: common_pb2.TokenLogprob):
+    from pdserve.engine.request import TokenLogprob
+
+    return TokenLogprob(p.token_id, p.logprob, tuple((t.token_id, t.logprob) for t in p.top_logprobs))
+
+
+def model_info(engine, served_name: str, include_tokenizer: bool) -> common_pb2.ModelInfoResponse:
+    tok = engine.tokenizer
+    resp = common_pb2.ModelInfoResponse(
+        model_name=served_name, max_model_len=engine.max_model_len, block_size=engine.kv.block_size,
+        block_hash_salt=engine.compat_hash, eos_token_ids=list(engine.model_config.eos_token_ids),
+        vocab_size=engine.model_config.vocab_size)
+    if tok is not None:
+        resp.chat_template = getattr(tok, "chat_template", None) or ""
+        resp.bos_token = tok.bos_token or ""
+        resp.eos_token = tok.eos_token or ""
+        for key, value in (tok.special_tokens_map or {}).items():
+            if isinstance(value, str):
+                resp.special_tokens[key] = value
+        resp.additional_special_tokens.extend(
+            [t for t in (getattr(tok, "additional_special_tokens", None) or []) if isinstance(t, str)])
+        if include_tokenizer:
+            resp.tokenizer_json = tok.backend_tokenizer.to_str().encode()
+    return resp
+
+
+def load_to_proto(engine_loop, num_queued_extra: int = 0, max_hashes: int = 4096) -> common_pb2.WorkerLoad:
+    s = engine_loop.last_stats
+    hashes = engine_loop.engine.kv.pool.cached_hashes()[-max_hashes:]
+    return common_pb2.WorkerLoad(
+        num_queued=s.num_waiting + num_queued_extra, num_running=s.num_running + s.num_waiting_remote,
+        num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+        cached_block_hashes=list(reversed(hashes)))
+
+
+# -- errors --------------------------------------------------------------------------------
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """The one mapping from our typed errors to gRPC status codes."""
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, RequestAbortedError):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(exc, (TransferError, ModelLoadError)):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, PdserveError):
+        return grpc.StatusCode.INTERNAL
+    return grpc.StatusCode.INTERNAL
+
+
+# -- the server ----------------------------------------------------------------------------
+async def start_server(settings: WorkerSettings, add_servicers, service_names: list[str]):
+    """A grpc.aio server with our servicers + health + reflection. Returns (server, port, health)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+    add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.grpc_port}")
+    await server.start()
+    for name in service_names + [""]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+class Registrar:
+    """Keeps this worker registered with the router while the service runs."""
+
+    def __init__(self, settings: WorkerSettings, info: registry_pb2.WorkerInfo, load_fn) -> None:
+        self.settings = settings
+        self.info = info
+        self.load_fn = load_fn
+        self._task: asyncio.Task | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self.registered = asyncio.Event()
+
+    def start(self) -> None:
+        if self.settings.router:
+            self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self.settings.router)
+        stub = registry_pb2_grpc.RegistryStub(self._channel)
+        interval = self.settings.heartbeat_s
+        while True:
+            try:
+                if not self.registered.is_set():
+                    resp = await stub.Register(registry_pb2.RegisterRequest(
+                        worker=self.info, load=self.load_fn()), timeout=10)
+                    interval = max(0.2, resp.heartbeat_interval_ms / 1000 or self.settings.heartbeat_s)
+                    self.registered.set()
+                    log.info("registered with router %s as %s", self.settings.router, self.info.worker_id)
+                else:
+                    resp = await stub.Heartbeat(registry_pb2.HeartbeatRequest(
+                        worker_id=self.info.worker_id, load=self.load_fn()), timeout=5)
+                    interval = max(0.2, resp.heartbeat_interval_ms / 1000 or interval)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("router does not know us: registering again")
+                    self.registered.clear()
+                    continue
+                log.warning("router %s: %s %s", self.settings.router, exc.code().name, exc.details())
+                self.registered.clear()
+            await asyncio.sleep(interval)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._channel is not None and self.registered.is_set():
+            try:
+                stub = registry_pb2_grpc.RegistryStub(self._channel)
+                await stub.Deregister(registry_pb2.DeregisterRequest(
+                    worker_id=self.info.worker_id, reason="shutdown"), timeout=3)
+            except grpc.aio.AioRpcError:
+                pass
+        if self._channel is not None:
+            await self._channel.close()
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def wait_for_shutdown() -> None:
+    """Until SIGINT/SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
+
+
+@dataclass(slots=True)
+class WorkerRuntime:
+    """What a running worker holds; built by `run_worker`, used by the role's servicer."""
+
+    settings: WorkerSettings
+    engine: Any
+    loop: Any  # EngineLoop
+    metrics: Any  # WorkerMetrics
+    served_name: str
+    worker_id: str = ""
+    address: str = ""
+
+
+async def run_worker(role: str, settings: WorkerSettings, build) -> int:
+    """Load the engine, serve the role's gRPC API, register with the router, run until
+    SIGINT/SIGTERM, then stop cleanly. `build(runtime, connector_holder)` returns
+    (add_servicers, service_names, on_close) and may swap in a connector before the engine
+    starts via `make_connector(settings) -> Connector`."""
+    from pdserve.deploy.metrics import WorkerMetrics
+    from pdserve.engine.engine_loop import EngineLoop
+    from pdserve.engine.llm_engine import LLMEngine
+
+    setup_logging(settings.log_level)
+    connector = build.make_connector(settings)
+    engine = await asyncio.to_thread(LLMEngine, settings.engine_config(), connector=connector)
+    served = settings.served_model_name or engine.model_name
+    loop = EngineLoop(engine)
+    loop.start(asyncio.get_running_loop())
+    metrics = WorkerMetrics(role)
+    runtime = WorkerRuntime(settings, engine, loop, metrics, served)
+    add_servicers, names, on_close = await build.make_service(runtime)
+    server, port, _ = await start_server(settings, add_servicers, names)
+    host = settings.advertise_host or settings.host
+    runtime.address = f"{host}:{port}"
+    runtime.worker_id = settings.worker_id or f"{role}-{host}:{port}"
+    metrics.serve(settings.host, settings.metrics_port)
+    info = registry_pb2.WorkerInfo(
+        worker_id=runtime.worker_id,
+        role=registry_pb2.WORKER_ROLE_PREFILL if role == "prefill" else registry_pb2.WORKER_ROLE_DECODE,
+        grpc_address=runtime.address, model_name=served, compatibility_hash=engine.compat_hash,
+        block_size=engine.kv.block_size, kv_backends=list(settings.backends),
+        capacity=registry_pb2.WorkerCapacity(
+            num_total_blocks=engine.kv.get_max_resource_count(),
+            max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
+            max_model_len=engine.max_model_len))
+
+    def load():
+        metrics.observe_engine(loop.last_stats)
+        return load_to_proto(loop)
+
+    registrar = Registrar(settings, info, load)
+    registrar.start()
+    # one line that launchers (pdserve up) and tests wait for
+    print(f"pdserve {role} ready on {runtime.address} worker_id={runtime.worker_id}", flush=True)
+    log.info("%s ready on %s (model %s)", role, runtime.address, served)
+    try:
+        await wait_for_shutdown()
+    finally:
+        log.info("%s shutting down", role)
+        await registrar.stop()
+        await server.stop(grace=2)
+        await on_close()
+        loop.stop()
+    return 0

@@ -1,0 +1,159 @@
+"""Runs one LLMEngine on its own thread and lets asyncio code use it.
+
+Every engine mutation happens on the engine thread: callers post commands (plain callables)
+and await their results; the thread runs commands between steps. Token deltas go back to
+per-request asyncio queues through `call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pdserve.engine.llm_engine import EngineStats, LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request
+
+log = logging.getLogger("pdserve.engine.loop")
+
+IDLE_WAIT_S = 0.05  # how long the idle thread sleeps between command checks
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """What an RPC handler awaits: the request's deltas, then its end."""
+
+    request_id: str
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    remote_ready: asyncio.Future | None = None  # set with the block ids when admitted
+    prompt_token_ids: tuple[int, ...] = ()
+
+    async def next(self, timeout: float) -> RequestOutput:
+        return await asyncio.wait_for(self.outputs.get(), timeout)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.last_stats: EngineStats = engine.stats()
+        self.error: BaseException | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # -- commands -----------------------------------------------------------------------
+    async def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run `fn` on the engine thread; its result or exception comes back here."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # delivered to the caller, not swallowed
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        self._wake.set()
+        return await asyncio.wait_for(fut, timeout)
+
+    async def add_request(self, prompt_token_ids: list[int], params, *, request_id: str,
+                          remote_prefill: bool = False,
+                          transfer_params: object | None = None) -> RequestStream:
+        stream = RequestStream(request_id)
+        if remote_prefill:
+            stream.remote_ready = asyncio.get_running_loop().create_future()
+
+        def add() -> Request:
+            request = self.engine.add_request(prompt_token_ids, params, request_id=request_id,
+                                              remote_prefill=remote_prefill,
+                                              transfer_params=transfer_params)
+            self._streams[request_id] = stream
+            return request
+
+        request = await self.call(add)
+        stream.prompt_token_ids = tuple(request.prompt_token_ids)
+        return stream
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.call(lambda: self.engine.abort(request_id))
+
+    # -- the thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if self.engine.has_unfinished():
+                    outputs, remote_ready = self.engine.step()
+                    self._deliver(outputs, remote_ready)
+                else:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                self.last_stats = self.engine.stats()
+        except BaseException as exc:  # the service reports unhealthy; requests get errors
+            log.exception("engine thread died")
+            self.error = exc
+            self._fail_all(exc)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            cmd()
+
+    def _deliver(self, outputs: list[RequestOutput], remote_ready: list[Request]) -> None:
+        loop = self._loop
+        for request in remote_ready:
+            stream = self._streams.get(request.request_id)
+            if stream is not None and stream.remote_ready is not None:
+                info = (tuple(self.engine.remote_block_ids(request.request_id)),
+                        max(0, request.num_cached_tokens))
+                loop.call_soon_threadsafe(_set_result, stream.remote_ready, info)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            self._loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
+        self._streams.clear()
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
