@@ -131,14 +131,33 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             raise SystemExit(f"pdserve: {args.config}: expected a mapping of flag names")
         merged.update({str(k).replace("-", "_"): v for k, v in data.items()})
     known = set(vars(args))
+    types = _flag_types(getattr(args, "command", None))
     for key, value in envs.prefixed(environ).items():
         if key in known:
-            merged[key] = value
+            convert = types.get(key)
+            try:
+                merged[key] = convert(value) if convert else value
+            except ValueError:
+                raise SystemExit(f"pdserve: PDSERVE_{key.upper()}={value!r} is not a valid value") from None
     merged.update({k: v for k, v in vars(args).items() if v is not None})
     unknown = sorted(set(merged) - known)
     if unknown:
         raise SystemExit(f"pdserve: unknown settings {unknown}")
     return merged
+
+
+def _flag_types(command: str | None) -> dict[str, Callable[[str], Any]]:
+    """dest -> converter for the flags of `command` (environment values arrive as text)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    role = sub.choices.get(command) if command else None
+    out: dict[str, Callable[[str], Any]] = {}
+    for action in (role._actions if role else ()):
+        if action.type is not None:
+            out[action.dest] = action.type
+        elif action.const is True:
+            out[action.dest] = lambda v: v.strip().lower() in ("1", "true", "yes", "on")
+    return out
 
 
 def _role_main(command: str) -> Callable[[dict[str, Any]], int]:
