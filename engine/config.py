@@ -39,6 +39,7 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # attention window of the architecture (Mistral)
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -67,6 +68,10 @@ class ModelConfig:
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
             rope_scaling = {}
+        rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+        window = getattr(hf_config, "sliding_window", None)
+        if model_type == "qwen2" or model_type == "qwen3":
+            window = window if getattr(hf_config, "use_sliding_window", False) else None
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
@@ -86,6 +91,7 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
             qk_norm=arch == "qwen3",
             eos_token_ids=eos_ids,
+            sliding_window=int(window) if window else None,
             name=name,
         )
 

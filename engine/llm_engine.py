@@ -2,6 +2,7 @@
 services drive it from one thread (see `engine_loop.py`)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -57,7 +58,11 @@ class LLMEngine:
         sched_cfg = self.config.scheduler
         self.max_model_len = min(sched_cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.kv = KVCacheManager(self.model_config, self.config.cache, self.device)
+        cache_cfg = self.config.cache
+        if self.model_config.sliding_window and (cache_cfg.attention_window is None
+                                                 or cache_cfg.attention_window > self.model_config.sliding_window):
+            cache_cfg = dataclasses.replace(cache_cfg, attention_window=self.model_config.sliding_window)
+        self.kv = KVCacheManager(self.model_config, cache_cfg, self.device)
         self.layout = KVCacheLayout(
             model_name=self.model_name, num_layers=self.model_config.num_layers,
             num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,

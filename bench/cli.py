@@ -1,0 +1,50 @@
+"""`pdserve bench WHAT ...`: hands the remaining arguments to `pdserve.bench.<module>:main`.
+
+Each benchmark module is imported only when chosen, so `bench serve` never imports torch.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Callable, Sequence
+
+# benchmark name -> module under pdserve.bench exposing main(argv: list[str]) -> int
+BENCHMARKS = {
+    "offline": "offline",  # engine throughput/latency without HTTP (engine issue)
+    "transfer": "transfer",  # KV transfer backends (transfer issue)
+    "serve": "serve",  # load generator for any OpenAI-compatible endpoint
+    "experiment": "experiment",  # disaggregated vs colocated on this machine
+    "kernels": "kernels",  # Triton kernels against their torch references
+}
+
+
+class BenchmarkUnavailable(Exception):
+    """The chosen benchmark's module is not part of this installation."""
+
+
+def load(what: str) -> Callable[[list[str]], int]:
+    """The `main` of benchmark `what`; BenchmarkUnavailable if it does not exist."""
+    if what not in BENCHMARKS:
+        raise BenchmarkUnavailable(f"unknown benchmark {what!r}; choose from {sorted(BENCHMARKS)}")
+    name = f"pdserve.bench.{BENCHMARKS[what]}"
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:  # the module exists but one of its imports is missing: say so
+            raise
+        raise BenchmarkUnavailable(
+            f"'pdserve bench {what}' is not available in this installation ({name} is missing)"
+        ) from None
+    fn = getattr(module, "main", None)
+    if not callable(fn):
+        raise BenchmarkUnavailable(f"{name} has no main(argv) function")
+    return fn
+
+
+def main(what: str, rest: Sequence[str]) -> int:
+    try:
+        fn = load(what)
+    except BenchmarkUnavailable as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return 2
+    return int(fn(list(rest)) or 0)
