@@ -1,0 +1,112 @@
+{{/* Names, labels and the addresses the roles use to find each other. */}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-scoped base name; objects append -router, -prefill, ... (kept under 63). */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels every pod of this release carries: the NetworkPolicy admits peers by these. */}}
+{{- define "pdserve.releaseSelector" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Call with (dict "ctx" $ "component" "router"). */}}
+{{- define "pdserve.selectorLabels" -}}
+{{ include "pdserve.releaseSelector" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ include "pdserve.chart" .ctx }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "pdserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Workers register at the router through a headless Service that also lists router pods that
+are not ready yet, so registration never waits on the router's own readiness.
+*/}}
+{{- define "pdserve.routerRegistrationAddress" -}}
+{{- printf "%s-router-headless:%d" (include "pdserve.fullname" .) (int .Values.router.grpcPort) }}
+{{- end }}
+
+{{/* The --redis-url value, or "" when it comes from a Secret or there is no Redis. */}}
+{{- define "pdserve.redisUrl" -}}
+{{- if eq .Values.redis.mode "internal" }}
+{{- printf "redis://%s-redis:%d/0" (include "pdserve.fullname" .) (int .Values.redis.internal.port) }}
+{{- else if eq .Values.redis.mode "external" }}
+{{- if not .Values.redis.external.existingSecret.name }}
+{{- .Values.redis.external.url }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Settings the schema cannot express; a broken combination fails the render. */}}
+{{- define "pdserve.validate" -}}
+{{- $kv := .Values.kvTransfer }}
+{{- if and (has "redis" $kv.backends) (eq .Values.redis.mode "none") }}
+{{- fail "kvTransfer.backends names redis but redis.mode is none: set redis.mode or drop the backend" }}
+{{- end }}
+{{- if and (has "disk" $kv.backends) (not $kv.diskStore.enabled) }}
+{{- fail "kvTransfer.backends names disk but kvTransfer.diskStore.enabled is false" }}
+{{- end }}
+{{- $range := splitList "-" $kv.ucx.tcpPortRange }}
+{{- if gt (int (index $range 0)) (int (index $range 1)) }}
+{{- fail "kvTransfer.ucx.tcpPortRange: the first port must not exceed the last" }}
+{{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $ports := list (int (index $.Values $role).grpcPort) (int $kv.port) (int $.Values.metrics.port) }}
+{{- if ne (len (uniq $ports)) 3 }}
+{{- fail (printf "%s: grpcPort, kvTransfer.port and metrics.port must differ" $role) }}
+{{- end }}
+{{- range $port := $ports }}
+{{- if and (ge $port (int (index $range 0))) (le $port (int (index $range 1))) }}
+{{- fail (printf "%s: port %d lies inside kvTransfer.ucx.tcpPortRange" $role $port) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if eq (int .Values.router.httpPort) (int .Values.router.grpcPort) }}
+{{- fail "router.httpPort and router.grpcPort must differ" }}
+{{- end }}
+{{- range $role := list "router" "prefill" "decode" }}
+{{- $a := (index $.Values $role).autoscaling }}
+{{- if and $a.enabled (lt (int $a.maxReplicas) (int $a.minReplicas)) }}
+{{- fail (printf "%s.autoscaling: maxReplicas is below minReplicas" $role) }}
+{{- end }}
+{{- end }}
+{{- end }}

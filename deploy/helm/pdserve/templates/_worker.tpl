@@ -1,0 +1,238 @@
+{{/*
+A prefill or decode Deployment plus its headless Service. Call with
+(dict "ctx" $ "role" "prefill"|"decode").
+*/}}
+{{- define "pdserve.worker" -}}
+{{- $ctx := .ctx }}
+{{- $role := .role }}
+{{- $cfg := index $ctx.Values $role }}
+{{- $values := $ctx.Values }}
+{{- $kv := $values.kvTransfer }}
+{{- $model := $values.model }}
+{{- $engine := $values.engine }}
+{{- $fullname := include "pdserve.fullname" $ctx }}
+{{- $meta := dict "ctx" $ctx "cfg" $cfg "component" $role }}
+{{- $device := $cfg.device | default (ternary "cuda" "cpu" (gt (int $cfg.gpus) 0)) }}
+{{- $modelArg := $model.path }}
+{{- if ne $model.source "image" }}
+{{- $modelArg = trimSuffix "/" (printf "%s/%s" $model.mountPath (trimPrefix "/" $model.path)) }}
+{{- end }}
+{{- $redisUrl := include "pdserve.redisUrl" $ctx }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $fullname }}-{{ $role }}
+  labels:
+    {{- include "pdserve.labels" $meta | nindent 4 }}
+spec:
+  {{- if not $cfg.autoscaling.enabled }}
+  replicas: {{ int $cfg.replicas }}
+  {{- end }}
+  revisionHistoryLimit: 5
+  selector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" $meta | nindent 6 }}
+  # GPUs are scarce: replace pods one at a time instead of surging.
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 0
+      maxUnavailable: 1
+  template:
+    metadata:
+      {{- include "pdserve.podMetadata" $meta | nindent 6 }}
+    spec:
+      {{- include "pdserve.podSpec" $meta | nindent 6 }}
+      containers:
+        - name: {{ $role }}
+          image: {{ include "pdserve.image" $ctx | quote }}
+          imagePullPolicy: {{ $values.image.pullPolicy }}
+          command: ["pdserve"]
+          args:
+            - {{ $role }}
+            - {{ printf "--host=%s" $values.listenHost | quote }}
+            - {{ printf "--grpc-port=%d" (int $cfg.grpcPort) | quote }}
+            - "--advertise-host=$(POD_IP)"
+            - "--worker-id=$(POD_NAME)"
+            - {{ printf "--router=%s" (include "pdserve.routerRegistrationAddress" $ctx) | quote }}
+            - {{ printf "--log-level=%s" $values.logLevel | quote }}
+            - {{ printf "--metrics-port=%d" (int $values.metrics.port) | quote }}
+            - {{ printf "--model=%s" $modelArg | quote }}
+            {{- with $model.servedModelName }}
+            - {{ printf "--served-model-name=%s" . | quote }}
+            {{- end }}
+            - {{ printf "--device=%s" $device | quote }}
+            {{- with $cfg.numThreads }}
+            - {{ printf "--num-threads=%d" (int64 .) | quote }}
+            {{- end }}
+            {{- with $engine.dtype }}
+            - {{ printf "--dtype=%s" . | quote }}
+            {{- end }}
+            {{- with $engine.blockSize }}
+            - {{ printf "--block-size=%d" (int64 .) | quote }}
+            {{- end }}
+            {{- with $engine.maxModelLen }}
+            - {{ printf "--max-model-len=%d" (int64 .) | quote }}
+            {{- end }}
+            {{- with $engine.maxKvTokens }}
+            - {{ printf "--max-kv-tokens=%d" (int64 .) | quote }}
+            {{- end }}
+            {{- with $engine.freeMemoryFraction }}
+            - {{ printf "--free-memory-fraction=%v" . | quote }}
+            {{- end }}
+            {{- with $engine.maxNumTokens }}
+            - {{ printf "--max-num-tokens=%d" (int64 .) | quote }}
+            {{- end }}
+            {{- with $engine.maxBatchSize }}
+            - {{ printf "--max-batch-size=%d" (int64 .) | quote }}
+            {{- end }}
+            {{- with $engine.capacityPolicy }}
+            - {{ printf "--capacity-policy=%s" . | quote }}
+            {{- end }}
+            {{- with $engine.chunkingPolicy }}
+            - {{ printf "--chunking-policy=%s" . | quote }}
+            {{- end }}
+            - {{ printf "--kv-backends=%s" (join "," $kv.backends) | quote }}
+            - {{ printf "--transfer-port=%d" (int $kv.port) | quote }}
+            {{- with $kv.timeoutS }}
+            - {{ printf "--transfer-timeout-s=%v" . | quote }}
+            {{- end }}
+            {{- with $redisUrl }}
+            - {{ printf "--redis-url=%s" . | quote }}
+            {{- end }}
+            {{- if $kv.diskStore.enabled }}
+            - {{ printf "--disk-store=%s" $kv.diskStore.mountPath | quote }}
+            - {{ printf "--disk-store-max-gb=%v" $kv.diskStore.maxGB | quote }}
+            {{- end }}
+            {{- if eq $role "prefill" }}
+            {{- with $cfg.maxQueue }}
+            - {{ printf "--max-queue=%d" (int64 .) | quote }}
+            {{- end }}
+            {{- else }}
+            {{- with $cfg.failurePolicy }}
+            - {{ printf "--failure-policy=%s" . | quote }}
+            {{- end }}
+            {{- if not (kindIs "invalid" $cfg.localPrefillThreshold) }}
+            - {{ printf "--local-prefill-threshold=%d" (int64 $cfg.localPrefillThreshold) | quote }}
+            {{- end }}
+            {{- with $cfg.prefillQueueThreshold }}
+            - {{ printf "--prefill-queue-threshold=%d" (int64 .) | quote }}
+            {{- end }}
+            {{- end }}
+            {{- range $cfg.extraArgs }}
+            - {{ . | quote }}
+            {{- end }}
+          env:
+            {{- include "pdserve.baseEnv" $ctx | nindent 12 }}
+            - name: UCX_TLS
+              value: {{ $kv.ucx.tls | quote }}
+            - name: UCX_TCP_PORT_RANGE
+              value: {{ $kv.ucx.tcpPortRange | quote }}
+            {{- range $name, $value := $kv.ucx.extraEnv }}
+            - name: {{ $name }}
+              value: {{ $value | quote }}
+            {{- end }}
+            {{- if and (eq $values.redis.mode "external") $values.redis.external.existingSecret.name }}
+            - name: PDSERVE_REDIS_URL
+              valueFrom:
+                secretKeyRef:
+                  name: {{ $values.redis.external.existingSecret.name }}
+                  key: {{ $values.redis.external.existingSecret.key }}
+            {{- end }}
+            {{- with $cfg.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ int $cfg.grpcPort }}
+              protocol: TCP
+            - name: transfer
+              containerPort: {{ int $kv.port }}
+              protocol: TCP
+            - name: metrics
+              containerPort: {{ int $values.metrics.port }}
+              protocol: TCP
+          {{- include "pdserve.probes" (dict "probes" $cfg.probes "port" $cfg.grpcPort) | trim | nindent 10 }}
+          resources:
+            {{- include "pdserve.resources" $cfg | nindent 12 }}
+          securityContext:
+            {{- toYaml $values.securityContext | nindent 12 }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+            - name: cache
+              mountPath: {{ $values.buildCache.mountPath }}
+            - name: shm
+              mountPath: /dev/shm
+            {{- if ne $model.source "image" }}
+            - name: model
+              mountPath: {{ $model.mountPath }}
+              readOnly: true
+            {{- end }}
+            {{- if $kv.diskStore.enabled }}
+            - name: kv-store
+              mountPath: {{ $kv.diskStore.mountPath }}
+            {{- end }}
+      volumes:
+        - name: tmp
+          emptyDir:
+            sizeLimit: 2Gi
+        - name: cache
+          {{- if $values.buildCache.existingClaim }}
+          persistentVolumeClaim:
+            claimName: {{ $values.buildCache.existingClaim }}
+          {{- else }}
+          emptyDir:
+            sizeLimit: {{ $values.buildCache.sizeLimit }}
+          {{- end }}
+        - name: shm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $values.shm.sizeLimit }}
+        {{- if eq $model.source "pvc" }}
+        - name: model
+          persistentVolumeClaim:
+            claimName: {{ $model.pvc.claimName }}
+            readOnly: true
+        {{- else if eq $model.source "hostPath" }}
+        - name: model
+          hostPath:
+            path: {{ $model.hostPath.path }}
+            {{- with $model.hostPath.type }}
+            type: {{ . }}
+            {{- end }}
+        {{- end }}
+        {{- if $kv.diskStore.enabled }}
+        - name: kv-store
+          persistentVolumeClaim:
+            claimName: {{ $kv.diskStore.existingClaim | default (printf "%s-kv-store" $fullname) }}
+        {{- end }}
+---
+# One DNS name per worker pod; only ready pods are listed.
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $fullname }}-{{ $role }}
+  labels:
+    {{- include "pdserve.labels" $meta | nindent 4 }}
+    pdserve.io/scrape: "true"
+spec:
+  clusterIP: None
+  selector:
+    {{- include "pdserve.selectorLabels" $meta | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ int $cfg.grpcPort }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: kubernetes.io/h2c
+    - name: transfer
+      port: {{ int $kv.port }}
+      targetPort: transfer
+      protocol: TCP
+    - name: metrics
+      port: {{ int $values.metrics.port }}
+      targetPort: metrics
+      protocol: TCP
+      appProtocol: http
+{{- end }}

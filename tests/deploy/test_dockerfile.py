@@ -1,0 +1,142 @@
+"""The container image recipe (deploy/Dockerfile), checked without a Docker engine: it
+installs through deploy/install.sh exactly as CI does (so CI exercises its install step),
+runs as the non-root user the chart expects, and starts the `pdserve` console script."""
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.deploy import cli
+
+tomllib = pytest.importorskip("tomllib")
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "deploy" / "Dockerfile"
+DOCKERIGNORE = REPO / "deploy" / "Dockerfile.dockerignore"
+CHART_VALUES = REPO / "deploy" / "helm" / "pdserve" / "values.yaml"
+
+
+def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order; continuation lines joined, comments dropped."""
+    result: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):  # a comment inside a continued instruction
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).partition(" ")
+        result.append((keyword.upper(), rest.strip()))
+        pending = ""
+    assert not pending, "Dockerfile ends inside a continued line"
+    return result
+
+
+def arg_defaults() -> dict[str, str]:
+    defaults = {}
+    for keyword, rest in instructions():
+        if keyword == "ARG" and "=" in rest:
+            name, _, value = rest.partition("=")
+            defaults[name] = value
+    return defaults
+
+
+def expand(text: str, defaults: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: defaults.get(m.group(1) or m.group(2), m.group(0)), text)
+
+
+def final_stage() -> list[tuple[str, str]]:
+    steps = instructions()
+    last_from = max(i for i, (keyword, _) in enumerate(steps) if keyword == "FROM")
+    return steps[last_from:]
+
+
+def test_image_installs_with_the_script_ci_runs() -> None:
+    runs = [rest for keyword, rest in instructions() if keyword == "RUN"]
+    installs = [r for r in runs if "deploy/install.sh" in r]
+    assert len(installs) == 1
+    (install,) = installs
+    for variable in ("PDSERVE_TORCH_SPEC=", "PDSERVE_EXTRAS=", "PDSERVE_EDITABLE=0"):
+        assert variable in install
+    # No second way of installing: every Python package comes through the script.
+    assert not any(re.search(r"\bpip3?\b|-m pip\b|\buv\b", r) for r in runs)
+    script = (REPO / "deploy" / "install.sh").read_text()
+    for variable in ("PDSERVE_TORCH_SPEC", "PDSERVE_EXTRAS", "PDSERVE_EDITABLE"):
+        assert variable in script
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(r"^\s*bash deploy/install\.sh\s*$", ci, re.M), "CI no longer runs deploy/install.sh"
+
+
+def test_cuda_by_default_and_cpu_by_build_argument() -> None:
+    defaults = arg_defaults()
+    assert defaults["VARIANT"] == "cuda"
+    stages = {m.group(1): m.group(0) for keyword, rest in instructions() if keyword == "FROM"
+              for m in [re.search(r"AS\s+(\S+)", rest, re.I)] if m}
+    assert {"base-cuda", "base-cpu"} <= set(stages)
+    froms = [rest for keyword, rest in instructions() if keyword == "FROM"]
+    assert froms[-1].split()[0] == "base-${VARIANT}"
+    assert "nvidia/cuda" in expand(next(f for f in froms if f.endswith("base-cuda")), defaults)
+    install = next(rest for keyword, rest in instructions() if keyword == "RUN" and "install.sh" in rest)
+    assert "download.pytorch.org/whl/cpu" in install  # the CPU variant's torch wheel index
+
+
+def test_image_runs_as_the_non_root_user_the_chart_expects() -> None:
+    users = [rest for keyword, rest in final_stage() if keyword == "USER"]
+    assert users, "the final stage sets no USER: it would run as root"
+    uid, _, gid = expand(users[-1], arg_defaults()).partition(":")
+    assert uid.isdigit() and int(uid) != 0  # numeric, so runAsNonRoot can verify it
+    assert not gid or (gid.isdigit() and int(gid) != 0)
+    chart = yaml.safe_load(CHART_VALUES.read_text())
+    assert int(uid) == chart["podSecurityContext"]["runAsUser"]
+
+
+def test_entrypoint_is_the_pdserve_console_script() -> None:
+    stage = dict(final_stage())
+    assert json.loads(stage["ENTRYPOINT"]) == ["pdserve"]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["pdserve"] == "pdserve.deploy.cli:main"
+    command = json.loads(stage["CMD"])
+    namespace = cli.build_parser().parse_args(command)
+    assert namespace.command == "up" and namespace.host == "0.0.0.0"
+
+
+def test_model_can_be_baked_in_by_build_argument() -> None:
+    defaults = arg_defaults()
+    assert defaults.get("MODEL_PATH") == ""  # nothing baked in unless asked
+    copy = next(rest for keyword, rest in instructions() if keyword == "RUN" and "MODEL_PATH" in rest)
+    assert "/opt/pdserve/model" in copy
+    chart = (REPO / "deploy" / "helm" / "pdserve" / "values.yaml").read_text()
+    assert "/opt/pdserve/model" in chart  # the chart documents where to point --model
+
+
+def test_build_context_keeps_what_the_install_needs() -> None:
+    patterns = [p.strip() for p in DOCKERIGNORE.read_text().splitlines() if p.strip() and not p.startswith("#")]
+    assert ".git" in patterns
+
+    def ignored(path: str) -> bool:
+        parts = path.split("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return any(fnmatch.fnmatch(prefix, pattern.removeprefix("**/")) or fnmatch.fnmatch(prefix, pattern)
+                   for pattern in patterns for prefix in prefixes)
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    needed = ["pyproject.toml", "deploy/install.sh", "deploy/cli.py"]
+    needed += [f"{folder}/__init__.py" for folder in pyproject["tool"]["setuptools"]["package-dir"].values()]
+    assert [p for p in needed if ignored(p)] == []
+    assert ignored("tests/deploy/test_dockerfile.py") and ignored("engine/__pycache__/x.pyc")
+
+
+def test_exposed_ports_are_the_cli_defaults() -> None:
+    exposed = {int(p) for keyword, rest in final_stage() if keyword == "EXPOSE" for p in shlex.split(rest)}
+    assert exposed == {cli.ROUTER_HTTP_PORT, cli.ROUTER_GRPC_PORT, cli.PREFILL_GRPC_PORT,
+                       cli.DECODE_GRPC_PORT, cli.TRANSFER_PORT}

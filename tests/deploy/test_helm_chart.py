@@ -1,0 +1,550 @@
+"""The Helm chart (deploy/helm/pdserve), checked offline.
+
+Rendered by Helm's own engine (helm-python-sdk: no cluster, no helm binary) for the defaults
+and each profile under ci/, linted strictly, validated against the Kubernetes schemas of a
+recent release (kubernetes-validate), and asserted on: the container args parse with the
+real `pdserve` CLI parser; ports agree between Services, containers and probes; replicas,
+GPUs, HPAs and PDBs follow the values; every pod is probed and runs as non-root; the
+NetworkPolicy keeps the transfer ports to this release's pods; values that break the schema,
+or combine badly, are rejected with a reason.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from pdserve.deploy import cli
+from pdserve.engine import envs
+
+REPO = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO / "deploy" / "helm" / "pdserve"
+INVALID_VALUES = sorted((Path(__file__).parent / "invalid-values").glob("*.yaml"))
+RELEASE = "pdserve-ci"
+NAMESPACE = "llm"
+# The newest Kubernetes release kubernetes-validate carries schemas for.
+KUBE_VERSION = kubernetes_validate.latest_version()
+# "default" is values.yaml alone; the others are the files under ci/.
+PROFILES = ("default", "cpu-small", "gpu-2p4d", "external-redis")
+ROLES = ("router", "prefill", "decode")
+WORKERS = ("prefill", "decode")
+SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
+CUSTOM_METRICS_API = "custom.metrics.k8s.io/v1beta1"
+RELEASE_LABELS = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": RELEASE}
+# What the downward API puts in the variables the chart reads from it.
+FIELD_VALUES = {"status.podIP": "10.42.0.7", "metadata.name": "pdserve-ci-decode-7d9f-abcde"}
+_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+def profile_values(profile: str) -> dict[str, Any]:
+    if profile == "default":
+        return {}
+    return yaml.safe_load((CHART_DIR / "ci" / f"{profile}.yaml").read_text()) or {}
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes selector semantics: a LabelSelector, or a Service's plain label map."""
+    if "matchLabels" not in selector and "matchExpressions" not in selector:
+        return all(labels.get(k) == v for k, v in selector.items())
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, values = expr["key"], expr.get("values") or []
+        ok = {"In": key in labels and labels[key] in values,
+              "NotIn": labels.get(key) not in values,
+              "Exists": key in labels,
+              "DoesNotExist": key not in labels}[expr["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Manifests:
+    """One render: the objects, NOTES.txt, and the merged values that produced them."""
+
+    docs: tuple[dict[str, Any], ...]
+    notes: str
+    values: dict[str, Any]
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def named(self, kind: str, name: str) -> dict[str, Any]:
+        found = [d for d in self.of_kind(kind) if d["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+        return found[0]
+
+    def workload(self, component: str) -> dict[str, Any]:
+        """The Deployment of a component: router, prefill, decode or redis."""
+        found = [d for d in self.of_kind("Deployment") if pod_labels(d).get("app.kubernetes.io/component") == component]
+        assert len(found) == 1, f"expected one {component} Deployment, found {len(found)}"
+        return found[0]
+
+    def deployments_selected_by(self, selector: dict[str, Any]) -> list[dict[str, Any]]:
+        return [d for d in self.of_kind("Deployment") if selects(selector, pod_labels(d))]
+
+
+def render_raw(chart: helm.Chart, values: dict[str, Any], api_versions: tuple[str, ...]) -> dict[str, str]:
+    options: dict[str, Any] = dict(name=RELEASE, namespace=NAMESPACE, is_install=True)
+    capabilities = dict(kube_version=f"v{KUBE_VERSION}", api_versions=list(api_versions))
+    if {"kube_version", "api_versions"} <= set(inspect.signature(chart.render).parameters):
+        return chart.render(values, **options, **capabilities)
+    # helm-python-sdk 0.2.2's Chart.render() does not forward kube_version/api_versions, which
+    # its C entry point accepts and turns into .Capabilities: call that entry point directly.
+    from helm_python import _native
+
+    out = _native.call_string("helm_render", chart._raw(), json.dumps(values),
+                              json.dumps({**options, **capabilities}))
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[helm.Chart]:
+    with helm.Chart.load(CHART_DIR) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def render(chart: helm.Chart) -> Callable[..., Manifests]:
+    """render(profile, api_versions=()) -> Manifests, cached per argument pair."""
+    cache: dict[tuple[str, tuple[str, ...]], Manifests] = {}
+
+    def _render(profile: str, api_versions: tuple[str, ...] = ()) -> Manifests:
+        key = (profile, tuple(api_versions))
+        if key not in cache:
+            values = profile_values(profile)
+            out = render_raw(chart, values, key[1])
+            docs = tuple(d for path, text in sorted(out.items()) if path.endswith(".yaml")
+                         for d in yaml.safe_load_all(text) if d)
+            notes = next((text for path, text in out.items() if path.endswith("NOTES.txt")), "")
+            cache[key] = Manifests(docs=docs, notes=notes, values=chart.merge_values(values))
+        return cache[key]
+
+    return _render
+
+
+# --- reading pods ---------------------------------------------------------------------------
+
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def main_container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def container_ports(container: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container.get("ports") or []}
+
+
+def probe_ports(container: dict[str, Any]) -> set[int]:
+    return {container[f"{kind}Probe"]["grpc"]["port"] for kind in ("startup", "readiness", "liveness")}
+
+
+def container_env(container: dict[str, Any]) -> dict[str, str]:
+    """The variables as the kubelet sets them; a Secret-backed one gets a placeholder naming
+    the Secret."""
+    env: dict[str, str] = {}
+    for var in container.get("env") or []:
+        source = var.get("valueFrom", {})
+        if "value" in var:
+            env[var["name"]] = _VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), str(var["value"]))
+        elif "fieldRef" in source:
+            env[var["name"]] = FIELD_VALUES[source["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            env[var["name"]] = f"redis://secret-{ref['name']}-{ref['key']}:6379/0"
+    return env
+
+
+def expand_args(container: dict[str, Any]) -> list[str]:
+    """command[1:] + args with $(VAR) expanded as Kubernetes does. An undefined variable fails
+    here (Kubernetes would pass "$(VAR)" through literally)."""
+    env = container_env(container)
+
+    def sub(match: re.Match[str]) -> str:
+        assert match.group(1) in env, f"args reference undefined variable {match.group(0)}"
+        return env[match.group(1)]
+
+    argv = list(container.get("command") or [])[1:] + list(container.get("args") or [])
+    return [_VAR_REF.sub(sub, a) for a in argv]
+
+
+def cli_settings(container: dict[str, Any]) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """Parse the container's command line with the real parser, then merge its PDSERVE_*
+    variables as `pdserve` does at start-up."""
+    assert container["command"] == ["pdserve"]
+    namespace = cli.build_parser().parse_args(expand_args(container))
+    environ = {k: v for k, v in container_env(container).items() if k.startswith(envs.ENV_PREFIX)}
+    return namespace, cli.resolve(namespace, environ=environ)
+
+
+def admitting_rules(m: Manifests, labels: dict[str, str], port: int) -> list[dict[str, Any]]:
+    """Ingress rules of every NetworkPolicy that selects these pod labels and covers the port."""
+    def covers(rule: dict[str, Any]) -> bool:
+        ports = rule.get("ports")
+        return not ports or any(p["port"] == port or p["port"] <= port <= p.get("endPort", -1) for p in ports)
+
+    return [rule for policy in m.of_kind("NetworkPolicy") if selects(policy["spec"]["podSelector"], labels)
+            for rule in policy["spec"].get("ingress") or [] if covers(rule)]
+
+
+def admits(rule: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a rule lets a pod with these labels (same namespace) in."""
+    peers = rule.get("from")
+    return not peers or any(set(p) == {"podSelector"} and selects(p["podSelector"], labels) for p in peers)
+
+
+# --- lint and schemas -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_chart_lints_strictly(profile: str) -> None:
+    report = helm.lint(CHART_DIR, profile_values(profile), strict=True, kube_version=f"v{KUBE_VERSION}")
+    problems = [msg for msg in report["messages"] if msg["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_manifest_validates_against_the_kubernetes_schema(profile: str, render) -> None:
+    unchecked = []
+    for doc in render(profile, (SERVICE_MONITOR_API,)).docs:
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            unchecked.append(doc)
+        except kubernetes_validate.ValidationError as err:
+            where = ".".join(map(str, err.path))
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {where}: {err.message}")
+    # Only the Prometheus Operator's CRD has no built-in schema: check its shape by hand.
+    assert {d["kind"] for d in unchecked} <= {"ServiceMonitor"}
+    for monitor in unchecked:
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["spec"]["selector"]["matchLabels"]
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert set(endpoint) <= {"port", "path", "interval"}
+            assert re.fullmatch(r"\d+(ms|s|m|h)", endpoint["interval"])
+
+
+@pytest.mark.parametrize("path", INVALID_VALUES, ids=lambda p: p.stem)
+def test_values_that_break_the_schema_are_rejected(path: Path, chart: helm.Chart) -> None:
+    expected = path.read_text().splitlines()[0].removeprefix("# expect:").strip()
+    values = yaml.safe_load(path.read_text())
+    with pytest.raises(helm.HelmValuesError) as schema_error:
+        chart.validate_schema(values)
+    assert expected in str(schema_error.value)
+    with pytest.raises(helm.HelmValuesError):  # nothing renders either
+        render_raw(chart, values, ())
+    report = helm.lint(CHART_DIR, values, strict=True)
+    assert any(expected in error for error in report["errors"]), report
+
+
+@pytest.mark.parametrize("values, reason", [
+    ({"redis": {"mode": "none"}}, "names redis but redis.mode is none"),
+    ({"kvTransfer": {"diskStore": {"enabled": False}}}, "names disk but kvTransfer.diskStore.enabled is false"),
+    ({"metrics": {"port": 50100}}, "grpcPort, kvTransfer.port and metrics.port must differ"),
+    ({"kvTransfer": {"port": 50150}}, "lies inside kvTransfer.ucx.tcpPortRange"),
+    ({"router": {"grpcPort": 8000}}, "router.httpPort and router.grpcPort must differ"),
+    ({"decode": {"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}},
+     "needs decode.resources.requests.cpu"),
+    ({"prefill": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}},
+     "maxReplicas is below minReplicas"),
+])
+def test_inconsistent_values_fail_the_render_with_a_reason(values, reason: str, chart: helm.Chart) -> None:
+    chart.validate_schema(values)  # each is well-typed: only the combination is wrong
+    with pytest.raises(helm.HelmRenderError, match=re.escape(reason)):
+        render_raw(chart, values, ())
+
+
+def test_schema_choices_match_the_cli(chart: helm.Chart) -> None:
+    (sub,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+
+    def choices(role: str, dest: str) -> set[str]:
+        (action,) = [a for a in sub.choices[role]._actions if a.dest == dest]
+        return set(action.choices) | {""}  # "" keeps the CLI's default
+
+    schema = chart.schema
+    props = schema["properties"]
+    for dest, key in (("dtype", "dtype"), ("capacity_policy", "capacityPolicy"), ("chunking_policy", "chunkingPolicy")):
+        assert set(props["engine"]["properties"][key]["enum"]) == choices("prefill", dest) == choices("decode", dest)
+    assert set(props["decode"]["properties"]["failurePolicy"]["enum"]) == choices("decode", "failure_policy")
+    policies = set(schema["$defs"]["policy"]["enum"])
+    assert policies == choices("router", "prefill_policy") == choices("router", "decode_policy")
+    assert set(props["kvTransfer"]["properties"]["backends"]["items"]["enum"]) == set(cli.BACKENDS)
+
+
+def test_chart_defaults_are_the_cli_ports(chart: helm.Chart) -> None:
+    v = chart.values
+    assert (v["router"]["httpPort"], v["router"]["grpcPort"]) == (cli.ROUTER_HTTP_PORT, cli.ROUTER_GRPC_PORT)
+    assert (v["prefill"]["grpcPort"], v["decode"]["grpcPort"]) == (cli.PREFILL_GRPC_PORT, cli.DECODE_GRPC_PORT)
+    assert v["kvTransfer"]["port"] == cli.TRANSFER_PORT
+
+
+# --- the roles' command lines ---------------------------------------------------------------
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_router_args_parse_with_the_cli_and_ports_agree(profile: str, render) -> None:
+    m = render(profile)
+    v = m.values["router"]
+    container = main_container(m.workload("router"))
+    namespace, s = cli_settings(container)
+    assert namespace.command == "router" and s["host"] == m.values["listenHost"]
+    assert container_ports(container) == {"http": s["http_port"], "grpc": s["grpc_port"]}
+    assert (s["http_port"], s["grpc_port"]) == (v["httpPort"], v["grpcPort"])
+    assert probe_ports(container) == {s["grpc_port"]}
+    assert ("api_key" in s) == bool(v["apiKeySecret"]["name"])  # PDSERVE_API_KEY from the Secret
+    # The router's own config accepts what the chart passes (it imports no torch).
+    from pdserve.router.config import RouterConfig
+
+    config = RouterConfig.from_settings(s)
+    assert (config.host, config.http_port, config.grpc_port) == (m.values["listenHost"], v["httpPort"], v["grpcPort"])
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("role", WORKERS)
+def test_worker_args_parse_with_the_cli_and_ports_agree(profile: str, role: str, render) -> None:
+    m = render(profile)
+    v = m.values
+    container = main_container(m.workload(role))
+    namespace, s = cli_settings(container)
+    assert namespace.command == role
+    assert container_ports(container) == {"grpc": s["grpc_port"], "transfer": s["transfer_port"],
+                                          "metrics": s["metrics_port"]}
+    assert (s["grpc_port"], s["transfer_port"], s["metrics_port"]) == \
+        (v[role]["grpcPort"], v["kvTransfer"]["port"], v["metrics"]["port"])
+    assert probe_ports(container) == {s["grpc_port"]}
+    assert s["host"] == v["listenHost"] and s["advertise_host"] == FIELD_VALUES["status.podIP"]
+    assert s["worker_id"] == FIELD_VALUES["metadata.name"]
+    assert s["kv_backends"] == ",".join(v["kvTransfer"]["backends"])
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("role", WORKERS)
+def test_workers_register_at_the_router_headless_service(profile: str, role: str, render) -> None:
+    m = render(profile)
+    _, s = cli_settings(main_container(m.workload(role)))
+    host, _, port = s["router"].rpartition(":")
+    headless = m.named("Service", host)
+    # Headless and listing pods before they are ready: registration never waits on readiness.
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert m.deployments_selected_by(headless["spec"]["selector"]) == [m.workload("router")]
+    assert int(port) == headless["spec"]["ports"][0]["port"] == m.values["router"]["grpcPort"]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("role", WORKERS)
+def test_workers_get_their_model_and_stores(profile: str, role: str, render) -> None:
+    m = render(profile)
+    v = m.values
+    container = main_container(m.workload(role))
+    _, s = cli_settings(container)
+    mounts = {vm["name"]: vm for vm in container["volumeMounts"]}
+    volumes = {vol["name"]: vol for vol in m.workload(role)["spec"]["template"]["spec"]["volumes"]}
+
+    if v["model"]["source"] == "image":
+        assert s["model"] == v["model"]["path"] and "model" not in mounts
+    else:
+        assert mounts["model"]["readOnly"] is True
+        assert s["model"] == f"{mounts['model']['mountPath']}/{v['model']['path']}"
+        assert {"pvc": "persistentVolumeClaim", "hostPath": "hostPath"}[v["model"]["source"]] in volumes["model"]
+
+    store = v["kvTransfer"]["diskStore"]
+    if store["enabled"]:
+        assert s["disk_store"] == mounts["kv-store"]["mountPath"]
+        claim = volumes["kv-store"]["persistentVolumeClaim"]["claimName"]
+        assert claim == store["existingClaim"] or m.named("PersistentVolumeClaim", claim)
+    else:
+        assert "disk_store" not in s and "kv-store" not in mounts
+
+    redis = v["redis"]
+    if redis["mode"] == "internal":
+        host, port = s["redis_url"].removeprefix("redis://").split("/")[0].split(":")
+        service_port = m.named("Service", host)["spec"]["ports"][0]["port"]
+        assert int(port) == service_port == container_ports(main_container(m.workload("redis")))["redis"]
+    elif redis["mode"] == "external" and redis["external"]["existingSecret"]["name"]:
+        assert s["redis_url"] == f"redis://secret-{redis['external']['existingSecret']['name']}-url:6379/0"
+    elif redis["mode"] == "external":
+        assert s["redis_url"] == redis["external"]["url"]
+    else:
+        assert "redis_url" not in s
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_pdserve_variables_are_known_settings(profile: str, render) -> None:
+    """A PDSERVE_* variable the CLI does not know would be ignored silently."""
+    m = render(profile)
+    for role in ROLES:
+        container = main_container(m.workload(role))
+        namespace = cli.build_parser().parse_args(expand_args(container))
+        flags = {envs.ENV_PREFIX + key.upper() for key in vars(namespace)}
+        unknown = [n for n in container_env(container) if n.startswith(envs.ENV_PREFIX)
+                   and n not in flags and n not in envs.KNOWN]
+        assert unknown == [], role
+
+
+# --- services, pods, scaling ----------------------------------------------------------------
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_services_select_one_workload_and_its_ports(profile: str, render) -> None:
+    m = render(profile)
+    for service in m.of_kind("Service"):
+        (deployment,) = m.deployments_selected_by(service["spec"]["selector"])
+        ports = container_ports(main_container(deployment))
+        for port in service["spec"]["ports"]:
+            assert ports[port["targetPort"]] == port["port"], f"{service['metadata']['name']}:{port['name']}"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_pod_is_probed_and_runs_as_non_root(profile: str, render) -> None:
+    m = render(profile)
+    components = {pod_labels(d)["app.kubernetes.io/component"] for d in m.of_kind("Deployment")}
+    assert components == set(ROLES) | ({"redis"} if m.values["redis"]["mode"] == "internal" else set())
+    for deployment in m.of_kind("Deployment"):
+        pod, name = deployment["spec"]["template"]["spec"], deployment["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, name
+        # No API token; no service-link variables (they would collide with PDSERVE_*).
+        assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False, name
+        for container in pod["containers"]:
+            assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container), name
+            sc = container["securityContext"]
+            assert sc["runAsNonRoot"] is True and sc["allowPrivilegeEscalation"] is False, name
+            assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"]["drop"] == ["ALL"], name
+            writable = {vm["mountPath"] for vm in container["volumeMounts"] if not vm.get("readOnly")}
+            assert writable & {"/tmp", "/data"}, f"{name}: read-only root and no scratch volume"
+    for role in WORKERS:
+        startup = main_container(m.workload(role))["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model loading is slow
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_replicas_and_gpus_follow_values(profile: str, render) -> None:
+    m = render(profile)
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h["spec"] for h in m.of_kind("HorizontalPodAutoscaler")}
+    for role in ROLES:
+        cfg, deployment = m.values[role], m.workload(role)
+        name = deployment["metadata"]["name"]
+        if cfg["autoscaling"]["enabled"]:
+            assert "replicas" not in deployment["spec"]  # the HPA owns the count
+            assert (hpas[name]["minReplicas"], hpas[name]["maxReplicas"]) == \
+                (cfg["autoscaling"]["minReplicas"], cfg["autoscaling"]["maxReplicas"])
+        else:
+            assert deployment["spec"]["replicas"] == cfg["replicas"] and name not in hpas
+        limits = main_container(deployment)["resources"].get("limits", {})
+        assert limits.get("nvidia.com/gpu", 0) == cfg.get("gpus", 0)
+        if role in WORKERS:
+            assert cli_settings(main_container(deployment))[1]["device"] == ("cuda" if cfg["gpus"] else "cpu")
+    assert set(hpas) <= {d["metadata"]["name"] for d in m.of_kind("Deployment")}
+
+
+def test_gpu_profile_runs_two_prefill_and_four_decode_gpu_pods(render) -> None:
+    m = render("gpu-2p4d")
+    hpas = {h["metadata"]["labels"]["app.kubernetes.io/component"]: h["spec"]
+            for h in m.of_kind("HorizontalPodAutoscaler")}
+    assert {role: (s["minReplicas"], s["maxReplicas"]) for role, s in hpas.items()} == \
+        {"prefill": (2, 4), "decode": (4, 8)}
+    for role in WORKERS:
+        assert main_container(m.workload(role))["resources"]["limits"]["nvidia.com/gpu"] == 1
+        tolerations = m.workload(role)["spec"]["template"]["spec"]["tolerations"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+    assert m.workload("router")["spec"]["replicas"] == 2
+
+
+def test_hpa_uses_a_custom_metric_only_where_an_adapter_serves_it(render) -> None:
+    def metrics(api_versions: tuple[str, ...]) -> dict[str, list[dict[str, Any]]]:
+        return {h["metadata"]["labels"]["app.kubernetes.io/component"]: h["spec"]["metrics"]
+                for h in render("gpu-2p4d", api_versions).of_kind("HorizontalPodAutoscaler")}
+
+    cpu = {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}}
+    assert metrics(()) == {"prefill": [cpu], "decode": [cpu]}
+    with_adapter = metrics((CUSTOM_METRICS_API,))
+    assert with_adapter["decode"] == [{"type": "Pods", "pods": {
+        "metric": {"name": "pdserve_kv_cache_usage_ratio"},
+        "target": {"type": "AverageValue", "averageValue": "0.8"}}}]
+    assert with_adapter["prefill"][0]["pods"]["metric"]["name"] == "pdserve_prefill_queue_length"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_disruption_budgets_follow_values(profile: str, render) -> None:
+    m = render(profile)
+    budgets = m.of_kind("PodDisruptionBudget")
+    assert len(budgets) == sum(m.values[r]["pdb"]["enabled"] for r in ROLES)
+    for role in ROLES:
+        pdb = m.values[role]["pdb"]
+        mine = [b["spec"] for b in budgets if m.deployments_selected_by(b["spec"]["selector"]) == [m.workload(role)]]
+        assert len(mine) == int(pdb["enabled"]), role
+        if mine and "minAvailable" in pdb:
+            assert mine[0]["minAvailable"] == pdb["minAvailable"] and "maxUnavailable" not in mine[0]
+        elif mine:
+            assert mine[0]["maxUnavailable"] == pdb["maxUnavailable"]
+
+
+def test_service_monitors_need_both_the_switch_and_the_crd(render) -> None:
+    assert render("gpu-2p4d").of_kind("ServiceMonitor") == []
+    assert "none was created" in render("gpu-2p4d").notes
+    assert render("cpu-small", (SERVICE_MONITOR_API,)).of_kind("ServiceMonitor") == []
+    m = render("gpu-2p4d", (SERVICE_MONITOR_API,))
+    monitors = m.of_kind("ServiceMonitor")
+    assert len(monitors) == 3 and "none was created" not in m.notes
+    for monitor in monitors:
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        (endpoint,) = monitor["spec"]["endpoints"]
+        services = [s for s in m.of_kind("Service") if selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
+        assert len(services) == 1  # not the router's headless twin too: no double scrape
+        assert endpoint["port"] in {p["name"] for p in services[0]["spec"]["ports"]}
+
+
+# --- network policy -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_network_policy_keeps_worker_ports_to_this_release(profile: str, render) -> None:
+    m = render(profile)
+    v = m.values
+    low, high = map(int, v["kvTransfer"]["ucx"]["tcpPortRange"].split("-"))
+    outsiders = ({"app": "something-else"},
+                 {**RELEASE_LABELS, "app.kubernetes.io/instance": "other", "app.kubernetes.io/component": "decode"})
+    for role in WORKERS:
+        labels = pod_labels(m.workload(role))
+        for port in (v["kvTransfer"]["port"], low, high, v[role]["grpcPort"]):
+            rules = admitting_rules(m, labels, port)
+            for rule in rules:
+                assert rule.get("from"), f"{role}:{port} is open to everyone"
+                for peer in rule["from"]:
+                    assert set(peer) == {"podSelector"}, f"{role}:{port} admits {peer}"
+                    assert RELEASE_LABELS.items() <= peer["podSelector"]["matchLabels"].items()
+            for source in ROLES:
+                assert any(admits(r, pod_labels(m.workload(source))) for r in rules), f"{source} -> {role}:{port}"
+            assert not any(admits(r, outsider) for r in rules for outsider in outsiders)
+        metrics_rules = admitting_rules(m, labels, v["metrics"]["port"])
+        assert any(r.get("from", []) == v["networkPolicy"]["metricsFrom"] for r in metrics_rules)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_network_policy_lets_clients_reach_only_the_router(profile: str, render) -> None:
+    m = render(profile)
+    v = m.values
+    http_rules = admitting_rules(m, pod_labels(m.workload("router")), v["router"]["httpPort"])
+    assert [r.get("from", []) for r in http_rules] == [v["networkPolicy"]["clientFrom"]]
+    grpc_rules = admitting_rules(m, pod_labels(m.workload("router")), v["router"]["grpcPort"])
+    assert all(any(admits(r, pod_labels(m.workload(w))) for r in grpc_rules) for w in WORKERS)  # registration
+    if v["redis"]["mode"] == "internal":
+        redis_rules = admitting_rules(m, pod_labels(m.workload("redis")), v["redis"]["internal"]["port"])
+        assert redis_rules and not any(admits(r, {"app": "something-else"}) for r in redis_rules)
+        assert all(any(admits(r, pod_labels(m.workload(w))) for r in redis_rules) for w in WORKERS)
+
+
+def test_notes_say_how_to_reach_the_router(render) -> None:
+    notes = render("cpu-small").notes
+    assert f"port-forward svc/{RELEASE}-router 8000:8000" in notes and "/v1/models" in notes
+    notes = render("external-redis").notes
+    assert "loadBalancer.ingress" in notes and "Authorization: Bearer" in notes
