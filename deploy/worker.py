@@ -200,61 +200,89 @@ async def start_server(settings: WorkerSettings, add_servicers, service_names: l
 
 
 class Registrar:
-    """Keeps this worker registered with the router while the service runs."""
+    """Keeps this worker registered with every router while the service runs.
+
+    `--router host:port` may name several routers (a Kubernetes headless Service resolves to
+    every router pod): each resolved address gets its own register/heartbeat loop, and the
+    name is resolved again every RESOLVE_EVERY_S so new routers learn about us.
+    """
+
+    RESOLVE_EVERY_S = 15.0
 
     def __init__(self, settings: WorkerSettings, info: registry_pb2.WorkerInfo, load_fn) -> None:
         self.settings = settings
         self.info = info
         self.load_fn = load_fn
         self._task: asyncio.Task | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self.registered = asyncio.Event()
+        self._loops: dict[str, asyncio.Task] = {}
+        self._registered: set[str] = set()
+        self.registered = asyncio.Event()  # registered with at least one router
 
     def start(self) -> None:
         if self.settings.router:
-            self._task = asyncio.create_task(self._run())
+            self._task = asyncio.create_task(self._resolve_forever())
 
-    async def _run(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.settings.router)
-        stub = registry_pb2_grpc.RegistryStub(self._channel)
-        interval = self.settings.heartbeat_s
+    def _addresses(self) -> set[str]:
+        import socket
+
+        host, _, port = self.settings.router.rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (OSError, ValueError):
+            return {self.settings.router}
+        addrs = {f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos}
+        return addrs or {self.settings.router}
+
+    async def _resolve_forever(self) -> None:
         while True:
-            try:
-                if not self.registered.is_set():
-                    resp = await stub.Register(registry_pb2.RegisterRequest(
-                        worker=self.info, load=self.load_fn()), timeout=10)
-                    interval = max(0.2, resp.heartbeat_interval_ms / 1000 or self.settings.heartbeat_s)
-                    self.registered.set()
-                    log.info("registered with router %s as %s", self.settings.router, self.info.worker_id)
-                else:
-                    resp = await stub.Heartbeat(registry_pb2.HeartbeatRequest(
-                        worker_id=self.info.worker_id, load=self.load_fn()), timeout=5)
+            addrs = await asyncio.to_thread(self._addresses)
+            for addr in addrs - set(self._loops):
+                self._loops[addr] = asyncio.create_task(self._keep_registered(addr))
+            for addr in set(self._loops) - addrs:
+                self._loops.pop(addr).cancel()
+            await asyncio.sleep(self.RESOLVE_EVERY_S)
+
+    async def _keep_registered(self, address: str) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = registry_pb2_grpc.RegistryStub(channel)
+            interval = self.settings.heartbeat_s
+            registered = False
+            while True:
+                try:
+                    if not registered:
+                        resp = await stub.Register(registry_pb2.RegisterRequest(
+                            worker=self.info, load=self.load_fn()), timeout=10)
+                        registered = True
+                        self._registered.add(address)
+                        self.registered.set()
+                        log.info("registered with router %s as %s", address, self.info.worker_id)
+                    else:
+                        resp = await stub.Heartbeat(registry_pb2.HeartbeatRequest(
+                            worker_id=self.info.worker_id, load=self.load_fn()), timeout=5)
                     interval = max(0.2, resp.heartbeat_interval_ms / 1000 or interval)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    log.warning("router does not know us: registering again")
-                    self.registered.clear()
-                    continue
-                log.warning("router %s: %s %s", self.settings.router, exc.code().name, exc.details())
-                self.registered.clear()
-            await asyncio.sleep(interval)
+                except grpc.aio.AioRpcError as exc:
+                    registered = False
+                    self._registered.discard(address)
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        log.warning("router %s does not know us: registering again", address)
+                        continue
+                    log.warning("router %s: %s %s", address, exc.code().name, exc.details())
+                await asyncio.sleep(interval)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [t for t in (self._task, *self._loops.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for address in list(self._registered):
             try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self._channel is not None and self.registered.is_set():
-            try:
-                stub = registry_pb2_grpc.RegistryStub(self._channel)
-                await stub.Deregister(registry_pb2.DeregisterRequest(
-                    worker_id=self.info.worker_id, reason="shutdown"), timeout=3)
+                async with grpc.aio.insecure_channel(address) as channel:
+                    await registry_pb2_grpc.RegistryStub(channel).Deregister(
+                        registry_pb2.DeregisterRequest(worker_id=self.info.worker_id,
+                                                       reason="shutdown"), timeout=3)
             except grpc.aio.AioRpcError:
                 pass
-        if self._channel is not None:
-            await self._channel.close()
+        self._registered.clear()
 
 
 def setup_logging(level: str) -> None:

@@ -68,12 +68,11 @@ class Scheduler:
 
     # -- admission control --------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
-        """Raise CapacityError if the cache could never hold `request`, even alone."""
-        if self.config.capacity_policy == CapacityPolicy.MAX_UTILIZATION:
-            final = request.num_prompt_tokens + 1
-        else:
-            final = min(request.num_prompt_tokens + request.sampling_params.max_tokens,
-                        self.max_model_len)
+        """Raise CapacityError if the cache could never hold `request`, even alone. Every
+        policy checks the full length: under MAX_UTILIZATION a request that outgrows the
+        whole cache would preempt itself and then wait forever."""
+        final = min(request.num_prompt_tokens + request.sampling_params.max_tokens,
+                    self.max_model_len)
         need = self.kv.num_blocks_for_tokens(final)
         if need > self.kv.get_max_resource_count():
             raise CapacityError(

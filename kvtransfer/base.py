@@ -15,6 +15,7 @@ import abc
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from pdserve.kvtransfer.health import BackendHealth
 from pdserve.kvtransfer.wire import BlockHeader, WireLimits
 
 
@@ -86,23 +87,48 @@ class KVTransport(abc.ABC):
 
 
 class BlockStore(abc.ABC):
-    """Content-addressed block store keyed by (compatibility hash, block hash)."""
+    """Content-addressed block store keyed by (compatibility hash, key).
+
+    A key is a block's content hash (non-negative, `proto.block_hash`), or a negative
+    short-lived key for a block without one (`codec.ephemeral_key`), which the store keeps
+    only for a short TTL. Each record is a single-block wire message, so it checks itself.
+
+    A store never fails a request: trouble (unreachable, full, unwritable, corrupt) is logged,
+    counted in `health`, and reads as a miss / a short put. While `health` says unhealthy the
+    store answers misses at once, until a probe after the cool-down succeeds.
+    """
 
     name: str = ""
+    health: BackendHealth
 
     @abc.abstractmethod
     def put(self, block_hashes: Sequence[int], message: BlockMessage) -> int:
-        """Store each block of `message` under its hash. Returns how many were stored.
-        Never raises for backend trouble (logs, returns 0)."""
+        """Store block i of `message` under `block_hashes[i]` (the compatibility hash comes
+        from the message header). Returns how many were stored. Never raises for backend
+        trouble (logs, returns what it managed)."""
 
     @abc.abstractmethod
-    def get(self, block_hashes: Sequence[int], limits: WireLimits) -> list[bytes | None]:
-        """Payload of each block (one block across all layers), or None for a miss. A
-        corrupt or incompatible record is a miss (and is deleted)."""
+    def get(self, block_hashes: Sequence[int], limits: WireLimits) -> list[memoryview | None]:
+        """Payload of each block (one block across all layers, `[L, 2, BS, H, D]` bytes), or
+        None for a miss. A corrupt or incompatible record is a miss (and is deleted)."""
 
     @abc.abstractmethod
-    def count_prefix_hits(self, block_hashes: Sequence[int]) -> int:
-        """Length of the longest prefix of `block_hashes` present in the store."""
+    def count_prefix_hits(self, block_hashes: Sequence[int], compat_hash: int) -> int:
+        """Length of the longest prefix of `block_hashes` present in the store (0 on trouble)."""
+
+    @abc.abstractmethod
+    def discard(self, block_hashes: Sequence[int], compat_hash: int) -> None:
+        """Delete these records if present (used for short-lived keys once fetched)."""
+
+    @abc.abstractmethod
+    def probe(self) -> bool:
+        """A cheap call that tells whether the store works now; updates `health`."""
+
+    def can_serve(self) -> bool:
+        """Healthy; or unhealthy with the cool-down over and a probe that succeeds now."""
+        if self.health.is_healthy:
+            return True
+        return self.health.can_try() and self.probe()
 
     @abc.abstractmethod
     def close(self) -> None:
