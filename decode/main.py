@@ -12,7 +12,11 @@ class DecodeBuild:
     def make_connector(settings: WorkerSettings):
         from pdserve.engine.connector import Connector
 
-        return Connector()
+        if not settings.backends:
+            return Connector()  # local prefill only
+        from pdserve.kvtransfer.service import make_connector_for_decode
+
+        return make_connector_for_decode(settings)
 
     @staticmethod
     async def make_service(runtime):
@@ -45,9 +49,9 @@ def make_receiver(runtime):
 
     if not runtime.settings.backends:
         return NoReceiver()
-    from pdserve.kvtransfer.service import make_receiver as make
+    from pdserve.kvtransfer.service import Receiver
 
-    return make(runtime.settings, runtime.engine)
+    return Receiver(runtime.engine.connector, runtime.settings)
 
 
 def main(settings: dict[str, Any]) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -24,23 +23,23 @@ log = logging.getLogger("pdserve.decode.prefill_leg")
 
 
 class KVReceiver(Protocol):
-    """Decode's side of the transfer layer (implemented in kvtransfer)."""
+    """Decode's side of the transfer layer (kvtransfer.service.Receiver)."""
 
     backends: tuple[str, ...]
 
     def endpoints(self) -> list[tuple[str, str]]:
-        """(backend, address) pairs the prefill worker can write to."""
+        """(backend, address) pairs the prefill worker can deliver to."""
 
-    def expect(self, transfer_id: bytes, block_ids: Sequence[int], block_hashes: Sequence[int],
-               deadline: float) -> None:
-        """Reserve `block_ids` for `transfer_id` until `deadline` (time.monotonic)."""
+    def prepare(self, request_id: str, block_ids: Sequence[int], num_prompt_tokens: int,
+                num_cached_tokens: int, timeout_s: float):
+        """Reserve the uncached prompt blocks for one transfer; returns its TransferParams."""
 
-    def complete(self, transfer_id: bytes, backend: str, timeout: float) -> bool:
-        """After prefill's verdict: True once every expected block is in place (fetching it
-        from the store named by `backend` if it went through one), verified."""
+    def complete(self, request_id: str, verdict: common_pb2.TransferVerdict) -> common_pb2.TransferVerdict:
+        """Settle with prefill's verdict (fetching from a store if one carried the blocks);
+        outcome TRANSFERRED only if every block is in place and verified."""
 
-    def abort(self, transfer_id: bytes) -> None:
-        """Stop expecting `transfer_id`; later writes for it are refused. Idempotent."""
+    def cancel(self, request_id: str) -> None:
+        """Drop the reservation; later writes are refused. Idempotent."""
 
 
 @dataclass(slots=True)
@@ -57,13 +56,16 @@ class NoReceiver:
     def endpoints(self):
         return []
 
-    def expect(self, transfer_id, block_ids, block_hashes, deadline):
+    def prepare(self, request_id, block_ids, num_prompt_tokens, num_cached_tokens, timeout_s):
         raise RuntimeError("no KV transfer backend is configured")
 
-    def complete(self, transfer_id, backend, timeout):
-        return False
+    def complete(self, request_id, verdict):
+        return verdict
 
-    def abort(self, transfer_id):
+    def cancel(self, request_id):
+        pass
+
+    def close(self):
         pass
 
 
@@ -76,7 +78,7 @@ class PrefillLeg:
         self.block_size = block_size
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._inflight: dict[str, tuple[bytes, asyncio.Task]] = {}
+        self._inflight: dict[str, asyncio.Task] = {}
 
     @property
     def can_receive(self) -> bool:
@@ -91,30 +93,24 @@ class PrefillLeg:
     async def run(self, request_id: str, prompt_ids: list[int], block_hashes: list[int],
                   sampling: common_pb2.SamplingParams, choice, block_ids: Sequence[int],
                   num_cached_tokens: int) -> LegResult:
-        transfer_id = uuid.uuid4().bytes
-        verdict = common_pb2.TransferVerdict(prefill_worker_id=choice.worker_id,
-                                             transfer_id=transfer_id.hex())
+        from pdserve.kvtransfer.service import params_to_handoff
+
         start = time.monotonic()
-        deadline = start + self.timeout_s
-        first_block = num_cached_tokens // self.block_size
-        dst = list(block_ids[first_block:])
-        self.receiver.expect(transfer_id, dst, block_hashes[first_block:], deadline)
-        handoff = prefill_pb2.KVHandoff(
-            transfer_id=transfer_id.hex(), backends=list(self.receiver.backends),
-            endpoints=[prefill_pb2.TransferEndpoint(backend=b, address=a) for b, a in self.receiver.endpoints()],
-            block_ids=list(block_ids), num_cached_tokens=num_cached_tokens,
-            deadline_unix_ms=int((time.time() + self.timeout_s) * 1000),
-            compatibility_hash=self.compat_hash, decode_worker_id=self.worker_id)
+        tp = self.receiver.prepare(request_id, block_ids, len(prompt_ids), num_cached_tokens,
+                                   self.timeout_s)
+        handoff = params_to_handoff(tp, block_ids, self.block_size, self.worker_id)
+        verdict = common_pb2.TransferVerdict(prefill_worker_id=choice.worker_id,
+                                             transfer_id=handoff.transfer_id)
         call = self._stub(choice.address).Prefill(
             prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                        block_hashes=block_hashes, sampling=sampling, handoff=handoff),
             timeout=self.timeout_s)
         task = asyncio.ensure_future(call)
-        self._inflight[request_id] = (transfer_id, task)
+        self._inflight[request_id] = task
         try:
             resp: prefill_pb2.PrefillResponse = await task
         except grpc.aio.AioRpcError as exc:
-            self.receiver.abort(transfer_id)
+            self.receiver.cancel(request_id)
             verdict.outcome = common_pb2.TRANSFER_OUTCOME_FAILED
             verdict.prefill_status_code = exc.code().name
             verdict.reason = f"prefill_unavailable: {exc.code().name} {exc.details() or ''}".strip()
@@ -122,31 +118,21 @@ class PrefillLeg:
             return LegResult(False, verdict)
         finally:
             self._inflight.pop(request_id, None)
-        verdict.MergeFrom(resp.verdict)
+        final = await asyncio.to_thread(self.receiver.complete, request_id, resp.verdict)
+        verdict.MergeFrom(final)
         verdict.prefill_worker_id = choice.worker_id
-        if resp.verdict.outcome != common_pb2.TRANSFER_OUTCOME_TRANSFERRED:
-            self.receiver.abort(transfer_id)
+        if final.outcome != common_pb2.TRANSFER_OUTCOME_TRANSFERRED:
             verdict.reason = verdict.reason or "transfer_failed"
             return LegResult(False, verdict)
-        remaining = max(0.1, deadline - time.monotonic())
-        arrived = await asyncio.to_thread(self.receiver.complete, transfer_id, resp.verdict.backend, remaining)
-        if not arrived:
-            self.receiver.abort(transfer_id)
-            verdict.outcome = common_pb2.TRANSFER_OUTCOME_FAILED
-            verdict.reason = f"transfer_failed: blocks via {resp.verdict.backend} did not arrive intact"
-            return LegResult(False, verdict)
         lp = logprob_from_proto(resp.first_token_logprob) if resp.HasField("first_token_logprob") else None
-        verdict.duration_ms = (time.monotonic() - start) * 1000 if not verdict.duration_ms else verdict.duration_ms
         return LegResult(True, verdict, resp.first_token_id, lp)
 
     async def abort(self, request_id: str) -> None:
-        """Cancel the leg of `request_id` if one runs: the RPC, then the expected transfer."""
-        entry = self._inflight.pop(request_id, None)
-        if entry is None:
-            return
-        transfer_id, task = entry
-        task.cancel()
-        self.receiver.abort(transfer_id)
+        """Cancel the leg of `request_id` if one runs: the RPC, then the reservation."""
+        task = self._inflight.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+        self.receiver.cancel(request_id)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -1,0 +1,165 @@
+"""The transfer layer as the prefill and decode services use it.
+
+Converts between the proto hand-off (KVHandoff, TransferVerdict) and the connector's typed
+objects (TransferParams, verdict.TransferVerdict), and builds each role's connector from the
+worker settings. Imports grpc-free proto messages only.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Sequence
+
+from pdserve.engine.connector import Connector
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.connector import build_connector
+from pdserve.kvtransfer.params import TransferParams
+from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict
+from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
+
+_OUTCOMES = {
+    Outcome.TRANSFERRED: common_pb2.TRANSFER_OUTCOME_TRANSFERRED,
+    Outcome.RECOMPUTED: common_pb2.TRANSFER_OUTCOME_RECOMPUTED,
+    Outcome.FAILED: common_pb2.TRANSFER_OUTCOME_FAILED,
+    Outcome.ABORTED: common_pb2.TRANSFER_OUTCOME_FAILED,
+}
+
+
+def transfer_config(settings) -> KVTransferConfig:
+    return KVTransferConfig.from_settings(
+        backends=settings.kv_backends, host=settings.host, transfer_port=settings.transfer_port,
+        redis_url=settings.redis_url or None, disk_store=settings.disk_store or None,
+        disk_store_max_gb=settings.disk_store_max_gb, step_timeout_s=settings.transfer_timeout_s)
+
+
+def verdict_to_proto(v: TransferVerdict) -> common_pb2.TransferVerdict:
+    out = common_pb2.TransferVerdict(
+        outcome=_OUTCOMES[v.outcome], backend=v.backend if v.backend != "recompute" else "",
+        num_bytes=v.num_bytes, num_blocks=v.num_blocks, duration_ms=v.duration_s * 1000,
+        transfer_id=v.transfer_id, fetch_keys=list(v.fetch_keys),
+        fallbacks=[common_pb2.FallbackStep(backend=f.backend, reason=f.reason,
+                                           duration_ms=f.duration_s * 1000) for f in v.fallbacks])
+    if v.outcome != Outcome.TRANSFERRED:
+        last = v.fallbacks[-1].reason if v.fallbacks else v.outcome.value
+        out.reason = f"transfer_failed: {last}"
+    return out
+
+
+def verdict_from_proto(p: common_pb2.TransferVerdict) -> TransferVerdict:
+    outcome = {common_pb2.TRANSFER_OUTCOME_TRANSFERRED: Outcome.TRANSFERRED,
+               common_pb2.TRANSFER_OUTCOME_RECOMPUTED: Outcome.RECOMPUTED}.get(p.outcome, Outcome.FAILED)
+    return TransferVerdict(p.transfer_id, outcome, p.backend, p.num_blocks, p.num_bytes,
+                           p.duration_ms / 1000,
+                           tuple(Fallback(f.backend, f.reason, f.duration_ms / 1000) for f in p.fallbacks),
+                           tuple(p.fetch_keys))
+
+
+def params_to_handoff(tp: TransferParams, block_ids: Sequence[int], block_size: int,
+                      decode_worker_id: str) -> prefill_pb2.KVHandoff:
+    return prefill_pb2.KVHandoff(
+        transfer_id=tp.transfer_id.hex(), backends=list(tp.backends),
+        endpoints=[prefill_pb2.TransferEndpoint(backend=b, address=a) for b, a in tp.endpoints],
+        block_ids=list(block_ids), num_cached_tokens=tp.num_leading_blocks * block_size,
+        deadline_unix_ms=int(tp.deadline * 1000), compatibility_hash=tp.compat_hash,
+        decode_worker_id=decode_worker_id)
+
+
+def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferParams:
+    """Bounds-checked: the handoff comes from a peer."""
+    from pdserve.engine.errors import InvalidRequestError
+
+    if h.num_cached_tokens % block_size:
+        raise InvalidRequestError("num_cached_tokens must be a multiple of the block size")
+    leading = h.num_cached_tokens // block_size
+    if leading > len(h.block_ids):
+        raise InvalidRequestError("num_cached_tokens covers more blocks than block_ids names")
+    try:
+        transfer_id = bytes.fromhex(h.transfer_id)
+    except ValueError:
+        raise InvalidRequestError("transfer_id must be hex") from None
+    return TransferParams(transfer_id, tuple(h.block_ids[leading:]), leading,
+                          h.deadline_unix_ms / 1000, h.compatibility_hash,
+                          tuple((e.backend, e.address) for e in h.endpoints), tuple(h.backends))
+
+
+class Sender:
+    """Prefill's side: the engine's connector, plus verdicts by request id."""
+
+    def __init__(self, settings) -> None:
+        self.block_size = settings.block_size
+        self.connector: Connector = build_connector(transfer_config(settings), listen=False)
+
+    def transfer_params(self, request_id: str, handoff: prefill_pb2.KVHandoff) -> TransferParams:
+        return handoff_to_params(handoff, self.block_size)
+
+    async def verdict(self, request_id: str, timeout: float) -> common_pb2.TransferVerdict:
+        v = await asyncio.to_thread(self.connector.worker.verdicts.wait, request_id, timeout)
+        if v is None:
+            return common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_FAILED,
+                                              reason="transfer_failed: no verdict before the deadline")
+        return verdict_to_proto(v)
+
+    def abort(self, request_id: str) -> None:
+        abort = getattr(self.connector.worker, "abort_send", None)
+        if abort is not None:
+            abort(request_id)
+
+    def close(self) -> None:
+        self.connector.worker.close()
+
+
+class Receiver:
+    """Decode's side: reserve blocks for a transfer, settle it with prefill's verdict."""
+
+    def __init__(self, connector: Connector, settings) -> None:
+        self.worker = connector.worker
+        self.settings = settings
+        self.backends = transfer_config(settings).backends
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        """Where each configured backend reaches us, in chain order: a transport's listener
+        (a wildcard bind is advertised as --advertise-host), a store's location."""
+        advertise = self.settings.advertise_host
+        listening = self.worker.endpoints
+        stores = {"redis": self.settings.redis_url, "disk": self.settings.disk_store}
+        out = []
+        for backend in self.backends:
+            address = listening.get(backend) or stores.get(backend) or ""
+            if not address:
+                continue
+            host, sep, port = address.rpartition(":")
+            if backend in listening and sep and advertise and host in ("0.0.0.0", "::", "[::]"):
+                address = f"{advertise}:{port}"
+            out.append((backend, address))
+        return out
+
+    def prepare(self, request_id: str, block_ids: Sequence[int], num_prompt_tokens: int,
+                num_cached_tokens: int, timeout_s: float) -> TransferParams:
+        bs = self.worker.layout.block_size
+        tp = self.worker.prepare_receive(request_id, block_ids, num_prompt_tokens,
+                                         num_cached_tokens // bs, time.time() + timeout_s)
+        # advertise reachable endpoints (a 0.0.0.0 listener is not an address)
+        import dataclasses
+
+        return dataclasses.replace(tp, endpoints=tuple(self.endpoints()))
+
+    def complete(self, request_id: str, verdict: common_pb2.TransferVerdict) -> common_pb2.TransferVerdict:
+        final = self.worker.complete_receive(request_id, verdict_from_proto(verdict))
+        out = verdict_to_proto(final)
+        if final.outcome == Outcome.RECOMPUTED or not final.ok:
+            out.outcome = common_pb2.TRANSFER_OUTCOME_FAILED  # decode's policy decides what next
+        return out
+
+    def cancel(self, request_id: str) -> None:
+        self.worker.cancel_receive(request_id)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def make_sender(settings) -> Sender:
+    return Sender(settings)
+
+
+def make_connector_for_decode(settings) -> Connector:
+    return build_connector(transfer_config(settings), listen=True)
