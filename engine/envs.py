@@ -20,6 +20,20 @@ KNOWN = {
     "PDSERVE_LOG_LEVEL": ("INFO", "log level of every process"),
     "TRITON_INTERPRET": ("0", "read by Triton itself when it compiles a kernel; pdserve reads it only "
                               "to refuse PDSERVE_USE_TRITON=1 on CPU without the interpreter"),
+    # kv transfer, ucx backend: read once, when the process's UCX context starts
+    "PDSERVE_UCX_TLS": ("auto", "UCX transports for KV transfer; auto: tcp,sm,self "
+                                "(+cuda_copy,cuda_ipc where CUDA is available)"),
+    "PDSERVE_UCX_NET_DEVICES": ("auto", "network devices UCX may use; auto: lo when the transfer "
+                                        "host is a loopback address, else all"),
+    "PDSERVE_UCX_RNDV_THRESH": ("8192", "UCX rendezvous threshold (bytes, or auto)"),
+    "PDSERVE_UCX_TCP_TX_SEG_SIZE": ("64k", "UCX TCP send segment size"),
+    "PDSERVE_UCX_TCP_RX_SEG_SIZE": ("256k", "UCX TCP receive segment size"),
+    "PDSERVE_UCX_ERROR_HANDLING": ("0", "1: UCX peer-failure detection on endpoints (excludes the "
+                                        "shared-memory zero-copy path; deadlines catch dead peers)"),
+    "PDSERVE_UCX_OPTIONS": ("", "extra UCX options for tuning, 'KEY=VALUE ...' (UCX_ prefix optional)"),
+    # kv transfer, nccl backend
+    "PDSERVE_NCCL_BACKEND": ("auto", "process groups of the nccl transport: gloo, nccl, or auto "
+                                     "(nccl where CUDA is available, else gloo)"),
 }
 
 

@@ -76,7 +76,8 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._pending: list[RequestOutput] = []  # ends decided outside step() (abort, errors)
-        self._sending: set[str] = set()  # finished, blocks kept until the connector's send ends
+        self._sending: set[str] = set()
+        self._finished_this_step: set[str] = set()  # finished, blocks kept until the connector's send ends
         self._generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self._num_prompt_computed = 0
         self._num_generated = 0
@@ -162,6 +163,9 @@ class LLMEngine:
         """Run one step. Returns (deltas, requests that now wait for a remote prefill)."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
+        if not plan.chunks:
+            # no forward this step, but the connector still gets its metadata (finish notices)
+            self.connector.worker.start_load_kv(plan.connector_meta)
         if plan.chunks:
             result = self.runner.execute(plan)
             for chunk in plan.chunks:
@@ -177,7 +181,8 @@ class LLMEngine:
                 self._append_tokens([(r, t.token_id, t.logprob) for r, t in zip(reqs, tokens)])
         outputs += self._pending
         self._pending = []
-        done_sending, _ = self.connector.worker.get_finished(set())
+        finished, self._finished_this_step = self._finished_this_step, set()
+        done_sending, _ = self.connector.worker.get_finished(finished)
         for request_id in done_sending & self._sending:
             self._sending.discard(request_id)
             self.kv.free_resources(request_id)
@@ -222,6 +227,7 @@ class LLMEngine:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         freed = self.scheduler.finish(request, status)
+        self._finished_this_step.add(request.request_id)
         if not freed:
             self._sending.add(request.request_id)
         self._requests.pop(request.request_id, None)

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests import `support`
 
 # Keep torch to the machine's 2 cores and tests reproducible.
 os.environ.setdefault("OMP_NUM_THREADS", "2")

@@ -87,3 +87,31 @@ def deploy(**settings) -> Deployment:
     return Deployment(children, http_port, grpc_port)
 
 
+
+
+def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[str] = (),
+                   common: list[str] = ()) -> Deployment:
+    """A router plus the given workers, each (name, role, extra flags), as real processes."""
+    http_port, grpc_port = pick_free_port(), pick_free_port()
+    py = [sys.executable, "-m", "pdserve.deploy.cli"]
+    children = [up.Child("router", [*py, "router", "--host", "127.0.0.1", "--http-port", str(http_port),
+                                    "--grpc-port", str(grpc_port), *router_args])]
+    base = ["--host", "127.0.0.1", "--router", f"127.0.0.1:{grpc_port}", "--grpc-port", "0",
+            "--transfer-port", "0", "--num-threads", "1", "--heartbeat-s", "0.5", *common]
+    for name, role, extra in workers:
+        children.append(up.Child(name, [*py, role, *base, "--worker-id", name, *extra]))
+    import os
+    import subprocess
+    import threading
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for child in children:
+        child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env, start_new_session=True)
+        threading.Thread(target=up._pump, args=(child,), daemon=True).start()
+    try:
+        up.wait_ready(children, http_port, "127.0.0.1", READY_TIMEOUT_S)
+    except BaseException:
+        up.stop(children)
+        raise
+    return Deployment(children, http_port, grpc_port)

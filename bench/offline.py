@@ -1,0 +1,274 @@
+"""Offline engine benchmark: pdserve's engine beside transformers `generate`, same prompts,
+same run, same machine.
+
+    python -m pdserve.bench.offline            # the full run (SmolLM2, a few minutes on 2 cores)
+    python -m pdserve.bench.offline --quick    # small shapes, to check that it runs
+
+Measured, each for pdserve and for transformers:
+
+* batch throughput: output tokens/s for C concurrent requests (~P-token prompts, exactly N new
+  tokens each, greedy, EOS ignored) for every C in --concurrency and N in --new-tokens.
+  pdserve gets all C requests at once (continuous batching); transformers gets them as one
+  left-padded batch. Wall time covers prefill and decode.
+* single-stream TTFT: one ~P-token prompt, time until the first output token exists.
+* prefill speed: prompt tokens/s for one --prefill-len-token prompt (one output token).
+
+Prompts are seeded random token ids (no special tokens), distinct per measurement so the
+prefix cache never flatters pdserve (it is also reset before each measurement). Ratios are
+written so that > 1 means pdserve is better. Targets (issue 2): batch throughput >= 2x,
+prefill speed >= 1x.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+FIRST_ORDINARY_TOKEN = 256  # below this, SmolLM2-style vocabularies keep special/byte tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    model: str
+    threads: int
+    concurrency: tuple[int, ...]
+    new_tokens: tuple[int, ...]
+    prompt_len: int
+    prefill_len: int
+    repeats: int
+    seed: int
+    run_transformers: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One measurement; `ratio` > 1 means pdserve is better."""
+
+    name: str
+    unit: str
+    ours: float
+    theirs: float | None
+    higher_is_better: bool
+    agreement: float | None = None  # fraction of requests with the same greedy tokens
+
+    @property
+    def ratio(self) -> float | None:
+        if self.theirs is None or self.ours <= 0 or self.theirs <= 0:
+            return None
+        return self.ours / self.theirs if self.higher_is_better else self.theirs / self.ours
+
+
+def parse_args(argv: Sequence[str]) -> Settings:
+    p = argparse.ArgumentParser(prog="pdserve bench offline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="'default', a transformers dir or a .gguf")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both sides)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="default: 8 32")
+    p.add_argument("--new-tokens", type=int, nargs="+", default=None, help="default: 64 128")
+    p.add_argument("--prompt-len", type=int, default=None, help="mean prompt tokens (default 200)")
+    p.add_argument("--prefill-len", type=int, default=None, help="default: 1024")
+    p.add_argument("--repeats", type=int, default=1, help="runs per measurement; the median is kept")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true",
+                   help="small shapes (concurrency 4 8, 16 new tokens, 64-token prompts, 256 prefill)")
+    p.add_argument("--no-transformers", action="store_true", help="measure pdserve only")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    a = p.parse_args(list(argv))
+    quick = a.quick
+    s = Settings(
+        model=a.model, threads=a.threads,
+        concurrency=tuple(a.concurrency or ((4, 8) if quick else (8, 32))),
+        new_tokens=tuple(a.new_tokens or ((16,) if quick else (64, 128))),
+        prompt_len=a.prompt_len or (64 if quick else 200),
+        prefill_len=a.prefill_len or (256 if quick else 1024),
+        repeats=a.repeats, seed=a.seed, run_transformers=not a.no_transformers)
+    if min(s.concurrency + s.new_tokens) < 1 or s.prompt_len < 2 or s.prefill_len < 2 or s.repeats < 1:
+        p.error("counts and lengths must be positive (prompt lengths >= 2)")
+    if s.threads < 1:
+        p.error("--threads must be >= 1")
+    return s, a.json
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+def make_prompts(vocab_size: int, count: int, mean_len: int, seed: int) -> list[list[int]]:
+    """`count` random prompts of mean_len +- 10% tokens, reproducible from `seed`."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    spread = mean_len // 10
+    lens = torch.randint(mean_len - spread, mean_len + spread + 1, (count,), generator=g).tolist()
+    return [torch.randint(FIRST_ORDINARY_TOKEN, vocab_size, (n,), generator=g).tolist() for n in lens]
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+# -- the two sides --------------------------------------------------------------------------
+
+class Ours:
+    def __init__(self, s: Settings, max_cache_tokens: int) -> None:
+        from pdserve.engine.llm import LLM
+
+        self.llm = LLM(s.model, max_tokens=max_cache_tokens, max_batch_size=max(64, max(s.concurrency)))
+        self.vocab_size = self.llm.engine.model_config.vocab_size
+
+    def _fresh(self) -> None:
+        self.llm.engine.kv.pool.reset_prefix_cache()
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        from pdserve.engine.sampling_params import SamplingParams
+
+        self._fresh()
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        outs = self.llm.generate(prompts, params)
+        assert all(len(o.token_ids) == n for o in outs)
+        return [list(o.token_ids) for o in outs]
+
+    def ttft(self, prompt: list[int]) -> float:
+        from pdserve.engine.sampling_params import SamplingParams
+
+        self._fresh()
+        t0 = time.perf_counter()
+        for out in self.llm.generate_stream(prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                   ignore_eos=True)):
+            if out.new_token_ids:
+                return time.perf_counter() - t0
+        raise RuntimeError("no token came back")
+
+    def close(self) -> None:
+        self.llm.engine.assert_no_leaks()
+
+
+class Transformers:
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        import transformers
+
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+        self.model.generation_config.eos_token_id = None  # exact lengths, like ignore_eos
+        self.pad_id = 0
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=self.pad_id)
+        return out[:, width:].tolist()
+
+    def ttft(self, prompt: list[int]) -> float:
+        t0 = time.perf_counter()
+        self.generate([prompt], 1)
+        return time.perf_counter() - t0
+
+
+# -- the run --------------------------------------------------------------------------------
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
+
+
+def run(s: Settings, log: Callable[[str], None]) -> list[Row]:
+    import torch
+
+    torch.set_num_threads(s.threads)
+    need = max(max(s.concurrency) * (s.prompt_len * 11 // 10 + 1 + max(s.new_tokens)), s.prefill_len + 16)
+    t0 = time.perf_counter()
+    ours = Ours(s, max_cache_tokens=need + 1024)
+    log(f"pdserve engine loaded in {time.perf_counter() - t0:.1f} s "
+        f"({ours.llm.engine.model_name}, {ours.llm.engine.kv.num_blocks - 1} KV blocks)")
+    theirs = Transformers(ours.llm.engine.loaded.model_dir) if s.run_transformers else None
+    vocab = ours.vocab_size
+    seed = iter(range(s.seed * 1000, s.seed * 1000 + 1000))
+
+    warm = make_prompts(vocab, 2, 32, next(seed))
+    ours.generate(warm, 4)
+    if theirs:
+        theirs.generate(warm, 4)
+
+    rows: list[Row] = []
+    for c in s.concurrency:
+        for n in s.new_tokens:
+            prompts = make_prompts(vocab, c, s.prompt_len, next(seed))
+            t_ours, tok_ours = median_time(lambda: ours.generate(prompts, n), s.repeats)
+            row = Row(f"batch {c} x ~{s.prompt_len} prompt, {n} new", "out tok/s", c * n / t_ours,
+                      None, True)
+            if theirs:
+                t_hf, tok_hf = median_time(lambda: theirs.generate(prompts, n), s.repeats)
+                row = Row(row.name, row.unit, row.ours, c * n / t_hf, True, agreement(tok_ours, tok_hf))
+            rows.append(row)
+            log(format_row(row))
+
+    (prompt,) = make_prompts(vocab, 1, s.prompt_len, next(seed))
+    ttft_ours = statistics.median(ours.ttft(prompt) for _ in range(max(3, s.repeats)))
+    ttft_hf = statistics.median(theirs.ttft(prompt) for _ in range(max(3, s.repeats))) if theirs else None
+    rows.append(Row(f"TTFT, 1 stream, {len(prompt)}-token prompt", "ms", ttft_ours * 1e3,
+                    ttft_hf * 1e3 if ttft_hf else None, False))
+    log(format_row(rows[-1]))
+
+    g = torch.Generator().manual_seed(next(seed))
+    long_prompt = torch.randint(FIRST_ORDINARY_TOKEN, vocab, (s.prefill_len,), generator=g).tolist()
+    t_ours, tok_ours = median_time(lambda: ours.generate([long_prompt], 1), s.repeats)
+    row = Row(f"prefill, {s.prefill_len}-token prompt", "prompt tok/s", s.prefill_len / t_ours, None, True)
+    if theirs:
+        t_hf, tok_hf = median_time(lambda: theirs.generate([long_prompt], 1), s.repeats)
+        row = Row(row.name, row.unit, row.ours, s.prefill_len / t_hf, True, agreement(tok_ours, tok_hf))
+    rows.append(row)
+    log(format_row(row))
+    ours.close()
+    return rows
+
+
+def format_row(r: Row) -> str:
+    theirs = f"{r.theirs:10.1f}" if r.theirs is not None else f"{'-':>10}"
+    ratio = f"{r.ratio:5.2f}x" if r.ratio is not None else "     -"
+    agree = f"  same tokens {r.agreement:4.0%}" if r.agreement is not None else ""
+    return f"{r.name:<40} {r.unit:<13} {r.ours:10.1f} {theirs}  {ratio}{agree}"
+
+
+def header(s: Settings) -> str:
+    import torch
+
+    return (f"pdserve offline benchmark: model {s.model}, float32, CPU, torch {torch.__version__}, "
+            f"{s.threads} threads\n"
+            f"{'measurement':<40} {'unit':<13} {'pdserve':>10} {'transformers':>10}  ratio "
+            f"(>1: pdserve better)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, json_path = parse_args(sys.argv[1:] if argv is None else argv)
+    print(header(settings), flush=True)
+    rows = run(settings, lambda line: print(line, flush=True))
+    batch = [r.ratio for r in rows if r.name.startswith("batch") and r.ratio is not None]
+    prefill = [r.ratio for r in rows if r.name.startswith("prefill") and r.ratio is not None]
+    if batch:
+        print(f"targets: batch throughput >= 2x transformers: min {min(batch):.2f}x "
+              f"{'OK' if min(batch) >= 2 else 'MISSED'}; prefill >= 1x: {prefill[0]:.2f}x "
+              f"{'OK' if prefill[0] >= 1 else 'MISSED'}")
+    if json_path:
+        json_path.write_text(json.dumps(
+            {"settings": asdict(settings),
+             "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

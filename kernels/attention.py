@@ -1,0 +1,93 @@
+"""Public wrappers: attention over the paged KV cache, for decode and for prefill."""
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels import torch_paths
+from pdserve.kernels.checks import (
+    check_attention_scalars,
+    check_gqa,
+    check_heads,
+    check_index,
+    check_kv_cache,
+    check_same_device,
+    require,
+)
+from pdserve.kernels.dispatch import use_triton
+
+
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, window: int | None = None
+                           ) -> torch.Tensor:
+    """One new token per sequence attends to its whole cached context.
+
+    query `[B, num_heads, head_dim]`: sequence b's token at position `context_lens[b] - 1`
+    (its own K/V already stored). block_tables `[B, max_blocks]` int32: entries at and past
+    `ceil(context_len / block_size)` are never read. context_lens `[B]` int32; a 0 yields a
+    zero output row (a padded batch slot). Head h reads KV head `h // (num_heads //
+    num_kv_heads)`. With `window` W only positions `> pos - W` are seen. Softmax in fp32;
+    returns `[B, num_heads, head_dim]` in the query's dtype.
+    """
+    cache = check_kv_cache(kv_cache)
+    num_heads = check_heads(query, "query", cache, kv_cache.dtype)
+    check_gqa(num_heads, cache)
+    num_seqs = query.shape[0]
+    check_index(block_tables, "block_tables", torch.int32, (num_seqs, None))
+    check_index(context_lens, "context_lens", torch.int32, (num_seqs,))
+    check_attention_scalars(scale, window)
+    check_same_device(query=query, kv_cache=kv_cache, block_tables=block_tables, context_lens=context_lens)
+    if use_triton(kv_cache.device):
+        from pdserve.kernels import triton_attention
+
+        return triton_attention.paged_decode_attention(query, kv_cache, block_tables, context_lens,
+                                                       float(scale), window)
+    _check_context_lens(context_lens, block_tables, cache.block_size)
+    return torch_paths.paged_decode_attention(query, kv_cache, block_tables, context_lens, float(scale), window)
+
+
+def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                            window: int | None = None, max_query_len: int | None = None) -> torch.Tensor:
+    """Causal attention of a packed chunk of new tokens over the cache (prefix + chunk).
+
+    query `[T, num_heads, head_dim]`: sequence b's queries are rows
+    `query_start_loc[b]:query_start_loc[b + 1]` (int32 `[B + 1]`, starting at 0, ending at T).
+    context_lens `[B]` int32 counts the sequence's tokens in the cache including this chunk,
+    whose K/V `store_kv` already wrote; query i of a chunk of q_len sits at position
+    `context_len - q_len + i` and sees keys at positions `<= its own` (and `> pos - window`).
+    `max_query_len`, when the caller knows it, saves the Triton path a device->host read.
+    Returns `[T, num_heads, head_dim]` in the query's dtype.
+    """
+    cache = check_kv_cache(kv_cache)
+    num_heads = check_heads(query, "query", cache, kv_cache.dtype)
+    check_gqa(num_heads, cache)
+    num_seqs = context_lens.shape[0] if isinstance(context_lens, torch.Tensor) else -1
+    check_index(context_lens, "context_lens", torch.int32, (None,))
+    check_index(query_start_loc, "query_start_loc", torch.int32, (num_seqs + 1,))
+    check_index(block_tables, "block_tables", torch.int32, (num_seqs, None))
+    check_attention_scalars(scale, window)
+    require(max_query_len is None or (isinstance(max_query_len, int) and max_query_len >= 0),
+            f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
+    check_same_device(query=query, kv_cache=kv_cache, block_tables=block_tables,
+                      query_start_loc=query_start_loc, context_lens=context_lens)
+    if use_triton(kv_cache.device):
+        from pdserve.kernels import triton_attention
+
+        return triton_attention.paged_prefill_attention(query, kv_cache, block_tables, query_start_loc,
+                                                        context_lens, float(scale), window, max_query_len)
+    _check_context_lens(context_lens, block_tables, cache.block_size)
+    starts = query_start_loc.long()
+    q_lens = starts[1:] - starts[:-1]
+    require(int(starts[0]) == 0 and int(starts[-1]) == query.shape[0] and bool((q_lens >= 0).all()),
+            f"query_start_loc must rise from 0 to {query.shape[0]} (the query rows)")
+    require(bool((q_lens <= context_lens.long()).all()), "a chunk is longer than its context_len")
+    return torch_paths.paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, context_lens,
+                                               float(scale), window)
+
+
+def _check_context_lens(context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> None:
+    """Data checks, on the torch path only (on CUDA they would synchronise the stream)."""
+    if context_lens.numel():
+        capacity = block_tables.shape[1] * block_size
+        require(int(context_lens.min()) >= 0 and int(context_lens.max()) <= capacity,
+                f"context_lens must lie in [0, {capacity}] (block_tables width x block_size)")

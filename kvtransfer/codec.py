@@ -1,0 +1,137 @@
+"""Building and reading whole wire messages (wire.py holds the format and its checks).
+
+* `encode_message`: header + index + payload for blocks gathered out of a cache.
+* `split_records` / `decode_record`: the single-block records stores keep (one block across
+  all layers each, self-checking: its own header, index entry and checksum).
+* `decode_message`: a complete message received as bytes, checked against `WireLimits`.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdserve.engine.errors import TransferError
+from pdserve.kvtransfer.base import BlockMessage
+from pdserve.kvtransfer.wire import (
+    DTYPE_NAMES, HEADER, HEADER_SIZE, INDEX_ENTRY, NO_BLOCK, BlockHeader, WireError, WireLimits,
+    encode_header, encode_index, parse_header, parse_index, verify_payload,
+)
+from pdserve.proto.block_hash import stable_hash64
+
+NO_TRANSFER = bytes(16)  # transfer id of content-addressed records (shared by every transfer)
+
+
+def new_transfer_id() -> bytes:
+    return uuid.uuid4().bytes
+
+
+def ephemeral_key(transfer_id: bytes, index: int) -> int:
+    """Store key of a block that has no content hash (a prompt's partial last block).
+
+    Block hashes are non-negative (proto.block_hash masks them to 63 bits); these keys are
+    negative, so a store can tell them apart and keep them only briefly.
+    """
+    return -1 - stable_hash64("pdkv-ephemeral", transfer_id, index)
+
+
+def as_bytes_view(buf: object) -> memoryview:
+    """A flat byte view of bytes / bytearray / memoryview / a contiguous CPU tensor (no copy)."""
+    if hasattr(buf, "element_size"):  # a torch tensor
+        if buf.device.type != "cpu":
+            raise TransferError(f"payload must be in host memory, not {buf.device}")
+        import torch
+
+        return memoryview(buf.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def encode_message(limits: WireLimits, transfer_id: bytes, dst_block_ids: Sequence[int],
+                   block_hashes: Sequence[int], payload: object) -> BlockMessage:
+    """`payload`: the blocks `[N, L, 2, BS, H, D]` as bytes or a contiguous CPU tensor."""
+    index = encode_index(dst_block_ids, block_hashes)
+    view = as_bytes_view(payload)
+    header = encode_header(
+        transfer_id=transfer_id, compat_hash=limits.compat_hash, dtype=limits.dtype,
+        num_blocks=len(dst_block_ids), num_layers=limits.num_layers,
+        block_size=limits.block_size, num_kv_heads=limits.num_kv_heads,
+        head_dim=limits.head_dim, index=index, payload=view)
+    return BlockMessage(transfer_id, header, index, payload)
+
+
+def layout_of(message: BlockMessage) -> WireLimits:
+    """The layout a message we built ourselves declares (trusted: no checks)."""
+    (_, _, dtype_code, _, compat, _, num_blocks, num_layers, block_size, num_kv_heads,
+     head_dim, _, _, _) = HEADER.unpack(message.header[:HEADER_SIZE])
+    return WireLimits(compat, DTYPE_NAMES[dtype_code], num_layers, block_size, num_kv_heads,
+                      head_dim, max_blocks=num_blocks)
+
+
+def split_records(message: BlockMessage, keys: Sequence[int]) -> list[bytes]:
+    """One self-checking single-block record per block of `message`, block i under keys[i]."""
+    layout = layout_of(message)
+    if len(keys) != layout.max_blocks:
+        raise ValueError(f"{len(keys)} keys for {layout.max_blocks} blocks")
+    view = as_bytes_view(message.payload)
+    block_nbytes = len(view) // max(1, layout.max_blocks)
+    records = []
+    for i, key in enumerate(keys):
+        one = view[i * block_nbytes:(i + 1) * block_nbytes]
+        index = INDEX_ENTRY.pack(NO_BLOCK, 0, int(key))
+        header = encode_header(
+            transfer_id=NO_TRANSFER, compat_hash=layout.compat_hash, dtype=layout.dtype,
+            num_blocks=1, num_layers=layout.num_layers, block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, index=index, payload=one)
+        records.append(b"".join((header, index, one)))
+    return records
+
+
+def record_nbytes(limits: WireLimits) -> int:
+    """Size of one single-block record of this layout."""
+    from pdserve.kvtransfer.wire import INDEX_ENTRY_SIZE, payload_nbytes
+
+    return HEADER_SIZE + INDEX_ENTRY_SIZE + payload_nbytes(
+        1, limits.num_layers, limits.block_size, limits.num_kv_heads, limits.head_dim, limits.dtype)
+
+
+def decode_record(data: bytes | memoryview, limits: WireLimits, key: int) -> memoryview:
+    """The payload of a single-block record stored under `key`. Raises WireError."""
+    view = memoryview(data)
+    header = parse_header(view, limits)
+    if header.num_blocks != 1:
+        raise WireError(f"a store record holds one block, not {header.num_blocks}")
+    index_end = HEADER_SIZE + header.index_len
+    if len(view) != index_end + header.payload_len:
+        raise WireError(f"record is {len(view)} bytes, expected {index_end + header.payload_len}")
+    index = view[HEADER_SIZE:index_end]
+    _, hashes = parse_index(header, index, None)
+    if hashes[0] != key:
+        raise WireError(f"record holds block {hashes[0]:#x}, not {key:#x}")
+    payload = view[index_end:]
+    verify_payload(header, index, payload)
+    return payload
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedMessage:
+    header: BlockHeader
+    index: memoryview
+    block_ids: list[int]
+    block_hashes: list[int]
+    payload: memoryview
+
+
+def decode_message(data: bytes | memoryview, limits: WireLimits,
+                   num_pool_blocks: int | None) -> DecodedMessage:
+    """Check a complete received message (header, index bounds, length, checksum)."""
+    view = memoryview(data)
+    header = parse_header(view, limits)
+    index_end = HEADER_SIZE + header.index_len
+    if len(view) < index_end:
+        raise WireError(f"truncated index: {len(view)} of {index_end} bytes")
+    index = view[HEADER_SIZE:index_end]
+    block_ids, hashes = parse_index(header, index, num_pool_blocks)
+    payload = view[index_end:]
+    verify_payload(header, index, payload)
+    return DecodedMessage(header, index, block_ids, hashes, payload)

@@ -1,0 +1,70 @@
+"""Typed settings of the transfer layer (the `kv transfer` CLI flags map onto these)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.kvtransfer.health import HealthPolicy
+from pdserve.kvtransfer.verdict import RECOMPUTE
+
+TRANSPORTS = ("ucx", "nccl")
+STORES = ("redis", "disk")
+BACKENDS = TRANSPORTS + STORES
+DEFAULT_CHAIN = ("ucx", "nccl", "redis", "disk", RECOMPUTE)
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """Which backends exist on this worker, and how they behave.
+
+    `backends` is the fallback chain in order; "recompute" ends it (leave it out to fail
+    instead). A store backend is only usable when its location is set (`redis_url`,
+    `disk_store`). `prefix_cache` names a store also used as a persistent prefix cache:
+    prompts load matching blocks from it and store their new full blocks in it.
+    """
+
+    backends: tuple[str, ...] = DEFAULT_CHAIN
+    host: str = "127.0.0.1"  # where transports listen
+    transfer_port: int = 0  # 0: transports pick free ports
+    redis_url: str | None = None
+    redis_timeout_s: float = 2.0
+    disk_store: str | None = None
+    disk_store_max_gb: float = 20.0
+    disk_store_max_records: int = 1_000_000
+    store_ttl_s: float = 3600.0  # content blocks in redis
+    ephemeral_ttl_s: float = 120.0  # partial blocks parked in a store for one transfer
+    step_timeout_s: float = 10.0  # deadline of one backend's attempt
+    failure_threshold: int = 3  # failures in a row that mark a backend unhealthy
+    probe_cooldown_s: float = 5.0  # how long an unhealthy backend is skipped before a probe
+    prefix_cache: str | None = None  # "disk" | "redis" | None
+    load_timeout_s: float = 10.0  # deadline of a prefix-cache lookup + fetch
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backends", tuple(self.backends))
+        unknown = [b for b in self.backends if b not in BACKENDS + (RECOMPUTE,)]
+        if unknown:
+            raise InvalidRequestError(f"unknown kv backends {unknown}; known: {BACKENDS}")
+        if RECOMPUTE in self.backends[:-1]:
+            raise InvalidRequestError("'recompute' can only end the chain")
+        if len(set(self.backends)) != len(self.backends):
+            raise InvalidRequestError(f"kv backends repeat: {self.backends}")
+        if self.prefix_cache is not None and self.prefix_cache not in STORES:
+            raise InvalidRequestError(f"prefix_cache must be one of {STORES}")
+        if self.step_timeout_s <= 0 or self.load_timeout_s <= 0 or self.redis_timeout_s <= 0:
+            raise InvalidRequestError("timeouts must be positive")
+
+    @classmethod
+    def from_settings(cls, backends: str | None = None, **kwargs) -> "KVTransferConfig":
+        """From CLI-style values (None = default): `backends` as "ucx,nccl,redis,disk";
+        "recompute" is appended unless the list names it."""
+        if backends:
+            names = tuple(b.strip() for b in backends.split(",") if b.strip())
+            kwargs["backends"] = names if RECOMPUTE in names else names + (RECOMPUTE,)
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    @property
+    def health_policy(self) -> HealthPolicy:
+        return HealthPolicy(self.failure_threshold, self.probe_cooldown_s)
+
+    def store_configured(self, name: str) -> bool:
+        return (name == "redis" and bool(self.redis_url)) or (name == "disk" and bool(self.disk_store))

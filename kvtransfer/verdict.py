@@ -1,0 +1,75 @@
+"""The transfer verdict: what happened to one request's KV, for the caller to see and log.
+
+Every transfer ends in exactly one verdict, whichever way it ends. A fallback is never
+silent: each backend that was tried (or skipped) before the one that answered is listed with
+its reason.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+
+class Outcome(str, enum.Enum):
+    TRANSFERRED = "transferred"  # the blocks landed (point-to-point) or wait in a store
+    RECOMPUTED = "recomputed"  # no backend could move them: the receiver computes the prompt
+    FAILED = "failed"  # nothing worked and recompute is not in the chain
+    ABORTED = "aborted"  # the request ended before the transfer did
+
+
+RECOMPUTE = "recompute"  # the pseudo-backend that ends a chain
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """A backend that did not carry the transfer, and why."""
+
+    backend: str
+    reason: str
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferVerdict:
+    """The outcome of one transfer.
+
+    `fetch_keys` is set when a store carried the blocks: the receiver fetches
+    `fetch_keys[i]` from store `backend` into its i-th destination block. A non-negative key
+    is a block's content hash; a negative one is a short-lived key of a partial block
+    (`codec.ephemeral_key`).
+    """
+
+    transfer_id: str  # hex
+    outcome: Outcome
+    backend: str  # the backend that carried the blocks, "recompute", or "" (failed/aborted)
+    num_blocks: int = 0
+    num_bytes: int = 0
+    duration_s: float = 0.0
+    fallbacks: tuple[Fallback, ...] = ()
+    fetch_keys: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == Outcome.TRANSFERRED
+
+    @property
+    def via_store(self) -> bool:
+        return self.ok and bool(self.fetch_keys)
+
+    def with_fallback(self, backend: str, reason: str, outcome: Outcome,
+                      duration_s: float = 0.0) -> "TransferVerdict":
+        """This verdict after the receiver could not use `backend` (e.g. a store miss)."""
+        return replace(self, outcome=outcome,
+                       backend=RECOMPUTE if outcome == Outcome.RECOMPUTED else "",
+                       fallbacks=self.fallbacks + (Fallback(backend, reason, duration_s),),
+                       fetch_keys=())
+
+    def describe(self) -> str:
+        """One log line."""
+        head = (f"transfer {self.transfer_id[:12]} {self.outcome.value}"
+                + (f" via {self.backend}" if self.backend else "")
+                + f": {self.num_blocks} blocks, {self.num_bytes} B in {self.duration_s * 1e3:.1f} ms")
+        if not self.fallbacks:
+            return head
+        tried = "; ".join(f"{f.backend}: {f.reason}" for f in self.fallbacks)
+        return f"{head} (fell back past {tried})"

@@ -1,0 +1,114 @@
+"""The worker side of the Registry protocol: stay registered with the router.
+
+    client = RegistryClient("127.0.0.1:50050", worker_info, load_fn)
+    client.start()                      # inside the worker's event loop, after its server started
+    await client.wait_registered(30.0)  # optional
+    ...
+    await client.stop()                 # deregisters (best effort)
+
+Protocol (see registry.proto): Register until the router accepts (retrying with backoff
+while it is unreachable or cannot reach us yet), then Heartbeat every interval the router
+asked for. A Heartbeat answered NOT_FOUND (router restarted, or it declared us dead) means
+register again at once. `load_fn` is called for every report and must be cheap and
+thread-safe with respect to the engine (a snapshot).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Callable
+
+import grpc
+
+from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from pdserve.proto.serving import CHANNEL_OPTIONS
+
+log = logging.getLogger("pdserve.registry_client")
+
+MAX_RETRY_S = 10.0
+
+
+class RegistryClient:
+    def __init__(self, router_address: str, info: registry_pb2.WorkerInfo,
+                 load_fn: Callable[[], common_pb2.WorkerLoad], *, heartbeat_s: float = 2.0,
+                 rpc_timeout_s: float = 5.0, retry_s: float = 0.5) -> None:
+        self._address = router_address
+        self._info = info
+        self._load_fn = load_fn
+        self._interval_s = heartbeat_s  # replaced by the router's answer
+        self._rpc_timeout_s = rpc_timeout_s
+        self._retry_s = retry_s
+        self._registered = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self.num_registrations = 0  # how often Register succeeded (re-registrations included)
+
+    @property
+    def registered(self) -> bool:
+        return self._registered.is_set()
+
+    def start(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self._address, options=CHANNEL_OPTIONS)
+        self._task = asyncio.get_running_loop().create_task(self._run(registry_pb2_grpc.RegistryStub(self._channel)))
+
+    async def wait_registered(self, timeout_s: float) -> None:
+        """TimeoutError unless the router accepted us within `timeout_s`."""
+        await asyncio.wait_for(self._registered.wait(), timeout_s)
+
+    async def stop(self, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if deregister and self._channel is not None and self.registered:
+            stub = registry_pb2_grpc.RegistryStub(self._channel)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Deregister(registry_pb2.DeregisterRequest(worker_id=self._info.worker_id,
+                                                                     reason="shutdown"),
+                                      timeout=self._rpc_timeout_s)
+        self._registered.clear()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _run(self, stub: registry_pb2_grpc.RegistryStub) -> None:
+        backoff_s = self._retry_s
+        while True:
+            if not self.registered:
+                if await self._register(stub):
+                    backoff_s = self._retry_s
+                else:
+                    await asyncio.sleep(backoff_s)
+                    backoff_s = min(2 * backoff_s, MAX_RETRY_S)
+                    continue
+            await asyncio.sleep(self._interval_s)
+            await self._heartbeat(stub)
+
+    async def _register(self, stub: registry_pb2_grpc.RegistryStub) -> bool:
+        request = registry_pb2.RegisterRequest(worker=self._info, load=self._load_fn())
+        try:
+            answer = await stub.Register(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            log.warning("register with router %s failed: %s %s", self._address, err.code().name, err.details())
+            return False
+        if answer.heartbeat_interval_ms:
+            self._interval_s = answer.heartbeat_interval_ms / 1000.0
+        self.num_registrations += 1
+        self._registered.set()
+        log.info("registered %s with router %s (heartbeat every %.2f s)", self._info.worker_id, self._address,
+                 self._interval_s)
+        return True
+
+    async def _heartbeat(self, stub: registry_pb2_grpc.RegistryStub) -> None:
+        request = registry_pb2.HeartbeatRequest(worker_id=self._info.worker_id, load=self._load_fn())
+        try:
+            answer = await stub.Heartbeat(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                log.info("router %s does not know %s: registering again", self._address, self._info.worker_id)
+                self._registered.clear()
+            else:
+                log.warning("heartbeat to router %s failed: %s %s", self._address, err.code().name, err.details())
+            return
+        if answer.heartbeat_interval_ms:
+            self._interval_s = answer.heartbeat_interval_ms / 1000.0

@@ -1,0 +1,47 @@
+"""What every pdserve gRPC server adds: standard health checking, reflection, and message
+size limits large enough for a tokenizer.json.
+
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [service_name(decode_pb2, "Decode")])
+    server.add_insecure_port("127.0.0.1:50070"); await server.start()
+    await set_serving(health, [service_name(decode_pb2, "Decode")])
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Iterable
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+)
+CHANNEL_OPTIONS = SERVER_OPTIONS + (("grpc.enable_retries", 0),)  # callers decide about retries
+
+
+def service_name(pb2_module: ModuleType, service: str) -> str:
+    """Full name of a service of a generated module, e.g. "pdserve.v1.Decode"."""
+    return pb2_module.DESCRIPTOR.services_by_name[service].full_name
+
+
+def add_health_and_reflection(server: Any, service_names: Iterable[str]) -> Any:
+    """Add grpc.health.v1.Health and server reflection to a grpc.aio server (before start);
+    returns the health servicer (NOT_SERVING until `set_serving`)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return servicer
+
+
+async def set_serving(health_servicer: Any, service_names: Iterable[str], serving: bool = True) -> None:
+    """Mark the server ("") and each service SERVING (or NOT_SERVING, e.g. while draining)."""
+    from grpc_health.v1 import health_pb2
+
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *service_names):
+        await health_servicer.set(name, status)

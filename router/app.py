@@ -1,0 +1,142 @@
+"""The router process's parts, wired together, and its two listeners in one event loop:
+gRPC (Generation, Registry, health, reflection) and HTTP (uvicorn + FastAPI).
+
+    app = RouterApp(RouterConfig(http_port=0, grpc_port=0))
+    await app.start()      # app.http_port / app.grpc_port are the bound ports
+    ...
+    await app.stop()
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import Iterator
+
+import grpc
+import uvicorn
+
+from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
+from pdserve.proto.serving import SERVER_OPTIONS, add_health_and_reflection, service_name, set_serving
+from pdserve.router.admission import InFlight
+from pdserve.router.auth import ApiKeyCheck
+from pdserve.router.catalog import ModelCatalog
+from pdserve.router.channels import WorkerChannels
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import BackgroundTasks, DecodeClient
+from pdserve.router.frontend import Frontend
+from pdserve.router.grpc_api import GenerationServicer, RegistryServicer
+from pdserve.router.http_api import build_http_app
+from pdserve.router.membership import Membership
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.planner import RoutePlanner
+from pdserve.router.policies import make_policy
+from pdserve.router.registry import WorkerRegistry
+
+log = logging.getLogger("pdserve.router")
+
+_SERVICE_NAMES = (service_name(generation_pb2, "Generation"), service_name(registry_pb2, "Registry"))
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside our event loop: the router process owns the signal handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class RouterApp:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.registry = WorkerRegistry(config.worker_timeout_s, config.max_cached_hashes_per_worker)
+        self.catalog = ModelCatalog()
+        self.channels = WorkerChannels()
+        self.tasks = BackgroundTasks()
+        self.in_flight = InFlight(config.max_queue, config.retry_after_s)
+        self.metrics.in_flight.set_function(lambda: len(self.in_flight))
+        planner = RoutePlanner(self.registry, make_policy(config.decode_policy), make_policy(config.prefill_policy),
+                               config.local_prefill_threshold, self.metrics)
+        decode = DecodeClient(self.channels, self.registry, self.tasks, config.stream_idle_timeout_s,
+                              config.rpc_timeout_s)
+        self.frontend = Frontend(self.catalog, planner, decode, self.in_flight, self.metrics)
+        self.membership = Membership(config, self.registry, self.catalog, self.channels)
+        self.auth = ApiKeyCheck(config.api_key)
+        self.http_port = 0
+        self.grpc_port = 0
+        self._grpc_server: grpc.aio.Server | None = None
+        self._http_server: _EmbeddedUvicorn | None = None
+        self._http_task: asyncio.Task | None = None
+        self._poller: asyncio.Task | None = None
+        self._metrics_server = None
+
+    async def start(self) -> None:
+        await self._start_grpc()
+        await self._start_http()
+        if self.config.static_workers:
+            self._poller = asyncio.get_running_loop().create_task(self.membership.poll_static_workers())
+        if self.config.metrics_port:
+            from prometheus_client import start_http_server
+
+            self._metrics_server, _ = start_http_server(self.config.metrics_port, self.config.host,
+                                                        registry=self.metrics.registry)
+        log.info("router serving HTTP on http://%s:%d and gRPC on %s:%d", self.config.host, self.http_port,
+                 self.config.host, self.grpc_port)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._http_server is not None and self._http_task is not None:
+            self._http_server.should_exit = True
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._http_task, grace_s + 3.0)
+        if self._grpc_server is not None:
+            await self._grpc_server.stop(grace_s)
+        await self.tasks.drain(grace_s)
+        await self.channels.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+
+    async def _start_grpc(self) -> None:
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.frontend, self.catalog, self.auth), server)
+        registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.membership, self.config), server)
+        health = add_health_and_reflection(server, _SERVICE_NAMES)
+        self.grpc_port = server.add_insecure_port(_join(self.config.host, self.config.grpc_port))
+        if self.grpc_port == 0:
+            raise OSError(f"cannot bind gRPC to {self.config.host}:{self.config.grpc_port}")
+        await server.start()
+        await set_serving(health, _SERVICE_NAMES)
+        self._grpc_server = server
+
+    async def _start_http(self) -> None:
+        app = build_http_app(self.frontend, self.catalog, self.registry, self.metrics, self.config, self.auth)
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.config.host, self.config.http_port))
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.http_port = sock.getsockname()[1]
+        server = _EmbeddedUvicorn(uvicorn.Config(app, log_level=self.config.log_level.lower(), access_log=False,
+                                                 lifespan="off", http="h11", ws="none",
+                                                 timeout_graceful_shutdown=2))
+        self._http_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        self._http_server = server
+        deadline = asyncio.get_running_loop().time() + 30.0
+        while not server.started:
+            if self._http_task.done():
+                self._http_task.result()
+                raise OSError("HTTP server stopped during startup")
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError("HTTP server did not start within 30 s")
+            await asyncio.sleep(0.01)
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,79 @@
+"""The models the router serves: name -> model facts and the prompt builder.
+
+A model becomes known when its first decode worker registers: the router calls that
+worker's ModelInfo (with the tokenizer) once. Later decode workers of the same model reuse
+it, unless none of the earlier ones is still alive (then the newcomer's answer replaces it).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.proto.pdserve.v1 import common_pb2
+from pdserve.router.prompt import PromptBuilder
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    name: str
+    info: common_pb2.ModelInfoResponse  # as the worker answered, tokenizer_json included
+    prompts: PromptBuilder
+    created_unix: int  # when the router learned it (OpenAI's "created")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size
+
+    @property
+    def block_hash_salt(self) -> int:
+        return self.info.block_hash_salt
+
+
+class ModelCatalog:
+    def __init__(self) -> None:
+        self._models: dict[str, ServedModel] = {}
+
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def models(self) -> list[ServedModel]:
+        return [self._models[name] for name in self.names()]
+
+    def knows(self, name: str) -> bool:
+        return name in self._models
+
+    async def learn(self, info: common_pb2.ModelInfoResponse) -> ServedModel:
+        """Add or replace a model from a worker's ModelInfo answer (tokenizer included)."""
+        if not info.model_name:
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "ModelInfo has no model_name")
+        if info.max_model_len < 2 or info.block_size < 1:
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT,
+                               f"ModelInfo of {info.model_name!r}: bad max_model_len/block_size")
+        try:  # parsing tokenizer.json takes a while: off the event loop
+            prompts = await asyncio.to_thread(PromptBuilder.from_model_info, info)
+        except ValueError as exc:
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"ModelInfo of {info.model_name!r}: {exc}") from None
+        model = ServedModel(info.model_name, info, prompts, int(time.time()))
+        self._models[model.name] = model
+        return model
+
+    def resolve(self, name: str) -> ServedModel:
+        """The model a request names: NOT_FOUND if unknown, UNAVAILABLE if none is known
+        yet, the only model when the name is empty."""
+        if not self._models:
+            raise ServiceError(ErrorKind.UNAVAILABLE, "no model is served yet (no decode worker has registered)")
+        if not name:
+            if len(self._models) == 1:
+                return next(iter(self._models.values()))
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "model is required when several are served",
+                               param="model")
+        model = self._models.get(name)
+        if model is None:
+            raise ServiceError(ErrorKind.NOT_FOUND, f"The model `{name}` does not exist", param="model")
+        return model

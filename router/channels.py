@@ -1,0 +1,29 @@
+"""gRPC channels from the router to workers, one per address, reused across requests."""
+from __future__ import annotations
+
+import grpc
+
+from pdserve.proto.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.proto.serving import CHANNEL_OPTIONS  # large messages (tokenizer.json), no automatic retries
+
+
+class WorkerChannels:
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return channel
+
+    def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:
+        return decode_pb2_grpc.DecodeStub(self.channel(address))
+
+    def prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
+        return prefill_pb2_grpc.PrefillStub(self.channel(address))
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close(grace=None)

@@ -1,0 +1,263 @@
+"""HTTP edge of the router (FastAPI): OpenAI completions and chat, models, health, metrics.
+
+Handlers read the body under the size limit, parse it (`openai_request`), run the request
+through the Frontend, and format the answer (`openai_format`). Errors become OpenAI error
+JSON with the status of `pdserve.proto.errors`. A client that goes away mid-request has its
+request aborted on the decode worker (the stream is closed, which aborts it).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pdserve.proto.errors import ErrorKind, ServiceError, to_service_error
+from pdserve.proto.pdserve.v1 import generation_pb2
+from pdserve.router.auth import ApiKeyCheck
+from pdserve.router.catalog import ModelCatalog
+from pdserve.router.config import Role, RouterConfig
+from pdserve.router.frontend import Frontend
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_format import Collected, ResponseFormatter, sse
+from pdserve.router.openai_request import OpenAIRequest, parse_chat, parse_completion
+from pdserve.router.registry import WorkerRegistry
+
+log = logging.getLogger("pdserve.router.http")
+
+BODY_READ_TIMEOUT_S = 60.0  # a client that stalls mid-body is dropped
+
+
+def error_response(err: BaseException) -> JSONResponse:
+    service_error = to_service_error(err)
+    if service_error.kind is ErrorKind.INTERNAL:
+        log.error("internal error: %s", service_error.message)
+    return JSONResponse(service_error.openai_body(), status_code=service_error.http_status,
+                        headers=service_error.http_headers())
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 over `max_bytes` (by Content-Length and while reading)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "bad Content-Length header")
+        if int(declared) > max_bytes:
+            raise ServiceError(ErrorKind.PAYLOAD_TOO_LARGE, f"request body over {max_bytes} bytes")
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise ServiceError(ErrorKind.PAYLOAD_TOO_LARGE, f"request body over {max_bytes} bytes")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), BODY_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT,
+                           f"request body not received within {BODY_READ_TIMEOUT_S:g} s") from None
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the request body must be a JSON object")
+    return body
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (call once the body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class DisconnectAwareStream(StreamingResponse):
+    """A streaming response whose body iterator is closed as soon as the client goes away,
+    whatever the ASGI server's spec version (closing it aborts the request)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((streaming, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, watching):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await streaming
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        if not streaming.cancelled() and streaming.exception() is not None:
+            raise streaming.exception()
+
+
+class OpenAIHandlers:
+    def __init__(self, frontend: Frontend, catalog: ModelCatalog, config: RouterConfig, auth: ApiKeyCheck) -> None:
+        self._frontend = frontend
+        self._catalog = catalog
+        self._max_body_bytes = config.max_body_bytes
+        self._auth = auth
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._handle(request, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._auth.check(request.headers.get("authorization"))
+        except ServiceError as err:
+            return error_response(err)
+        data = [{"id": m.name, "object": "model", "created": m.created_unix, "owned_by": "pdserve",
+                 "max_model_len": m.max_model_len} for m in self._catalog.models()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _handle(self, request: Request, chat: bool) -> Response:
+        api = "http_chat" if chat else "http_completions"
+        try:
+            self._auth.check(request.headers.get("authorization"))
+            body = await read_json_object(request, self._max_body_bytes)
+            parsed = parse_chat(body) if chat else parse_completion(body)
+        except ServiceError as err:
+            self._frontend.count_rejected(api, err)
+            return error_response(err)
+        prefix = "chatcmpl" if chat else "cmpl"
+        parsed.request.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        responses = self._frontend.generate(parsed.request, api=api)
+        formatter = ResponseFormatter(chat, parsed.model, parsed.request.request_id, parsed.request.sampling.logprobs,
+                                      self._token_text(parsed.model))
+        if parsed.stream:
+            return await self._stream(request, responses, formatter, parsed)
+        return await _until_disconnect(request.receive, self._collect(responses, formatter))
+
+    async def _collect(self, responses: AsyncIterator[generation_pb2.GenerateResponse],
+                       formatter: ResponseFormatter) -> Response:
+        collected = Collected()
+        try:
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    collected.add(response)
+        except ServiceError as err:
+            return error_response(err)
+        return JSONResponse(formatter.whole(collected))
+
+    async def _stream(self, request: Request, responses: AsyncIterator[generation_pb2.GenerateResponse],
+                      formatter: ResponseFormatter, parsed: OpenAIRequest) -> Response:
+        # Wait for the first message before answering: errors before it get a real status.
+        try:
+            first = await _until_disconnect(request.receive, anext(responses))
+        except ServiceError as err:
+            await responses.aclose()
+            return error_response(err)
+        except StopAsyncIteration:
+            return error_response(ServiceError(ErrorKind.INTERNAL, "empty stream"))
+        if isinstance(first, Response):  # the client left while waiting
+            await responses.aclose()
+            return first
+        return DisconnectAwareStream(_sse_events(first, responses, formatter, parsed.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _token_text(self, model_name: str) -> Callable[[int], str]:
+        def token_text(token_id: int) -> str:
+            return self._catalog.resolve(model_name).prompts.token_text(token_id)
+        return token_text
+
+
+async def _sse_events(first: generation_pb2.GenerateResponse, responses: AsyncIterator[generation_pb2.GenerateResponse],
+                      formatter: ResponseFormatter, include_usage: bool) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(responses):
+        try:
+            response = first
+            while response is not None:
+                yield sse(formatter.chunk(response, include_usage))
+                if include_usage and response.HasField("usage") and response.finish_reason:
+                    yield sse(formatter.usage_chunk(response.usage))
+                response = await anext(responses, None)
+        except ServiceError as err:  # mid-stream: the status is already sent; say it in the stream
+            yield sse(err.openai_body())
+    yield sse("[DONE]")
+
+
+_CLIENT_GONE = ServiceError(ErrorKind.CANCELLED, "client disconnected")
+
+
+async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it if the client disconnects first (a Response then)."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled: take the work down with it
+        work_task.cancel()
+        raise
+    finally:
+        watch_task.cancel()
+    if work_task.done():
+        return work_task.result()
+    work_task.cancel()  # cancelling closes the request's stream, which aborts it on decode
+    with contextlib.suppress(asyncio.CancelledError):
+        await work_task
+    return error_response(_CLIENT_GONE)
+
+
+def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRegistry, metrics: RouterMetrics,
+                   config: RouterConfig, auth: ApiKeyCheck) -> FastAPI:
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+    handlers = OpenAIHandlers(frontend, catalog, config, auth)
+    app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", handlers.chat, methods=["POST"])
+    app.add_api_route("/v1/models", handlers.models, methods=["GET"])
+
+    async def health(request: Request) -> Response:
+        """Liveness: 200 while the process serves; the body says what is routable."""
+        return JSONResponse(_health_body(registry, catalog))
+
+    async def ready(request: Request) -> Response:
+        """Readiness: 200 once a model is known and a decode worker is alive, else 503."""
+        body = _health_body(registry, catalog)
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(registry), media_type=metrics.content_type)
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/metrics", prometheus, methods=["GET"])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = ErrorKind.NOT_FOUND if exc.status_code == 404 else ErrorKind.INVALID_ARGUMENT
+        body = ServiceError(kind, f"{request.method} {request.url.path}: {exc.detail}").openai_body()
+        body["error"]["code"] = None
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(ServiceError(ErrorKind.INVALID_ARGUMENT, str(exc)))
+
+    return app
+
+
+def _health_body(registry: WorkerRegistry, catalog: ModelCatalog) -> dict[str, Any]:
+    num_decode = len([r for r in registry.alive(Role.DECODE) if not r.suspect])
+    num_prefill = len([r for r in registry.alive(Role.PREFILL) if not r.suspect])
+    ready = bool(num_decode and catalog.names())
+    return {"status": "ok" if ready else "no_workers", "models": catalog.names(),
+            "decode_workers": num_decode, "prefill_workers": num_prefill}

@@ -1,0 +1,141 @@
+"""Workers joining and leaving: Register / Heartbeat / Deregister, and polling of
+--static-workers (which never register; the router calls their Load instead).
+
+Register checks the newcomer against the live workers of its model (same compatibility
+hash and block size) and, for a decode worker of a model the router cannot tokenize for
+yet, fetches the model (ModelInfo with the tokenizer) from it before answering.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Iterable
+
+import grpc
+
+from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2
+from pdserve.router.catalog import ModelCatalog
+from pdserve.router.channels import WorkerChannels
+from pdserve.router.config import Role, RouterConfig, StaticWorker
+from pdserve.router.registry import Load, Worker, WorkerRegistry
+
+log = logging.getLogger("pdserve.router.membership")
+
+_ROLES = {registry_pb2.WORKER_ROLE_PREFILL: Role.PREFILL, registry_pb2.WORKER_ROLE_DECODE: Role.DECODE}
+
+
+def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
+    """INVALID_ARGUMENT unless every required field is present and sane."""
+    if not info.worker_id:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "worker_id is required", param="worker_id")
+    if info.role not in _ROLES:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "role must be PREFILL or DECODE", param="role")
+    host, _, port = info.grpc_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"grpc_address {info.grpc_address!r} is not host:port",
+                           param="grpc_address")
+    if not info.model_name:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "model_name is required", param="model_name")
+    if info.block_size < 1:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "block_size must be >= 1", param="block_size")
+    return Worker(worker_id=info.worker_id, role=_ROLES[info.role], address=info.grpc_address,
+                  model_name=info.model_name, compatibility_hash=info.compatibility_hash,
+                  block_size=info.block_size, num_total_blocks=info.capacity.num_total_blocks,
+                  max_model_len=info.capacity.max_model_len, kv_backends=tuple(info.kv_backends))
+
+
+def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
+    return Load(load.num_queued, load.num_running, load.num_free_blocks, load.num_total_blocks)
+
+
+class Membership:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, catalog: ModelCatalog,
+                 channels: WorkerChannels) -> None:
+        self._config = config
+        self._registry = registry
+        self._catalog = catalog
+        self._channels = channels
+        self._lock = asyncio.Lock()  # one registration at a time: checks and catalog stay consistent
+
+    async def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = ()) -> None:
+        async with self._lock:
+            self._check_compatible(worker)
+            if worker.role is Role.DECODE and self._needs_model_info(worker):
+                info = await self._fetch_model_info(worker)
+                if info.model_name != worker.model_name or info.block_size != worker.block_size:
+                    raise ServiceError(ErrorKind.FAILED_PRECONDITION,
+                                       f"worker {worker.worker_id}: ModelInfo says model {info.model_name!r} "
+                                       f"block_size {info.block_size}, registration says "
+                                       f"{worker.model_name!r} {worker.block_size}")
+                await self._catalog.learn(info)
+            self._registry.register(worker, load, cached_hashes)
+
+    def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int]) -> None:
+        """NOT_FOUND when the worker is unknown: it must register again."""
+        if not self._registry.heartbeat(worker_id, load, cached_hashes):
+            raise ServiceError(ErrorKind.NOT_FOUND, f"worker {worker_id!r} is not registered; register again",
+                               param="worker_id")
+
+    def deregister(self, worker_id: str) -> bool:
+        return self._registry.deregister(worker_id)
+
+    async def poll_static_workers(self) -> None:
+        """Forever: Load (and at first ModelInfo) of every static worker, once per
+        heartbeat interval. A worker that does not answer simply ages out."""
+        while True:
+            await asyncio.gather(*(self._poll(w) for w in self._config.static_workers))
+            await asyncio.sleep(self._config.heartbeat_interval_s)
+
+    async def _poll(self, static: StaticWorker) -> None:
+        worker_id = f"{static.role.value}@{static.address}"
+        stub = (self._channels.decode if static.role is Role.DECODE else self._channels.prefill)(static.address)
+        timeout = min(self._config.rpc_timeout_s, self._config.worker_timeout_s)
+        try:
+            load_msg = await stub.Load(common_pb2.LoadRequest(), timeout=timeout)
+            load = load_from_proto(load_msg)
+            if self._registry.get(worker_id) is not None:
+                self._registry.heartbeat(worker_id, load, load_msg.cached_block_hashes)
+                return
+            info = await stub.ModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
+            worker = Worker(worker_id, static.role, static.address, info.model_name,
+                            block_size=info.block_size, num_total_blocks=load.num_total_blocks,
+                            max_model_len=info.max_model_len)
+            await self.register(worker, load, load_msg.cached_block_hashes)
+        except grpc.aio.AioRpcError as err:
+            log.debug("static worker %s: %s %s", worker_id, err.code().name, err.details())
+        except ServiceError as err:
+            log.warning("static worker %s refused: %s", worker_id, err.message)
+
+    def _check_compatible(self, worker: Worker) -> None:
+        for record in self._registry.alive():
+            other = record.worker
+            if other.model_name != worker.model_name or other.worker_id == worker.worker_id:
+                continue
+            if worker.compatibility_hash and other.compatibility_hash \
+                    and worker.compatibility_hash != other.compatibility_hash:
+                raise ServiceError(ErrorKind.FAILED_PRECONDITION,
+                                   f"worker {worker.worker_id}: compatibility hash {worker.compatibility_hash} "
+                                   f"differs from live worker {other.worker_id}'s {other.compatibility_hash}",
+                                   param="compatibility_hash")
+            if worker.block_size != other.block_size:
+                raise ServiceError(ErrorKind.FAILED_PRECONDITION,
+                                   f"worker {worker.worker_id}: block_size {worker.block_size} differs from "
+                                   f"live worker {other.worker_id}'s {other.block_size}", param="block_size")
+
+    def _needs_model_info(self, worker: Worker) -> bool:
+        """Unknown model, or no other live decode worker vouches for what we know."""
+        if not self._catalog.knows(worker.model_name):
+            return True
+        return not any(r.worker.model_name == worker.model_name and r.worker_id != worker.worker_id
+                       for r in self._registry.alive(Role.DECODE))
+
+    async def _fetch_model_info(self, worker: Worker) -> common_pb2.ModelInfoResponse:
+        stub = self._channels.decode(worker.address)
+        try:
+            return await stub.ModelInfo(common_pb2.ModelInfoRequest(include_tokenizer=True),
+                                        timeout=self._config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise ServiceError(ErrorKind.UNAVAILABLE,
+                               f"router could not fetch ModelInfo from {worker.address}: "
+                               f"{err.code().name} {err.details()}") from None

@@ -1,0 +1,168 @@
+"""GenerateResponse messages -> OpenAI JSON (whole responses and SSE chunks).
+
+Besides OpenAI's fields every response carries a non-standard `pdserve` object:
+`{"request_id", "routing": {...}, "transfer": {...}, "timings": {...}}` (what is known at
+that point of the stream; the transfer verdict on the first and the last chunk).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
+
+FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                  common_pb2.FINISH_REASON_ABORT: "abort"}
+
+TokenText = Callable[[int], str]  # id -> text, for logprobs entries decode left empty
+
+
+def finish_reason(response: generation_pb2.GenerateResponse) -> str | None:
+    return FINISH_REASONS.get(response.finish_reason)
+
+
+def usage_json(usage: common_pb2.Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+def verdict_json(verdict: common_pb2.TransferVerdict) -> dict[str, Any]:
+    outcome = common_pb2.TransferOutcome.Name(verdict.outcome).removeprefix("TRANSFER_OUTCOME_").lower()
+    return {"outcome": outcome, "reason": verdict.reason, "backend": verdict.backend,
+            "bytes": verdict.num_bytes, "blocks": verdict.num_blocks, "duration_ms": verdict.duration_ms,
+            "fallbacks": [{"backend": f.backend, "reason": f.reason, "duration_ms": f.duration_ms}
+                          for f in verdict.fallbacks],
+            "prefill_worker_id": verdict.prefill_worker_id, "prefill_status_code": verdict.prefill_status_code,
+            "transfer_id": verdict.transfer_id}
+
+
+def routing_json(routing: generation_pb2.RoutingInfo) -> dict[str, Any]:
+    return {"decode_worker_id": routing.decode_worker_id, "decode_reason": routing.decode_reason,
+            "prefill_worker_id": routing.prefill_worker_id, "prefill_reason": routing.prefill_reason,
+            "prompt_tokens": routing.num_prompt_tokens,
+            "matched_prefix_tokens": routing.num_matched_prefix_tokens}
+
+
+def timings_json(timings: common_pb2.RequestTimings) -> dict[str, Any]:
+    return {"queue_ms": timings.queue_ms, "prefill_ms": timings.prefill_ms,
+            "transfer_ms": timings.transfer_ms, "first_decode_ms": timings.first_decode_ms}
+
+
+def pdserve_json(response: generation_pb2.GenerateResponse) -> dict[str, Any]:
+    out: dict[str, Any] = {"request_id": response.request_id}
+    if response.HasField("routing"):
+        out["routing"] = routing_json(response.routing)
+    if response.HasField("transfer"):
+        out["transfer"] = verdict_json(response.transfer)
+    if response.HasField("timings"):
+        out["timings"] = timings_json(response.timings)
+    return out
+
+
+def _token_json(token_id: int, logprob: float, token: str, token_text: TokenText) -> dict[str, Any]:
+    text = token or token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[common_pb2.TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+    return {"content": [{**_token_json(e.token_id, e.logprob, e.token, token_text),
+                         "top_logprobs": [_token_json(t.token_id, t.logprob, t.token, token_text)
+                                          for t in e.top_logprobs]} for e in entries]}
+
+
+def completion_logprobs(entries: list[common_pb2.TokenLogprob], token_text: TokenText,
+                        text_offset: int) -> dict[str, Any]:
+    tokens, offsets = [], []
+    for e in entries:
+        tokens.append(e.token or token_text(e.token_id))
+        offsets.append(text_offset)
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{(t.token or token_text(t.token_id)): t.logprob for t in e.top_logprobs}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+@dataclass(slots=True)
+class Collected:
+    """A whole stream gathered for a non-streaming answer."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    last: generation_pb2.GenerateResponse | None = None
+    pdserve: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, response: generation_pb2.GenerateResponse) -> None:
+        self.text.append(response.text)
+        self.logprobs.extend(response.logprobs)
+        self.pdserve.update(pdserve_json(response))
+        self.last = response
+
+
+class ResponseFormatter:
+    """Builds the JSON of one request's answer: `chat` or text completion, whole or chunks."""
+
+    def __init__(self, chat: bool, model: str, response_id: str, logprobs: bool, token_text: TokenText) -> None:
+        self._chat = chat
+        self._model = model
+        self._id = response_id
+        self._logprobs = logprobs
+        self._token_text = token_text
+        self._created = int(time.time())
+        self._text_offset = 0
+        self._sent_role = False
+
+    def whole(self, collected: Collected) -> dict[str, Any]:
+        last = collected.last
+        text = "".join(collected.text)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(last) if last else None,
+                                  "logprobs": None}
+        if self._logprobs:
+            choice["logprobs"] = (chat_logprobs(collected.logprobs, self._token_text) if self._chat
+                                  else completion_logprobs(collected.logprobs, self._token_text, 0))
+        if self._chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        out = self._envelope("chat.completion" if self._chat else "text_completion", [choice])
+        out["usage"] = usage_json(last.usage) if last is not None else None
+        out["pdserve"] = collected.pdserve
+        return out
+
+    def chunk(self, response: generation_pb2.GenerateResponse, include_usage: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(response), "logprobs": None}
+        if self._chat:
+            delta: dict[str, Any] = {"content": response.text}
+            if not self._sent_role:
+                delta["role"], self._sent_role = "assistant", True
+            choice["delta"] = delta
+            if self._logprobs and response.logprobs:
+                choice["logprobs"] = chat_logprobs(list(response.logprobs), self._token_text)
+        else:
+            choice["text"] = response.text
+            if self._logprobs and response.logprobs:
+                choice["logprobs"] = completion_logprobs(list(response.logprobs), self._token_text,
+                                                         self._text_offset)
+            self._text_offset += len(response.text)
+        out = self._envelope("chat.completion.chunk" if self._chat else "text_completion", [choice])
+        if include_usage:
+            out["usage"] = None
+        out["pdserve"] = pdserve_json(response)
+        return out
+
+    def usage_chunk(self, usage: common_pb2.Usage) -> dict[str, Any]:
+        """The extra last chunk of stream_options.include_usage: no choices, the usage."""
+        out = self._envelope("chat.completion.chunk" if self._chat else "text_completion", [])
+        out["usage"] = usage_json(usage)
+        return out
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self._id, "object": obj, "created": self._created, "model": self._model, "choices": choices}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {payload}\n\n".encode("utf-8")

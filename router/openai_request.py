@@ -1,0 +1,227 @@
+"""OpenAI request bodies -> GenerateRequest.
+
+Only the JSON shape is checked here (types, n=1, unsupported options, numeric ranges the
+proto cannot hold); value rules shared with gRPC (temperature, top_p, max_tokens against
+the context...) live in `validation.py`. Unknown fields are ignored, as OpenAI clients
+send extras.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+_UINT32_MAX = 2**32 - 1
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    request: generation_pb2.GenerateRequest
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    model: str  # as the client named it, echoed in responses
+
+
+def _invalid(message: str, param: str) -> ServiceError:
+    return ServiceError(ErrorKind.INVALID_ARGUMENT, message, param=param)
+
+
+class _Body:
+    """Typed reads of one JSON object; each failure names its field."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self._body = body
+
+    def has(self, name: str) -> bool:
+        return self._body.get(name) is not None
+
+    def raw(self, name: str) -> Any:
+        return self._body.get(name)
+
+    def int(self, name: str, lo: int, hi: int) -> int | None:
+        value = self._body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _invalid(f"'{name}' must be an integer", name)
+        if not lo <= value <= hi:
+            raise _invalid(f"'{name}' must be in [{lo}, {hi}], got {value}", name)
+        return value
+
+    def number(self, name: str) -> float | None:
+        value = self._body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _invalid(f"'{name}' must be a number", name)
+        return float(value)
+
+    def bool(self, name: str) -> bool | None:
+        value = self._body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise _invalid(f"'{name}' must be true or false", name)
+        return value
+
+    def str(self, name: str) -> str | None:
+        value = self._body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise _invalid(f"'{name}' must be a string", name)
+        return value
+
+    def unsupported(self, name: str, allowed: tuple[Any, ...]) -> None:
+        value = self._body.get(name)
+        if value is not None and value not in allowed:
+            raise _invalid(f"'{name}' = {value!r} is not supported", name)
+
+
+def _common(body: _Body, sampling: common_pb2.SamplingParams) -> tuple[bool, bool]:
+    """Fields both endpoints share; returns (stream, include_usage)."""
+    n = body.int("n", 1, 1 << 30)
+    if n is not None and n != 1:
+        raise _invalid("only n=1 is supported", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = body.number(name)
+        if value:
+            raise _invalid(f"'{name}' is not supported (only 0)", name)
+    body.unsupported("logit_bias", ({},))
+    body.unsupported("best_of", (1,))
+    temperature = body.number("temperature")
+    if temperature is not None:
+        sampling.temperature = temperature
+    top_p = body.number("top_p")
+    if top_p is not None:
+        sampling.top_p = top_p
+    top_k = body.int("top_k", -1, _UINT32_MAX)
+    if top_k is not None:
+        sampling.top_k = max(top_k, 0)  # -1 and 0 both mean "off"
+    seed = body.int("seed", *_INT64)
+    if seed is not None:
+        sampling.seed = seed
+    sampling.stop.extend(_stop_strings(body.raw("stop")))
+    stop_ids = body.raw("stop_token_ids")
+    if stop_ids is not None:
+        sampling.stop_token_ids.extend(_token_list(stop_ids, "stop_token_ids"))
+    min_tokens = body.int("min_tokens", 0, _UINT32_MAX)
+    if min_tokens is not None:
+        sampling.min_tokens = min_tokens
+    sampling.ignore_eos = bool(body.bool("ignore_eos"))
+    stream = bool(body.bool("stream"))
+    options = body.raw("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _invalid("'stream_options' must be an object", "stream_options")
+    if options is not None and not stream:
+        raise _invalid("'stream_options' is only allowed with stream=true", "stream_options")
+    return stream, bool(options and options.get("include_usage"))
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _invalid("'stop' must be a string or a list of strings", "stop")
+    return items
+
+
+def _token_list(value: Any, param: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _UINT32_MAX for t in value):
+        raise _invalid(f"'{param}' must be a list of non-negative token ids", param)
+    return value
+
+
+def _model(body: _Body) -> str:
+    model = body.str("model")
+    if not model:
+        raise _invalid("'model' is required", "model")
+    return model
+
+
+def _max_tokens(body: _Body, *names: str) -> int | None:
+    for name in names:
+        value = body.int(name, -(2**31), 2**31)
+        if value is not None:
+            if value < 1:
+                raise _invalid(f"'{name}' must be at least 1, got {value}", name)
+            return value
+    return None
+
+
+def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
+    body = _Body(raw)
+    model = _model(body)
+    request = generation_pb2.GenerateRequest(model=model, session_id=body.str("user") or "")
+    _set_prompt(request, raw.get("prompt"))
+    if body.bool("echo"):
+        raise _invalid("'echo' is not supported", "echo")
+    body.unsupported("suffix", ("",))
+    stream, include_usage = _common(body, request.sampling)
+    max_tokens = _max_tokens(body, "max_tokens")
+    request.sampling.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    logprobs = body.int("logprobs", 0, 20)
+    if logprobs is not None:
+        request.sampling.logprobs = True
+        request.sampling.top_logprobs = logprobs
+    return OpenAIRequest(request, stream, include_usage, model)
+
+
+def _set_prompt(request: generation_pb2.GenerateRequest, prompt: Any) -> None:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        request.token_ids.ids.extend(_token_list(prompt, "prompt"))
+    elif prompt is None:
+        raise _invalid("'prompt' is required", "prompt")
+    else:
+        raise _invalid("'prompt' must be a string, a list of token ids, or a list of one of those", "prompt")
+
+
+def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
+    body = _Body(raw)
+    model = _model(body)
+    request = generation_pb2.GenerateRequest(model=model, session_id=body.str("user") or "")
+    messages = raw.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid("'messages' must be a non-empty list", "messages")
+    for message in messages:
+        role, content = _chat_message(message)
+        request.chat.messages.add(role=role, content=content)
+    if raw.get("tools"):
+        raise _invalid("'tools' are not supported", "tools")
+    response_format = raw.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise _invalid("only response_format {\"type\": \"text\"} is supported", "response_format")
+    stream, include_usage = _common(body, request.sampling)
+    max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    if max_tokens is not None:
+        request.sampling.max_tokens = max_tokens
+    request.sampling.logprobs = bool(body.bool("logprobs"))
+    top_logprobs = body.int("top_logprobs", 0, 20)
+    if top_logprobs:
+        request.sampling.top_logprobs = top_logprobs
+    return OpenAIRequest(request, stream, include_usage, model)
+
+
+def _chat_message(message: Any) -> tuple[str, str]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise _invalid("each message must be an object with a string 'role'", "messages")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _invalid("only text content parts are supported", "messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise _invalid("message 'content' must be a string or a list of text parts", "messages")
+    return message["role"], content

@@ -1,0 +1,77 @@
+"""Pick the decode worker, then (unless decode should prefill locally) the prefill worker.
+
+Conditional disaggregation: after choosing decode D, the uncached part of the prompt is
+`num_prompt_tokens - matched_blocks(D) * block_size`; at or under the local-prefill
+threshold no prefill worker is proposed (reason "short_uncached_prompt"), nor when no
+prefill worker is alive ("no_prefill_worker"). Every decision is logged and counted in
+pdserve_router_routing_decisions_total{pool, policy, reason}.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Collection, Sequence
+
+from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.router.config import Role
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import RouteQuery, RoutingPolicy
+from pdserve.router.registry import Worker, WorkerRegistry
+
+log = logging.getLogger("pdserve.router.planner")
+
+SHORT_UNCACHED_PROMPT = "short_uncached_prompt"
+NO_PREFILL_WORKER = "no_prefill_worker"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    decode: Worker
+    decode_reason: str
+    prefill: Worker | None  # None: decode prefills locally
+    prefill_reason: str
+    prefill_queue_length: int  # the prefill worker's last reported queue (0 if local)
+    num_matched_tokens: int  # prompt tokens the router believes cached on decode
+
+
+class RoutePlanner:
+    def __init__(self, registry: WorkerRegistry, decode_policy: RoutingPolicy, prefill_policy: RoutingPolicy,
+                 local_prefill_threshold: int, metrics: RouterMetrics) -> None:
+        self._registry = registry
+        self._decode_policy = decode_policy
+        self._prefill_policy = prefill_policy
+        self._threshold = local_prefill_threshold
+        self._metrics = metrics
+
+    def plan(self, request_id: str, model_name: str, num_prompt_tokens: int, block_size: int,
+             block_hashes: Sequence[int], session_key: str, exclude: Collection[str] = ()) -> RoutePlan:
+        """UNAVAILABLE when no decode worker of the model is routable (minus `exclude`)."""
+        query = RouteQuery(tuple(block_hashes), session_key)
+        decoders = [r for r in self._registry.routable(Role.DECODE, model_name) if r.worker_id not in exclude]
+        if not decoders:
+            raise ServiceError(ErrorKind.UNAVAILABLE, f"no decode worker is available for model {model_name!r}",
+                               retry_after_s=1)
+        decode = self._decode_policy.choose(decoders, query)
+        self._count("decode", self._decode_policy.name, decode.reason)
+        num_matched = min(decode.record.num_matched_blocks(block_hashes) * block_size, num_prompt_tokens)
+
+        prefill, prefill_reason, queue_length = None, "", 0
+        prefillers = self._registry.routable(Role.PREFILL, model_name)
+        if num_prompt_tokens - num_matched <= self._threshold:
+            prefill_reason = SHORT_UNCACHED_PROMPT
+        elif not prefillers:
+            prefill_reason = NO_PREFILL_WORKER
+        else:
+            choice = self._prefill_policy.choose(prefillers, query)
+            prefill, prefill_reason = choice.record.worker, choice.reason
+            queue_length = choice.record.load.num_queued
+            self._registry.note_routed(choice.record.worker_id, block_hashes)
+        self._count("prefill", self._prefill_policy.name, prefill_reason)
+        self._registry.note_routed(decode.record.worker_id, block_hashes)
+        log.info("route %s: decode=%s (%s) prefill=%s (%s) prompt=%d matched=%d", request_id,
+                 decode.record.worker_id, decode.reason, prefill.worker_id if prefill else "local",
+                 prefill_reason, num_prompt_tokens, num_matched)
+        return RoutePlan(decode.record.worker, decode.reason, prefill, prefill_reason, queue_length, num_matched)
+
+    def _count(self, pool: str, policy: str, reason: str) -> None:
+        self._metrics.routing.labels(pool, policy, reason).inc()

@@ -1,0 +1,112 @@
+"""Routing policies: pick one worker of a pool and say why.
+
+Each pool (prefill, decode) has its own policy object, made by name with `make_policy`.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+from pdserve.proto.block_hash import stable_hash64
+from pdserve.router.registry import WorkerRecord
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    """What a policy may look at: the prompt's block hashes and the session key."""
+
+    block_hashes: tuple[int, ...] = ()
+    session_key: str = ""  # empty: no session
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    record: WorkerRecord
+    reason: str  # short, metric-label friendly ("prefix_match", "round_robin", ...)
+
+
+class RoutingPolicy(abc.ABC):
+    """Contract: `choose` gets a non-empty candidate list sorted by worker id (alive,
+    non-suspect workers of one pool and model) and returns one of them with a reason.
+    It must not block or raise. A policy may keep state (a counter) across calls."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice: ...
+
+
+class RoundRobin(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
+        record = candidates[self._next % len(candidates)]
+        self._next += 1
+        return Choice(record, "round_robin")
+
+
+class LeastLoaded(RoutingPolicy):
+    """Lowest load score (queued + running + sent since the last report); ties rotate."""
+
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._ties = RoundRobin()
+
+    def pick(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> WorkerRecord:
+        lowest = min(r.load_score() for r in candidates)
+        return self._ties.choose([r for r in candidates if r.load_score() == lowest], query).record
+
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
+        return Choice(self.pick(candidates, query), "least_loaded")
+
+
+class PrefixAware(RoutingPolicy):
+    """Longest run of the prompt's block hashes the worker reported cached; ties (and no
+    match at all) go to the least loaded."""
+
+    name = "prefix_aware"
+
+    def __init__(self) -> None:
+        self._least_loaded = LeastLoaded()
+
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
+        matched = {r.worker_id: r.num_matched_blocks(query.block_hashes) for r in candidates}
+        best = max(matched.values())
+        best_records = [r for r in candidates if matched[r.worker_id] == best]
+        record = self._least_loaded.pick(best_records, query)
+        return Choice(record, "prefix_match" if best > 0 else "no_prefix_match")
+
+
+class SessionAffinity(RoutingPolicy):
+    """Rendezvous (highest random weight) hashing of the session key over the candidates:
+    a session stays on its worker while that worker lives, and losing a worker moves only
+    its own sessions. No session key: least loaded."""
+
+    name = "session_affinity"
+
+    def __init__(self) -> None:
+        self._least_loaded = LeastLoaded()
+
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
+        if not query.session_key:
+            return Choice(self._least_loaded.pick(candidates, query), "no_session")
+        record = max(candidates, key=lambda r: (stable_hash64("session", query.session_key, r.worker_id),
+                                                r.worker_id))
+        return Choice(record, "session_hash")
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAware, SessionAffinity)
+}
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r} ({', '.join(POLICIES)})") from None

@@ -1,0 +1,99 @@
+"""Turn a GenerateRequest's input (text, token ids or chat) into prompt token ids.
+
+Built from a worker's ModelInfoResponse: the `tokenizers` library on tokenizer.json and the
+chat template rendered by `chat_template.ChatTemplate` — no transformers, no torch. Chat
+prompts are rendered with add_generation_prompt=True and tokenized without adding special
+tokens, which is exactly transformers' `apply_chat_template(messages,
+add_generation_prompt=True)`; text prompts are tokenized the way `tokenizer(text)` does
+(special tokens added by the tokenizer's post-processor, e.g. a BOS).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tokenizers import Tokenizer
+
+from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
+from pdserve.router.chat_template import ChatTemplate, ChatTemplateError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._template = template
+        self._vocab_size = vocab_size
+
+    @classmethod
+    def from_model_info(cls, info: common_pb2.ModelInfoResponse) -> "PromptBuilder":
+        if not info.tokenizer_json:
+            raise ValueError(f"model {info.model_name!r}: ModelInfo carries no tokenizer_json")
+        tokenizer = Tokenizer.from_str(info.tokenizer_json.decode("utf-8"))
+        template = None
+        if info.chat_template:
+            special = dict(info.special_tokens)
+            special.setdefault("bos_token", info.bos_token)
+            special.setdefault("eos_token", info.eos_token)
+            template = ChatTemplate(info.chat_template, special, list(info.additional_special_tokens))
+        vocab_size = info.vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
+        return cls(tokenizer, template, vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def build(self, request: generation_pb2.GenerateRequest) -> list[int]:
+        """The prompt's token ids; INVALID_ARGUMENT for an empty or malformed input."""
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            ids = self.encode_text(request.prompt)
+            param = "prompt"
+        elif which == "token_ids":
+            ids = list(request.token_ids.ids)
+            param = "prompt"
+            check_token_ids(ids, self._vocab_size, param)
+        elif which == "chat":
+            ids = self.encode_chat([(m.role, m.content) for m in request.chat.messages])
+            param = "messages"
+        else:
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "one of prompt, token_ids or messages is required",
+                               param="prompt")
+        if not ids:
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the prompt is empty", param=param)
+        return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> str:
+        if not messages:
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "messages must not be empty", param="messages")
+        for role, _ in messages:
+            if role not in CHAT_ROLES:
+                raise ServiceError(ErrorKind.INVALID_ARGUMENT,
+                                   f"unknown message role {role!r} ({', '.join(CHAT_ROLES)})", param="messages")
+        if self._template is None:
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT,
+                               "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            return self._template.render([{"role": r, "content": c} for r, c in messages])
+        except ChatTemplateError as exc:
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT, str(exc), param="messages") from None
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        return self._tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, decoded alone (for logprobs when decode sent none)."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Raise INVALID_ARGUMENT when an id is outside [0, vocab_size)."""
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT,
+                               f"token id {token_id} is outside the vocabulary (size {vocab_size})", param=param)
+

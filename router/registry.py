@@ -1,0 +1,166 @@
+"""Which workers exist, whether they are alive, how loaded they are and what they cache.
+
+A worker is *routable* when its last heartbeat is younger than the timeout and no RPC to
+it has failed since (a failed RPC marks it suspect; its next heartbeat clears that).
+Workers silent for three timeouts are forgotten: their next heartbeat is answered
+NOT_FOUND and they register again.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from pdserve.router.config import Role
+
+log = logging.getLogger("pdserve.router.registry")
+
+FORGET_AFTER_TIMEOUTS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """A registered worker's static facts (from WorkerInfo)."""
+
+    worker_id: str
+    role: Role
+    address: str  # gRPC "host:port"
+    model_name: str
+    compatibility_hash: int = 0  # 0: unknown (static workers)
+    block_size: int = 16
+    num_total_blocks: int = 0
+    max_model_len: int = 0
+    kv_backends: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A worker's reported load (from WorkerLoad)."""
+
+    num_queued: int = 0
+    num_running: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    """The registry's mutable view of one worker. Only the registry writes it."""
+
+    worker: Worker
+    load: Load
+    last_seen: float
+    cached_hashes: set[int] = field(default_factory=set)
+    suspect: bool = False
+    num_routed_since_report: int = 0  # requests sent since the last load report
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.worker_id
+
+    def load_score(self) -> int:
+        """Work queued or running, counting what this router sent since the last report."""
+        return self.load.num_queued + self.load.num_running + self.num_routed_since_report
+
+    def free_fraction(self) -> float:
+        return self.load.num_free_blocks / self.load.num_total_blocks if self.load.num_total_blocks else 0.0
+
+    def num_matched_blocks(self, block_hashes: Sequence[int]) -> int:
+        """Length of the run of `block_hashes`, from the first, this worker reports cached."""
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.cached_hashes:
+                break
+            count += 1
+        return count
+
+
+class WorkerRegistry:
+    def __init__(self, worker_timeout_s: float, max_cached_hashes: int = 8192,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._timeout_s = worker_timeout_s
+        self._max_cached_hashes = max_cached_hashes
+        self._clock = clock
+        self._records: dict[str, WorkerRecord] = {}
+
+    def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = ()) -> None:
+        """Add or replace `worker`; an entry with the same address (a restart under a new
+        id) is replaced too."""
+        for other in [r for r in self._records.values() if r.worker.address == worker.address]:
+            if other.worker_id != worker.worker_id:
+                log.info("worker %s replaces %s at %s", worker.worker_id, other.worker_id, worker.address)
+                del self._records[other.worker_id]
+        self._records[worker.worker_id] = WorkerRecord(worker, load, self._clock())
+        self._set_cached(self._records[worker.worker_id], cached_hashes)
+        log.info("registered %s worker %s at %s (model %s)", worker.role.value, worker.worker_id,
+                 worker.address, worker.model_name)
+
+    def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int] = ()) -> bool:
+        """Record a load report. False when the worker is unknown (it must register)."""
+        self.forget_silent()
+        record = self._records.get(worker_id)
+        if record is None:
+            return False
+        if record.suspect:
+            log.info("worker %s is reachable again", worker_id)
+        record.load, record.last_seen, record.suspect = load, self._clock(), False
+        record.num_routed_since_report = 0
+        self._set_cached(record, cached_hashes)
+        return True
+
+    def deregister(self, worker_id: str) -> bool:
+        found = self._records.pop(worker_id, None) is not None
+        if found:
+            log.info("deregistered worker %s", worker_id)
+        return found
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self._records.get(worker_id)
+
+    def mark_suspect(self, worker_id: str, why: str) -> None:
+        record = self._records.get(worker_id)
+        if record is not None and not record.suspect:
+            record.suspect = True
+            log.warning("worker %s marked suspect: %s", worker_id, why)
+
+    def note_routed(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        """A request was sent to the worker: count it, and expect it to cache the prompt's
+        blocks (until its next report says otherwise)."""
+        record = self._records.get(worker_id)
+        if record is not None:
+            record.num_routed_since_report += 1
+            if len(record.cached_hashes) + len(block_hashes) <= self._max_cached_hashes:
+                record.cached_hashes.update(block_hashes)
+
+    def is_alive(self, record: WorkerRecord) -> bool:
+        return self._clock() - record.last_seen <= self._timeout_s
+
+    def routable(self, role: Role, model_name: str) -> list[WorkerRecord]:
+        """Alive, non-suspect workers of `role` serving `model_name`, sorted by id."""
+        return sorted((r for r in self._records.values()
+                       if r.worker.role is role and r.worker.model_name == model_name
+                       and not r.suspect and self.is_alive(r)),
+                      key=lambda r: r.worker_id)
+
+    def alive(self, role: Role | None = None) -> list[WorkerRecord]:
+        return sorted((r for r in self._records.values()
+                       if (role is None or r.worker.role is role) and self.is_alive(r)),
+                      key=lambda r: r.worker_id)
+
+    def records(self) -> list[WorkerRecord]:
+        return sorted(self._records.values(), key=lambda r: r.worker_id)
+
+    def forget_silent(self) -> None:
+        horizon = self._clock() - FORGET_AFTER_TIMEOUTS * self._timeout_s
+        for worker_id in [w for w, r in self._records.items() if r.last_seen < horizon]:
+            log.warning("forgetting silent worker %s", worker_id)
+            del self._records[worker_id]
+
+    def _set_cached(self, record: WorkerRecord, cached_hashes: Iterable[int]) -> None:
+        hashes = set()
+        for block_hash in cached_hashes:
+            if len(hashes) >= self._max_cached_hashes:
+                break
+            hashes.add(int(block_hash))
+        record.cached_hashes = hashes

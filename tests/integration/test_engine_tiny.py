@@ -1,0 +1,417 @@
+"""The engine end to end on tiny random-weight models, against transformers `generate`.
+
+Greedy token ids must equal transformers' (fp32, CPU) for 8 prompts of different lengths run
+together, whatever path the engine takes: chunked or not, prefix hits, preemption under
+MAX_UTILIZATION, EQUAL_PROGRESS, STATIC_BATCH, an attention window (against Mistral's
+sliding window). Every test ends with the leak check: every block back in the pool.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.block_pool import NULL_BLOCK_ID
+from pdserve.engine.errors import (CapacityError, InvalidRequestError, ModelLoadError,
+                                   PromptTooLongError)
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+
+BLOCK = 16
+PROMPT_LENS = (3, 9, 16, 17, 25, 33, 40, 58)  # under, at and across block boundaries
+NEW_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def random_prompts(lens=PROMPT_LENS, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lens]
+
+
+PROMPTS = random_prompts()
+
+
+class Reference:
+    """transformers' greedy continuation of each prompt, one prompt at a time (no padding),
+    EOS disabled so every continuation has the asked length. Results are memoised."""
+
+    def __init__(self, model_dir: Path, **load_kwargs) -> None:
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, **load_kwargs)
+        self.model.generation_config.eos_token_id = None
+        self._memo: dict[tuple, list[int]] = {}
+
+    def greedy(self, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in self._memo:
+            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            self._memo[key] = out[0, len(prompt):].tolist()
+        return self._memo[key]
+
+    def logprobs(self, prompt: list[int], n: int) -> torch.Tensor:
+        """[n, vocab] log-softmax of the logits at each greedy step."""
+        out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  return_dict_in_generate=True, output_logits=True)
+        return torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls run fastest on one thread (and a shared machine punishes spinning ones)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def llama_ref(llama_dir) -> Reference:
+    return Reference(llama_dir)
+
+
+def make_llm(model_dir: Path, **overrides) -> LLM:
+    overrides.setdefault("num_blocks", 64)
+    overrides.setdefault("block_size", BLOCK)
+    return LLM(str(model_dir), **overrides)
+
+
+def token_ids(completions) -> list[list[int]]:
+    return [list(c.token_ids) for c in completions]
+
+
+def expected(ref: Reference, prompts=PROMPTS, n: int = NEW_TOKENS) -> list[list[int]]:
+    return [ref.greedy(p, n) for p in prompts]
+
+
+# -- greedy equality -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_batch_equals_transformers(tiny_model_factory, arch):
+    model_dir = tiny_model_factory(arch)
+    llm = make_llm(model_dir, max_num_tokens=64)  # 201 prompt tokens: chunked over 4 steps
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert token_ids(outs) == expected(Reference(model_dir))
+    assert all(o.finish_reason == "length" for o in outs)
+    stats = llm.engine.stats()
+    assert stats.num_prompt_tokens_computed == sum(PROMPT_LENS)
+    assert stats.num_generation_tokens == NEW_TOKENS * len(PROMPTS)
+    llm.engine.assert_no_leaks()
+
+
+def test_chunked_prefill_equals_unchunked(llama_dir, llama_ref):
+    want = expected(llama_ref)
+    chunked = make_llm(llama_dir, max_num_tokens=16)  # the 58-token prompt takes 4+ steps
+    unchunked = make_llm(llama_dir, enable_chunked_prefill=False, max_num_tokens=2048)
+    assert token_ids(chunked.generate(PROMPTS, GREEDY)) == want
+    assert token_ids(unchunked.generate(PROMPTS, GREEDY)) == want
+    chunked.engine.assert_no_leaks()
+    unchunked.engine.assert_no_leaks()
+
+
+def test_equal_progress_equals_first_come_first_served(llama_dir, llama_ref):
+    fcfs = make_llm(llama_dir, max_num_tokens=32, chunking_policy="FIRST_COME_FIRST_SERVED")
+    equal = make_llm(llama_dir, max_num_tokens=32, chunking_policy="EQUAL_PROGRESS")
+    a, b = token_ids(fcfs.generate(PROMPTS, GREEDY)), token_ids(equal.generate(PROMPTS, GREEDY))
+    assert a == b == expected(llama_ref)
+    fcfs.engine.assert_no_leaks()
+    equal.engine.assert_no_leaks()
+
+
+def test_static_batch(llama_dir, llama_ref):
+    llm = make_llm(llama_dir, capacity_policy="STATIC_BATCH", max_batch_size=3, max_num_tokens=64)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected(llama_ref)
+    assert llm.engine.stats().num_preemptions == 0
+    llm.engine.assert_no_leaks()
+
+
+# -- capacity policies under a tiny cache -------------------------------------------------
+
+TIGHT = dict(num_blocks=8, max_num_tokens=64)  # 128 token slots; the batch wants ~24 blocks
+
+
+def test_max_utilization_preempts_and_still_matches(llama_dir, llama_ref):
+    long_params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = make_llm(llama_dir, capacity_policy="MAX_UTILIZATION", **TIGHT)
+    outs = llm.generate(PROMPTS, long_params)
+    assert llm.engine.stats().num_preemptions > 0
+    assert token_ids(outs) == expected(llama_ref, n=16)
+    llm.engine.assert_no_leaks()
+
+
+def test_guaranteed_no_evict_never_preempts(llama_dir, llama_ref):
+    long_params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = make_llm(llama_dir, capacity_policy="GUARANTEED_NO_EVICT", **TIGHT)
+    max_running = 0
+    for p in PROMPTS:
+        llm.add_request(p, long_params)
+    tokens: dict[str, list[int]] = {}
+    while llm.engine.has_unfinished():
+        for out in llm.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        max_running = max(max_running, llm.engine.stats().num_running)
+    assert llm.engine.stats().num_preemptions == 0
+    assert 1 < max_running < len(PROMPTS)  # the cache, not the batch size, held requests back
+    assert [tokens[f"offline-{i}"] for i in range(len(PROMPTS))] == expected(llama_ref, n=16)
+    llm.engine.assert_no_leaks()
+
+
+# -- prefix caching -----------------------------------------------------------------------
+
+def test_shared_prefix_computes_only_new_blocks(llama_dir, llama_ref):
+    llm = make_llm(llama_dir)
+    engine = llm.engine
+    base = random_prompts([40], seed=5)[0]
+    (first,) = llm.generate([base], GREEDY)
+    assert first.num_cached_tokens == 0 and first.num_computed_prompt_tokens == 40
+
+    extended = base[:32] + random_prompts([10], seed=6)[0]  # shares 2 full blocks
+    before = engine.stats().num_prompt_tokens_computed
+    (second,) = llm.generate([extended], GREEDY)
+    assert second.num_cached_tokens == 32
+    assert second.num_computed_prompt_tokens == 10
+    assert engine.stats().num_prompt_tokens_computed - before == 10
+    assert list(second.token_ids) == llama_ref.greedy(extended)
+
+    before = engine.stats().num_prompt_tokens_computed
+    (again,) = llm.generate([base], GREEDY)  # the same prompt: its 2 full blocks are cached
+    assert again.num_cached_tokens == 32 and again.num_computed_prompt_tokens == 8
+    assert engine.stats().num_prompt_tokens_computed - before == 8
+    assert again.token_ids == first.token_ids == tuple(llama_ref.greedy(base))
+    engine.assert_no_leaks()
+
+
+def test_prefix_caching_off_recomputes(llama_dir, llama_ref):
+    llm = make_llm(llama_dir, enable_prefix_caching=False)
+    base = random_prompts([40], seed=5)[0]
+    llm.generate([base], GREEDY)
+    (again,) = llm.generate([base], GREEDY)
+    assert again.num_cached_tokens == 0 and again.num_computed_prompt_tokens == 40
+    assert list(again.token_ids) == llama_ref.greedy(base)
+    llm.engine.assert_no_leaks()
+
+
+def test_requests_sharing_a_prefix_in_one_batch(llama_dir, llama_ref):
+    llm = make_llm(llama_dir, max_num_tokens=64)
+    stem = random_prompts([48], seed=7)[0]
+    prompts = [stem + tail for tail in random_prompts((1, 5, 17, 30), seed=8)]
+    outs = llm.generate(prompts, GREEDY)
+    assert token_ids(outs) == expected(llama_ref, prompts)
+    llm.engine.assert_no_leaks()
+
+
+# -- attention window (against Mistral's sliding window) ----------------------------------
+
+WINDOW = 20
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory) -> Path:
+    import transformers
+
+    config = transformers.MistralConfig(sliding_window=WINDOW, **TINY)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    path = tmp_path_factory.mktemp("models") / "tiny-mistral"
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_attention_window_matches_mistral_and_frees_old_blocks(mistral_dir):
+    ref = Reference(mistral_dir, attn_implementation="eager")
+    long_prompt = PROMPTS[-1]  # 58 tokens, well past the window
+    n = 12
+    # the reference really applies the window: without it the continuation differs
+    ref.model.config.sliding_window = None
+    unwindowed = ref.model.generate(torch.tensor([long_prompt]), max_new_tokens=n, do_sample=False,
+                                    attention_mask=torch.ones(1, len(long_prompt), dtype=torch.long))
+    ref.model.config.sliding_window = WINDOW
+    assert unwindowed[0, len(long_prompt):].tolist() != ref.greedy(long_prompt, n)
+
+    llm = make_llm(mistral_dir, attention_window=WINDOW, max_num_tokens=16)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    assert token_ids(outs) == [ref.greedy(p, n) for p in PROMPTS]
+    llm.engine.assert_no_leaks()
+
+    # step one long request: blocks behind the window go back to the pool as it advances
+    kv = llm.engine.kv
+    cap = -(-WINDOW // BLOCK) + 1
+    rid = llm.add_request(long_prompt, params)
+    seen_dropped = False
+    while llm.engine.has_unfinished():
+        llm.step()
+        table = kv.blocks_of(rid)
+        live = [b for b in table if b != NULL_BLOCK_ID]
+        if table and llm.engine.scheduler.running:
+            req = llm.engine.scheduler.running[0]
+            # what the window still needs: the blocks of positions >= computed - W + 1
+            first_live = max(0, req.num_computed_tokens - WINDOW + 1) // BLOCK
+            assert table[:first_live] == [NULL_BLOCK_ID] * first_live
+            assert len(live) <= cap + 1  # a prefill chunk may span one block more
+            seen_dropped |= first_live > 0
+            assert kv.get_num_free_blocks() == kv.get_max_resource_count() - len(live)
+    assert seen_dropped
+    llm.engine.assert_no_leaks()
+
+
+# -- aborts ---------------------------------------------------------------------------------
+
+def test_abort_while_waiting_mid_prefill_and_mid_decode(llama_dir, llama_ref):
+    llm = make_llm(llama_dir, max_num_tokens=16, max_batch_size=2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prefilling = llm.add_request(PROMPTS[-1], params)  # 58 tokens: 4 steps of prefill
+    decoding = llm.add_request(PROMPTS[0], params)
+    waiting = llm.add_request(PROMPTS[1], params)  # the batch holds 2: it waits
+    survivor = llm.add_request(PROMPTS[2], params)
+    llm.step()
+    assert llm.engine.kv.blocks_of(prefilling) and not llm.engine.kv.blocks_of(waiting)
+
+    assert llm.abort(waiting)
+    assert not llm.abort(waiting)  # already ended
+    assert not llm.abort("no-such-request")
+    assert llm.abort(prefilling)
+    outputs = {}
+    for _ in range(3):
+        for out in llm.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert 0 < len(sum((o.new_token_ids for o in outputs[decoding]), ())) < 12
+    assert llm.abort(decoding)
+    rest = []
+    while llm.engine.has_unfinished():
+        rest += llm.step()
+    ends = {o.request_id: o for o in sum(outputs.values(), []) + rest if o.finished}
+    for rid in (waiting, prefilling, decoding):
+        assert ends[rid].finish_reason == "abort"
+    assert ends[survivor].finish_reason == "length"
+    survivor_tokens = [t for o in outputs.get(survivor, []) + rest if o.request_id == survivor
+                       for t in o.new_token_ids]
+    assert survivor_tokens == llama_ref.greedy(PROMPTS[2], 12)
+    llm.engine.assert_no_leaks()
+
+
+def test_abort_from_a_stream(llama_dir):
+    llm = make_llm(llama_dir)
+    stream = llm.generate_stream(PROMPTS[3], SamplingParams(max_tokens=20, temperature=0.0),
+                                 request_id="streamed")
+    first = next(stream)
+    assert first.new_token_ids and not first.finished
+    assert llm.abort("streamed")
+    last = list(stream)[-1]
+    assert last.finished and last.finish_reason == "abort"
+    llm.engine.assert_no_leaks()
+
+
+# -- sampling through the engine -------------------------------------------------------------
+
+def test_stream_deltas_equal_generate(llama_dir, llama_ref):
+    llm = make_llm(llama_dir)
+    deltas = list(llm.generate_stream(PROMPTS[4], GREEDY))
+    assert [t for d in deltas for t in d.new_token_ids] == llama_ref.greedy(PROMPTS[4])
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    llm.engine.assert_no_leaks()
+
+
+def test_seeded_sampling_is_reproducible_in_a_batch(llama_dir):
+    llm = make_llm(llama_dir)
+
+    def run(seeds):
+        params = [SamplingParams(max_tokens=10, temperature=1.5, seed=s, ignore_eos=True) for s in seeds]
+        return token_ids(llm.generate(PROMPTS[:len(seeds)], params))
+
+    first, again = run([1, 2, 3]), run([1, 2, 3])
+    assert first == again
+    other = run([7, 8, 9])
+    assert other != first
+    llm.engine.assert_no_leaks()
+
+
+def test_logprobs_match_transformers(llama_dir, llama_ref):
+    llm = make_llm(llama_dir)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3)
+    (out,) = llm.generate([PROMPTS[5]], params)
+    ref = llama_ref.logprobs(PROMPTS[5], 5)
+    assert len(out.logprobs) == 5
+    for step, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[step] == int(ref[step].argmax())
+        assert lp.logprob == pytest.approx(float(ref[step, lp.token_id]), abs=1e-4)
+        want_ids = torch.topk(ref[step], 3).indices.tolist()
+        assert [t for t, _ in lp.top] == want_ids
+        for t, v in lp.top:
+            assert v == pytest.approx(float(ref[step, t]), abs=1e-4)
+    llm.engine.assert_no_leaks()
+
+
+def test_stop_token_ids_and_min_tokens(llama_dir, llama_ref):
+    llm = make_llm(llama_dir)
+    prompt = PROMPTS[6]
+    want = llama_ref.greedy(prompt)
+    stop_at = next(i for i in range(1, len(want)) if want[i] not in want[:i])
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                   stop_token_ids=(want[stop_at],)))
+    assert list(out.token_ids) == want[:stop_at + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == want[stop_at]
+
+    first = want[0]
+    (held,) = llm.generate([prompt], SamplingParams(max_tokens=6, min_tokens=4, temperature=0.0,
+                                                    stop_token_ids=(first,)))
+    assert held.token_ids[0] != first  # suppressed until min_tokens
+    assert len(held.token_ids) >= 4
+    llm.engine.assert_no_leaks()
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+def test_bad_requests_raise_typed_errors_and_leave_the_engine_healthy(llama_dir, llama_ref):
+    llm = make_llm(llama_dir, max_model_len=64, num_blocks=3)
+    cases = [
+        ([], GREEDY, InvalidRequestError, "empty"),
+        ([5] * 64, GREEDY, PromptTooLongError, "context"),
+        ([5] * 60, SamplingParams(max_tokens=10), PromptTooLongError, "max_tokens"),
+        ([5, 256], GREEDY, InvalidRequestError, r"\[0, 256\)"),
+        ([5, -1], GREEDY, InvalidRequestError, r"\[0, 256\)"),
+        ("text", GREEDY, InvalidRequestError, "tokenizer"),
+        ([5] * 40, SamplingParams(max_tokens=14), CapacityError, "KV blocks"),  # 4 blocks > 3
+    ]
+    for prompt, params, error, match in cases:
+        with pytest.raises(error, match=match):
+            llm.generate([prompt], params)
+    llm.add_request(PROMPTS[0], GREEDY, request_id="dup")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        llm.add_request(PROMPTS[1], GREEDY, request_id="dup")
+    llm.abort("dup")
+    assert token_ids(llm.generate(PROMPTS[:2], GREEDY)) == expected(llama_ref, PROMPTS[:2])
+    llm.engine.assert_no_leaks()
+
+
+def test_unknown_model_path_and_corrupt_gguf(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        LLM(str(tmp_path / "no-such-model"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)
+    with pytest.raises(ModelLoadError, match="GGUF"):
+        LLM(str(bad), use_build_cache=False)
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("this is not a model")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        LLM(str(not_gguf))
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        LLM(str(empty_dir))

@@ -1,0 +1,385 @@
+"""Conformance of every KV transfer backend, between two OS processes.
+
+This process is the sender (its cache is filled with seeded values); a child process
+(`transfer_peer.py`, spawned fresh, JSON lines over pipes, nothing pickled) is the receiver
+with its own zeroed cache behind a CacheSink. For each backend:
+
+* blocks sent from one cache arrive bit-identical in the other's;
+* a flipped payload byte, a truncated payload, a wrong compatibility hash and a duplicate
+  transfer id are each refused, and the destination blocks stay untouched;
+* a receiver whose transfer never comes releases it at the deadline; a peer that never
+  answers makes the sender hit its deadline;
+* close is idempotent; and no block is left reserved on the receiving side after any case.
+
+Point-to-point backends (ucx, nccl) deliver straight into the receiver's blocks. Stores
+(redis, disk) are exercised as the chain uses them: the sender puts, the receiver fetches and
+commits through its sink.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pdserve.engine.errors import TransferError
+from pdserve.kvtransfer import registry
+from pdserve.kvtransfer.base import BlockMessage
+from pdserve.kvtransfer.codec import as_bytes_view, new_transfer_id, split_records
+from pdserve.kvtransfer.config import STORES, KVTransferConfig
+from pdserve.kvtransfer.testing import block_digests, make_caches, message_from_cache, tiny_layout
+
+PEER = Path(__file__).with_name("transfer_peer.py")
+REPLY = "@@pdkv "
+LAYOUT_ARGS = dict(num_blocks=64, num_layers=4, block_size=16, num_kv_heads=2, head_dim=64)
+LAYOUT = tiny_layout(**LAYOUT_ARGS)  # one block across layers = 64 KiB
+DEADLINE_S = 5.0
+SLACK_S = 5.0  # a deadline may be overshot by this much on a loaded 2-core CI box
+
+
+def _backend_params():
+    params = []
+    for name in ("ucx", "nccl"):
+        ok, why = registry.is_importable(name)
+        params.append(pytest.param(name, marks=pytest.mark.skipif(
+            not ok, reason=f"{name} transport not available yet: {why}")))
+    return params + ["redis", "disk"]
+
+
+class PeerProcess:
+    """The receiving child process; every call has a deadline."""
+
+    def __init__(self, log_path: Path) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, str(PEER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.log_path = log_path
+        self._replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                self._replies.put(json.loads(line[len(REPLY):]))
+        self._replies.put(None)
+
+    def call(self, cmd: str, timeout_s: float = 30.0, **args) -> dict:
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+        self.proc.stdin.flush()
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"peer gave no answer to {cmd!r} within {timeout_s}s") from None
+        if reply is None:
+            raise RuntimeError(f"peer exited; log:\n{self.log_path.read_text()[-3000:]}")
+        return reply
+
+    def ok(self, cmd: str, timeout_s: float = 30.0, **args) -> dict:
+        reply = self.call(cmd, timeout_s, **args)
+        assert reply["ok"], f"{cmd}: {reply.get('error')}\n{reply.get('trace', '')}"
+        return reply
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@dataclass
+class Link:
+    """Sender-side backend + the receiving peer."""
+
+    name: str
+    peer: PeerProcess
+    backend: object  # KVTransport or BlockStore
+    endpoint: str
+    config: KVTransferConfig
+    source: list
+
+    @property
+    def is_store(self) -> bool:
+        return self.name in STORES
+
+    def message(self, src, dst, layout=LAYOUT, transfer_id=None, keys=None) -> BlockMessage:
+        caches = self.source if layout is LAYOUT else make_caches(layout, seed=7)
+        return message_from_cache(caches, layout, transfer_id or new_transfer_id(), src, dst, keys)
+
+    def expect(self, message: BlockMessage, dst, within_s: float = 30.0) -> None:
+        self.peer.ok("expect", transfer_id=message.transfer_id.hex(), blocks=list(dst),
+                     within_s=within_s)
+
+    def deliver(self, message: BlockMessage, dst, keys) -> None:
+        """Carry `message` to the peer; raises TransferError/TimeoutError/ValueError if refused."""
+        if not self.is_store:
+            self.backend.send(self.endpoint, message, time.monotonic() + DEADLINE_S)
+            return
+        self.put(message, keys)
+        self.fetch(message.transfer_id, dst, keys)
+
+    def put(self, message: BlockMessage, keys) -> None:
+        assert self.backend.put(keys, message) == len(keys)
+
+    def fetch(self, transfer_id: bytes, dst, keys) -> None:
+        reply = self.peer.call("fetch", transfer_id=transfer_id.hex(), blocks=list(dst), keys=list(keys))
+        if not reply["ok"]:
+            raise TransferError(reply["error"])
+
+    def digests(self, blocks) -> list[str]:
+        return self.peer.ok("digests", blocks=list(blocks))["digests"]
+
+    def assert_nothing_reserved(self) -> None:
+        state = self.peer.ok("state")
+        assert state["pending"] == [] and state["reserved"] == [], state
+
+
+@pytest.fixture(scope="module", params=_backend_params())
+def link(request, tmp_path_factory):
+    name = request.param
+    settings: dict = {}
+    if name == "redis":
+        settings["redis_url"] = request.getfixturevalue("redis_server_session").url
+    elif name == "disk":
+        settings["disk_store"] = str(tmp_path_factory.mktemp("disk-store"))
+    config = KVTransferConfig(**settings)
+    peer = PeerProcess(tmp_path_factory.mktemp(f"peer-{name}") / "peer.log")
+    try:
+        endpoint = peer.ok("init", timeout_s=120, backend=name, layout=LAYOUT_ARGS,
+                           config=settings)["endpoint"]
+        backend = (registry.open_store(name, config) if name in STORES
+                   else registry.open_transport(name, config))
+    except BaseException:
+        peer.stop()
+        raise
+    yield Link(name, peer, backend, endpoint, config, make_caches(LAYOUT, seed=7))
+    backend.close()
+    peer.stop()
+
+
+_keys = iter(range(1, 1 << 40))
+
+
+def fresh_keys(n: int) -> list[int]:
+    """Store keys no earlier case used (content hashes are non-negative; the last one of a
+    prompt may be a negative short-lived key — exercise both)."""
+    keys = [next(_keys) * 7919 for _ in range(n)]
+    keys[-1] = -keys[-1]
+    return keys
+
+
+def corrupt_record(link: Link, key: int, edit) -> None:
+    """Rewrite the stored record of `key` with `edit(bytes) -> bytes`."""
+    compat = LAYOUT.compatibility_hash()
+    if link.name == "disk":
+        path = link.backend.path_of(compat, key)
+        path.write_bytes(edit(path.read_bytes()))
+    else:
+        from pdserve.kvtransfer.backends.redis import redis_key
+
+        client = link.backend._client
+        name = redis_key(compat, key)
+        client.set(name, edit(client.get(name)))
+
+
+def record_exists(link: Link, key: int) -> bool:
+    compat = LAYOUT.compatibility_hash()
+    if link.name == "disk":
+        return link.backend.path_of(compat, key).exists()
+    from pdserve.kvtransfer.backends.redis import redis_key
+
+    return bool(link.backend._client.exists(redis_key(compat, key)))
+
+
+def flip_byte(data: bytes, at: int) -> bytes:
+    out = bytearray(data)
+    out[at] ^= 0xFF
+    return bytes(out)
+
+
+# -- the cases ------------------------------------------------------------------------------
+def test_blocks_arrive_bit_identical(link):
+    src, dst = [3, 9, 10, 11, 40], [20, 5, 6, 63, 1]
+    message = link.message(src, dst)
+    keys = fresh_keys(len(src))
+    link.expect(message, dst)
+    assert set(link.digests(dst)) == set(block_digests(make_caches(LAYOUT), [0]))  # zeros
+    link.deliver(message, dst, keys)
+    assert link.digests(dst) == block_digests(link.source, src)
+    link.assert_nothing_reserved()
+
+
+def test_flipped_byte_is_refused(link):
+    src, dst = [1, 2, 3], [30, 31, 32]
+    message = link.message(src, dst)
+    keys = fresh_keys(len(src))
+    before = link.digests(dst)
+    link.expect(message, dst)
+    if link.is_store:
+        link.put(message, keys)
+        corrupt_record(link, keys[1], lambda rec: flip_byte(rec, len(rec) - 5))
+        with pytest.raises(TransferError, match="missing 1 of 3"):
+            link.fetch(message.transfer_id, dst, keys)
+        assert not record_exists(link, keys[1])  # a corrupt record is deleted
+    else:
+        payload = flip_byte(bytes(as_bytes_view(message.payload)), 1234)
+        with pytest.raises((TransferError, TimeoutError)):
+            link.deliver(BlockMessage(message.transfer_id, message.header, message.index, payload),
+                         dst, keys)
+    assert link.digests(dst) == before
+    assert link.peer.ok("abort", transfer_id=message.transfer_id.hex())["aborted"]
+    link.assert_nothing_reserved()
+
+
+def test_truncated_payload_is_refused(link):
+    src, dst = [4, 5], [33, 34]
+    message = link.message(src, dst)
+    keys = fresh_keys(len(src))
+    before = link.digests(dst)
+    link.expect(message, dst)
+    if link.is_store:
+        link.put(message, keys)
+        corrupt_record(link, keys[0], lambda rec: rec[:-100])
+        with pytest.raises(TransferError, match="missing 1 of 2"):
+            link.fetch(message.transfer_id, dst, keys)
+    else:
+        short = bytes(as_bytes_view(message.payload))[:-100]
+        with pytest.raises((TransferError, TimeoutError, ValueError)):
+            link.deliver(BlockMessage(message.transfer_id, message.header, message.index, short),
+                         dst, keys)
+    assert link.digests(dst) == before
+    link.peer.ok("abort", transfer_id=message.transfer_id.hex())
+    link.assert_nothing_reserved()
+
+
+def test_wrong_compatibility_hash_is_refused(link):
+    other = tiny_layout(**LAYOUT_ARGS, model_name="another-model")
+    assert other.compatibility_hash() != LAYOUT.compatibility_hash()
+    src, dst = [6, 7], [35, 36]
+    keys = fresh_keys(len(src))
+    message = link.message(src, dst, layout=other, keys=keys)
+    before = link.digests(dst)
+    link.expect(message, dst)
+    if link.is_store:
+        # a record of another model filed under this model's key must still be refused
+        good = link.message(src, dst)
+        link.put(good, keys)
+        foreign = split_records(message, keys)
+        corrupt_record(link, keys[0], lambda rec: foreign[0])
+        with pytest.raises(TransferError, match="missing 1 of 2"):
+            link.fetch(message.transfer_id, dst, keys)
+    else:
+        with pytest.raises((TransferError, TimeoutError)):
+            link.deliver(message, dst, keys)
+    assert link.digests(dst) == before
+    link.peer.ok("abort", transfer_id=message.transfer_id.hex())
+    link.assert_nothing_reserved()
+
+
+def test_duplicate_transfer_id_is_refused(link):
+    src, dst = [8, 12], [37, 38]
+    message = link.message(src, dst)
+    keys = fresh_keys(len(src))
+    link.expect(message, dst)
+    link.deliver(message, dst, keys)
+    landed = link.digests(dst)
+    refused_before = link.peer.ok("state")["refused"]
+    with pytest.raises((TransferError, TimeoutError)):
+        link.deliver(message, dst, keys)
+    assert link.peer.ok("state")["refused"] > refused_before
+    assert link.digests(dst) == landed
+    # and a new expectation cannot reuse the id either
+    assert not link.peer.call("expect", transfer_id=message.transfer_id.hex(), blocks=[39],
+                              within_s=5)["ok"]
+    link.assert_nothing_reserved()
+
+
+def test_receiver_deadline_releases_blocks(link):
+    message = link.message([13], [41])
+    link.expect(message, [41], within_s=0.3)
+    time.sleep(0.5)
+    state = link.peer.ok("state")
+    assert state["pending"] == [] and state["reserved"] == []
+    assert [e["ok"] for e in state["events"] if e["transfer_id"] == message.transfer_id.hex()] == [False]
+    keys = fresh_keys(1)
+    with pytest.raises((TransferError, TimeoutError)):  # a late write is refused
+        link.deliver(message, [41], keys)
+    link.assert_nothing_reserved()
+
+
+@pytest.fixture
+def silent_listener():
+    """A TCP listener that accepts connections and never answers."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+                held.append(conn)
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join(timeout=5)
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def test_unanswering_peer_hits_deadline(link, silent_listener):
+    message = link.message([14, 15], [42, 43])
+    if link.name == "disk":
+        pytest.skip("a directory has no peer that can hang; the receiver-side deadline is "
+                    "covered by test_receiver_deadline_releases_blocks")
+    start = time.monotonic()
+    if link.name == "redis":
+        from pdserve.kvtransfer.backends.redis import RedisStore
+
+        store = RedisStore(f"redis://127.0.0.1:{silent_listener}/0", timeout_s=1.0)
+        try:
+            assert store.put([1, 2], message) == 0
+            assert store.get([1, 2], message_limits()) == [None, None]
+            assert not store.health.is_healthy or store.health.num_consecutive_failures >= 1
+        finally:
+            store.close()
+        assert time.monotonic() - start < 2 * 1.0 + SLACK_S
+        return
+    deadline_s = 1.5
+    with pytest.raises((TimeoutError, TransferError)):
+        link.backend.send(f"127.0.0.1:{silent_listener}", message, time.monotonic() + deadline_s)
+    assert time.monotonic() - start < deadline_s + SLACK_S
+
+
+def message_limits():
+    from pdserve.kvtransfer.sink import limits_for
+
+    return limits_for(LAYOUT)
+
+
+def test_close_is_idempotent(link):
+    """Runs last for each backend (it closes the peer's side)."""
+    link.peer.ok("close")
+    link.backend.close()
+    link.backend.close()
+    link.assert_nothing_reserved()

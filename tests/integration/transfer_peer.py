@@ -1,0 +1,87 @@
+"""The receiving process of the transfer conformance suite (run as a script, not collected).
+
+Holds its own cache (zeros) and a CacheSink, opens the backend under test as a receiver
+(transports) or a reader (stores), and obeys JSON-line commands on stdin. Replies are JSON
+lines prefixed with REPLY on stdout (anything else a library prints there is ignored).
+Nothing is pickled across the process boundary.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+REPLY = "@@pdkv "
+
+
+def main() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from pdserve.kvtransfer import registry
+    from pdserve.kvtransfer.config import STORES, KVTransferConfig
+    from pdserve.kvtransfer.receive import land_from_store
+    from pdserve.kvtransfer.sink import CacheSink
+    from pdserve.kvtransfer.testing import block_digests, make_caches, tiny_layout
+
+    state: dict = {}
+
+    def handle(msg: dict) -> dict:
+        cmd = msg["cmd"]
+        if cmd == "init":
+            layout = tiny_layout(**msg["layout"])
+            config = KVTransferConfig(**msg["config"])
+            caches = make_caches(layout)
+            sink = CacheSink(caches, layout)
+            state.update(layout=layout, caches=caches, sink=sink, name=msg["backend"])
+            if msg["backend"] in STORES:
+                state["store"] = registry.open_store(msg["backend"], config)
+                return {"endpoint": ""}
+            state["transport"] = registry.open_transport(msg["backend"], config)
+            return {"endpoint": state["transport"].open_receiver(sink)}
+        sink = state["sink"]
+        if cmd == "expect":
+            sink.expect(bytes.fromhex(msg["transfer_id"]), msg["blocks"],
+                        time.monotonic() + msg["within_s"], tag=msg.get("tag", ""))
+            return {}
+        if cmd == "fetch":
+            n = land_from_store(state["store"], sink, bytes.fromhex(msg["transfer_id"]),
+                                msg["blocks"], msg["keys"])
+            return {"bytes": n}
+        if cmd == "digests":
+            return {"digests": block_digests(state["caches"], msg["blocks"])}
+        if cmd == "abort":
+            return {"aborted": sink.abort(bytes.fromhex(msg["transfer_id"]))}
+        if cmd == "state":
+            sink.expire_overdue()
+            events = [{"transfer_id": e.transfer_id.hex(), "ok": e.ok, "reason": e.reason}
+                      for e in sink.take_events()]
+            return {"pending": sorted(t.hex() for t in sink.pending_transfer_ids),
+                    "reserved": sorted(sink.reserved_block_ids), "refused": sink.num_refused,
+                    "events": events}
+        if cmd == "close":
+            for _ in range(2):  # idempotent
+                backend = state.get("transport") or state.get("store")
+                backend.close()
+                sink.close()
+            return {}
+        raise ValueError(f"unknown command {cmd!r}")
+
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["cmd"] == "exit":
+            break
+        try:
+            reply = {"ok": True, **handle(msg)}
+        except Exception as exc:  # reported to the test, which decides
+            reply = {"ok": False, "error": f"{exc.__class__.__name__}: {exc}",
+                     "trace": traceback.format_exc(limit=3)}
+        sys.stdout.write(REPLY + json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

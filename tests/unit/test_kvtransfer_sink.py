@@ -1,0 +1,186 @@
+"""CacheSink: what may land in the cache, and when nothing may."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pdserve.engine.errors import TransferError
+from pdserve.kvtransfer.base import BlockMessage
+from pdserve.kvtransfer.codec import as_bytes_view, new_transfer_id
+from pdserve.kvtransfer.sink import CacheSink
+from pdserve.kvtransfer.testing import block_digests, make_caches, message_from_cache, tiny_layout
+from pdserve.kvtransfer.wire import WireError, parse_header
+
+LAYOUT = tiny_layout(num_blocks=16)
+SOURCE = make_caches(LAYOUT, seed=1)
+ZERO = block_digests(make_caches(LAYOUT), [0])[0]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def sink(clock):
+    return CacheSink(make_caches(LAYOUT), LAYOUT, clock=clock)
+
+
+def wire(message: BlockMessage) -> bytes:
+    return message.header + message.index + bytes(as_bytes_view(message.payload))
+
+
+def test_expected_transfer_lands_bit_identical_and_completes(sink, clock):
+    tid = new_transfer_id()
+    sink.expect(tid, [7, 3, 9], deadline=clock.now + 5, tag="req-1")
+    assert sink.reserved_block_ids == {3, 7, 9}
+    sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [1, 2, 4], [7, 3, 9])))
+    assert block_digests(sink.kv_caches, [7, 3, 9]) == block_digests(SOURCE, [1, 2, 4])
+    assert sink.is_complete(tid)
+    assert [(e.tag, e.ok) for e in sink.take_events()] == [("req-1", True)]
+    assert sink.pending_transfer_ids == set() and sink.reserved_block_ids == set()
+
+
+def test_transfer_may_arrive_in_several_messages(sink, clock):
+    tid = new_transfer_id()
+    sink.expect(tid, [5, 6, 8], deadline=clock.now + 5)
+    sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [1], [6])))
+    assert not sink.is_complete(tid) and sink.take_events() == []
+    with pytest.raises(TransferError, match="not open"):  # block 6 is filled already
+        sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [2], [6])))
+    sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [2, 3], [5, 8])))
+    assert sink.is_complete(tid)
+    assert block_digests(sink.kv_caches, [6, 5, 8]) == block_digests(SOURCE, [1, 2, 3])
+
+
+def test_unknown_duplicate_and_aborted_ids_are_refused(sink, clock):
+    message = message_from_cache(SOURCE, LAYOUT, new_transfer_id(), [1], [2])
+    with pytest.raises(TransferError, match="unknown"):
+        sink.deliver(wire(message))
+    sink.expect(message.transfer_id, [2], clock.now + 5)
+    sink.deliver(wire(message))
+    with pytest.raises(TransferError, match="duplicate"):
+        sink.deliver(wire(message))
+    with pytest.raises(TransferError, match="already known"):
+        sink.expect(message.transfer_id, [4], clock.now + 5)
+
+    aborted = message_from_cache(SOURCE, LAYOUT, new_transfer_id(), [1], [3])
+    sink.expect(aborted.transfer_id, [3], clock.now + 5)
+    assert sink.abort(aborted.transfer_id) and not sink.abort(aborted.transfer_id)
+    with pytest.raises(TransferError, match="aborted"):
+        sink.deliver(wire(aborted))
+    assert block_digests(sink.kv_caches, [3]) == [ZERO]
+    assert sink.num_refused == 3
+
+
+def test_late_message_is_refused_and_the_transfer_expires(sink, clock):
+    message = message_from_cache(SOURCE, LAYOUT, new_transfer_id(), [1], [2])
+    sink.expect(message.transfer_id, [2], clock.now + 1, tag="slow")
+    clock.now += 2
+    with pytest.raises(TransferError, match="deadline"):
+        sink.deliver(wire(message))
+    events = sink.take_events()
+    assert [(e.tag, e.ok) for e in events] == [("slow", False)] and "deadline" in events[0].reason
+    assert block_digests(sink.kv_caches, [2]) == [ZERO]
+    assert sink.reserved_block_ids == set()
+
+
+def test_expire_overdue_releases_reservations(sink, clock):
+    sink.expect(new_transfer_id(), [1, 2], clock.now + 1, tag="a")
+    sink.expect(new_transfer_id(), [3], clock.now + 10, tag="b")
+    clock.now += 5
+    sink.expire_overdue()
+    assert sink.reserved_block_ids == {3}
+    assert [e.tag for e in sink.take_events()] == ["a"]
+
+
+def test_blocks_outside_the_reservation_are_refused(sink, clock):
+    tid = new_transfer_id()
+    sink.expect(tid, [4, 5], clock.now + 5)
+    with pytest.raises(TransferError, match="not open"):
+        sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [1, 2], [4, 6])))
+    with pytest.raises(WireError, match="outside the pool"):
+        sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [1], [LAYOUT.num_blocks])))
+    assert block_digests(sink.kv_caches, [4, 5, 6]) == [ZERO] * 3
+    assert tid in sink.pending_transfer_ids  # a refused message leaves the transfer open
+
+
+def test_reservations_do_not_overlap(sink, clock):
+    sink.expect(new_transfer_id(), [1, 2], clock.now + 5)
+    with pytest.raises(TransferError, match="reserved by another"):
+        sink.expect(new_transfer_id(), [2, 3], clock.now + 5)
+    with pytest.raises(ValueError):
+        sink.expect(new_transfer_id(), [4, 4], clock.now + 5)
+    with pytest.raises(ValueError):
+        sink.expect(new_transfer_id(), [LAYOUT.num_blocks], clock.now + 5)
+
+
+def test_corrupt_and_incompatible_messages_are_refused(sink, clock):
+    tid = new_transfer_id()
+    sink.expect(tid, [2], clock.now + 5)
+    good = wire(message_from_cache(SOURCE, LAYOUT, tid, [1], [2]))
+    flipped = bytearray(good)
+    flipped[-7] ^= 1
+    with pytest.raises(WireError, match="checksum"):
+        sink.deliver(bytes(flipped))
+    with pytest.raises(WireError, match="truncated"):
+        sink.deliver(good[:-1])
+    other = tiny_layout(num_blocks=16, model_name="other")
+    with pytest.raises(WireError, match="compatibility"):
+        sink.deliver(wire(message_from_cache(make_caches(other, 1), other, tid, [1], [2])))
+    assert block_digests(sink.kv_caches, [2]) == [ZERO]
+    sink.deliver(good)  # the genuine message still lands
+    assert sink.is_complete(tid)
+
+
+def test_transport_path_check_staging_commit(sink, clock):
+    """What a transport does: check the header + index, receive into staging, commit."""
+    tid = new_transfer_id()
+    sink.expect(tid, [10, 11], clock.now + 5)
+    message = message_from_cache(SOURCE, LAYOUT, tid, [3, 4], [10, 11])
+    header = parse_header(message.header, sink.limits)
+    sink.check(header, message.index)
+    staging = sink.staging(header)
+    assert staging.numel() == header.payload_len
+    staging.copy_(message.payload.view(-1).view(staging.dtype))
+    sink.commit(header, message.index, staging)
+    assert block_digests(sink.kv_caches, [10, 11]) == block_digests(SOURCE, [3, 4])
+
+
+def test_abort_racing_commits_never_leaves_a_partial_write(clock):
+    """After abort returns, no block of the transfer changes."""
+    for round_ in range(20):
+        sink = CacheSink(make_caches(LAYOUT), LAYOUT, clock=clock)
+        tid = new_transfer_id()
+        sink.expect(tid, list(range(1, 9)), clock.now + 5)
+        data = wire(message_from_cache(SOURCE, LAYOUT, tid, list(range(1, 9)), list(range(1, 9))))
+        thread = threading.Thread(target=lambda: _try(sink.deliver, data))
+        thread.start()
+        sink.abort(tid)
+        after_abort = block_digests(sink.kv_caches, range(1, 9))
+        thread.join(5)
+        assert block_digests(sink.kv_caches, range(1, 9)) == after_abort
+        assert after_abort in ([ZERO] * 8, block_digests(SOURCE, range(1, 9)))
+
+
+def _try(fn, *args):
+    try:
+        fn(*args)
+    except TransferError:
+        pass
+
+
+def test_close_aborts_everything_and_is_idempotent(sink, clock):
+    sink.expect(new_transfer_id(), [1], clock.now + 5)
+    sink.close()
+    sink.close()
+    assert sink.pending_transfer_ids == set() and sink.reserved_block_ids == set()

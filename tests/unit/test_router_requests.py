@@ -1,0 +1,132 @@
+"""Request checks shared by HTTP and gRPC (validation.py) and the OpenAI body parser."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
+from pdserve.router.openai_format import Collected, ResponseFormatter
+from pdserve.router.openai_request import parse_chat, parse_completion
+from pdserve.router.validation import check_prompt_fits, resolve_sampling
+
+CTX, VOCAB = 100, 50
+
+
+def resolve(prompt_len: int = 10, **fields) -> common_pb2.SamplingParams:
+    return resolve_sampling(common_pb2.SamplingParams(**fields), prompt_len, CTX, VOCAB)
+
+
+def test_defaults_are_resolved():
+    sampling = resolve()
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (90, 1.0, 1.0, 0)
+    assert not sampling.HasField("seed")
+    exact = resolve(max_tokens=90, temperature=0, top_p=1, seed=3)
+    assert (exact.max_tokens, exact.temperature, exact.seed) == (90, 0.0, 3)
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=91), "max_tokens"),
+    (dict(temperature=-0.01), "temperature"),
+    (dict(temperature=2.01), "temperature"),
+    (dict(temperature=math.nan), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.01), "top_p"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop=["x"] * 17), "stop"),
+    (dict(stop_token_ids=[VOCAB]), "stop_token_ids"),
+    (dict(max_tokens=5, min_tokens=6), "min_tokens"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(top_logprobs=2), "top_logprobs"),
+])
+def test_bad_sampling_is_invalid_argument(fields, param):
+    with pytest.raises(ServiceError) as caught:
+        resolve(**fields)
+    assert caught.value.kind is ErrorKind.INVALID_ARGUMENT and caught.value.param == param
+
+
+def test_prompt_must_leave_room_for_a_token():
+    check_prompt_fits(CTX - 1, CTX, "prompt")
+    with pytest.raises(ServiceError) as caught:
+        check_prompt_fits(CTX, CTX, "messages")
+    assert caught.value.param == "messages"
+    assert caught.value.openai_body()["error"]["code"] == "context_length_exceeded"
+
+
+def test_chat_body_maps_onto_generate_request():
+    parsed = parse_chat({"model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                                    {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                 {"type": "text", "text": "b"}]}],
+                         "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 1,
+                         "stop": "END", "logprobs": True, "top_logprobs": 3, "user": "alice", "stream": True,
+                         "stream_options": {"include_usage": True}, "presence_penalty": 0, "unknown_extra": 1})
+    request = parsed.request
+    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "be brief"), ("user", "a\nb")]
+    s = request.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, list(s.stop)) == (7, 0.0, 0.5, 0, 1, ["END"])
+    assert (s.logprobs, s.top_logprobs, request.session_id) == (True, 3, "alice")
+    assert parsed.stream and parsed.include_usage and parsed.model == "m"
+    assert not parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}).request.sampling.HasField(
+        "max_tokens")  # chat default: the rest of the context
+
+
+def test_completion_body_maps_onto_generate_request():
+    parsed = parse_completion({"model": "m", "prompt": ["hi"], "logprobs": 2})
+    assert parsed.request.prompt == "hi" and parsed.request.sampling.max_tokens == 16
+    assert parsed.request.sampling.logprobs and parsed.request.sampling.top_logprobs == 2
+    ids = parse_completion({"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 2}).request
+    assert list(ids.token_ids.ids) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("parse, body, param", [
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}]}, "model"),
+    (parse_chat, {"model": "m", "messages": "hi"}, "messages"),
+    (parse_chat, {"model": "m", "messages": [{"content": "x"}]}, "messages"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}, "max_tokens"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"x": 1}]}, "tools"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, "stream_options"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_k": -2}, "top_k"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 2**64}, "seed"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}, "frequency_penalty"),
+    (parse_completion, {"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    (parse_completion, {"model": "m", "prompt": [1, -2]}, "prompt"),
+    (parse_completion, {"model": "m", "prompt": "x", "echo": True}, "echo"),
+    (parse_completion, {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+    (parse_completion, {"model": "m", "prompt": "x", "max_tokens": 2**40}, "max_tokens"),
+])
+def test_malformed_openai_fields_name_the_field(parse, body, param):
+    with pytest.raises(ServiceError) as caught:
+        parse(body)
+    assert caught.value.kind is ErrorKind.INVALID_ARGUMENT and caught.value.param == param
+
+
+def test_formatter_builds_openai_shapes():
+    first = generation_pb2.GenerateResponse(request_id="r", token_ids=[5], text="Hi")
+    first.routing.decode_worker_id = "d0"
+    first.transfer.outcome = common_pb2.TRANSFER_OUTCOME_RECOMPUTED
+    last = generation_pb2.GenerateResponse(request_id="r", token_ids=[6], text="!",
+                                           finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                                           usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=2,
+                                                                  cached_prompt_tokens=1))
+    collected = Collected()
+    collected.add(first)
+    collected.add(last)
+    whole = ResponseFormatter(True, "m", "chatcmpl-1", False, str).whole(collected)
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hi!"}
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                              "prompt_tokens_details": {"cached_tokens": 1}}
+    assert whole["pdserve"]["transfer"]["outcome"] == "recomputed"
+    assert whole["pdserve"]["routing"]["decode_worker_id"] == "d0"
+    chunks = ResponseFormatter(False, "m", "cmpl-1", False, str)
+    assert chunks.chunk(first, include_usage=True)["choices"][0] == {"index": 0, "finish_reason": None,
+                                                                      "logprobs": None, "text": "Hi"}
+    assert chunks.usage_chunk(last.usage)["choices"] == []

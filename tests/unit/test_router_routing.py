@@ -1,0 +1,163 @@
+"""Worker registry (liveness with a fake clock), routing policies and the route planner."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.router.config import Role
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.planner import RoutePlanner
+from pdserve.router.policies import RouteQuery, make_policy
+from pdserve.router.registry import Load, Worker, WorkerRegistry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def worker(worker_id: str, role: Role = Role.DECODE, model: str = "m") -> Worker:
+    return Worker(worker_id, role, f"{worker_id}.local:1", model, compatibility_hash=7, block_size=4)
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def registry(clock):
+    return WorkerRegistry(worker_timeout_s=5.0, max_cached_hashes=100, clock=clock)
+
+
+def test_liveness_suspicion_and_forgetting(registry, clock):
+    registry.register(worker("a"), Load())
+    registry.register(worker("b"), Load())
+    assert [r.worker_id for r in registry.routable(Role.DECODE, "m")] == ["a", "b"]
+    assert registry.routable(Role.DECODE, "other") == [] and registry.routable(Role.PREFILL, "m") == []
+    registry.mark_suspect("a", "connection refused")
+    assert [r.worker_id for r in registry.routable(Role.DECODE, "m")] == ["b"]
+    assert registry.heartbeat("a", Load())  # a heartbeat clears suspicion
+    clock.now += 4.0
+    registry.heartbeat("a", Load())
+    clock.now += 2.0  # b silent for 6 s > 5 s: dead, not routed
+    assert [r.worker_id for r in registry.routable(Role.DECODE, "m")] == ["a"]
+    clock.now += 10.0  # b silent for 3 timeouts: forgotten; its heartbeat must re-register
+    assert not registry.heartbeat("b", Load())
+    assert registry.get("b") is None
+    assert registry.deregister("a") and not registry.deregister("a")
+
+
+def test_restart_under_a_new_id_replaces_the_old_entry(registry):
+    registry.register(worker("a"), Load())
+    registry.register(Worker("a2", Role.DECODE, "a.local:1", "m"), Load())
+    assert [r.worker_id for r in registry.records()] == ["a2"]
+
+
+def test_cached_hashes_are_a_capped_snapshot(registry):
+    registry.register(worker("a"), Load(), cached_hashes=range(500))
+    record = registry.get("a")
+    assert len(record.cached_hashes) == 100
+    registry.heartbeat("a", Load(), cached_hashes=[1, 2, 3])
+    assert record.cached_hashes == {1, 2, 3}
+    assert record.num_matched_blocks([1, 2, 9, 3]) == 2
+    assert record.num_matched_blocks([9, 1]) == 0
+
+
+def test_round_robin_cycles(registry):
+    for name in "abc":
+        registry.register(worker(name), Load())
+    policy = make_policy("round_robin")
+    picks = [policy.choose(registry.routable(Role.DECODE, "m"), RouteQuery()).record.worker_id for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_least_loaded_counts_what_was_sent_since_the_last_report(registry):
+    registry.register(worker("a"), Load(num_queued=1, num_running=2))
+    registry.register(worker("b"), Load(num_running=1))
+    policy = make_policy("least_loaded")
+    choice = policy.choose(registry.routable(Role.DECODE, "m"), RouteQuery())
+    assert (choice.record.worker_id, choice.reason) == ("b", "least_loaded")
+    registry.note_routed("b", [])
+    registry.note_routed("b", [])  # b now 3, a 3: a tie, which rotates
+    picks = {policy.choose(registry.routable(Role.DECODE, "m"), RouteQuery()).record.worker_id for _ in range(2)}
+    assert picks == {"a", "b"}
+
+
+def test_prefix_aware_prefers_the_longest_cached_run_then_the_least_loaded(registry):
+    registry.register(worker("a"), Load(num_running=5), cached_hashes=[11, 12, 13])
+    registry.register(worker("b"), Load(), cached_hashes=[11])
+    registry.register(worker("c"), Load(num_running=1), cached_hashes=[11, 12, 13, 99])
+    policy = make_policy("prefix_aware")
+    candidates = registry.routable(Role.DECODE, "m")
+    choice = policy.choose(candidates, RouteQuery((11, 12, 13, 14)))
+    assert (choice.record.worker_id, choice.reason) == ("c", "prefix_match")  # a ties on length, c less loaded
+    choice = policy.choose(candidates, RouteQuery((50, 51)))
+    assert (choice.record.worker_id, choice.reason) == ("b", "no_prefix_match")
+
+
+def test_session_affinity_is_sticky_and_consistent(registry):
+    for name in "abcd":
+        registry.register(worker(name), Load())
+    policy = make_policy("session_affinity")
+    candidates = registry.routable(Role.DECODE, "m")
+    homes = {s: policy.choose(candidates, RouteQuery(session_key=s)).record.worker_id for s in map(str, range(40))}
+    assert len(set(homes.values())) > 1
+    assert all(policy.choose(candidates, RouteQuery(session_key=s)).record.worker_id == h for s, h in homes.items())
+    without_b = [r for r in candidates if r.worker_id != "b"]
+    for session, home in homes.items():  # losing b moves only b's sessions
+        if home != "b":
+            assert policy.choose(without_b, RouteQuery(session_key=session)).record.worker_id == home
+    assert policy.choose(candidates, RouteQuery()).reason == "no_session"
+
+
+def test_unknown_policy_name():
+    with pytest.raises(ValueError):
+        make_policy("random")
+
+
+def make_planner(registry, threshold: int = 8) -> tuple[RoutePlanner, RouterMetrics]:
+    metrics = RouterMetrics()
+    return RoutePlanner(registry, make_policy("prefix_aware"), make_policy("round_robin"), threshold, metrics), metrics
+
+
+def decisions(metrics: RouterMetrics, pool: str, policy: str, reason: str) -> float:
+    return metrics.registry.get_sample_value("pdserve_router_routing_decisions_total",
+                                             {"pool": pool, "policy": policy, "reason": reason}) or 0.0
+
+
+def test_planner_conditional_disaggregation_reasons(registry):
+    planner, metrics = make_planner(registry)
+    with pytest.raises(ServiceError) as caught:
+        planner.plan("r0", "m", 40, 4, [], "")
+    assert caught.value.kind is ErrorKind.UNAVAILABLE
+
+    registry.register(worker("d"), Load(), cached_hashes=[1, 2, 3, 4, 5, 6, 7, 8])
+    plan = planner.plan("r1", "m", 40, 4, list(range(90, 100)), "")
+    assert (plan.prefill, plan.prefill_reason) == (None, "no_prefill_worker")
+
+    registry.register(worker("p", Role.PREFILL), Load(num_queued=3))
+    plan = planner.plan("r2", "m", 40, 4, list(range(1, 11)), "")  # 8 blocks cached: 8 uncached tokens
+    assert (plan.prefill, plan.prefill_reason, plan.num_matched_tokens) == (None, "short_uncached_prompt", 32)
+    plan = planner.plan("r3", "m", 40, 4, [50, 51], "")
+    assert plan.prefill.worker_id == "p" and plan.prefill_reason == "round_robin"
+    assert plan.prefill_queue_length == 3 and plan.decode_reason == "no_prefix_match"
+    assert decisions(metrics, "prefill", "round_robin", "short_uncached_prompt") == 1
+    assert decisions(metrics, "prefill", "round_robin", "no_prefill_worker") == 1
+    assert decisions(metrics, "decode", "prefix_aware", "prefix_match") == 1
+    assert decisions(metrics, "decode", "prefix_aware", "no_prefix_match") == 2
+    # The routed prompt is now expected in d's cache until its next report.
+    assert planner.plan("r4", "m", 8, 4, [50, 51], "").decode_reason == "prefix_match"
+
+
+def test_planner_skips_excluded_and_suspect_workers(registry):
+    planner, _ = make_planner(registry)
+    registry.register(worker("a"), Load())
+    registry.register(worker("b"), Load())
+    assert planner.plan("r", "m", 40, 4, [], "", exclude={"a"}).decode.worker_id == "b"
+    registry.mark_suspect("b", "refused")
+    with pytest.raises(ServiceError):
+        planner.plan("r", "m", 40, 4, [], "", exclude={"a"})

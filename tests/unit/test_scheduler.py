@@ -1,0 +1,211 @@
+"""Scheduler, stepped without a model: token budgets, chunking, capacity policies, endings.
+
+A `Driver` does what the engine does after each step (advance `num_computed_tokens`,
+publish blocks, append a token where a chunk reaches the end, finish at max_tokens), with
+token 7 standing in for whatever the model would have produced.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.config import CacheConfig, CapacityPolicy, ChunkingPolicy, ModelConfig, SchedulerConfig
+from pdserve.engine.connector import NoopConnectorScheduler
+from pdserve.engine.errors import CapacityError
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.proto.block_hash import hash_prompt_blocks
+
+BS = 8
+MODEL = ModelConfig(architecture="llama", vocab_size=100, hidden_size=16, intermediate_size=32,
+                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
+                    max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0)
+
+
+class Driver:
+    def __init__(self, num_blocks: int = 64, max_model_len: int = 1024, window: int | None = None,
+                 **sched) -> None:
+        cache = CacheConfig(block_size=BS, num_blocks=num_blocks, attention_window=window)
+        self.kv = KVCacheManager(MODEL, cache, torch.device("cpu"))
+        self.sched = Scheduler(SchedulerConfig(**sched), self.kv, NoopConnectorScheduler(), max_model_len)
+        self.finished: list[Request] = []
+
+    def add(self, rid: str, prompt_len: int, max_tokens: int = 4, first_token: int = 1) -> Request:
+        prompt = list(range(first_token, first_token + prompt_len))
+        r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+        r.block_hashes = hash_prompt_blocks(prompt, BS, salt=1)
+        self.sched.add(r)
+        return r
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        assert out.num_tokens <= self.sched.config.max_num_tokens or len(out.chunks) == 1
+        for chunk in out.chunks:
+            req = chunk.request
+            assert chunk.start == req.num_computed_tokens
+            req.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            self.kv.update_resources(req)
+            if chunk.samples_token:
+                req.output_token_ids.append(7)
+                if req.num_output_tokens >= req.sampling_params.max_tokens:
+                    self.sched.finish(req, RequestStatus.FINISHED_LENGTH)
+                    self.finished.append(req)
+        return out
+
+    def run(self, max_steps: int = 500) -> list[SchedulerOutput]:
+        outs = []
+        while self.sched.num_unfinished:
+            outs.append(self.step())
+            assert len(outs) < max_steps, "the scheduler stopped making progress"
+        self.kv.assert_all_free()
+        return outs
+
+
+def shape(out: SchedulerOutput) -> dict[str, int]:
+    return {c.request.request_id: c.num_new_tokens for c in out.chunks}
+
+
+def test_decodes_go_first_then_prefills_within_the_budget():
+    d = Driver(max_num_tokens=20)
+    d.add("a", 10)
+    assert shape(d.step()) == {"a": 10}
+    d.add("b", 30, first_token=50)
+    out = d.step()
+    assert shape(out) == {"a": 1, "b": 19}  # a decodes; b gets what is left, chunked
+    assert [c.request.request_id for c in out.chunks] == ["a", "b"]
+    assert not out.chunks[1].samples_token
+    assert shape(d.step()) == {"a": 1, "b": 11}
+    assert d.step().chunks[-1].request.request_id == "b"
+    d.run()
+    assert all(r.num_output_tokens == 4 for r in d.finished)
+
+
+def test_unchunked_prompt_waits_for_a_step_of_its_own():
+    d = Driver(max_num_tokens=16, enable_chunked_prefill=False)
+    d.add("a", 4)
+    d.add("b", 40, first_token=20)  # longer than the budget
+    assert shape(d.step()) == {"a": 4}  # b cannot share this step, and is never cut
+    assert shape(d.step()) == {"a": 1}
+    d.sched.finish(d.sched.running[0], RequestStatus.FINISHED_ABORTED)
+    assert shape(d.step()) == {"b": 40}  # alone: the whole prompt, over budget
+    d.run()
+
+
+def test_first_come_first_served_finishes_the_oldest_prompt_first():
+    d = Driver(max_num_tokens=32)
+    for i in range(3):
+        d.add(f"r{i}", 40, first_token=100 * i + 1)
+    assert shape(d.step()) == {"r0": 32}
+    assert shape(d.step()) == {"r0": 8, "r1": 24}
+    d.run()
+
+
+def test_equal_progress_shares_the_budget():
+    d = Driver(max_num_tokens=32, chunking_policy=ChunkingPolicy.EQUAL_PROGRESS)
+    for i in range(4):
+        d.add(f"r{i}", 40, first_token=100 * i + 1)
+    first = shape(d.step())
+    assert first == {"r0": 8, "r1": 8, "r2": 8, "r3": 8}
+    assert shape(d.step()) == {"r0": 8, "r1": 8, "r2": 8, "r3": 8}
+    d.run()
+
+
+def test_max_batch_size_caps_running_requests():
+    d = Driver(max_batch_size=2)
+    for i in range(3):
+        d.add(f"r{i}", 5, first_token=10 * i + 1)
+    assert set(shape(d.step())) == {"r0", "r1"}
+    while len(d.finished) < 2:
+        assert "r2" not in shape(d.step())
+    d.run()
+
+
+def test_guaranteed_no_evict_admits_only_what_can_finish():
+    # each request needs 2 blocks to completion (12 prompt + 4 new tokens); 3 blocks hold one
+    d = Driver(num_blocks=3)
+    d.add("a", 12, first_token=1)
+    d.add("b", 12, first_token=30)
+    out = d.step()
+    assert shape(out) == {"a": 12}
+    assert d.kv.get_num_free_blocks() == 1  # free, but reserved for a's last token
+    while not d.finished:
+        assert "b" not in shape(d.step())
+    outs = d.run()
+    assert d.sched.num_preemptions == 0
+    assert not any(o.preempted_ids for o in outs)
+
+
+def test_max_utilization_preempts_the_newest_when_full():
+    d = Driver(num_blocks=4, capacity_policy=CapacityPolicy.MAX_UTILIZATION)
+    a = d.add("a", 15, max_tokens=10, first_token=1)  # 2 blocks now, 4 to finish
+    b = d.add("b", 15, max_tokens=10, first_token=30)
+    assert shape(d.step()) == {"a": 15, "b": 15}  # both admitted: 4 blocks in use
+    assert d.kv.get_num_free_blocks() == 0
+    out = d.step()  # position 15 fits; both decode
+    assert shape(out) == {"a": 1, "b": 1}
+    out = d.step()  # position 16 needs a third block each: b (the newest) makes room for a
+    assert out.preempted_ids == ["b"]
+    assert shape(out) == {"a": 1}
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and d.sched.num_preemptions >= 1
+    assert b.num_output_tokens == 2  # kept: recomputed, not resampled
+    d.run()
+    assert a.num_output_tokens == b.num_output_tokens == 10
+    assert b.num_cached_tokens == 0  # set at first admission only
+
+
+def test_static_batch_admits_nothing_while_a_batch_runs():
+    d = Driver(capacity_policy=CapacityPolicy.STATIC_BATCH)
+    d.add("a", 5, max_tokens=3)
+    d.add("b", 5, max_tokens=6, first_token=10)
+    assert set(shape(d.step())) == {"a", "b"}
+    d.add("c", 5, first_token=20)
+    while d.sched.running:
+        assert "c" not in shape(d.step())
+    assert shape(d.step()) == {"c": 5}
+    d.run()
+
+
+def test_prefix_hit_is_taken_at_admission():
+    d = Driver()
+    d.add("a", 20, first_token=1)  # 2 full blocks
+    d.run()
+    b = d.add("b", 27, first_token=1)  # same first 20 tokens, then more
+    out = d.step()
+    assert out.chunks[0].start == 16 and out.chunks[0].num_new_tokens == 11
+    assert b.num_cached_tokens == 16
+    d.run()
+
+
+def test_a_request_that_can_never_fit_is_refused():
+    d = Driver(num_blocks=4)
+    with pytest.raises(CapacityError, match="KV blocks"):
+        d.add("huge", 30, max_tokens=10)  # 40 tokens -> 5 blocks > 4
+    d.add("ok", 30, max_tokens=2)
+    d.run()
+
+
+def test_max_utilization_refuses_what_could_never_finish():
+    d = Driver(num_blocks=4, capacity_policy=CapacityPolicy.MAX_UTILIZATION)
+    with pytest.raises(CapacityError):
+        d.add("huge", 30, max_tokens=10)
+
+
+def test_window_caps_what_a_request_needs():
+    d = Driver(num_blocks=4, window=8)  # at most cdiv(8, 8) + 1 = 2 blocks per request
+    d.add("long", 20, max_tokens=40)  # 60 tokens would be 8 blocks without the window
+    d.run()
+
+
+def test_finish_while_waiting_and_mid_prefill_frees_everything():
+    d = Driver(max_num_tokens=16)
+    a = d.add("a", 40)
+    b = d.add("b", 10, first_token=50)
+    d.step()  # a mid-prefill, b waiting
+    assert d.kv.blocks_of("a") and not d.kv.blocks_of("b")
+    assert d.sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert d.sched.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert d.sched.num_unfinished == 0
+    d.kv.assert_all_free()
