@@ -61,6 +61,9 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
     children = [Child("router", router)]
+    if settings.get("num_threads") is None:
+        # several engines share this machine's cores: one torch thread each avoids thrashing
+        settings = dict(settings, num_threads=1)
     worker_common = ["--host", host, "--router", f"{host}:{grpc_port}", "--grpc-port", "0",
                      *_flags(settings, WORKER_FLAGS)]
     if local:
@@ -86,17 +89,16 @@ def _pump(child: Child) -> None:
 
 
 def _router_ready(http_port: int, host: str, num_workers: int) -> bool:
+    """The router answers /ready and has registered every worker we started."""
     try:
+        with urllib.request.urlopen(f"http://{host}:{http_port}/ready", timeout=2) as resp:
+            if resp.status != 200:
+                return False
         with urllib.request.urlopen(f"http://{host}:{http_port}/health", timeout=2) as resp:
             body = json.loads(resp.read() or b"{}")
     except Exception:
         return False
-    workers = body.get("workers")
-    if isinstance(workers, list):
-        return len(workers) >= num_workers
-    if isinstance(workers, dict):
-        return sum(int(v) for v in workers.values() if isinstance(v, (int, float))) >= num_workers
-    return body.get("status") in ("ok", "healthy")
+    return int(body.get("decode_workers", 0)) + int(body.get("prefill_workers", 0)) >= num_workers
 
 
 def start(settings: dict[str, Any]) -> tuple[list[Child], int]:
