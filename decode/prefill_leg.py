@@ -48,6 +48,7 @@ class LegResult:
     verdict: common_pb2.TransferVerdict
     first_token_id: int = 0
     first_logprob: object | None = None
+    aborted: bool = False  # ended by an abort: nothing to recompute
 
 
 class NoReceiver:
@@ -79,6 +80,7 @@ class PrefillLeg:
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._inflight: dict[str, asyncio.Task] = {}
+        self._aborted: set[str] = set()
 
     @property
     def can_receive(self) -> bool:
@@ -109,6 +111,13 @@ class PrefillLeg:
         self._inflight[request_id] = task
         try:
             resp: prefill_pb2.PrefillResponse = await task
+        except asyncio.CancelledError:
+            if request_id not in self._aborted:
+                raise  # our own caller was cancelled
+            self._aborted.discard(request_id)
+            verdict.outcome = common_pb2.TRANSFER_OUTCOME_FAILED
+            verdict.reason = "aborted"
+            return LegResult(False, verdict, aborted=True)
         except grpc.aio.AioRpcError as exc:
             self.receiver.cancel(request_id)
             verdict.outcome = common_pb2.TRANSFER_OUTCOME_FAILED
@@ -131,6 +140,7 @@ class PrefillLeg:
         """Cancel the leg of `request_id` if one runs: the RPC, then the reservation."""
         task = self._inflight.pop(request_id, None)
         if task is not None:
+            self._aborted.add(request_id)
             task.cancel()
         self.receiver.cancel(request_id)
 

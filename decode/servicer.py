@@ -60,7 +60,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             if decision.remote:
                 verdict, ok = await self._prefill_remotely(rid, ids, hashes, request, stream, timings, t_arrival)
                 if not ok:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                    await context.abort(grpc.StatusCode.ABORTED,
                                         f"prefill failed and failure policy is 'fail': {verdict.reason}")
             self.metrics.prefill_decisions.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome),
                                                   reason=verdict.reason.split(":")[0]).inc()
@@ -93,13 +93,19 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         return n
 
     async def _prefill_remotely(self, rid, ids, hashes, request, stream, timings, t_arrival):
-        block_ids, num_cached = await asyncio.wait_for(stream.remote_ready, self.settings.transfer_timeout_s * 6)
+        ready = await asyncio.wait_for(stream.remote_ready, self.settings.transfer_timeout_s * 6)
+        if ready is None:  # aborted while waiting for admission: the stream carries the end
+            return common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_FAILED,
+                                              reason="aborted"), True
+        block_ids, num_cached = ready
         t_admitted = time.monotonic()
         timings.queue_ms = (t_admitted - t_arrival) * 1000
         result = await self.leg.run(rid, ids, hashes, request.sampling, request.prefill,
                                     block_ids, num_cached)
         timings.prefill_ms = (time.monotonic() - t_admitted) * 1000
         timings.transfer_ms = result.verdict.duration_ms
+        if result.aborted:
+            return result.verdict, True  # the engine ends the stream with finish_reason abort
         if result.ok:
             await self.loop.call(lambda: self.loop.engine.finish_remote_prefill(
                 rid, result.first_token_id, result.first_logprob))

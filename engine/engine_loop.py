@@ -141,6 +141,8 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+                if stream.remote_ready is not None:  # ended before its blocks were ready
+                    loop.call_soon_threadsafe(_set_result, stream.remote_ready, None)
             loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
 
     def _fail_all(self, exc: BaseException) -> None:

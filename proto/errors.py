@@ -36,6 +36,7 @@ class ErrorKind(enum.Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"  # a wait ran past its deadline
     CANCELLED = "cancelled"  # aborted by the client or an Abort
     INTERNAL = "internal"  # a bug or an unexpected failure
+    UPSTREAM_FAILED = "upstream_failed"  # a worker's peer (the prefill leg) failed under policy "fail"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ _TABLE: dict[ErrorKind, WireMapping] = {
     ErrorKind.DEADLINE_EXCEEDED: WireMapping(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error", "timeout", "timeout"),
     ErrorKind.CANCELLED: WireMapping(grpc.StatusCode.CANCELLED, 499, "invalid_request_error", "cancelled", "aborted"),
     ErrorKind.INTERNAL: WireMapping(grpc.StatusCode.INTERNAL, 500, "server_error", "internal_error", "error"),
+    ErrorKind.UPSTREAM_FAILED: WireMapping(grpc.StatusCode.ABORTED, 502, "server_error", "prefill_failed", "error"),
 }
 
 # A peer's status code -> kind (the inverse of the table; INVALID_ARGUMENT stays 400).
@@ -74,7 +76,7 @@ _FROM_GRPC: dict[grpc.StatusCode, ErrorKind] = {
     grpc.StatusCode.UNAVAILABLE: ErrorKind.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED: ErrorKind.CANCELLED,
-    grpc.StatusCode.ABORTED: ErrorKind.CANCELLED,
+    grpc.StatusCode.ABORTED: ErrorKind.UPSTREAM_FAILED,
 }
 
 

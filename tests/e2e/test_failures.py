@@ -1,0 +1,141 @@
+"""Failure paths on real processes: client disconnect, aborts at every phase, and the
+prefill service killed mid-request under both failure policies. Every path ends with every
+KV block back in its pool."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from harness import MODEL, deploy_workers
+
+pytestmark = pytest.mark.slow
+
+LONG_PROMPT = " ".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog near the river bank."
+                       for i in range(90))  # ~1,600 tokens: prefill takes a while on one core
+CHAT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("kvstore"))
+    common = ["--kv-backends", "disk", "--disk-store", store, "--transfer-timeout-s", "30"]
+    workers = [("prefill-0", "prefill", []),
+               ("decode-recompute", "decode", ["--failure-policy", "recompute", "--local-prefill-threshold", "0"]),
+               ("decode-fail", "decode", ["--failure-policy", "fail", "--local-prefill-threshold", "0"])]
+    d = deploy_workers(workers, router_args=["--decode-policy", "round_robin",
+                                             "--local-prefill-threshold", "0",
+                                             "--worker-timeout-s", "3"], common=common)
+    yield d
+    from pdserve.deploy import up
+
+    up.stop(d.children)
+
+
+def test_client_disconnect_mid_stream_frees_every_block(cluster):
+    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 400,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    for _ in range(2):  # once on each decode service
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", f"{cluster.base_url}/completions", json=body) as resp:
+                assert resp.status_code == 200
+                chunks = 0
+                for line in resp.iter_lines():
+                    if line.startswith("data:"):
+                        chunks += 1
+                    if chunks >= 3:
+                        break  # hang up mid-stream
+        cluster.assert_no_leaks()
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.2, 0.6, 1.5, 3.0])
+def test_abort_at_any_phase_frees_every_block(cluster, delay_s):
+    """Abort RPC after `delay_s`: during routing/admission, prefill, transfer, or decode."""
+    from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    rid = f"abort-{delay_s}"
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = generation_pb2.GenerateRequest(
+            request_id=rid, prompt=LONG_PROMPT,
+            sampling=common_pb2.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
+        call = stub.Generate(request, timeout=120)
+        got = []
+        reader = threading.Thread(target=lambda: got.extend(_drain(call)), daemon=True)
+        reader.start()
+        time.sleep(delay_s)
+        # the id may not be registered yet at t=0: Abort answers found=False; ask again
+        deadline = time.monotonic() + 10
+        while not stub.Abort(common_pb2.AbortRequest(request_id=rid, reason="test"), timeout=10).found:
+            if not reader.is_alive() or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        reader.join(60)
+        assert not reader.is_alive(), "the stream did not end after Abort"
+    assert not any(r.finish_reason == common_pb2.FINISH_REASON_LENGTH for r in got), \
+        "aborted request ran to max_tokens"
+    cluster.assert_no_leaks()
+
+
+def _drain(call):
+    out = []
+    try:
+        for response in call:
+            out.append(response)
+    except grpc.RpcError:
+        pass
+    return out
+
+
+def test_prefill_killed_mid_request(cluster, hf_reference):
+    """Both decode services see the dead prefill: `recompute` completes the request with the
+    right text and says so; `fail` gives the client a clear error; nothing leaks; the router
+    stops proposing the dead worker."""
+    _, greedy = hf_reference
+    client = cluster.openai()
+    results: list = []
+
+    def ask():
+        try:
+            results.append(client.chat.completions.create(model=MODEL, messages=[
+                {"role": "user", "content": LONG_PROMPT[:4000] + "\nSummarise this in one sentence."}],
+                max_tokens=12, temperature=0))
+        except Exception as exc:  # the openai client raises for 4xx/5xx
+            results.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]  # one per decode (round robin)
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    time.sleep(0.4)
+    cluster.child("prefill-0").proc.send_signal(signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    ok = [r for r in results if not isinstance(r, Exception)]
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert len(ok) == 1 and len(errors) == 1, results
+    answer = ok[0]
+    transfer = answer.model_extra["pdserve"]["transfer"]
+    assert answer.model_extra["pdserve"]["routing"]["decode_worker_id"] == "decode-recompute"
+    assert transfer["outcome"] == "recomputed", transfer
+    assert "prefill" in transfer["reason"] or transfer["fallbacks"], transfer
+    expected = greedy([{"role": "user", "content": LONG_PROMPT[:4000] + "\nSummarise this in one sentence."}], 12)
+    assert answer.choices[0].message.content == expected
+    assert "prefill" in str(errors[0]).lower()
+    assert getattr(errors[0], "status_code", None) == 502, errors[0]
+    cluster.assert_no_leaks()
+
+    # the router stops proposing the dead prefill worker; requests still succeed locally
+    deadline = time.monotonic() + 15
+    while True:
+        chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+        routing = chat.model_extra["pdserve"]["routing"]
+        if routing["prefill_worker_id"] == "":
+            assert chat.model_extra["pdserve"]["transfer"]["outcome"] == "local"
+            break
+        assert time.monotonic() < deadline, f"router still routes to the dead prefill: {routing}"
+        time.sleep(0.5)
+    cluster.assert_no_leaks()
