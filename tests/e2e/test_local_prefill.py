@@ -87,3 +87,32 @@ def test_bad_input_gets_openai_errors_and_service_stays_healthy(local):
         ok = http.post(f"{url}/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert ok.status_code == 200
     local.assert_no_leaks()
+
+
+def test_bench_serve_against_the_real_router(local, tmp_path):
+    """`pdserve bench serve` briefly against this router: its numbers are consistent."""
+    import json
+
+    from pdserve.deploy.cli import main
+
+    rc = main(["bench", "serve", "--base-url", local.base_url, "--model", MODEL,
+               "--concurrency", "2", "--num-requests", "6", "--input-len", "40-80",
+               "--output-len", "8", "--ignore-eos", "--temperature", "0", "--seed", "3",
+               "--slo-ttft-ms", "5000", "--slo-tpot-ms", "500", "--out-dir", str(tmp_path),
+               "--no-progress"])
+    assert rc == 0
+    data = json.loads((tmp_path / "serve_results.json").read_text())
+    run = data["runs"][0]
+    requests = run["requests"]
+    assert len(requests) == 6 and all(r["success"] for r in requests)
+    # ignore_eos: exactly max_tokens each, as counted from the streamed chunks and usage
+    assert all(r["output_tokens"] == 8 == r["num_chunks"] for r in requests)
+    summary = run["summary"]
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        p = summary[metric]
+        assert 0 < p["p50_ms"] <= p["p90_ms"] <= p["p99_ms"] <= p["max_ms"], (metric, p)
+    assert summary["goodput"] <= summary["request_throughput"] + 1e-9
+    assert summary["total_output_tokens"] == sum(r["output_tokens"] for r in requests)
+    assert summary["total_prompt_tokens"] == sum(r["prompt_tokens"] for r in requests)
+    assert list(tmp_path.glob("*.png"))
+    local.assert_no_leaks()
