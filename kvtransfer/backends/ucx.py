@@ -1,0 +1,572 @@
+"""`ucx`: point-to-point KV transfer over UCX (UCXX, the maintained successor of ucx-py).
+
+One message, sender S to receiver R::
+
+    S -> R  TCP  request: prefix (16 B) + header (64 B) + index (16 B per block)
+    R            sink.check(header, index); post a UCX receive into sink.staging(header)
+    R -> S  TCP  reply: accept, or refuse + reason
+    S -> R  UCX  payload, tag (connection id << 32 | seq), straight into the staging buffer
+    R            sink.commit(header, index, staging)
+    R -> S  TCP  reply: the verdict (ok, or refused + reason)
+
+Why a TCP control channel beside UCX: ucxx's listener binds every interface (its Python API
+takes a port, not a host), while pdserve listeners bind 127.0.0.1 unless configured. So R
+listens with a plain asyncio server on the configured host; the first exchange on a connection
+swaps UCX worker addresses and each side builds its UCX endpoint from the other's. UCX then
+carries only payload bytes (shared memory, TCP, or CUDA memory); the TCP connection carries
+small control frames, and its loss tells either side the peer is gone.
+
+Threads: ucxx keeps one context per process, driven by one asyncio loop. `_Runtime` owns that
+loop on a background thread and is shared (ref-counted) by the transports of a process; the
+last `close()` resets UCX and joins the thread. `send()` blocks its caller until the verdict
+or the deadline; on the deadline the in-flight operation is cancelled (UCX endpoint aborted,
+control connection dropped) and the next send to that peer connects afresh.
+
+Tuning (measured on loopback, see bench/transfer.py): UCX endpoint error handling (peer
+failure detection) excludes the shared-memory zero-copy transport (cma) and costs 3-4x
+throughput here; it is off by default because the control connection and the deadlines
+already detect a dead peer. Settings come from PDSERVE_UCX_* (engine/envs.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import importlib.util
+import ipaddress
+import itertools
+import logging
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Coroutine
+
+from pdserve.engine import envs
+from pdserve.engine.errors import TransferError
+from pdserve.kvtransfer.base import BlockMessage, BlockSink, KVTransport
+from pdserve.kvtransfer.wire import HEADER, HEADER_SIZE, INDEX_ENTRY_SIZE, parse_header
+
+if importlib.util.find_spec("ucxx") is None:  # checked cheaply; ucxx itself loads on first use
+    raise ImportError("the ucx transport needs ucxx (pip install 'pdserve[ucx]', i.e. ucxx-cu12)")
+
+log = logging.getLogger(__name__)
+
+# -- control frames (little-endian) ----------------------------------------------------------
+HELLO = struct.Struct("<4sHHI")  # magic, version, flags (0), worker address length
+WELCOME = struct.Struct("<4sHHII")  # magic, version, flags (0), connection id, address length
+REQUEST = struct.Struct("<4sIII")  # magic, seq, budget ms, index length
+REPLY = struct.Struct("<BBH")  # ok, reserved (0), reason length; then the reason (UTF-8)
+HELLO_MAGIC, REQUEST_MAGIC, VERSION = b"PDUX", b"PDRQ", 1
+MAX_ADDRESS = 1 << 16  # a UCX worker address is a few hundred bytes; refuse absurd ones
+MAX_REASON = 1024
+MAX_BUDGET_MS = 600_000  # a receiver waits at most this long for one payload
+HANDSHAKE_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 10.0
+ABORT_PERIOD_NS = 500_000_000  # how long aborting a UCX endpoint may wait for UCX
+_GRACE_S = 1.0  # the calling thread waits this much past the deadline for the loop to answer
+
+
+@dataclass(frozen=True, slots=True)
+class UcxSettings:
+    """UCX options, fixed when the process's UCX context starts (one per process)."""
+
+    tls: str = "tcp,sm,self"
+    net_devices: str = "lo"
+    rndv_thresh: str = "8192"
+    tcp_tx_seg_size: str = "256k"
+    tcp_rx_seg_size: str = "1m"
+    tcp_max_iov: str = "16"
+    error_handling: bool = False
+    extra: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_env(cls, host: str = "127.0.0.1") -> "UcxSettings":
+        tls = envs.get("PDSERVE_UCX_TLS").strip()
+        if tls == "auto":
+            tls = "tcp,sm,self" + (",cuda_copy,cuda_ipc" if _has_cuda() else "")
+        devices = envs.get("PDSERVE_UCX_NET_DEVICES").strip()
+        if devices == "auto":  # keep UCX's own TCP sockets on loopback when we listen there
+            devices = "lo" if _is_loopback(host) else "all"
+        extra = []
+        for item in envs.get("PDSERVE_UCX_OPTIONS").split():
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"PDSERVE_UCX_OPTIONS: {item!r} is not KEY=VALUE")
+            extra.append((key.removeprefix("UCX_"), value))
+        return cls(tls=tls, net_devices=devices, rndv_thresh=envs.get("PDSERVE_UCX_RNDV_THRESH"),
+                   tcp_tx_seg_size=envs.get("PDSERVE_UCX_TCP_TX_SEG_SIZE"),
+                   tcp_rx_seg_size=envs.get("PDSERVE_UCX_TCP_RX_SEG_SIZE"),
+                   error_handling=envs.get_bool("PDSERVE_UCX_ERROR_HANDLING"), extra=tuple(extra))
+
+    def ucx_options(self) -> dict[str, str]:
+        """Options handed to the UCX context (they win over UCX_* variables ucxx sets)."""
+        options = {"TLS": self.tls, "NET_DEVICES": self.net_devices,
+                   "RNDV_THRESH": self.rndv_thresh, "TCP_TX_SEG_SIZE": self.tcp_tx_seg_size,
+                   "TCP_RX_SEG_SIZE": self.tcp_rx_seg_size, "TCP_MAX_IOV": self.tcp_max_iov,
+                   "WARN_UNUSED_ENV_VARS": "n"}
+        options.update(self.extra)
+        return options
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# -- the process's UCX context and its loop ----------------------------------------------------
+class _Runtime:
+    """The event loop thread and the ucxx context of this process, shared by its transports."""
+
+    _lock = threading.Lock()
+    _current: "_Runtime | None" = None
+
+    def __init__(self, settings: UcxSettings) -> None:
+        self.settings = settings
+        self.users = 0
+        self._conn_ids = itertools.count(1)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pdkv-ucx-loop",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self.worker_address = self.run(self._init(), HANDSHAKE_TIMEOUT_S)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def acquire(cls, settings: UcxSettings) -> "_Runtime":
+        with cls._lock:
+            runtime = cls._current
+            if runtime is None:
+                runtime = cls._current = cls(settings)
+            elif runtime.settings != settings:
+                raise TransferError("UCX is already running in this process with other settings "
+                                    f"({runtime.settings} vs {settings})")
+            runtime.users += 1
+            return runtime
+
+    def release(self) -> None:
+        with _Runtime._lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            _Runtime._current = None
+        try:
+            self.run(self._reset(), CLOSE_TIMEOUT_S)
+        except Exception as exc:  # shutting down must reach the thread join below
+            log.warning("ucx: resetting UCX failed: %s", exc)
+        self._stop_loop()
+
+    def run(self, coro: Coroutine, timeout_s: float) -> Any:
+        """Run `coro` on the loop from another thread and wait for it (cancel it on timeout)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout=max(0.0, timeout_s))
+        except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError
+                raise
+            future.cancel()
+            raise TimeoutError(f"the ucx loop gave no answer within {timeout_s:.2f}s") from None
+
+    def next_conn_id(self) -> int:
+        """A connection id unique in this process's UCX worker (tags are matched per worker)."""
+        return next(self._conn_ids) & 0xFFFFFFFF
+
+    async def _init(self) -> bytes:
+        import ucxx  # inside the loop: ucxx binds its progress and notifier to the running loop
+
+        ucxx.init(options=self.settings.ucx_options(), enable_python_future=True,
+                  progress_mode="thread")
+        return bytes(ucxx.get_worker_address().tobytes())
+
+    async def _reset(self) -> None:
+        import ucxx
+
+        ucxx.stop_notifier_thread()
+        ucxx.reset()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=CLOSE_TIMEOUT_S)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+# -- buffers -----------------------------------------------------------------------------------
+def _ucx_buffer(obj: object, *, writable: bool) -> object:
+    """`obj` as a flat byte buffer UCX can send from / receive into, without a copy (a
+    non-contiguous tensor is copied for sending). CUDA tensors and other objects with
+    `__cuda_array_interface__` go as device memory."""
+    if hasattr(obj, "element_size"):  # a torch tensor, host or device
+        import torch
+
+        tensor = obj.detach()
+        if not tensor.is_contiguous():
+            if writable:
+                raise TransferError("the staging tensor is not contiguous")
+            tensor = tensor.contiguous()
+        flat = tensor.reshape(-1).view(torch.uint8)
+        return flat if flat.is_cuda else flat.numpy()
+    if hasattr(obj, "__cuda_array_interface__"):
+        return obj
+    view = memoryview(obj)
+    if writable and view.readonly:
+        raise TransferError("the staging buffer is read-only")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _nbytes(buffer: object) -> int:
+    if hasattr(buffer, "element_size"):
+        return buffer.numel() * buffer.element_size()
+    return buffer.nbytes
+
+
+def _declared_payload_len(message: BlockMessage) -> int:
+    """What our own header says the payload is (the sender trusts its own header)."""
+    if len(message.header) != HEADER_SIZE:
+        raise TransferError(f"header is {len(message.header)} bytes, not {HEADER_SIZE}")
+    return HEADER.unpack(message.header)[11]
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TransferError(f"bad ucx endpoint {endpoint!r}: expected host:port")
+    return host, int(port)
+
+
+# -- reply frames --------------------------------------------------------------------------------
+def _reply(ok: bool, reason: str = "") -> bytes:
+    text = reason.encode("utf-8", "replace")[:MAX_REASON]
+    return REPLY.pack(1 if ok else 0, 0, len(text)) + text
+
+
+async def _read_reply(reader: asyncio.StreamReader) -> tuple[bool, str]:
+    ok, reserved, length = REPLY.unpack(await reader.readexactly(REPLY.size))
+    if ok not in (0, 1) or reserved or length > MAX_REASON:
+        raise TransferError("malformed reply from the ucx peer")
+    return ok == 1, (await reader.readexactly(length)).decode("utf-8", "replace")
+
+
+class _RefusedByPeer(TransferError):
+    """The receiver answered and said no; the connection stays usable."""
+
+
+# -- sender side ---------------------------------------------------------------------------------
+class _Link:
+    """One sender -> receiver connection: TCP control stream + UCX endpoint."""
+
+    def __init__(self, endpoint: str, reader, writer, ep, conn_id: int) -> None:
+        self.endpoint = endpoint
+        self.reader, self.writer, self.ep = reader, writer, ep
+        self.conn_id = conn_id
+        self.seq = 0
+        self.lock = asyncio.Lock()
+        self.closed = False
+
+    @classmethod
+    async def open(cls, endpoint: str, worker_address: bytes, error_handling: bool) -> "_Link":
+        import ucxx
+
+        host, port = _split_endpoint(endpoint)
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(HELLO.pack(HELLO_MAGIC, VERSION, 0, len(worker_address)) + worker_address)
+            await writer.drain()
+            magic, version, flags, conn_id, length = WELCOME.unpack(
+                await reader.readexactly(WELCOME.size))
+            if magic != HELLO_MAGIC or version != VERSION or flags or not 0 < length <= MAX_ADDRESS:
+                raise TransferError(f"{endpoint} is not a pdserve ucx receiver (or another version)")
+            address = await reader.readexactly(length)
+            ep = await ucxx.create_endpoint_from_worker_address(
+                ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=error_handling)
+        except BaseException:
+            writer.close()
+            raise
+        return cls(endpoint, reader, writer, ep, conn_id)
+
+    async def exchange(self, message: BlockMessage, deadline: float) -> None:
+        seq, self.seq = self.seq, (self.seq + 1) & 0xFFFFFFFF
+        budget_ms = int(min(MAX_BUDGET_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
+        self.writer.write(REQUEST.pack(REQUEST_MAGIC, seq, budget_ms, len(message.index))
+                          + message.header + message.index)
+        await self.writer.drain()
+        ok, reason = await _read_reply(self.reader)
+        if not ok:
+            raise _RefusedByPeer(f"refused by {self.endpoint}: {reason}")
+        payload = _ucx_buffer(message.payload, writable=False)
+        await self.ep.send(payload, tag=(self.conn_id << 32) | seq, force_tag=True)
+        ok, reason = await _read_reply(self.reader)
+        if not ok:
+            raise _RefusedByPeer(f"refused by {self.endpoint}: {reason}")
+
+    def abort(self) -> None:
+        self.closed = True
+        self.writer.close()
+        self.ep.abort(period=ABORT_PERIOD_NS)
+
+
+# -- receiver side -------------------------------------------------------------------------------
+class _Receiver:
+    """An asyncio server on (host, port); one task per sender connection."""
+
+    def __init__(self, runtime: _Runtime, sink: BlockSink, error_handling: bool) -> None:
+        self.runtime = runtime
+        self.sink = sink
+        self.error_handling = error_handling
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-ucx-sink")
+        self.server: asyncio.AbstractServer | None = None
+        self.tasks: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._serve, host, port)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=CLOSE_TIMEOUT_S)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self.tasks.add(task)
+        ep = None
+        try:
+            ep, conn_id = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            while await self._serve_one(reader, writer, ep, conn_id):
+                pass
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the sender went away (or we are closing): drop the connection
+        except Exception as exc:
+            log.warning("ucx receiver: dropping a connection: %s", exc)
+        finally:
+            writer.close()
+            if ep is not None:
+                ep.abort(period=ABORT_PERIOD_NS)
+            self.tasks.discard(task)
+
+    async def _handshake(self, reader, writer):
+        import ucxx
+
+        magic, version, flags, length = HELLO.unpack(await reader.readexactly(HELLO.size))
+        if magic != HELLO_MAGIC or version != VERSION or flags or not 0 < length <= MAX_ADDRESS:
+            raise TransferError("not a pdserve ucx sender (or another version)")
+        address = await reader.readexactly(length)
+        ep = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=self.error_handling)
+        conn_id = self.runtime.next_conn_id()
+        ours = self.runtime.worker_address
+        writer.write(WELCOME.pack(HELLO_MAGIC, VERSION, 0, conn_id, len(ours)) + ours)
+        await writer.drain()
+        return ep, conn_id
+
+    async def _serve_one(self, reader, writer, ep, conn_id: int) -> bool:
+        """Handle one request. False: the connection must be dropped."""
+        magic, seq, budget_ms, index_len = REQUEST.unpack(await reader.readexactly(REQUEST.size))
+        max_index = self.sink.limits.max_blocks * INDEX_ENTRY_SIZE
+        if magic != REQUEST_MAGIC or index_len > max_index:
+            writer.write(_reply(False, f"malformed request (index of {index_len} bytes, "
+                                       f"at most {max_index})"))
+            return False  # cannot resynchronise the stream: drop it
+        budget_s = min(MAX_BUDGET_MS, max(1, budget_ms)) / 1000
+        body = await asyncio.wait_for(reader.readexactly(HEADER_SIZE + index_len), budget_s)
+        header_bytes, index = body[:HEADER_SIZE], body[HEADER_SIZE:]
+        try:
+            header = parse_header(header_bytes, self.sink.limits)
+            if header.index_len != index_len:
+                raise TransferError(f"index is {index_len} bytes, the header implies {header.index_len}")
+            await self._call_sink(self.sink.check, header, index)
+            staging = self.sink.staging(header)
+            buffer = _ucx_buffer(staging, writable=True)
+            if _nbytes(buffer) != header.payload_len:
+                raise TransferError(f"staging is {_nbytes(buffer)} bytes, payload {header.payload_len}")
+        except Exception as exc:  # refused before any payload moved; the stream stays in sync
+            writer.write(_reply(False, str(exc) or exc.__class__.__name__))
+            await writer.drain()
+            return True
+        receive = asyncio.ensure_future(ep.recv(buffer, tag=(conn_id << 32) | seq, force_tag=True))
+        writer.write(_reply(True))
+        await writer.drain()
+        if not await self._await_payload(receive, reader, budget_s):
+            return False
+        try:
+            await self._call_sink(self.sink.commit, header, index, staging)
+        except Exception as exc:
+            writer.write(_reply(False, str(exc) or exc.__class__.__name__))
+        else:
+            writer.write(_reply(True))
+        await writer.drain()
+        return True
+
+    async def _await_payload(self, receive: asyncio.Future, reader, budget_s: float) -> bool:
+        """Wait for the payload, the budget, or the sender hanging up, whichever comes first."""
+        hangup = asyncio.ensure_future(reader.read(1))  # the sender sends nothing until the verdict
+        try:
+            done, _ = await asyncio.wait({receive, hangup}, timeout=budget_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hangup.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await hangup  # the stream allows one reader at a time: let this one finish
+        if receive not in done:
+            receive.cancel()
+            log.warning("ucx receiver: payload did not arrive (%s)",
+                        "sender hung up" if hangup in done else f"budget {budget_s:.2f}s passed")
+            return False
+        receive.result()  # a UCX error propagates and drops the connection
+        return True
+
+    async def _call_sink(self, fn: Callable, *args) -> None:
+        await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+# -- the transport -------------------------------------------------------------------------------
+class UcxTransport(KVTransport):
+    """KV blocks over UCX. Listens on `host` (127.0.0.1 by default), port `port` (0: any)."""
+
+    name = "ucx"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0,
+                 settings: UcxSettings | None = None) -> None:
+        self.host, self.port = host, port
+        self.settings = settings or UcxSettings.from_env(host)
+        self._lock = threading.Lock()
+        self._runtime: _Runtime | None = None
+        self._receivers: list[_Receiver] = []
+        self._links: dict[str, _Link] = {}  # these two are touched on the loop thread only
+        self._open_lock: asyncio.Lock | None = None
+        self._closed = False
+
+    def open_receiver(self, sink: BlockSink) -> str:
+        runtime = self._ensure_runtime()
+        receiver = _Receiver(runtime, sink, self.settings.error_handling)
+        with self._lock:
+            self._receivers.append(receiver)
+        port = runtime.run(receiver.start(self.host, self.port), HANDSHAKE_TIMEOUT_S)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{port}"
+
+    def send(self, endpoint: str, message: BlockMessage, deadline: float) -> None:
+        declared = _declared_payload_len(message)
+        if message.payload_nbytes != declared:
+            raise TransferError(f"payload is {message.payload_nbytes} bytes, its header says {declared}")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"ucx send to {endpoint}: the deadline passed before it started")
+        runtime = self._ensure_runtime()
+        try:
+            runtime.run(self._send(endpoint, message, deadline), remaining + _GRACE_S)
+        except TimeoutError as exc:
+            raise TimeoutError(f"ucx send to {endpoint}: {exc}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            runtime, self._runtime = self._runtime, None
+            receivers, self._receivers = self._receivers, []
+        if runtime is None:
+            return
+        try:
+            runtime.run(self._shutdown(receivers), CLOSE_TIMEOUT_S)
+        except Exception as exc:  # closing must release the runtime regardless
+            log.warning("ucx: closing connections failed: %s", exc)
+        for receiver in receivers:
+            receiver.pool.shutdown(wait=True, cancel_futures=True)
+        runtime.release()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _ensure_runtime(self) -> _Runtime:
+        with self._lock:
+            if self._closed:
+                raise TransferError("the ucx transport is closed")
+            if self._runtime is None:
+                self._runtime = _Runtime.acquire(self.settings)
+            return self._runtime
+
+    async def _send(self, endpoint: str, message: BlockMessage, deadline: float) -> None:
+        try:
+            await asyncio.wait_for(self._deliver(endpoint, message, deadline),
+                                   deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            raise TimeoutError("no verdict within the deadline") from None
+
+    async def _deliver(self, endpoint: str, message: BlockMessage, deadline: float) -> None:
+        while True:
+            link = await self._link(endpoint)
+            async with link.lock:
+                if link.closed:  # a send before us dropped it: connect afresh
+                    continue
+                try:
+                    await link.exchange(message, deadline)
+                    return
+                except _RefusedByPeer:
+                    raise
+                except BaseException as exc:  # timeout, cancel, peer gone: the link is unusable
+                    self._drop(link)
+                    if isinstance(exc, (OSError, asyncio.IncompleteReadError)):
+                        raise TransferError(f"ucx peer {endpoint} went away: {exc!r}") from exc
+                    raise
+
+    async def _link(self, endpoint: str) -> _Link:
+        if self._open_lock is None:
+            self._open_lock = asyncio.Lock()
+        async with self._open_lock:
+            link = self._links.get(endpoint)
+            if link is None:
+                try:
+                    link = await _Link.open(endpoint, self._runtime_address(),
+                                            self.settings.error_handling)
+                except OSError as exc:
+                    raise TransferError(f"ucx peer {endpoint} unreachable: {exc}") from exc
+                except asyncio.IncompleteReadError as exc:
+                    raise TransferError(f"ucx peer {endpoint} hung up during the handshake") from exc
+                self._links[endpoint] = link
+            return link
+
+    def _runtime_address(self) -> bytes:
+        runtime = self._runtime
+        if runtime is None:
+            raise TransferError("the ucx transport is closed")
+        return runtime.worker_address
+
+    def _drop(self, link: _Link) -> None:
+        if self._links.get(link.endpoint) is link:
+            del self._links[link.endpoint]
+        try:
+            link.abort()
+        except Exception as exc:
+            log.debug("ucx: aborting a link: %s", exc)
+
+    async def _shutdown(self, receivers: list[_Receiver]) -> None:
+        for link in list(self._links.values()):
+            self._drop(link)
+        for receiver in receivers:
+            await receiver.close()
+        await asyncio.sleep(0)  # let cancelled handlers run their cleanup
+
+
+def create_transport(config) -> UcxTransport:
+    """Registry factory: listens on `config.host`, port `config.transfer_port` (0: any)."""
+    return UcxTransport(host=config.host, port=config.transfer_port)

@@ -1,0 +1,339 @@
+"""The point-to-point transports (ucx over TCP/shared memory, nccl over gloo) between two OS
+processes, each against a tiny in-test sink: the unit under test is the transport.
+
+This process sends. The receiver is this same file run as a script in a fresh interpreter
+(`python test_transport_p2p.py BACKEND`): it opens the transport over `TensorSink`, a plain
+uint8 tensor of blocks, and obeys JSON-line commands on stdin. Nothing crosses the process
+boundary pickled: commands and replies are JSON, blocks travel through the transport.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import xxhash
+
+from pdserve.engine.errors import TransferError
+from pdserve.kvtransfer.base import BlockMessage
+from pdserve.kvtransfer.wire import (
+    WireLimits, encode_header, encode_index, parse_index, payload_nbytes, verify_payload,
+)
+
+BACKENDS = ("ucx", "nccl")
+REPLY = "@@p2p "
+NUM_BLOCKS = 32
+LAYOUT = dict(dtype="float32", num_layers=2, block_size=16, num_kv_heads=2, head_dim=64)
+COMPAT = 0x5EED_C0DE
+BLOCK_NBYTES = payload_nbytes(1, LAYOUT["num_layers"], LAYOUT["block_size"],
+                              LAYOUT["num_kv_heads"], LAYOUT["head_dim"], LAYOUT["dtype"])  # 16 KiB
+DEADLINE_S = 10.0
+SLACK_S = 4.0  # how far past its deadline a call may return on a loaded 2-core box
+
+
+def limits() -> WireLimits:
+    return WireLimits(compat_hash=COMPAT, max_blocks=NUM_BLOCKS, **LAYOUT)
+
+
+def make_transport(name: str):
+    if name == "ucx":
+        from pdserve.kvtransfer.backends.ucx import UcxTransport
+
+        return UcxTransport()
+    from pdserve.kvtransfer.backends.nccl import NcclTransport
+
+    return NcclTransport(backend="gloo")
+
+
+class TensorSink:
+    """A `BlockSink` over one uint8 tensor `[NUM_BLOCKS, BLOCK_NBYTES]`. It checks only what a
+    transport relies on (layout via `limits`, index bounds, checksum, duplicates); `stall_s`
+    makes `check` hang, to play a receiver that never answers."""
+
+    def __init__(self) -> None:
+        self.cache = torch.zeros(NUM_BLOCKS, BLOCK_NBYTES, dtype=torch.uint8)
+        self.done: set[bytes] = set()
+        self.stall_s = 0.0
+
+    @property
+    def limits(self) -> WireLimits:
+        return limits()
+
+    def check(self, header, index) -> None:
+        time.sleep(self.stall_s)
+        parse_index(header, index, NUM_BLOCKS)
+        if header.transfer_id in self.done:
+            raise TransferError(f"duplicate transfer id {header.transfer_id.hex()}")
+
+    def staging(self, header) -> torch.Tensor:
+        return torch.empty(header.payload_len, dtype=torch.uint8)
+
+    def commit(self, header, index, payload) -> None:
+        verify_payload(header, index, memoryview(payload.numpy()))
+        block_ids, _ = parse_index(header, index, NUM_BLOCKS)
+        self.cache[block_ids] = payload.view(len(block_ids), BLOCK_NBYTES)
+        self.done.add(header.transfer_id)
+
+    def digests(self, block_ids) -> list[str]:
+        return [xxhash.xxh64(self.cache[b].numpy().tobytes()).hexdigest() for b in block_ids]
+
+
+def make_message(dst_block_ids, seed: int, compat: int = COMPAT) -> BlockMessage:
+    gen = torch.Generator().manual_seed(seed)
+    payload = torch.randint(0, 256, (len(dst_block_ids) * BLOCK_NBYTES,), dtype=torch.uint8,
+                            generator=gen)
+    index = encode_index(dst_block_ids, [0] * len(dst_block_ids))
+    transfer_id = os.urandom(16)
+    header = encode_header(transfer_id=transfer_id, compat_hash=compat, num_blocks=len(dst_block_ids),
+                           index=index, payload=memoryview(payload.numpy()), **LAYOUT)
+    return BlockMessage(transfer_id, header, index, payload)
+
+
+def payload_digests(message: BlockMessage) -> list[str]:
+    blocks = message.payload.view(-1, BLOCK_NBYTES)
+    return [xxhash.xxh64(b.numpy().tobytes()).hexdigest() for b in blocks]
+
+
+def os_threads() -> list[str]:
+    """Names of this process's OS threads (Python's and the libraries' own)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # ended meanwhile
+            pass
+    return sorted(names)
+
+
+def with_payload(message: BlockMessage, payload) -> BlockMessage:
+    return BlockMessage(message.transfer_id, message.header, message.index, payload)
+
+
+# -- the receiving process -----------------------------------------------------------------------
+def peer_main(backend: str) -> None:
+    torch.set_num_threads(1)
+    sink = TensorSink()
+    transport = make_transport(backend)
+
+    def handle(cmd: dict) -> dict:
+        if cmd["cmd"] == "open":
+            return {"endpoint": transport.open_receiver(sink)}
+        if cmd["cmd"] == "digests":
+            return {"digests": sink.digests(cmd["blocks"])}
+        if cmd["cmd"] == "stall":
+            sink.stall_s = cmd["seconds"]
+            return {}
+        if cmd["cmd"] == "close":
+            transport.close()
+            transport.close()
+            after_first = os_threads()
+            again = make_transport(backend)  # a second open/close cycle must not add threads
+            again.open_receiver(TensorSink())
+            again.close()
+            return {"threads": [t.name for t in threading.enumerate()],
+                    "os_threads_first": after_first, "os_threads_second": os_threads()}
+        raise ValueError(f"unknown command {cmd['cmd']!r}")
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        try:
+            reply = {"ok": True, **handle(cmd)}
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{exc.__class__.__name__}: {exc}"}
+        sys.stdout.write(REPLY + json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+class Peer:
+    """The receiving child process; every call waits with a deadline."""
+
+    def __init__(self, backend: str, log_path) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self._log = open(log_path, "w")
+        self.log_path = log_path
+        self.proc = subprocess.Popen([sys.executable, __file__, backend], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self._replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                self._replies.put(json.loads(line[len(REPLY):]))
+        self._replies.put(None)
+
+    def call(self, cmd: str, timeout_s: float = 60.0, **args) -> dict:
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+        self.proc.stdin.flush()
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"peer gave no answer to {cmd!r} within {timeout_s}s") from None
+        assert reply is not None, f"peer exited; log:\n{self.log_path.read_text()[-3000:]}"
+        assert reply["ok"], f"{cmd}: {reply['error']}"
+        return reply
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+class Link:
+    def __init__(self, backend: str, peer: Peer, endpoint: str) -> None:
+        self.backend, self.peer, self.endpoint = backend, peer, endpoint
+        self.sender = make_transport(backend)
+
+    def send(self, message: BlockMessage, deadline_s: float = DEADLINE_S) -> None:
+        self.sender.send(self.endpoint, message, time.monotonic() + deadline_s)
+
+    def digests(self, blocks) -> list[str]:
+        return self.peer.call("digests", blocks=list(blocks))["digests"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def link(request, tmp_path_factory):
+    backend = request.param
+    if backend == "ucx":
+        pytest.importorskip("ucxx", reason="ucxx-cu12 is not installed")
+    peer = Peer(backend, tmp_path_factory.mktemp(f"p2p-{backend}") / "peer.log")
+    try:
+        endpoint = peer.call("open", timeout_s=120)["endpoint"]
+        link = Link(backend, peer, endpoint)
+    except BaseException:
+        peer.stop()
+        raise
+    yield link
+    link.sender.close()
+    peer.stop()
+
+
+@pytest.fixture
+def silent_listener():
+    """A TCP listener that accepts connections and never says a word."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join(timeout=5)
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+# -- the cases ---------------------------------------------------------------------------------------
+def test_receiver_binds_loopback(link):
+    assert link.endpoint.startswith("127.0.0.1:")
+
+
+def test_blocks_arrive_bit_identical(link):
+    dst = [5, 17, 0, 31]
+    message = make_message(dst, seed=1)
+    assert link.digests(dst) == [xxhash.xxh64(bytes(BLOCK_NBYTES)).hexdigest()] * len(dst)
+    link.send(message)
+    assert link.digests(dst) == payload_digests(message)
+    second = make_message([6, 7], seed=2)  # the connection is reused
+    link.send(second)
+    assert link.digests([6, 7]) == payload_digests(second)
+
+
+def test_flipped_byte_is_refused_with_the_receivers_reason(link):
+    dst = [8, 9]
+    message = make_message(dst, seed=3)
+    before = link.digests(dst)
+    corrupt = message.payload.clone()
+    corrupt[BLOCK_NBYTES + 123] ^= 0xFF
+    with pytest.raises(TransferError, match="checksum"):
+        link.send(with_payload(message, corrupt))
+    assert link.digests(dst) == before
+    link.send(message)  # the link survives a refusal
+    assert link.digests(dst) == payload_digests(message)
+
+
+def test_wrong_compatibility_hash_is_refused(link):
+    dst = [10]
+    message = make_message(dst, seed=4, compat=COMPAT + 1)
+    before = link.digests(dst)
+    with pytest.raises(TransferError, match="compatibility hash mismatch"):
+        link.send(message)
+    assert link.digests(dst) == before
+
+
+def test_truncated_payload_is_refused_before_sending(link):
+    message = make_message([11, 12], seed=5)
+    with pytest.raises(TransferError, match="header says"):
+        link.send(with_payload(message, message.payload[:-100]))
+
+
+def test_silent_peer_hits_the_deadline(link, silent_listener):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        link.sender.send(silent_listener, make_message([1], seed=6), time.monotonic() + 1.0)
+    assert time.monotonic() - start < 1.0 + SLACK_S
+
+
+def test_stalled_receiver_hits_the_deadline_then_recovers(link):
+    stall_s = 2.5
+    link.peer.call("stall", seconds=stall_s)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        link.send(make_message([13], seed=7), deadline_s=1.0)
+    assert time.monotonic() - start < 1.0 + SLACK_S
+    link.peer.call("stall", seconds=0.0)
+    time.sleep(max(0.0, start + stall_s + 0.5 - time.monotonic()))  # the stuck check returns
+    message = make_message([14, 15], seed=8)
+    link.send(message)  # a fresh connection / pair
+    assert link.digests([14, 15]) == payload_digests(message)
+
+
+def test_unreachable_peer_is_a_transfer_error(link):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TransferError, match="unreachable"):
+        link.sender.send(f"127.0.0.1:{port}", make_message([1], seed=9), time.monotonic() + 5)
+
+
+def test_close_twice_leaves_no_threads(link):
+    """Runs last for each backend: it closes both sides."""
+    reply = link.peer.call("close")
+    assert reply["threads"] == ["MainThread"]
+    # UCX keeps a few process-wide helper threads once started; a second cycle adds none
+    assert len(reply["os_threads_second"]) <= len(reply["os_threads_first"]), reply
+    link.sender.close()
+    link.sender.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("pdkv")]
+    with pytest.raises(TransferError, match="closed"):
+        link.send(make_message([1], seed=10))
+
+
+if __name__ == "__main__":
+    peer_main(sys.argv[1])
