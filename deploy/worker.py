@@ -1,6 +1,7 @@
 """What the prefill and decode services share: typed settings, the gRPC server with health
-checking and reflection, conversions between proto and engine types, error mapping, and
-registration with the router (register, heartbeat, re-register on NOT_FOUND, deregister)."""
+checking and reflection (`pdserve.proto.serving`), conversions between proto and engine
+types, error mapping, and registration with every router a `--router` name resolves to
+(one `pdserve.proto.registry_client.RegistryClient` per address)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +11,12 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pdserve.engine.errors import (CapacityError, InvalidRequestError, ModelLoadError,
                                    PdserveError, RequestAbortedError, TransferError)
-from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2
+from pdserve.proto.registry_client import RegistryClient
+from pdserve.proto.serving import SERVER_OPTIONS, add_health_and_reflection, set_serving
 
 log = logging.getLogger("pdserve.worker")
 
@@ -183,106 +184,95 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
 
 # -- the server ----------------------------------------------------------------------------
 async def start_server(settings: WorkerSettings, add_servicers, service_names: list[str]):
-    """A grpc.aio server with our servicers + health + reflection. Returns (server, port, health)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    """A grpc.aio server with our servicers + health + reflection, every service (and "")
+    SERVING once it listens. Returns (server, port, health servicer)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicers(server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    health = add_health_and_reflection(server, service_names)
     port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
     if port == 0:
         raise OSError(f"cannot bind {settings.host}:{settings.grpc_port}")
     await server.start()
-    for name in service_names + [""]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port, health_servicer
+    await set_serving(health, service_names)
+    return server, port, health
+
+
+# -- registration with the router ----------------------------------------------------------
+def router_addresses(target: str) -> set[str]:
+    """Every "host:port" that `target` resolves to (a Kubernetes headless Service lists each
+    router pod); `target` itself when it does not resolve. IPv6 hosts come back bracketed."""
+    import socket
+
+    host, _, port = target.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return {target}
+    addrs = {f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos}
+    return addrs or {target}
 
 
 class Registrar:
     """Keeps this worker registered with every router while the service runs.
 
-    `--router host:port` may name several routers (a Kubernetes headless Service resolves to
-    every router pod): each resolved address gets its own register/heartbeat loop, and the
-    name is resolved again every RESOLVE_EVERY_S so new routers learn about us.
+    `--router host:port` may name several routers: the name is resolved every
+    `resolve_every_s`, each resolved address gets its own `RegistryClient` (register,
+    heartbeat, re-register on NOT_FOUND, deregister on stop), and an address that no longer
+    resolves has its client stopped without deregistering (that router is gone or not ready).
     """
 
-    RESOLVE_EVERY_S = 15.0
-
-    def __init__(self, settings: WorkerSettings, info: registry_pb2.WorkerInfo, load_fn) -> None:
+    def __init__(self, settings: WorkerSettings, info: registry_pb2.WorkerInfo, load_fn,
+                 *, resolve_every_s: float = 15.0) -> None:
         self.settings = settings
         self.info = info
         self.load_fn = load_fn
+        self.resolve_every_s = resolve_every_s
         self._task: asyncio.Task | None = None
-        self._loops: dict[str, asyncio.Task] = {}
-        self._registered: set[str] = set()
-        self.registered = asyncio.Event()  # registered with at least one router
+        self._clients: dict[str, RegistryClient] = {}
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The router addresses that currently have a client."""
+        return tuple(sorted(self._clients))
+
+    @property
+    def registered(self) -> bool:
+        """Registered with at least one router."""
+        return any(c.registered for c in self._clients.values())
 
     def start(self) -> None:
         if self.settings.router:
             self._task = asyncio.create_task(self._resolve_forever())
 
-    def _addresses(self) -> set[str]:
-        import socket
+    async def wait_registered(self, timeout_s: float) -> None:
+        """TimeoutError unless some router accepted us within `timeout_s`."""
+        async with asyncio.timeout(timeout_s):
+            while not self.registered:
+                await asyncio.sleep(0.05)
 
-        host, _, port = self.settings.router.rpartition(":")
-        try:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except (OSError, ValueError):
-            return {self.settings.router}
-        addrs = {f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos}
-        return addrs or {self.settings.router}
+    def _client(self, address: str) -> RegistryClient:
+        heartbeat_s = self.settings.heartbeat_s
+        return RegistryClient(address, self.info, self.load_fn, heartbeat_s=heartbeat_s,
+                              retry_s=min(0.5, heartbeat_s), max_retry_s=heartbeat_s,
+                              rpc_timeout_s=5.0, register_timeout_s=10.0)
 
     async def _resolve_forever(self) -> None:
         while True:
-            addrs = await asyncio.to_thread(self._addresses)
-            for addr in addrs - set(self._loops):
-                self._loops[addr] = asyncio.create_task(self._keep_registered(addr))
-            for addr in set(self._loops) - addrs:
-                self._loops.pop(addr).cancel()
-            await asyncio.sleep(self.RESOLVE_EVERY_S)
-
-    async def _keep_registered(self, address: str) -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = registry_pb2_grpc.RegistryStub(channel)
-            interval = self.settings.heartbeat_s
-            registered = False
-            while True:
-                try:
-                    if not registered:
-                        resp = await stub.Register(registry_pb2.RegisterRequest(
-                            worker=self.info, load=self.load_fn()), timeout=10)
-                        registered = True
-                        self._registered.add(address)
-                        self.registered.set()
-                        log.info("registered with router %s as %s", address, self.info.worker_id)
-                    else:
-                        resp = await stub.Heartbeat(registry_pb2.HeartbeatRequest(
-                            worker_id=self.info.worker_id, load=self.load_fn()), timeout=5)
-                    interval = max(0.2, resp.heartbeat_interval_ms / 1000 or interval)
-                except grpc.aio.AioRpcError as exc:
-                    registered = False
-                    self._registered.discard(address)
-                    if exc.code() == grpc.StatusCode.NOT_FOUND:
-                        log.warning("router %s does not know us: registering again", address)
-                        continue
-                    log.warning("router %s: %s %s", address, exc.code().name, exc.details())
-                await asyncio.sleep(interval)
+            addrs = await asyncio.to_thread(router_addresses, self.settings.router)
+            for addr in sorted(addrs - set(self._clients)):
+                client = self._clients[addr] = self._client(addr)
+                client.start()
+            for addr in set(self._clients) - addrs:
+                await self._clients.pop(addr).stop(deregister=False)
+            await asyncio.sleep(self.resolve_every_s)
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._loops.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for address in list(self._registered):
-            try:
-                async with grpc.aio.insecure_channel(address) as channel:
-                    await registry_pb2_grpc.RegistryStub(channel).Deregister(
-                        registry_pb2.DeregisterRequest(worker_id=self.info.worker_id,
-                                                       reason="shutdown"), timeout=3)
-            except grpc.aio.AioRpcError:
-                pass
-        self._registered.clear()
+        """Stop resolving, deregister from every router (best effort, in parallel)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(c.stop() for c in clients))
 
 
 def setup_logging(level: str) -> None:
@@ -333,7 +323,7 @@ async def run_worker(role: str, settings: WorkerSettings, build) -> int:
     metrics = WorkerMetrics(role)
     runtime = WorkerRuntime(settings, engine, loop, metrics, served)
     add_servicers, names, on_close = await build.make_service(runtime)
-    server, port, _ = await start_server(settings, add_servicers, names)
+    server, port, health = await start_server(settings, add_servicers, names)
     host = settings.advertise_host or settings.host
     runtime.address = f"{host}:{port}"
     runtime.worker_id = settings.worker_id or f"{role}-{host}:{port}"
@@ -361,6 +351,7 @@ async def run_worker(role: str, settings: WorkerSettings, build) -> int:
         await wait_for_shutdown()
     finally:
         log.info("%s shutting down", role)
+        await set_serving(health, names, serving=False)
         await registrar.stop()
         await server.stop(grace=2)
         await on_close()

@@ -11,6 +11,9 @@ while it is unreachable or cannot reach us yet), then Heartbeat every interval t
 asked for. A Heartbeat answered NOT_FOUND (router restarted, or it declared us dead) means
 register again at once. `load_fn` is called for every report and must be cheap and
 thread-safe with respect to the engine (a snapshot).
+
+One client talks to one router address; `pdserve.deploy.worker.Registrar` keeps one client
+per address a router name resolves to.
 """
 from __future__ import annotations
 
@@ -27,22 +30,33 @@ from pdserve.proto.serving import CHANNEL_OPTIONS
 log = logging.getLogger("pdserve.registry_client")
 
 MAX_RETRY_S = 10.0
+MIN_INTERVAL_S = 0.05  # a router asking for a shorter heartbeat interval gets this one
 
 
 class RegistryClient:
     def __init__(self, router_address: str, info: registry_pb2.WorkerInfo,
                  load_fn: Callable[[], common_pb2.WorkerLoad], *, heartbeat_s: float = 2.0,
-                 rpc_timeout_s: float = 5.0, retry_s: float = 0.5) -> None:
+                 rpc_timeout_s: float = 5.0, retry_s: float = 0.5, max_retry_s: float = MAX_RETRY_S,
+                 register_timeout_s: float | None = None) -> None:
+        """`retry_s` doubles after each failed Register up to `max_retry_s`. Register may take
+        longer than other calls (the router fetches ModelInfo from a new decode worker), hence
+        `register_timeout_s` (default `rpc_timeout_s`)."""
         self._address = router_address
         self._info = info
         self._load_fn = load_fn
         self._interval_s = heartbeat_s  # replaced by the router's answer
         self._rpc_timeout_s = rpc_timeout_s
+        self._register_timeout_s = register_timeout_s or rpc_timeout_s
         self._retry_s = retry_s
+        self._max_retry_s = max(retry_s, max_retry_s)
         self._registered = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
         self.num_registrations = 0  # how often Register succeeded (re-registrations included)
+
+    @property
+    def address(self) -> str:
+        return self._address
 
     @property
     def registered(self) -> bool:
@@ -59,8 +73,10 @@ class RegistryClient:
     async def stop(self, deregister: bool = True) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # gather, not `suppress(CancelledError)`: a cancellation of our caller must go on
+            (outcome,) = await asyncio.gather(self._task, return_exceptions=True)
+            if isinstance(outcome, Exception):
+                log.error("registration loop for router %s had stopped: %r", self._address, outcome)
         if deregister and self._channel is not None and self.registered:
             stub = registry_pb2_grpc.RegistryStub(self._channel)
             with contextlib.suppress(grpc.aio.AioRpcError):
@@ -79,7 +95,7 @@ class RegistryClient:
                     backoff_s = self._retry_s
                 else:
                     await asyncio.sleep(backoff_s)
-                    backoff_s = min(2 * backoff_s, MAX_RETRY_S)
+                    backoff_s = min(2 * backoff_s, self._max_retry_s)
                     continue
             await asyncio.sleep(self._interval_s)
             await self._heartbeat(stub)
@@ -87,12 +103,11 @@ class RegistryClient:
     async def _register(self, stub: registry_pb2_grpc.RegistryStub) -> bool:
         request = registry_pb2.RegisterRequest(worker=self._info, load=self._load_fn())
         try:
-            answer = await stub.Register(request, timeout=self._rpc_timeout_s)
+            answer = await stub.Register(request, timeout=self._register_timeout_s)
         except grpc.aio.AioRpcError as err:
             log.warning("register with router %s failed: %s %s", self._address, err.code().name, err.details())
             return False
-        if answer.heartbeat_interval_ms:
-            self._interval_s = answer.heartbeat_interval_ms / 1000.0
+        self._take_interval(answer.heartbeat_interval_ms)
         self.num_registrations += 1
         self._registered.set()
         log.info("registered %s with router %s (heartbeat every %.2f s)", self._info.worker_id, self._address,
@@ -110,5 +125,8 @@ class RegistryClient:
             else:
                 log.warning("heartbeat to router %s failed: %s %s", self._address, err.code().name, err.details())
             return
-        if answer.heartbeat_interval_ms:
-            self._interval_s = answer.heartbeat_interval_ms / 1000.0
+        self._take_interval(answer.heartbeat_interval_ms)
+
+    def _take_interval(self, heartbeat_interval_ms: int) -> None:
+        if heartbeat_interval_ms:  # 0: the router did not say
+            self._interval_s = max(MIN_INTERVAL_S, heartbeat_interval_ms / 1000.0)

@@ -37,22 +37,24 @@ import time
 
 from pdserve.engine import envs
 from pdserve.engine.errors import TransferError
+from pdserve.kvtransfer.backends import _p2p
+from pdserve.kvtransfer.backends._p2p import (  # noqa: F401  (re-exported: shared frames)
+    CLOSE_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAX_BUDGET_MS, MAX_REASON, REPLY, REQUEST,
+    REQUEST_MAGIC, VERSION, _RefusedByPeer,
+)
+from pdserve.kvtransfer.backends._p2p import recv_exactly, send_all
 from pdserve.kvtransfer.base import BlockMessage, BlockSink, KVTransport
-from pdserve.kvtransfer.wire import HEADER, HEADER_SIZE, INDEX_ENTRY_SIZE, parse_header
+from pdserve.kvtransfer.wire import HEADER_SIZE
 
 log = logging.getLogger(__name__)
 
+# hello frames (little-endian); requests and replies are in _p2p
 HELLO = struct.Struct("<4sHH8s")  # magic, version, flags (0), backend name (NUL padded)
 PAIRING = struct.Struct("<II")  # store port, pair number (after an accepting reply)
-REQUEST = struct.Struct("<4sIII")  # magic, seq, budget ms, index length
-REPLY = struct.Struct("<BBH")  # ok, reserved (0), reason length; then the reason (UTF-8)
-HELLO_MAGIC, REQUEST_MAGIC, VERSION = b"PDNC", b"PDRQ", 1
+HELLO_MAGIC = b"PDNC"
 BACKENDS = ("gloo", "nccl")
-MAX_REASON = 1024
-MAX_BUDGET_MS = 600_000
-HANDSHAKE_TIMEOUT_S = 10.0  # pairing and a request's bytes once it started arriving
+MAX_SEQ = 0x7FFFFFFF  # tags of torch.distributed send/recv are signed ints
 POLL_S = 0.25  # how often idle receiver threads look at the close flag
-CLOSE_TIMEOUT_S = 10.0
 
 
 def default_backend() -> str:
@@ -65,56 +67,6 @@ def default_backend() -> str:
     if name not in BACKENDS:
         raise ValueError(f"PDSERVE_NCCL_BACKEND={name!r}: choose gloo, nccl or auto")
     return name
-
-
-# -- sockets with deadlines ---------------------------------------------------------------------
-def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"peer sent {got} of {n} bytes before the deadline")
-        sock.settimeout(remaining)
-        try:
-            k = sock.recv_into(view[got:])
-        except socket.timeout:
-            continue
-        if k == 0:
-            raise ConnectionError("peer closed the connection")
-        got += k
-    return bytes(buf)
-
-
-def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError("deadline passed before sending")
-    sock.settimeout(remaining)
-    try:
-        sock.sendall(data)
-    except socket.timeout:
-        raise TimeoutError("peer did not take our bytes before the deadline") from None
-
-
-def _reply(ok: bool, reason: str = "") -> bytes:
-    text = reason.encode("utf-8", "replace")[:MAX_REASON]
-    return REPLY.pack(1 if ok else 0, 0, len(text)) + text
-
-
-def _read_reply(sock: socket.socket, deadline: float) -> tuple[bool, str]:
-    ok, reserved, length = REPLY.unpack(_recv_exactly(sock, REPLY.size, deadline))
-    if ok not in (0, 1) or reserved or length > MAX_REASON:
-        raise TransferError("malformed reply from the nccl peer")
-    return ok == 1, _recv_exactly(sock, length, deadline).decode("utf-8", "replace")
-
-
-def _split_endpoint(endpoint: str) -> tuple[str, int]:
-    host, sep, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise TransferError(f"bad nccl endpoint {endpoint!r}: expected host:port")
-    return host, int(port)
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
@@ -187,12 +139,6 @@ def _settle(work, tensor, deadline: float) -> None:
         torch.cuda.current_stream(tensor.device).synchronize()
 
 
-def _declared_payload_len(message: BlockMessage) -> int:
-    if len(message.header) != HEADER_SIZE:
-        raise TransferError(f"header is {len(message.header)} bytes, not {HEADER_SIZE}")
-    return HEADER.unpack(message.header)[11]
-
-
 # -- sender side ---------------------------------------------------------------------------------
 class _Pair:
     """The sender's half of a pair: control socket + process group (rank 0)."""
@@ -205,7 +151,7 @@ class _Pair:
 
     @classmethod
     def open(cls, endpoint: str, backend: str, deadline: float) -> "_Pair":
-        host, port = _split_endpoint(endpoint)
+        host, port = _p2p.split_endpoint(endpoint, "nccl")
         remaining = deadline - time.monotonic()
         try:
             sock = socket.create_connection((host, port), timeout=max(0.001, remaining))
@@ -215,11 +161,11 @@ class _Pair:
             raise TransferError(f"nccl peer {endpoint} unreachable: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _send_all(sock, HELLO.pack(HELLO_MAGIC, VERSION, 0, backend.encode()), deadline)
-            ok, reason = _read_reply(sock, deadline)
+            send_all(sock, HELLO.pack(HELLO_MAGIC, VERSION, 0, backend.encode()), deadline)
+            ok, reason = _p2p.read_reply(sock, deadline, "nccl")
             if not ok:
                 raise TransferError(f"{endpoint} refused to pair: {reason}")
-            store_port, pair_no = PAIRING.unpack(_recv_exactly(sock, PAIRING.size, deadline))
+            store_port, pair_no = PAIRING.unpack(recv_exactly(sock, PAIRING.size, deadline))
             group = _new_group(backend, host, store_port, pair_no, 0, sock.getsockname()[0],
                                deadline - time.monotonic())
         except BaseException:
@@ -228,13 +174,9 @@ class _Pair:
         return cls(endpoint, sock, group, backend)
 
     def exchange(self, message: BlockMessage, deadline: float) -> None:
-        seq, self.seq = self.seq, (self.seq + 1) & 0x7FFFFFFF
-        budget_ms = int(min(MAX_BUDGET_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
-        _send_all(self.sock, REQUEST.pack(REQUEST_MAGIC, seq, budget_ms, len(message.index))
-                  + message.header + message.index, deadline)
-        ok, reason = _read_reply(self.sock, deadline)
-        if not ok:
-            raise _RefusedByPeer(f"refused by {self.endpoint}: {reason}")
+        seq, self.seq = self.seq, (self.seq + 1) & MAX_SEQ
+        send_all(self.sock, _p2p.encode_request(seq, message, deadline), deadline)
+        _p2p.raise_if_refused(_p2p.read_reply(self.sock, deadline, "nccl"), self.endpoint)
         tensor = _payload_tensor(message.payload, self.backend)
         try:
             _settle(self.group.send([tensor], 1, seq), tensor, deadline)
@@ -242,9 +184,7 @@ class _Pair:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"payload not taken before the deadline: {exc}") from None
             raise TransferError(f"payload send failed: {exc}") from exc
-        ok, reason = _read_reply(self.sock, deadline)
-        if not ok:
-            raise _RefusedByPeer(f"refused by {self.endpoint}: {reason}")
+        _p2p.raise_if_refused(_p2p.read_reply(self.sock, deadline, "nccl"), self.endpoint)
 
     def close(self) -> None:
         """Tear the pair down: the receiver sees the socket close; the group's connections
@@ -252,10 +192,6 @@ class _Pair:
         self.closed = True
         self.sock.close()
         self.group = None
-
-
-class _RefusedByPeer(TransferError):
-    """The receiver answered and said no; the pair stays usable."""
 
 
 # -- receiver side -------------------------------------------------------------------------------
@@ -338,16 +274,16 @@ class _Receiver:
 
     def _pair(self, sock: socket.socket):
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-        magic, version, flags, name = HELLO.unpack(_recv_exactly(sock, HELLO.size, deadline))
+        magic, version, flags, name = HELLO.unpack(recv_exactly(sock, HELLO.size, deadline))
         if magic != HELLO_MAGIC or version != VERSION or flags:
             raise TransferError("not a pdserve nccl sender (or another version)")
         backend = name.rstrip(b"\0").decode("ascii", "replace")
         if backend != self.backend:
-            _send_all(sock, _reply(False, f"backend mismatch: sender {backend}, receiver "
+            send_all(sock, _p2p.reply(False, f"backend mismatch: sender {backend}, receiver "
                                           f"{self.backend}"), deadline)
             return None
         pair_no = next(self._pair_nos)
-        _send_all(sock, _reply(True) + PAIRING.pack(self.store_port, pair_no), deadline)
+        send_all(sock, _p2p.reply(True) + PAIRING.pack(self.store_port, pair_no), deadline)
         return _new_group(self.backend, self.host, self.store_port, pair_no, 1,
                           sock.getsockname()[0], deadline - time.monotonic())
 
@@ -358,30 +294,26 @@ class _Receiver:
     def _serve_one(self, sock: socket.socket, group) -> bool:
         """Handle one request. False: the pair must be dropped."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-        magic, seq, budget_ms, index_len = REQUEST.unpack(_recv_exactly(sock, REQUEST.size, deadline))
-        max_index = self.sink.limits.max_blocks * INDEX_ENTRY_SIZE
-        if magic != REQUEST_MAGIC or index_len > max_index or seq > 0x7FFFFFFF:
-            _send_all(sock, _reply(False, f"malformed request (index of {index_len} bytes, at "
-                                          f"most {max_index})"), deadline)
-            return False  # cannot resynchronise the stream
-        budget_s = min(MAX_BUDGET_MS, max(1, budget_ms)) / 1000
-        deadline = time.monotonic() + budget_s
-        body = _recv_exactly(sock, HEADER_SIZE + index_len, deadline)
-        header_bytes, index = body[:HEADER_SIZE], body[HEADER_SIZE:]
+        frame = recv_exactly(sock, REQUEST.size, deadline)
         try:
-            header = parse_header(header_bytes, self.sink.limits)
-            if header.index_len != index_len:
-                raise TransferError(f"index is {index_len} bytes, the header implies {header.index_len}")
+            seq, budget_s, index_len = _p2p.parse_request(frame, self.sink.limits, MAX_SEQ)
+        except _p2p.MalformedRequest as exc:
+            send_all(sock, _p2p.reply(False, str(exc)), deadline)
+            return False  # cannot resynchronise the stream
+        deadline = time.monotonic() + budget_s
+        body = recv_exactly(sock, HEADER_SIZE + index_len, deadline)
+        try:
+            header, index = _p2p.parse_body(body, index_len, self.sink.limits)
             self.sink.check(header, index)
             staging = self.sink.staging(header)
             target = _staging_tensor(staging)
             if target.numel() != header.payload_len:
                 raise TransferError(f"staging is {target.numel()} bytes, payload {header.payload_len}")
         except Exception as exc:  # refused before any payload moved; the stream stays in sync
-            _send_all(sock, _reply(False, str(exc) or exc.__class__.__name__), deadline)
+            send_all(sock, _p2p.refusal(exc), deadline)
             return True
         landing = target.cuda() if self.backend == "nccl" and not target.is_cuda else target
-        _send_all(sock, _reply(True), deadline)
+        send_all(sock, _p2p.reply(True), deadline)
         try:
             _settle(group.recv([landing], 0, seq), landing, deadline)
         except RuntimeError as exc:  # a gloo timeout or error breaks the pair
@@ -392,9 +324,9 @@ class _Receiver:
         try:
             self.sink.commit(header, index, staging)
         except Exception as exc:
-            _send_all(sock, _reply(False, str(exc) or exc.__class__.__name__), deadline)
+            send_all(sock, _p2p.refusal(exc), deadline)
         else:
-            _send_all(sock, _reply(True), deadline)
+            send_all(sock, _p2p.reply(True), deadline)
         return True
 
 
@@ -426,13 +358,10 @@ class NcclTransport(KVTransport):
                 raise TransferError("the nccl transport is closed")
             receiver = _Receiver(sink, self.host, self.port, self.backend)
             self._receivers.append(receiver)
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{receiver.port}"
+        return _p2p.format_endpoint(self.host, receiver.port)
 
     def send(self, endpoint: str, message: BlockMessage, deadline: float) -> None:
-        declared = _declared_payload_len(message)
-        if message.payload_nbytes != declared:
-            raise TransferError(f"payload is {message.payload_nbytes} bytes, its header says {declared}")
+        _p2p.check_payload_len(message)
         while True:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"nccl send to {endpoint}: the deadline passed")

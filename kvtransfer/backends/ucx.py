@@ -45,25 +45,24 @@ from typing import Any, Callable, Coroutine
 
 from pdserve.engine import envs
 from pdserve.engine.errors import TransferError
+from pdserve.kvtransfer.backends import _p2p
+from pdserve.kvtransfer.backends._p2p import (  # noqa: F401  (re-exported: shared frames)
+    CLOSE_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAX_BUDGET_MS, MAX_REASON, REPLY, REQUEST,
+    REQUEST_MAGIC, VERSION, _RefusedByPeer,
+)
 from pdserve.kvtransfer.base import BlockMessage, BlockSink, KVTransport
-from pdserve.kvtransfer.wire import HEADER, HEADER_SIZE, INDEX_ENTRY_SIZE, parse_header
+from pdserve.kvtransfer.wire import HEADER_SIZE
 
 if importlib.util.find_spec("ucxx") is None:  # checked cheaply; ucxx itself loads on first use
     raise ImportError("the ucx transport needs ucxx (pip install 'pdserve[ucx]', i.e. ucxx-cu12)")
 
 log = logging.getLogger(__name__)
 
-# -- control frames (little-endian) ----------------------------------------------------------
+# -- hello frames (little-endian); requests and replies are in _p2p ---------------------------
 HELLO = struct.Struct("<4sHHI")  # magic, version, flags (0), worker address length
 WELCOME = struct.Struct("<4sHHII")  # magic, version, flags (0), connection id, address length
-REQUEST = struct.Struct("<4sIII")  # magic, seq, budget ms, index length
-REPLY = struct.Struct("<BBH")  # ok, reserved (0), reason length; then the reason (UTF-8)
-HELLO_MAGIC, REQUEST_MAGIC, VERSION = b"PDUX", b"PDRQ", 1
+HELLO_MAGIC = b"PDUX"
 MAX_ADDRESS = 1 << 16  # a UCX worker address is a few hundred bytes; refuse absurd ones
-MAX_REASON = 1024
-MAX_BUDGET_MS = 600_000  # a receiver waits at most this long for one payload
-HANDSHAKE_TIMEOUT_S = 10.0
-CLOSE_TIMEOUT_S = 10.0
 ABORT_PERIOD_NS = 500_000_000  # how long aborting a UCX endpoint may wait for UCX
 _GRACE_S = 1.0  # the calling thread waits this much past the deadline for the loop to answer
 
@@ -237,38 +236,6 @@ def _nbytes(buffer: object) -> int:
     return buffer.nbytes
 
 
-def _declared_payload_len(message: BlockMessage) -> int:
-    """What our own header says the payload is (the sender trusts its own header)."""
-    if len(message.header) != HEADER_SIZE:
-        raise TransferError(f"header is {len(message.header)} bytes, not {HEADER_SIZE}")
-    return HEADER.unpack(message.header)[11]
-
-
-def _split_endpoint(endpoint: str) -> tuple[str, int]:
-    host, sep, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise TransferError(f"bad ucx endpoint {endpoint!r}: expected host:port")
-    return host, int(port)
-
-
-# -- reply frames --------------------------------------------------------------------------------
-def _reply(ok: bool, reason: str = "") -> bytes:
-    text = reason.encode("utf-8", "replace")[:MAX_REASON]
-    return REPLY.pack(1 if ok else 0, 0, len(text)) + text
-
-
-async def _read_reply(reader: asyncio.StreamReader) -> tuple[bool, str]:
-    ok, reserved, length = REPLY.unpack(await reader.readexactly(REPLY.size))
-    if ok not in (0, 1) or reserved or length > MAX_REASON:
-        raise TransferError("malformed reply from the ucx peer")
-    return ok == 1, (await reader.readexactly(length)).decode("utf-8", "replace")
-
-
-class _RefusedByPeer(TransferError):
-    """The receiver answered and said no; the connection stays usable."""
-
-
 # -- sender side ---------------------------------------------------------------------------------
 class _Link:
     """One sender -> receiver connection: TCP control stream + UCX endpoint."""
@@ -285,7 +252,7 @@ class _Link:
     async def open(cls, endpoint: str, worker_address: bytes, error_handling: bool) -> "_Link":
         import ucxx
 
-        host, port = _split_endpoint(endpoint)
+        host, port = _p2p.split_endpoint(endpoint, "ucx")
         reader, writer = await asyncio.open_connection(host, port)
         try:
             writer.write(HELLO.pack(HELLO_MAGIC, VERSION, 0, len(worker_address)) + worker_address)
@@ -304,18 +271,12 @@ class _Link:
 
     async def exchange(self, message: BlockMessage, deadline: float) -> None:
         seq, self.seq = self.seq, (self.seq + 1) & 0xFFFFFFFF
-        budget_ms = int(min(MAX_BUDGET_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
-        self.writer.write(REQUEST.pack(REQUEST_MAGIC, seq, budget_ms, len(message.index))
-                          + message.header + message.index)
+        self.writer.write(_p2p.encode_request(seq, message, deadline))
         await self.writer.drain()
-        ok, reason = await _read_reply(self.reader)
-        if not ok:
-            raise _RefusedByPeer(f"refused by {self.endpoint}: {reason}")
+        _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, "ucx"), self.endpoint)
         payload = _ucx_buffer(message.payload, writable=False)
         await self.ep.send(payload, tag=(self.conn_id << 32) | seq, force_tag=True)
-        ok, reason = await _read_reply(self.reader)
-        if not ok:
-            raise _RefusedByPeer(f"refused by {self.endpoint}: {reason}")
+        _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, "ucx"), self.endpoint)
 
     def abort(self) -> None:
         self.closed = True
@@ -382,39 +343,35 @@ class _Receiver:
 
     async def _serve_one(self, reader, writer, ep, conn_id: int) -> bool:
         """Handle one request. False: the connection must be dropped."""
-        magic, seq, budget_ms, index_len = REQUEST.unpack(await reader.readexactly(REQUEST.size))
-        max_index = self.sink.limits.max_blocks * INDEX_ENTRY_SIZE
-        if magic != REQUEST_MAGIC or index_len > max_index:
-            writer.write(_reply(False, f"malformed request (index of {index_len} bytes, "
-                                       f"at most {max_index})"))
-            return False  # cannot resynchronise the stream: drop it
-        budget_s = min(MAX_BUDGET_MS, max(1, budget_ms)) / 1000
-        body = await asyncio.wait_for(reader.readexactly(HEADER_SIZE + index_len), budget_s)
-        header_bytes, index = body[:HEADER_SIZE], body[HEADER_SIZE:]
+        frame = await reader.readexactly(REQUEST.size)
         try:
-            header = parse_header(header_bytes, self.sink.limits)
-            if header.index_len != index_len:
-                raise TransferError(f"index is {index_len} bytes, the header implies {header.index_len}")
+            seq, budget_s, index_len = _p2p.parse_request(frame, self.sink.limits)
+        except _p2p.MalformedRequest as exc:
+            writer.write(_p2p.reply(False, str(exc)))
+            return False  # cannot resynchronise the stream: drop it
+        body = await asyncio.wait_for(reader.readexactly(HEADER_SIZE + index_len), budget_s)
+        try:
+            header, index = _p2p.parse_body(body, index_len, self.sink.limits)
             await self._call_sink(self.sink.check, header, index)
             staging = self.sink.staging(header)
             buffer = _ucx_buffer(staging, writable=True)
             if _nbytes(buffer) != header.payload_len:
                 raise TransferError(f"staging is {_nbytes(buffer)} bytes, payload {header.payload_len}")
         except Exception as exc:  # refused before any payload moved; the stream stays in sync
-            writer.write(_reply(False, str(exc) or exc.__class__.__name__))
+            writer.write(_p2p.refusal(exc))
             await writer.drain()
             return True
         receive = asyncio.ensure_future(ep.recv(buffer, tag=(conn_id << 32) | seq, force_tag=True))
-        writer.write(_reply(True))
+        writer.write(_p2p.reply(True))
         await writer.drain()
         if not await self._await_payload(receive, reader, budget_s):
             return False
         try:
             await self._call_sink(self.sink.commit, header, index, staging)
         except Exception as exc:
-            writer.write(_reply(False, str(exc) or exc.__class__.__name__))
+            writer.write(_p2p.refusal(exc))
         else:
-            writer.write(_reply(True))
+            writer.write(_p2p.reply(True))
         await writer.drain()
         return True
 
@@ -463,13 +420,10 @@ class UcxTransport(KVTransport):
         with self._lock:
             self._receivers.append(receiver)
         port = runtime.run(receiver.start(self.host, self.port), HANDSHAKE_TIMEOUT_S)
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{port}"
+        return _p2p.format_endpoint(self.host, port)
 
     def send(self, endpoint: str, message: BlockMessage, deadline: float) -> None:
-        declared = _declared_payload_len(message)
-        if message.payload_nbytes != declared:
-            raise TransferError(f"payload is {message.payload_nbytes} bytes, its header says {declared}")
+        _p2p.check_payload_len(message)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"ucx send to {endpoint}: the deadline passed before it started")

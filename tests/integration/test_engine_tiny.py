@@ -244,6 +244,8 @@ def test_attention_window_matches_mistral_and_frees_old_blocks(mistral_dir):
     ref.model.config.sliding_window = WINDOW
     assert unwindowed[0, len(long_prompt):].tolist() != ref.greedy(long_prompt, n)
 
+    # the window comes from the model's config; an explicit attention_window may only narrow it
+    assert make_llm(mistral_dir, num_blocks=4).engine.kv.config.attention_window == WINDOW
     llm = make_llm(mistral_dir, attention_window=WINDOW, max_num_tokens=16)
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
@@ -415,3 +417,25 @@ def test_unknown_model_path_and_corrupt_gguf(tmp_path):
     empty_dir.mkdir()
     with pytest.raises(ModelLoadError, match="config.json"):
         LLM(str(empty_dir))
+
+
+# -- the offline benchmark runs end to end (on the tiny model: a smoke test, not a timing) ----
+
+def test_offline_benchmark_smoke(llama_dir, tmp_path, capsys):
+    import json
+
+    from pdserve.bench import offline
+
+    out = tmp_path / "bench.json"
+    rc = offline.main(["--model", str(llama_dir), "--threads", "1", "--concurrency", "2", "3",
+                       "--new-tokens", "4", "--prompt-len", "20", "--prefill-len", "64",
+                       "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "batch 3 x ~20 prompt, 4 new" in printed and "prefill, 64-token prompt" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 + 1 + 1  # two batch rows, TTFT, prefill
+    for row in rows:
+        assert row["ours"] > 0 and row["theirs"] > 0 and row["ratio"] > 0
+        assert row["agreement"] in (None, 1.0)  # greedy tokens equal transformers'
+    assert torch.get_num_threads() == 1
