@@ -17,6 +17,8 @@ KNOWN = {
     "PDSERVE_CACHE_MAX_STORAGE_GB": ("20", "build cache: most gigabytes kept"),
     "PDSERVE_USE_TRITON": ("auto", "auto: Triton kernels on CUDA, torch references on CPU; "
                                    "1: Triton everywhere (CPU needs TRITON_INTERPRET=1); 0: never"),
+    "PDSERVE_CPU_ATTENTION": ("auto", "CPU decode attention: auto (native C++ kernel, built on first use, "
+                                      "else the torch path with a warning), native (must build), torch"),
     "PDSERVE_LOG_LEVEL": ("INFO", "log level of every process"),
     "TRITON_INTERPRET": ("0", "read by Triton itself when it compiles a kernel; pdserve reads it only "
                               "to refuse PDSERVE_USE_TRITON=1 on CPU without the interpreter"),

@@ -12,6 +12,7 @@ the null block (never read: attention only reads the last W positions).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,18 @@ def size_num_blocks(model: ModelConfig, cache: CacheConfig, device: torch.device
     return num + 1
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On CPU through numpy's calloc, whose large allocations are
+    fresh zero pages the OS commits on first write: a process's resident memory grows with
+    the blocks it has used, not with the whole budget (torch.zeros writes every page)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCacheManager:
     def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device,
                  num_blocks: int | None = None) -> None:
@@ -68,8 +81,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks or size_num_blocks(model, cache, device)
         self.pool = BlockPool(self.num_blocks, enable_caching=cache.enable_prefix_caching)
         shape = (self.num_blocks, 2, cache.block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=DTYPES[cache.dtype], device=device)
-                          for _ in range(model.num_layers)]
+        self.kv_caches = [_zeros(shape, DTYPES[cache.dtype], device) for _ in range(model.num_layers)]
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already published by hash
         self._num_dropped_blocks: dict[str, int] = {}  # leading blocks a window released

@@ -1,6 +1,7 @@
 """Turns a scheduled step into tensors, runs the model over the paged cache, returns logits."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,9 @@ from pdserve.engine.connector import KVConnectorWorker, LayerSaveContext
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pdserve.kernels import cpu_native
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +29,9 @@ class ModelRunner:
         self.connector = connector
         self.device = model.device
         self.block_size = kv.block_size
+        if self.device.type == "cpu":
+            # builds (first start on a machine) or loads the native kernel now, not mid-request
+            log.info("decode attention on CPU: %s path", cpu_native.backend_name())
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         # decodes first, then prefill chunks (AttentionMetadata's packing order)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import torch_paths
+from pdserve.kernels import cpu_native, torch_paths
 from pdserve.kernels.checks import (
     check_attention_scalars,
     check_gqa,
@@ -42,6 +42,11 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         return triton_attention.paged_decode_attention(query, kv_cache, block_tables, context_lens,
                                                        float(scale), window)
     _check_context_lens(context_lens, block_tables, cache.block_size)
+    native = cpu_native.decode_attention_op() if kv_cache.device.type == "cpu" and kv_cache.is_contiguous() else None
+    if native is not None:
+        out = native((query.float() * float(scale)).contiguous(), kv_cache, block_tables.contiguous(),
+                     context_lens.contiguous(), 0 if window is None else int(window))
+        return out.to(query.dtype)
     return torch_paths.paged_decode_attention(query, kv_cache, block_tables, context_lens, float(scale), window)
 
 

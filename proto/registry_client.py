@@ -101,7 +101,7 @@ class RegistryClient:
             await self._heartbeat(stub)
 
     async def _register(self, stub: registry_pb2_grpc.RegistryStub) -> bool:
-        request = registry_pb2.RegisterRequest(worker=self._info, load=self._load_fn())
+        request = registry_pb2.RegisterRequest(worker=self._info, load=self._load())
         try:
             answer = await stub.Register(request, timeout=self._register_timeout_s)
         except grpc.aio.AioRpcError as err:
@@ -115,7 +115,7 @@ class RegistryClient:
         return True
 
     async def _heartbeat(self, stub: registry_pb2_grpc.RegistryStub) -> None:
-        request = registry_pb2.HeartbeatRequest(worker_id=self._info.worker_id, load=self._load_fn())
+        request = registry_pb2.HeartbeatRequest(worker_id=self._info.worker_id, load=self._load())
         try:
             answer = await stub.Heartbeat(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as err:
@@ -126,6 +126,15 @@ class RegistryClient:
                 log.warning("heartbeat to router %s failed: %s %s", self._address, err.code().name, err.details())
             return
         self._take_interval(answer.heartbeat_interval_ms)
+
+    def _load(self) -> common_pb2.WorkerLoad:
+        """The load to report; a failing `load_fn` costs one report's numbers, never the loop
+        (a dead loop would let the router drop a healthy worker)."""
+        try:
+            return self._load_fn()
+        except Exception:
+            log.exception("load report for router %s failed: sending an empty one", self._address)
+            return common_pb2.WorkerLoad()
 
     def _take_interval(self, heartbeat_interval_ms: int) -> None:
         if heartbeat_interval_ms:  # 0: the router did not say

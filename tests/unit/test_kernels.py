@@ -7,6 +7,9 @@ runs this same file in a child process with TRITON_INTERPRET=1, selecting the ca
 id holds `triton_interp`. (Run the whole file with TRITON_INTERPRET=1 set and they run
 in-process instead.) Nothing here changes this process's environment for other modules.
 
+On CPU the decode wrapper runs the native C++ kernel (`cpu_native`, built on first use)
+unless PDSERVE_CPU_ATTENTION=torch: the `native` and `torch` cases cover both.
+
 Tolerances, against the fp32 references: fp32 inputs 1e-5 (abs and rel; observed ~1e-6);
 bf16 inputs 2e-2 (abs and rel): one bf16 ulp at |x| in [2, 4) is 1.6e-2, and the kernels
 round the softmax weights to bf16 before the PV product as GPU kernels do. Block moves
@@ -27,7 +30,8 @@ from pdserve.kernels import reference, synthetic
 from pdserve.kernels.dispatch import interpreting, triton_installed
 
 INTERPRETED = interpreting()
-PATHS = ["torch", "triton_interp"] if INTERPRETED else ["torch"]
+# native: the C++ CPU decode attention (other kernels have no native variant: same as torch)
+PATHS = ["native", "torch", "triton_interp"] if INTERPRETED else ["native", "torch"]
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
     monkeypatch.setenv("PDSERVE_USE_TRITON", "1" if request.param == "triton_interp" else "0")
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "native" if request.param == "native" else "torch")
     return request.param
 
 
@@ -205,6 +210,36 @@ def test_fast_decode_matches_reference_at_smollm2_shape(monkeypatch):
     out = kernels.paged_decode_attention(query, batch.kv_cache, batch.block_tables, batch.context_lens, 0.125)
     close(out, reference.paged_decode_attention(query, batch.kv_cache, batch.block_tables,
                                                 batch.context_lens, 0.125))
+
+
+def test_native_build_failure_falls_back_with_a_warning_or_fails_loudly(monkeypatch, caplog):
+    from pdserve.kernels import cpu_native
+
+    monkeypatch.setenv("PDSERVE_USE_TRITON", "0")
+    monkeypatch.setattr(cpu_native, "_load", lambda: RuntimeError("no C++ compiler"))
+    cpu_native._warn_once.cache_clear()
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "auto")
+    with caplog.at_level("WARNING", logger="pdserve.kernels.cpu_native"):
+        assert cpu_native.backend_name() == "torch"
+    assert "no C++ compiler" in caplog.text  # never a silent fallback
+    args = _decode_args()
+    close(kernels.paged_decode_attention(**args), reference.paged_decode_attention(*args.values()))
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "native")
+    with pytest.raises(cpu_native.NativeBuildError, match="no C..? compiler|did not build"):
+        cpu_native.backend_name()
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_ATTENTION"):
+        cpu_native.backend_name()
+
+
+def test_native_build_is_reused_and_named_by_this_cpu():
+    from pdserve.kernels import cpu_native
+
+    module = cpu_native._load()
+    assert not isinstance(module, Exception), module
+    assert cpu_native._load() is module
+    assert module.__name__.startswith("pdserve_cpu_attention_")
+    assert module.__name__.endswith(cpu_native._fingerprint(cpu_native._SOURCE.read_text(), cpu_native._flags()))
 
 
 # --- argument checks -------------------------------------------------------------------

@@ -106,6 +106,27 @@ async def test_registers_heartbeats_registers_again_after_not_found_and_deregist
     assert not r.registered and r.addresses == ()
 
 
+async def test_a_failing_load_report_does_not_stop_the_heartbeats(router, caplog):
+    fresh = counting_load()
+    calls = itertools.count()
+
+    def flaky():  # every other report raises
+        if next(calls) % 2:
+            raise RuntimeError("engine stats unavailable")
+        return fresh()
+
+    client = RegistryClient(f"127.0.0.1:{router.port}", worker_info(), flaky, heartbeat_s=HEARTBEAT_S)
+    client.start()
+    try:
+        await client.wait_registered(WAIT_S)
+        reported = router.registry.get(WORKER_ID).load.num_queued
+        await eventually(lambda: router.registry.get(WORKER_ID).load.num_queued >= reported + 2,
+                         "fresh reports keep arriving between failing ones")
+    finally:
+        await client.stop()
+    assert "engine stats unavailable" in caplog.text
+
+
 async def test_a_router_name_gets_one_client_per_address():
     r_router = await start_router("localhost:0")  # every address localhost resolves to, one port
     target = f"localhost:{r_router.port}"

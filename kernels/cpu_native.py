@@ -1,0 +1,112 @@
+"""Native (C++) CPU decode attention, compiled on first use and cached.
+
+`csrc/cpu_decode_attention.cpp` reads K/V in place through the block table; the torch path
+(`torch_paths.paged_decode_attention`) must first gather them into a padded batch, which at
+SmolLM2's shape and batch 32 costs most of its time. The extension is built by torch's JIT
+builder (needs a C++ compiler and ninja) into `<PDSERVE_CACHE_ROOT>/torch_extensions/<name>`,
+where the name hashes the source, the torch version and this CPU's instruction-set flags,
+so a cache directory shared between machines never hands one a binary built for another.
+Several processes starting at once build it once: torch's builder holds a lock file.
+
+`PDSERVE_CPU_ATTENTION` picks the path: ``auto`` (native when it builds, else the torch
+path with one warning naming the reason), ``native`` (a failed build is an error), or
+``torch``.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pdserve.engine import envs
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.cpp"
+_MODES = ("auto", "native", "torch")
+
+
+class NativeBuildError(RuntimeError):
+    """The native CPU kernels could not be built or loaded (and PDSERVE_CPU_ATTENTION=native)."""
+
+
+def mode() -> str:
+    raw = envs.get("PDSERVE_CPU_ATTENTION").strip().lower()
+    if raw not in _MODES:
+        raise ValueError(f"PDSERVE_CPU_ATTENTION={raw!r}: expected one of {', '.join(_MODES)}")
+    return raw
+
+
+def decode_attention_op() -> Callable[..., torch.Tensor] | None:
+    """The native op `(query_f32_scaled, kv_cache, block_tables, context_lens, window) -> out_f32`,
+    or None where the torch path must run (mode ``torch``, or ``auto`` and the build failed)."""
+    chosen = mode()
+    if chosen == "torch":
+        return None
+    module = _load()
+    if isinstance(module, Exception):
+        if chosen == "native":
+            raise NativeBuildError(f"native CPU attention did not build: {module}") from module
+        _warn_once(str(module))
+        return None
+    return module.paged_decode_attention
+
+
+def backend_name() -> str:
+    """What CPU decode attention runs in this process, 'native' or 'torch'. Builds the
+    extension if needed, so a service calls it at start, not on its first request."""
+    return "native" if decode_attention_op() is not None else "torch"
+
+
+@functools.cache
+def _load() -> object:
+    """The loaded extension module, or the exception that stopped the build (kept, so a
+    failing build is tried once per process, not once per layer)."""
+    try:
+        from torch.utils import cpp_extension
+
+        source = _SOURCE.read_text()
+        flags = _flags()
+        name = "pdserve_cpu_attention_" + _fingerprint(source, flags)
+        build_dir = envs.cache_root() / "torch_extensions" / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        log.info("loading native CPU attention %s (the first start compiles it, about a minute)", name)
+        return cpp_extension.load_inline(
+            name=name, cpp_sources=[source], functions=["paged_decode_attention"],
+            extra_cflags=flags, build_directory=str(build_dir), verbose=False)
+    except Exception as e:  # compiler missing, ninja missing, read-only cache root, ...
+        return e
+
+
+def _flags() -> list[str]:
+    native = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
+    return ["-O3", "-fopenmp-simd", native]
+
+
+def _fingerprint(source: str, flags: list[str]) -> str:
+    digest = hashlib.sha256()
+    for part in (source, " ".join(flags), torch.__version__, platform.machine(), _cpu_flags()):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The instruction-set flags of this CPU (Linux), so -march=native builds never travel."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    log.warning("native CPU attention unavailable, decode attention runs the slower torch path: %s", reason)
