@@ -6,10 +6,11 @@ table by device name, and of a measured device-to-device copy), beside torch's
 scaled_dot_product_attention on the same K/V already gathered contiguous; then block
 gather/scatter bandwidth beside a plain device copy.
 
-On CPU: the torch decode path (what CPU serving runs) at SmolLM2's shape, batch 32 x
-context 320, 9 query / 3 KV heads, head dim 64; with `--only-decode` nothing else, otherwise
-also the loop-by-loop reference and each one's share of a synthetic SmolLM2 decode step
-(random weights, same matmul shapes, 30 layers).
+On CPU: decode attention at SmolLM2's shape, batch 32 x context 320, 9 query / 3 KV heads,
+head dim 64, through the native C++ kernel (what CPU serving runs when it builds) and the
+pure-torch path; with `--only-decode` nothing else, otherwise also the loop-by-loop
+reference and each one's share of a synthetic SmolLM2 decode step (random weights, same
+matmul shapes, 30 layers).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--only-decode", action="store_true",
-                        help="CPU: print only the torch decode path's time")
+                        help="CPU: print only the decode paths' times")
     parser.add_argument("--iters", type=int, default=0, help="timed iterations (default: per benchmark)")
     parser.add_argument("--threads", type=int, default=0, help="CPU: torch threads (default: torch's)")
     parser.add_argument("--batch", type=int, default=64, help="CUDA decode: sequences")
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
 # --- CPU -------------------------------------------------------------------------------
 
 def _bench_cpu(iters: int, only_decode: bool) -> None:
-    from pdserve.kernels import reference, synthetic, torch_paths
+    from pdserve.kernels import cpu_native, reference, synthetic, torch_paths
 
     m = SMOLLM2
     batch_size, context, block_size = 32, 320, 16
@@ -80,35 +81,46 @@ def _bench_cpu(iters: int, only_decode: bool) -> None:
     last = layers[0].context_lens.long() - 1
     slots = [b.block_tables.gather(1, (last // block_size)[:, None]).squeeze(1).long() * block_size
              + last % block_size for b in layers]
+    native_op = cpu_native.decode_attention_op()
 
-    def fast_layer(i: int) -> torch.Tensor:
+    def torch_attention(i: int) -> torch.Tensor:
         b = layers[i]
-        torch_paths.store_kv(new_kv, new_kv, b.kv_cache, slots[i])
         return torch_paths.paged_decode_attention(query, b.kv_cache, b.block_tables, b.context_lens, scale)
 
-    def reference_layer(i: int) -> torch.Tensor:
+    def native_attention(i: int) -> torch.Tensor:
         b = layers[i]
-        reference.store_kv(new_kv, new_kv, b.kv_cache, slots[i])
+        return native_op((query * scale).contiguous(), b.kv_cache, b.block_tables, b.context_lens, 0)
+
+    def reference_attention(i: int) -> torch.Tensor:
+        b = layers[i]
         return reference.paged_decode_attention(query, b.kv_cache, b.block_tables, b.context_lens, scale)
 
-    def decode_attention_step() -> None:
-        for i in range(m["layers"]):
-            torch_paths.paged_decode_attention(query, layers[i].kv_cache, layers[i].block_tables,
-                                               layers[i].context_lens, scale)
-
-    fast_s = _cpu_times(decode_attention_step, max(3, iters // 5))
-    per_layer = [t / m["layers"] for t in fast_s]
-    print(f"cpu decode attention (torch path), SmolLM2 shape, batch {batch_size} x ctx {context}, "
-          f"{torch.get_num_threads()} threads: median {_ms(per_layer)} / min {_ms(min(per_layer))} per layer, "
-          f"{_ms(fast_s)} per step ({m['layers']} layers)")
+    paths = [("native path", native_attention)] if native_op is not None else []
+    paths.append(("torch path", torch_attention))
+    per_layer_by_path = {}
+    for name, attention in paths:
+        step_s = _cpu_times(lambda: [attention(i) for i in range(m["layers"])], max(3, iters // 5))
+        per_layer = per_layer_by_path[name] = [t / m["layers"] for t in step_s]
+        print(f"cpu decode attention ({name}), SmolLM2 shape, batch {batch_size} x ctx {context}, "
+              f"{torch.get_num_threads()} threads: median {_ms(per_layer)} / min {_ms(min(per_layer))} per layer, "
+              f"{_ms(step_s)} per step ({m['layers']} layers)")
+    if native_op is None:
+        print(f"cpu decode attention (native path): unavailable, PDSERVE_CPU_ATTENTION={cpu_native.mode()}")
+    else:
+        ratio = statistics.median(per_layer_by_path["torch path"]) / statistics.median(per_layer_by_path["native path"])
+        print(f"cpu decode attention: native path {ratio:.1f}x the torch path")
     if only_decode:
         return
-    slow_s = _cpu_times(lambda: reference.paged_decode_attention(
-        query, layers[0].kv_cache, layers[0].block_tables, layers[0].context_lens, scale), 2)
+    slow_s = _cpu_times(lambda: reference_attention(0), 2)
     print(f"cpu decode attention (reference): median {_ms(slow_s)} per layer "
-          f"({statistics.median(slow_s) / statistics.median(per_layer):.0f}x the torch path)")
-    for name, attend in (("torch path", fast_layer), ("reference", reference_layer)):
-        step_s, attention_s = _synthetic_decode_step(batch_size, attend, repeats=3 if name == "torch path" else 1)
+          f"({statistics.median(slow_s) / statistics.median(per_layer_by_path['torch path']):.0f}x the torch path)")
+    store = {"native path": torch_paths.store_kv, "torch path": torch_paths.store_kv, "reference": reference.store_kv}
+    for name, attention in [*paths, ("reference", reference_attention)]:
+        def layer(i: int, attention=attention, store_kv=store[name]) -> torch.Tensor:
+            store_kv(new_kv, new_kv, layers[i].kv_cache, slots[i])
+            return attention(i)
+
+        step_s, attention_s = _synthetic_decode_step(batch_size, layer, repeats=1 if name == "reference" else 3)
         print(f"cpu synthetic SmolLM2 decode step with the {name}: {_ms(step_s)}, store_kv + attention "
               f"{_ms(attention_s)} = {attention_s / step_s:.0%} of the step")
 

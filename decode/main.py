@@ -28,7 +28,7 @@ class DecodeBuild:
         leg = PrefillLeg(receiver, worker_id=runtime.settings.worker_id or "decode",
                          compat_hash=runtime.engine.compat_hash,
                          block_size=runtime.engine.kv.block_size,
-                         timeout_s=runtime.settings.transfer_timeout_s)
+                         timeout_s=runtime.settings.prefill_timeout_s)
         service = DecodeService(runtime.loop, runtime.settings, runtime.served_name, leg, runtime.metrics)
 
         def add(server):

@@ -93,7 +93,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         return n
 
     async def _prefill_remotely(self, rid, ids, hashes, request, stream, timings, t_arrival):
-        ready = await asyncio.wait_for(stream.remote_ready, self.settings.transfer_timeout_s * 6)
+        ready = await asyncio.wait_for(stream.remote_ready, self.settings.prefill_timeout_s)
         if ready is None:  # aborted while waiting for admission: the stream carries the end
             return common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_FAILED,
                                               reason="aborted"), True

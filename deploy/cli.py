@@ -62,6 +62,10 @@ def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
     t.add_argument("--disk-store", help="directory of the disk KV store (shared volume in k8s)")
     t.add_argument("--disk-store-max-gb", type=float, help="disk store size budget")
     t.add_argument("--transfer-timeout-s", type=float, help="deadline of one transfer step (default 10)")
+    t.add_argument("--prefill-timeout-s", type=float,
+                   help="decode: deadline of a remote prefill, from admission to the KV landing: the "
+                        "prefill service's queue, compute and transfer (default 60); past it decode "
+                        "follows --failure-policy")
     t.add_argument("--failure-policy", choices=("recompute", "fail"),
                    help="decode: what to do when the prefill leg fails (default recompute)")
 

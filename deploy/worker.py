@@ -53,6 +53,7 @@ class WorkerSettings:
     disk_store: str = ""
     disk_store_max_gb: float = 10.0
     transfer_timeout_s: float = 10.0
+    prefill_timeout_s: float = 60.0
     failure_policy: str = "recompute"
     max_queue: int = 64
     local_prefill_threshold: int = 32

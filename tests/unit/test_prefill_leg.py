@@ -1,0 +1,102 @@
+"""Decode's prefill leg against a real grpc.aio Prefill server on 127.0.0.1 whose servicer is
+slow on purpose: the leg's deadline (`--prefill-timeout-s`) bounds the whole remote prefill,
+a reply inside it settles through the receiver, and a miss cancels the reservation."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from pdserve.decode.prefill_leg import PrefillLeg
+from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+
+class SlowPrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    async def Prefill(self, request, context):
+        await asyncio.sleep(self.delay_s)
+        return prefill_pb2.PrefillResponse(
+            first_token_id=7,
+            verdict=common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_TRANSFERRED, backend="disk"))
+
+
+@dataclass
+class RecordingReceiver:
+    """Isolates the leg from the transfer layer: records what the leg asks of it."""
+
+    backends: tuple[str, ...] = ("disk",)
+    prepared: list[tuple[str, float]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+    def endpoints(self):
+        return [("disk", "/tmp/kv")]
+
+    def prepare(self, request_id, block_ids, num_prompt_tokens, num_cached_tokens, timeout_s):
+        self.prepared.append((request_id, timeout_s))
+        return None
+
+    def complete(self, request_id, verdict):
+        return verdict
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+@dataclass(frozen=True)
+class Choice:
+    worker_id: str
+    address: str
+
+
+async def run_leg(delay_s: float, timeout_s: float, monkeypatch):
+    # the hand-off message itself is the transfer layer's business, not this test's
+    monkeypatch.setattr("pdserve.kvtransfer.service.params_to_handoff", lambda *a: prefill_pb2.KVHandoff())
+    server = grpc.aio.server()
+    prefill_pb2_grpc.add_PrefillServicer_to_server(SlowPrefill(delay_s), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    receiver = RecordingReceiver()
+    leg = PrefillLeg(receiver, worker_id="decode-0", compat_hash=1, block_size=16, timeout_s=timeout_s)
+    try:
+        start = time.monotonic()
+        result = await leg.run("req-1", [1, 2, 3], [], common_pb2.SamplingParams(),
+                               Choice("prefill-0", f"127.0.0.1:{port}"), [1], 0)
+        return result, time.monotonic() - start, receiver
+    finally:
+        await leg.close()
+        await server.stop(0)
+
+
+async def test_a_prefill_slower_than_the_deadline_fails_the_leg_at_the_deadline(monkeypatch):
+    result, elapsed, receiver = await run_leg(delay_s=30.0, timeout_s=0.5, monkeypatch=monkeypatch)
+    assert not result.ok and not result.aborted
+    assert result.verdict.prefill_status_code == "DEADLINE_EXCEEDED"
+    assert result.verdict.outcome == common_pb2.TRANSFER_OUTCOME_FAILED
+    assert 0.4 < elapsed < 5.0
+    assert receiver.prepared == [("req-1", 0.5)]  # the reservation lives as long as the leg
+    assert receiver.cancelled == ["req-1"]
+
+
+async def test_a_slow_prefill_inside_the_deadline_completes(monkeypatch):
+    result, elapsed, receiver = await run_leg(delay_s=1.0, timeout_s=10.0, monkeypatch=monkeypatch)
+    assert result.ok, result.verdict
+    assert result.first_token_id == 7 and result.verdict.prefill_worker_id == "prefill-0"
+    assert elapsed >= 1.0 and receiver.cancelled == []
+
+
+def test_prefill_timeout_is_a_decode_setting(monkeypatch):
+    from pdserve.deploy import cli
+    from pdserve.deploy.worker import WorkerSettings
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["decode", "--prefill-timeout-s", "90"])
+    settings = WorkerSettings.from_settings("decode", cli.resolve(args, environ={}))
+    assert settings.prefill_timeout_s == 90.0
+    assert WorkerSettings(role="decode").prefill_timeout_s == 60.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["decode", "--prefill-timeout-s", "soon"])
