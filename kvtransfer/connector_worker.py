@@ -137,7 +137,7 @@ class PdConnectorWorker(KVConnectorWorker):
         if not isinstance(metadata, PdConnectorMetadata):
             return
         for rid, kept in metadata.finished:
-            self._on_finished(rid, kept)
+            self._on_finished(rid, kept, from_scheduler=True)
         for load in metadata.loads:
             payload = b"".join(load.payloads)
             buffer = buffer_from_bytes(memoryview(payload), len(load.block_ids), self.kv_caches)
@@ -176,7 +176,7 @@ class PdConnectorWorker(KVConnectorWorker):
         """(sends done — reported on every call until the engine has seen the request finish,
         receives done). A request `request_finished` kept always comes back in the first set."""
         for rid in finished_request_ids:
-            self._on_finished(rid, kept=False)
+            self._on_finished(rid, kept=False, from_scheduler=False)
         received: set[str] = set()
         if self.sink is not None:
             self.sink.expire_overdue()
@@ -258,14 +258,21 @@ class PdConnectorWorker(KVConnectorWorker):
             while len(self._sent) > _MAX_REMEMBERED:
                 self._sent.popitem(last=False)
 
-    def _on_finished(self, rid: str, kept: bool) -> None:
+    def _on_finished(self, rid: str, kept: bool, from_scheduler: bool) -> None:
         """The engine ended `rid`: drop its save state. A send that never started ends now
-        (aborted), so a request whose blocks were `kept` is always reported back."""
+        (aborted), so a request whose blocks were `kept` is always reported back.
+
+        Each finish is told twice, in either order: by the scheduler's `request_finished`
+        (through the step metadata, with `kept`) and by `get_finished`'s finished ids. Only
+        the scheduler's notice retires a finished send's report; retiring it on the other
+        would let the scheduler's later notice look like a request never sent and post a
+        second, false 'aborted' verdict over the real one."""
         self._saves.pop(rid, None)
         with self._lock:
             spec = self._sends.pop(rid, None)
             if rid in self._sent:
-                self._sent[rid] = True
+                if from_scheduler:
+                    self._sent[rid] = True  # reported once more, then dropped
                 return
             if rid in self._sending:
                 self._ended_while_sending.add(rid)

@@ -147,6 +147,29 @@ def test_send_reports_stick_until_the_engine_saw_the_finish(tmp_path):
     decode.worker.close()
 
 
+def test_a_fast_send_gets_one_verdict_whichever_finish_notice_comes_first(tmp_path):
+    """The send is done before the step ends: the engine's finished ids reach the worker
+    first (get_finished), the scheduler's notice a step later. Before the fix the second
+    notice posted a false 'aborted' verdict that a slower reader took for the real one."""
+    prefill, p_caches, decode, _ = handoff_pair(tmp_path)
+    params = decode.worker.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
+    req = request("p1", params)
+    prefill.scheduler.get_num_new_matched_tokens(req, 0)
+    forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 14})
+    assert prefill.worker.flush(10)
+    assert prefill.scheduler.request_finished(req, [2, 3, 4, 5])  # the first token ended p1
+    assert prefill.worker.get_finished({"p1"})[0] == {"p1"}  # end of that step
+    forward(prefill, p_caches, {}, {})  # the scheduler's notice arrives
+    assert prefill.worker.get_finished(set())[0] == {"p1"}
+    assert prefill.worker.get_finished(set())[0] == set()
+    verdict = prefill.worker.verdicts.wait("p1", 1)
+    assert verdict is not None and verdict.ok, verdict
+    assert prefill.worker.verdicts.wait("p1", 0.2) is None  # and no second one
+    decode.worker.cancel_receive("d1")
+    prefill.worker.close()
+    decode.worker.close()
+
+
 def test_abort_before_the_prompt_completes_reports_an_aborted_verdict(tmp_path):
     prefill, p_caches, decode, _ = handoff_pair(tmp_path)
     params = decode.worker.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
