@@ -243,7 +243,7 @@ def main(argv: Sequence[str]) -> int:
         setups = _setups(args.setups)
         settings, workload = settings_from_args(args)
         if args.analyze_only:
-            return _analyze(out_dir)
+            return _analyze(out_dir, settings.slo)
         opts = ServiceOptions(
             model=args.model, device=args.device, cores=_parse_cores(args.cores),
             kv_backends=args.kv_backends, log_level=args.log_level,
@@ -279,17 +279,18 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _analyze(out_dir: Path) -> int:
-    """Compare saved results under the SLO they were measured with (goodput depends on it)."""
+def _analyze(out_dir: Path, slo: Slo) -> int:
+    """Compare saved results, goodput scored under `slo` (--slo-ttft-ms / --slo-tpot-ms)
+    from the saved per-request records, so one measurement can be judged under several SLOs."""
     series = {}
     for name in SETUPS:
         path = out_dir / name / "serve_results.json"
         if not path.exists():
             print(f"pdserve bench experiment: {path} is missing; run that setup first", file=sys.stderr)
             return 2
-        series[name] = load_summaries(path)
+        series[name] = load_summaries(path, slo)
         if not series[name]:
             print(f"pdserve bench experiment: {path} holds no runs", file=sys.stderr)
             return 2
-    print(write_analysis(out_dir, series, series["disaggregated"][0].slo))
+    print(write_analysis(out_dir, series, slo))
     return 0

@@ -196,10 +196,33 @@ def summary_from_json(doc: Mapping) -> RunSummary:
         raise ValueError(f"not a run summary: {e}") from None
 
 
-def load_summaries(path: Path) -> list[RunSummary]:
-    """The run summaries of a serve_results.json written by `write_json`."""
+def load_summaries(path: Path, slo: Slo | None = None) -> list[RunSummary]:
+    """The run summaries of a serve_results.json written by `write_json`. With `slo`, each
+    run's goodput is scored again under it from the saved per-request records."""
     doc = json.loads(Path(path).read_text())
-    return [summary_from_json(run["summary"]) for run in doc["runs"]]
+    summaries = []
+    for run in doc["runs"]:
+        summary = summary_from_json(run["summary"])
+        if slo is not None and slo != summary.slo:
+            summary = rescore(summary, [request_from_json(r) for r in run["requests"]], slo)
+        summaries.append(summary)
+    return summaries
+
+
+def request_from_json(doc: Mapping) -> RequestResult:
+    try:
+        values = {f.name: doc[f.name] for f in dataclasses.fields(RequestResult)}
+    except KeyError as e:
+        raise ValueError(f"not a request record: missing {e}") from None
+    values["itl_s"] = tuple(values["itl_s"])
+    return RequestResult(**values)
+
+
+def rescore(summary: RunSummary, results: Sequence[RequestResult], slo: Slo) -> RunSummary:
+    """`summary` with its goodput under another SLO (same requests, same duration)."""
+    num_good = sum(1 for r in results if slo.is_met(r))
+    goodput = num_good / summary.duration_s if summary.duration_s > 0 else 0.0
+    return dataclasses.replace(summary, slo=slo, num_good=num_good, goodput=goodput)
 
 
 # ---------------------------------------------------------------- text

@@ -401,6 +401,28 @@ def test_experiment_analyze_only_reads_saved_results(tmp_path, capsys):
     assert (out / "experiment.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_saved_runs_are_rescored_under_another_slo(tmp_path, capsys):
+    # ttft 0.5 / 3 / 9 s; tpot (e2e - ttft) / 9 = 50 / 50 / 150 ms
+    results = [result(0, ttft=0.5, e2e=0.95), result(1, ttft=3.0, e2e=3.45), result(2, ttft=9.0, e2e=10.35),
+               result(3, success=False)]
+    run = summarize("rate=1", "poisson", 1.0, results, 10.0, Slo(2000, 100))
+    path = write_json(tmp_path / "serve_results.json", {}, [BenchRun(run, tuple(results))])
+    assert load_summaries(path)[0].num_good == 1
+    loose = load_summaries(path, Slo(5000, 100))[0]
+    assert loose.num_good == 2 and loose.goodput == pytest.approx(0.2) and loose.slo == Slo(5000, 100)
+    assert load_summaries(path, Slo(10000, 200))[0].num_good == 3  # the failed one never counts
+    assert load_summaries(path, Slo(10000, 200))[0].ttft == run.ttft  # latencies untouched
+
+    out = tmp_path / "exp"
+    for name in SETUPS:
+        write_json(out / name / "serve_results.json", {}, [BenchRun(run, tuple(results))])
+    assert experiment_main(["--analyze-only", "--out-dir", str(out), "--slo-ttft-ms", "10000",
+                            "--slo-tpot-ms", "200"]) == 0
+    assert "TTFT <= 10000 ms, TPOT <= 200 ms" in capsys.readouterr().out
+    doc = json.loads((out / "experiment.json").read_text())
+    assert doc["verdict"]["best_goodput_disaggregated"] == pytest.approx(0.3)
+
+
 def test_service_group_reports_an_early_exit_with_its_log(tmp_path):
     bad = ServiceSpec("bogus", ("no-such-role",), num_threads=1)
     with ServiceGroup([bad], tmp_path / "logs") as group:
