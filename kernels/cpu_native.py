@@ -78,14 +78,16 @@ def _load() -> object:
         log.info("loading native CPU attention %s (the first start compiles it, about a minute)", name)
         return cpp_extension.load_inline(
             name=name, cpp_sources=[source], functions=["paged_decode_attention"],
-            extra_cflags=flags, build_directory=str(build_dir), verbose=False)
+            extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as e:  # compiler missing, ninja missing, read-only cache root, ...
         return e
 
 
 def _flags() -> list[str]:
     native = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
-    return ["-O3", "-fopenmp-simd", native]
+    # -fopenmp: ATen's parallel_for is an inline OpenMP region, serial without it. The
+    # libgomp.so.1 it needs is the one torch has already loaded (same soname).
+    return ["-O3", "-fopenmp", native]
 
 
 def _fingerprint(source: str, flags: list[str]) -> str:
