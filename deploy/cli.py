@@ -54,7 +54,8 @@ def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--advertise-host", help="address peers and the router use to reach this worker")
     g.add_argument("--router", help="router gRPC address host:port to register with (empty: none)")
     g.add_argument("--worker-id", help="stable id in the registry (default: host:port)")
-    g.add_argument("--heartbeat-s", type=float, help="heartbeat interval to the router (default 2)")
+    g.add_argument("--heartbeat-s", type=float,
+                   help="heartbeat interval to the router (default 2; the router's ask caps it)")
     t = p.add_argument_group("kv transfer")
     t.add_argument("--kv-backends", help="fallback chain, comma separated (default ucx,nccl,redis,disk)")
     t.add_argument("--transfer-port", type=int, help=f"UCX/NCCL listener port (default {TRANSFER_PORT}; 0 picks)")

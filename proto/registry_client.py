@@ -44,7 +44,8 @@ class RegistryClient:
         self._address = router_address
         self._info = info
         self._load_fn = load_fn
-        self._interval_s = heartbeat_s  # replaced by the router's answer
+        self._configured_s = heartbeat_s
+        self._interval_s = heartbeat_s  # the router's ask caps it (see _take_interval)
         self._rpc_timeout_s = rpc_timeout_s
         self._register_timeout_s = register_timeout_s or rpc_timeout_s
         self._retry_s = retry_s
@@ -136,6 +137,12 @@ class RegistryClient:
             log.exception("load report for router %s failed: sending an empty one", self._address)
             return common_pb2.WorkerLoad()
 
+    @property
+    def interval_s(self) -> float:
+        return self._interval_s
+
     def _take_interval(self, heartbeat_interval_ms: int) -> None:
+        """The router's ask is the longest gap it tolerates; a worker configured to report
+        more often (fresher load and prefix reports) keeps its own, shorter interval."""
         if heartbeat_interval_ms:  # 0: the router did not say
-            self._interval_s = max(MIN_INTERVAL_S, heartbeat_interval_ms / 1000.0)
+            self._interval_s = max(MIN_INTERVAL_S, min(self._configured_s, heartbeat_interval_ms / 1000.0))

@@ -127,6 +127,19 @@ async def test_a_failing_load_report_does_not_stop_the_heartbeats(router, caplog
     assert "engine stats unavailable" in caplog.text
 
 
+async def test_heartbeat_interval_is_the_shorter_of_the_workers_and_the_routers(router):
+    # the router asks for HEARTBEAT_S (0.1 s)
+    slow = RegistryClient(f"127.0.0.1:{router.port}", worker_info(), counting_load(), heartbeat_s=5.0)
+    fast = RegistryClient(f"127.0.0.1:{router.port}", worker_info(), counting_load(), heartbeat_s=0.05)
+    for client, expected in ((slow, HEARTBEAT_S), (fast, 0.05)):
+        client.start()
+        try:
+            await client.wait_registered(WAIT_S)
+            assert client.interval_s == pytest.approx(expected)
+        finally:
+            await client.stop()
+
+
 async def test_a_router_name_gets_one_client_per_address():
     r_router = await start_router("localhost:0")  # every address localhost resolves to, one port
     target = f"localhost:{r_router.port}"
