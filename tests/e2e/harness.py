@@ -5,10 +5,8 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
-import pytest
 
 from pdserve.deploy import up
 

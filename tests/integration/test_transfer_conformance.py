@@ -17,11 +17,7 @@ commits through its sink.
 """
 from __future__ import annotations
 
-import json
-import os
-import queue
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.child import Child
 from pdserve.engine.errors import TransferError
 from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.base import BlockMessage
@@ -38,7 +35,6 @@ from pdserve.kvtransfer.config import STORES, KVTransferConfig
 from pdserve.kvtransfer.testing import block_digests, make_caches, message_from_cache, tiny_layout
 
 PEER = Path(__file__).with_name("transfer_peer.py")
-REPLY = "@@pdkv "
 LAYOUT_ARGS = dict(num_blocks=64, num_layers=4, block_size=16, num_kv_heads=2, head_dim=64)
 LAYOUT = tiny_layout(**LAYOUT_ARGS)  # one block across layers = 64 KiB
 DEADLINE_S = 5.0
@@ -54,49 +50,16 @@ def _backend_params():
     return params + ["redis", "disk"]
 
 
-class PeerProcess:
+class PeerProcess(Child):
     """The receiving child process; every call has a deadline."""
 
     def __init__(self, log_path: Path) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, str(PEER)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
-        self.log_path = log_path
-        self._replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__([sys.executable, str(PEER)], log_path, timeout_s=30.0)
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                self._replies.put(json.loads(line[len(REPLY):]))
-        self._replies.put(None)
-
-    def call(self, cmd: str, timeout_s: float = 30.0, **args) -> dict:
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
-        self.proc.stdin.flush()
-        try:
-            reply = self._replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"peer gave no answer to {cmd!r} within {timeout_s}s") from None
-        if reply is None:
-            raise RuntimeError(f"peer exited; log:\n{self.log_path.read_text()[-3000:]}")
-        return reply
-
-    def ok(self, cmd: str, timeout_s: float = 30.0, **args) -> dict:
+    def ok(self, cmd: str, timeout_s: float | None = None, **args) -> dict:
         reply = self.call(cmd, timeout_s, **args)
         assert reply["ok"], f"{cmd}: {reply.get('error')}\n{reply.get('trace', '')}"
         return reply
-
-    def stop(self) -> None:
-        try:
-            self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._log.close()
 
 
 @dataclass

@@ -8,11 +8,8 @@ boundary pickled: commands and replies are JSON, blocks travel through the trans
 """
 from __future__ import annotations
 
-import json
 import os
-import queue
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +18,7 @@ import pytest
 import torch
 import xxhash
 
+from pdserve.bench.child import Child, serve_commands
 from pdserve.engine.errors import TransferError
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.wire import (
@@ -28,7 +26,6 @@ from pdserve.kvtransfer.wire import (
 )
 
 BACKENDS = ("ucx", "nccl")
-REPLY = "@@p2p "
 NUM_BLOCKS = 32
 LAYOUT = dict(dtype="float32", num_layers=2, block_size=16, num_kv_heads=2, head_dim=64)
 COMPAT = 0x5EED_C0DE
@@ -138,60 +135,27 @@ def peer_main(backend: str) -> None:
             again = make_transport(backend)  # a second open/close cycle must not add threads
             again.open_receiver(TensorSink())
             again.close()
+            # helper threads of the second cycle may still be winding down: give them a moment
+            settle_by = time.monotonic() + 3.0
+            while len(os_threads()) > len(after_first) and time.monotonic() < settle_by:
+                time.sleep(0.05)
             return {"threads": [t.name for t in threading.enumerate()],
                     "os_threads_first": after_first, "os_threads_second": os_threads()}
         raise ValueError(f"unknown command {cmd['cmd']!r}")
 
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["cmd"] == "exit":
-            break
-        try:
-            reply = {"ok": True, **handle(cmd)}
-        except Exception as exc:
-            reply = {"ok": False, "error": f"{exc.__class__.__name__}: {exc}"}
-        sys.stdout.write(REPLY + json.dumps(reply) + "\n")
-        sys.stdout.flush()
+    serve_commands(handle)
 
 
-class Peer:
-    """The receiving child process; every call waits with a deadline."""
+class Peer(Child):
+    """The receiving child process; every call waits with a deadline and must succeed."""
 
     def __init__(self, backend: str, log_path) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self._log = open(log_path, "w")
-        self.log_path = log_path
-        self.proc = subprocess.Popen([sys.executable, __file__, backend], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
-        self._replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__([sys.executable, __file__, backend], log_path)
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                self._replies.put(json.loads(line[len(REPLY):]))
-        self._replies.put(None)
-
-    def call(self, cmd: str, timeout_s: float = 60.0, **args) -> dict:
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
-        self.proc.stdin.flush()
-        try:
-            reply = self._replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"peer gave no answer to {cmd!r} within {timeout_s}s") from None
-        assert reply is not None, f"peer exited; log:\n{self.log_path.read_text()[-3000:]}"
+    def call(self, cmd: str, timeout_s: float | None = None, **args) -> dict:
+        reply = super().call(cmd, timeout_s, **args)
         assert reply["ok"], f"{cmd}: {reply['error']}"
         return reply
-
-    def stop(self) -> None:
-        try:
-            self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=20)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._log.close()
 
 
 # -- fixtures --------------------------------------------------------------------------------------

@@ -2,18 +2,15 @@
 
 Holds its own cache (zeros) and a CacheSink, opens the backend under test as a receiver
 (transports) or a reader (stores), and obeys JSON-line commands on stdin. Replies are JSON
-lines prefixed with REPLY on stdout (anything else a library prints there is ignored).
+lines on stdout through `pdserve.bench.child` (anything else printed there is ignored).
 Nothing is pickled across the process boundary.
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
-import traceback
 
-REPLY = "@@pdkv "
+from pdserve.bench.child import serve_commands
 
 
 def main() -> None:
@@ -70,18 +67,7 @@ def main() -> None:
             return {}
         raise ValueError(f"unknown command {cmd!r}")
 
-    for line in sys.stdin:
-        msg = json.loads(line)
-        if msg["cmd"] == "exit":
-            break
-        try:
-            reply = {"ok": True, **handle(msg)}
-        except Exception as exc:  # reported to the test, which decides
-            reply = {"ok": False, "error": f"{exc.__class__.__name__}: {exc}",
-                     "trace": traceback.format_exc(limit=3)}
-        sys.stdout.write(REPLY + json.dumps(reply) + "\n")
-        sys.stdout.flush()
-
+    serve_commands(handle)
 
 if __name__ == "__main__":
     main()
