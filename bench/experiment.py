@@ -88,9 +88,11 @@ def _engine_args(opts: ServiceOptions, num_threads: int) -> list[str]:
     return args
 
 
-def _router(opts: ServiceOptions, ports: Ports, local_prefill_threshold: int) -> ServiceSpec:
+def _router(opts: ServiceOptions, ports: Ports, local_prefill_threshold: int,
+            prefill_queue_threshold: int) -> ServiceSpec:
     args = ["router", "--http-port", str(ports.http), "--grpc-port", str(ports.router_grpc),
-            "--local-prefill-threshold", str(local_prefill_threshold)]
+            "--local-prefill-threshold", str(local_prefill_threshold),
+            "--prefill-queue-threshold", str(prefill_queue_threshold)]
     if opts.log_level:
         args += ["--log-level", opts.log_level]
     return ServiceSpec("router", (*args, *opts.router_args))  # not pinned: it moves no KV
@@ -108,16 +110,14 @@ def plan_setup(name: str, opts: ServiceOptions, ports: Ports) -> SetupPlan:
         decode = ServiceSpec("decode", (
             "decode", *_engine_args(opts, 1), "--grpc-port", str(ports.decode_grpc),
             "--transfer-port", str(ports.decode_transfer), "--router", router_addr,
-            "--local-prefill-threshold", "0", "--prefill-queue-threshold", str(NEVER),
             *backends, *opts.decode_args), cpus=(opts.cores[1],), num_threads=1)
-        services = (_router(opts, ports, 0), prefill, decode)
+        services = (_router(opts, ports, 0, NEVER), prefill, decode)
     elif name == "colocated":
         decode = ServiceSpec("decode", (
             "decode", *_engine_args(opts, 2), "--grpc-port", str(ports.decode_grpc),
             "--transfer-port", str(ports.decode_transfer), "--router", router_addr,
-            "--local-prefill-threshold", str(NEVER), *backends, *opts.decode_args),
-            cpus=tuple(opts.cores), num_threads=2)
-        services = (_router(opts, ports, NEVER), decode)
+            *backends, *opts.decode_args), cpus=tuple(opts.cores), num_threads=2)
+        services = (_router(opts, ports, NEVER, NEVER), decode)
     else:
         raise BenchConfigError(f"setup {name!r}: expected one of {SETUPS}")
     return SetupPlan(name, services, f"http://127.0.0.1:{ports.http}/v1")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from pdserve.engine.errors import PdserveError
+from pdserve.common.errors import PdserveError
 
 
 class BenchConfigError(PdserveError, ValueError):

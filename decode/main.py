@@ -4,10 +4,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pdserve.deploy.worker import WorkerSettings, run_worker
+from pdserve.worker.runtime import run_worker
+from pdserve.worker.settings import WorkerSettings
 
 
 class DecodeBuild:
+    """How `run_worker` builds a decode service: its connector, then its gRPC service."""
+
     @staticmethod
     def make_connector(settings: WorkerSettings):
         from pdserve.engine.connector import Connector
@@ -20,25 +23,27 @@ class DecodeBuild:
 
     @staticmethod
     async def make_service(runtime):
-        from pdserve.decode.prefill_leg import PrefillLeg
+        from pdserve.decode.prefill_leg import PrefillLeg, RemotePrefill
         from pdserve.decode.servicer import DecodeService
+        from pdserve.decode.session import DecodeSessions
         from pdserve.proto.pdserve.v1 import decode_pb2, decode_pb2_grpc
 
+        settings = runtime.settings
         receiver = make_receiver(runtime)
-        leg = PrefillLeg(receiver, worker_id=runtime.settings.worker_id or "decode",
+        leg = PrefillLeg(receiver, worker_id=settings.worker_id or "decode",
                          compat_hash=runtime.engine.compat_hash,
                          block_size=runtime.engine.kv.block_size,
-                         timeout_s=runtime.settings.prefill_timeout_s)
-        service = DecodeService(runtime.loop, runtime.settings, runtime.served_name, leg, runtime.metrics)
+                         timeout_s=settings.prefill_timeout_s)
+        remote = RemotePrefill(leg, runtime.loop, failure_policy=settings.failure_policy,
+                               timeout_s=settings.prefill_timeout_s)
+        service = DecodeService(DecodeSessions(runtime.loop, remote, runtime.metrics), runtime.served_name)
 
         def add(server):
             decode_pb2_grpc.add_DecodeServicer_to_server(service, server)
 
         async def close():
             await leg.close()
-            receiver_close = getattr(receiver, "close", None)
-            if receiver_close is not None:
-                receiver_close()
+            receiver.close()
 
         return add, [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name], close
 

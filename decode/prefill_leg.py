@@ -16,7 +16,8 @@ from typing import Protocol, Sequence
 
 import grpc
 
-from pdserve.deploy.worker import logprob_from_proto
+from pdserve.common.errors import DeadlinePassedError, UpstreamFailedError
+from pdserve.worker.convert import logprob_from_proto
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.decode.prefill_leg")
@@ -147,3 +148,55 @@ class PrefillLeg:
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+
+
+class RemotePrefill:
+    """The remote prefill of one admitted request, with decode's failure policy: wait for the
+    engine to reserve the prompt's blocks, run the leg, then either hand the first token to
+    the engine, recompute the prompt here (`recompute`), or fail the request (`fail`:
+    `UpstreamFailedError`). The verdict it returns says which, always."""
+
+    def __init__(self, leg: PrefillLeg, loop, *, failure_policy: str, timeout_s: float) -> None:
+        self.leg = leg
+        self.loop = loop
+        self.failure_policy = failure_policy
+        self.timeout_s = timeout_s
+
+    @property
+    def can_receive(self) -> bool:
+        return self.leg.can_receive
+
+    async def run(self, rid: str, request, stream, timings: common_pb2.RequestTimings,
+                  t_arrival: float) -> common_pb2.TransferVerdict:
+        try:
+            ready = await asyncio.wait_for(stream.remote_ready, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlinePassedError(f"not admitted within {self.timeout_s:g} s") from None
+        if ready is None:  # aborted while waiting for admission: the stream carries the end
+            return common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_FAILED, reason="aborted")
+        block_ids, num_cached = ready
+        t_admitted = time.monotonic()
+        timings.queue_ms = (t_admitted - t_arrival) * 1000
+        result = await self.leg.run(rid, list(request.prompt_token_ids), list(request.block_hashes),
+                                    request.sampling, request.prefill, block_ids, num_cached)
+        timings.prefill_ms = (time.monotonic() - t_admitted) * 1000
+        timings.transfer_ms = result.verdict.duration_ms
+        if result.aborted:
+            return result.verdict  # the engine ends the stream with finish_reason abort
+        if result.ok:
+            engine = self.loop.engine
+            await self.loop.call(lambda: engine.finish_remote_prefill(
+                rid, result.first_token_id, result.first_logprob))
+            return result.verdict
+        return await self._on_failure(rid, result.verdict)
+
+    async def _on_failure(self, rid: str, verdict: common_pb2.TransferVerdict) -> common_pb2.TransferVerdict:
+        if self.failure_policy == "recompute":
+            verdict.outcome = common_pb2.TRANSFER_OUTCOME_RECOMPUTED
+            log.warning("request %s: prefill leg failed (%s); recomputing here", rid, verdict.reason)
+            engine = self.loop.engine
+            await self.loop.call(lambda: engine.recompute_remote_prefill(rid))
+            return verdict
+        verdict.outcome = common_pb2.TRANSFER_OUTCOME_FAILED
+        log.warning("request %s: prefill leg failed (%s); failing it", rid, verdict.reason)
+        raise UpstreamFailedError(f"prefill failed and failure policy is 'fail': {verdict.reason}")

@@ -10,121 +10,150 @@ import argparse
 import sys
 from typing import Any, Callable, Sequence
 
-# Default ports. Listeners bind to 127.0.0.1 unless --host says otherwise.
-ROUTER_HTTP_PORT = 8000
-ROUTER_GRPC_PORT = 50050
-PREFILL_GRPC_PORT = 50060
-DECODE_GRPC_PORT = 50070
-TRANSFER_PORT = 50100
-METRICS_PORT = 0  # 0: no separate metrics listener (the router serves /metrics on HTTP)
+# Help texts quote the defaults of the typed settings each flag feeds (a test pins them);
+# these modules import neither torch nor grpc.
+from pdserve.deploy import up as up_defaults
+from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, RouterConfig
+from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,
+                                     WorkerSettings)
 
+TRANSFER_PORT = DECODE_TRANSFER_PORT
 BACKENDS = ("ucx", "nccl", "redis", "disk")
+BENCHMARKS = ("offline", "transfer", "serve", "experiment", "kernels")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _shown(value: Any) -> str:
+    return "none" if value in ("", None) else str(value)
+
+
+def _worker_flag(g, role: str, name: str, text: str, **kw) -> None:
+    """A flag of WorkerSettings; its help ends with the setting's real default for `role`."""
+    default = WorkerSettings.default(role, name)
+    g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default {_shown(default)})", **kw)
+
+
+def _router_flag(g, name: str, text: str, **kw) -> None:
+    """A flag of RouterConfig; its help ends with the setting's real default."""
+    default = RouterConfig.__dataclass_fields__[name].default
+    g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default {_shown(default)})", **kw)
+
+
+def _add_common(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--config", help="YAML file of flag values (keys are flag names with _)")
-    p.add_argument("--host", help="address to bind listeners to (default 127.0.0.1)")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
-    p.add_argument("--metrics-port", type=int,
-                   help="serve Prometheus /metrics on this port (0: off; default 0)")
+    _worker_flag(p, role, "host", "address to bind listeners to")
+    _worker_flag(p, role, "log_level", "DEBUG, INFO, WARNING, ERROR")
 
 
-def _add_engine(p: argparse.ArgumentParser) -> None:
+def _add_engine(p: argparse.ArgumentParser, role: str) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", help="'default' (SmolLM2-135M-Instruct), a transformers dir, or a .gguf")
-    g.add_argument("--served-model-name", help="name clients use in requests (default: from the model)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    g.add_argument("--device", help="cpu or cuda[:N] (default cpu)")
-    g.add_argument("--num-threads", type=int, help="torch intra-op threads")
-    g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    g.add_argument("--max-kv-tokens", type=int, help="KV cache size in tokens")
-    g.add_argument("--free-memory-fraction", type=float, help="share of free memory for the KV cache")
-    g.add_argument("--max-num-tokens", type=int, help="tokens per engine step")
-    g.add_argument("--max-batch-size", type=int, help="sequences per engine step")
-    g.add_argument("--max-model-len", type=int, help="context length limit")
-    g.add_argument("--capacity-policy",
-                   choices=("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"))
-    g.add_argument("--chunking-policy", choices=("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS"))
+    f = lambda name, text, **kw: _worker_flag(g, role, name, text, **kw)  # noqa: E731
+    f("model", "'default' (SmolLM2-135M-Instruct), a transformers dir, or a .gguf")
+    f("served_model_name", "name clients use in requests (none: from the model)")
+    f("dtype", "weights and KV cache dtype", choices=("float32", "bfloat16", "float16"))
+    f("device", "cpu or cuda[:N]")
+    f("num_threads", "torch intra-op threads (0: torch's choice)", type=int)
+    f("block_size", "tokens per KV block", type=int)
+    f("max_kv_tokens", "KV cache size in tokens (0: from --free-memory-fraction)", type=int)
+    f("free_memory_fraction", "share of free memory for the KV cache", type=float)
+    f("max_num_tokens", "tokens per engine step", type=int)
+    f("max_batch_size", "sequences per engine step", type=int)
+    f("max_model_len", "context length limit (0: the model's)", type=int)
+    f("capacity_policy", "admission under KV pressure",
+      choices=("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"))
+    f("chunking_policy", "how prompts share a step's token budget",
+      choices=("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS"))
 
 
-def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
-    _add_engine(p)
+def _add_worker(p: argparse.ArgumentParser, role: str) -> None:
+    """Flags of one worker process (`up` starts its own and takes only `_add_shared_worker`'s)."""
     g = p.add_argument_group("worker")
-    g.add_argument("--grpc-port", type=int, help=f"gRPC port (default {default_port}; 0 picks one)")
-    g.add_argument("--advertise-host", help="address peers and the router use to reach this worker")
-    g.add_argument("--router", help="router gRPC address host:port to register with (empty: none)")
-    g.add_argument("--worker-id", help="stable id in the registry (default: host:port)")
-    g.add_argument("--heartbeat-s", type=float,
-                   help="heartbeat interval to the router (default 2; the router's ask caps it)")
+    f = lambda name, text, **kw: _worker_flag(g, role, name, text, **kw)  # noqa: E731
+    f("metrics_port", "serve Prometheus /metrics on this port (0: off)", type=int)
+    f("grpc_port", "gRPC port (0 picks a free one)", type=int)
+    f("advertise_host", "address peers and the router use to reach this worker (none: --host)")
+    f("router", "router gRPC address host:port to register with (none: do not register)")
+    f("worker_id", "stable id in the registry (none: <role>-host:port)")
+    f("transfer_port", "decode: UCX listener port; the NCCL/gloo store listens on the next port "
+                       "(0 picks free ones)", type=int)
+    _add_shared_worker(p, role)
+
+
+def _add_shared_worker(p: argparse.ArgumentParser, role: str) -> None:
+    """Flags that `up` passes to every worker it starts."""
+    _add_engine(p, role)
     t = p.add_argument_group("kv transfer")
-    t.add_argument("--kv-backends", help="fallback chain, comma separated (default ucx,nccl,redis,disk)")
-    t.add_argument("--transfer-port", type=int, help=f"UCX/NCCL listener port (default {TRANSFER_PORT}; 0 picks)")
-    t.add_argument("--redis-url", help="redis://host:port/db for the redis backend")
-    t.add_argument("--disk-store", help="directory of the disk KV store (shared volume in k8s)")
-    t.add_argument("--disk-store-max-gb", type=float, help="disk store size budget")
-    t.add_argument("--transfer-timeout-s", type=float, help="deadline of one transfer step (default 10)")
-    t.add_argument("--prefill-timeout-s", type=float,
-                   help="decode: deadline of a remote prefill, from admission to the KV landing: the "
-                        "prefill service's queue, compute and transfer (default 60); past it decode "
-                        "follows --failure-policy")
-    t.add_argument("--failure-policy", choices=("recompute", "fail"),
-                   help="decode: what to do when the prefill leg fails (default recompute)")
+    f = lambda name, text, **kw: _worker_flag(t, role, name, text, **kw)  # noqa: E731
+    f("heartbeat_s", "heartbeat interval to the router; the router's ask caps it", type=float)
+    f("kv_backends", "fallback chain, comma separated")
+    f("redis_url", "redis://host:port/db for the redis backend")
+    f("disk_store", "directory of the disk KV store (shared volume in k8s)")
+    f("disk_store_max_gb", "disk store size budget", type=float)
+    f("transfer_timeout_s", "deadline of one transfer step", type=float)
+    f("prefill_timeout_s", "decode: deadline of a remote prefill, from admission to the KV "
+                           "landing: the prefill service's queue, compute and transfer; past it "
+                           "decode follows --failure-policy", type=float)
+    f("failure_policy", "decode: what to do when the prefill leg fails", choices=("recompute", "fail"))
+
+
+def _add_up(sub) -> None:
+    up = sub.add_parser("up", help="router + prefill + decode on this machine")
+    _add_common(up, "prefill")
+    _add_shared_worker(up, "prefill")
+    up.add_argument("--num-prefill", type=int, help=f"prefill services (default {up_defaults.NUM_PREFILL})")
+    up.add_argument("--num-decode", type=int, help=f"decode services (default {up_defaults.NUM_DECODE})")
+    up.add_argument("--http-port", type=int, help=f"router HTTP port (default {ROUTER_HTTP_PORT})")
+    up.add_argument("--router-grpc-port", type=int, help=f"router gRPC port (default {ROUTER_GRPC_PORT})")
+    up.add_argument("--local-prefill", action="store_true", default=None,
+                    help="decode prefills every prompt itself (no prefill service)")
+    up.add_argument("--ready-timeout-s", type=float,
+                    help=f"how long to wait for all services (default {up_defaults.READY_TIMEOUT_S:g})")
+
+
+def _add_router(sub) -> None:
+    router = sub.add_parser("router", help="the OpenAI HTTP + gRPC front")
+    router.add_argument("--config", help="YAML file of flag values (keys are flag names with _)")
+    f = lambda name, text, **kw: _router_flag(router, name, text, **kw)  # noqa: E731
+    f("host", "address to bind listeners to")
+    f("log_level", "DEBUG, INFO, WARNING, ERROR")
+    f("metrics_port", "extra Prometheus listener (0: only HTTP /metrics)", type=int)
+    f("http_port", "HTTP port", type=int)
+    f("grpc_port", "gRPC port", type=int)
+    f("api_key", "require 'Authorization: Bearer KEY'")
+    f("max_queue", "requests in flight before 429", type=int)
+    f("prefill_policy", "how to pick a prefill worker", choices=POLICIES)
+    f("decode_policy", "how to pick a decode worker", choices=POLICIES)
+    f("local_prefill_threshold", "uncached prompt tokens at or under which decode prefills locally",
+      type=int)
+    f("prefill_queue_threshold", "a prefill worker's queue length at or over which decode "
+                                 "prefills locally", type=int)
+    f("max_body_bytes", "largest request body in bytes", type=int)
+    f("worker_timeout_s", "heartbeat age that marks a worker dead", type=float)
+    router.add_argument("--static-workers",
+                        help="comma list of role=host:port to use without registration (default none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-
-    up = sub.add_parser("up", help="router + prefill + decode on this machine")
-    _add_common(up)
-    _add_worker(up, PREFILL_GRPC_PORT)
-    up.add_argument("--num-prefill", type=int, help="prefill services (default 1)")
-    up.add_argument("--num-decode", type=int, help="decode services (default 1)")
-    up.add_argument("--http-port", type=int, help=f"router HTTP port (default {ROUTER_HTTP_PORT})")
-    up.add_argument("--router-grpc-port", type=int, help=f"router gRPC port (default {ROUTER_GRPC_PORT})")
-    up.add_argument("--local-prefill", action="store_true", default=None,
-                    help="decode prefills every prompt itself (no prefill service)")
-    up.add_argument("--ready-timeout-s", type=float, help="how long to wait for all services (default 300)")
-
-    router = sub.add_parser("router", help="the OpenAI HTTP + gRPC front")
-    _add_common(router)
-    router.add_argument("--http-port", type=int, help=f"HTTP port (default {ROUTER_HTTP_PORT})")
-    router.add_argument("--grpc-port", type=int, help=f"gRPC port (default {ROUTER_GRPC_PORT})")
-    router.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: none)")
-    router.add_argument("--max-queue", type=int, help="requests in flight before 429 (default 256)")
-    router.add_argument("--prefill-policy",
-                        choices=("round_robin", "least_loaded", "prefix_aware", "session_affinity"))
-    router.add_argument("--decode-policy",
-                        choices=("round_robin", "least_loaded", "prefix_aware", "session_affinity"))
-    router.add_argument("--local-prefill-threshold", type=int,
-                        help="uncached prompt tokens at or under which decode prefills locally")
-    router.add_argument("--max-body-bytes", type=int, help="largest request body (default 4 MiB)")
-    router.add_argument("--worker-timeout-s", type=float, help="heartbeat age that marks a worker dead")
-    router.add_argument("--static-workers",
-                        help="comma list of role=host:port to use without registration")
-
+    _add_up(sub)
+    _add_router(sub)
     prefill = sub.add_parser("prefill", help="one prefill service")
-    _add_common(prefill)
-    _add_worker(prefill, PREFILL_GRPC_PORT)
-    prefill.add_argument("--max-queue", type=int, help="queued prefills before refusing (default 64)")
-
+    _add_common(prefill, "prefill")
+    _add_worker(prefill, "prefill")
+    _worker_flag(prefill, "prefill", "max_queue", "prefills in flight before refusing", type=int)
     decode = sub.add_parser("decode", help="one decode service")
-    _add_common(decode)
-    _add_worker(decode, DECODE_GRPC_PORT)
-    decode.add_argument("--local-prefill-threshold", type=int,
-                        help="uncached prompt tokens at or under which to prefill locally (default 32)")
-    decode.add_argument("--prefill-queue-threshold", type=int,
-                        help="prefill queue length at or over which to prefill locally (default 8)")
-
-    bench = sub.add_parser("bench", help="benchmarks: offline, transfer, serve, experiment")
-    bench.add_argument("what", choices=("offline", "transfer", "serve", "experiment", "kernels"))
+    _add_common(decode, "decode")
+    _add_worker(decode, "decode")
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
+    bench.add_argument("what", choices=BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
     return parser
 
 
 def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
     """Merge YAML < PDSERVE_* environment < flags into one dict of settings."""
-    from pdserve.engine import envs
+    from pdserve.common import envs
 
     merged: dict[str, Any] = {}
     if getattr(args, "config", None):

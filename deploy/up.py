@@ -18,9 +18,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.deploy.cli import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT
+from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT
 
 GRACE_S = 10.0
+NUM_PREFILL = 1
+NUM_DECODE = 1
+READY_TIMEOUT_S = 300.0
 # flags passed through to every worker when given
 WORKER_FLAGS = ("model", "served_model_name", "dtype", "device", "num_threads", "block_size",
                 "max_kv_tokens", "free_memory_fraction", "max_num_tokens", "max_batch_size",
@@ -54,8 +57,8 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     http_port = int(settings.get("http_port") or ROUTER_HTTP_PORT)
     grpc_port = int(settings.get("router_grpc_port") or ROUTER_GRPC_PORT)
     local = bool(settings.get("local_prefill"))
-    num_prefill = 0 if local else int(settings.get("num_prefill") or 1)
-    num_decode = int(settings.get("num_decode") or 1)
+    num_prefill = 0 if local else int(settings.get("num_prefill") or NUM_PREFILL)
+    num_decode = int(settings.get("num_decode") or NUM_DECODE)
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
     router = [*py, "router", "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
     if settings.get("log_level"):
@@ -147,7 +150,7 @@ def main(settings: dict[str, Any]) -> int:
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
-        wait_ready(children, http_port, host, float(settings.get("ready_timeout_s") or 300))
+        wait_ready(children, http_port, host, float(settings.get("ready_timeout_s") or READY_TIMEOUT_S))
         url = f"http://{host}:{http_port}"
         print(f"\npdserve is up: {url}/v1  (OpenAI API)\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "

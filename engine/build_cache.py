@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from pdserve.engine import envs
-from pdserve.engine.errors import InvalidRequestError, PdserveError
+from pdserve.common import envs
+from pdserve.common.errors import InvalidRequestError, PdserveError
 
 log = logging.getLogger(__name__)
 

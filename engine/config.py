@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 
 
 class CapacityPolicy(str, enum.Enum):
@@ -56,7 +56,7 @@ class ModelConfig:
         model_type = getattr(hf_config, "model_type", "llama")
         arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
         if arch is None:
-            from pdserve.engine.errors import ModelLoadError
+            from pdserve.common.errors import ModelLoadError
             raise ModelLoadError(f"unsupported model_type {model_type!r} (llama, mistral, qwen2, qwen3)")
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads

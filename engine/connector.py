@@ -54,7 +54,7 @@ class KVCacheLayout:
 
     def compatibility_hash(self) -> int:
         """64-bit hash of everything but num_blocks: equal hashes mean interchangeable blocks."""
-        from pdserve.proto.block_hash import stable_hash64
+        from pdserve.common.block_hash import stable_hash64
 
         return stable_hash64(
             "kv-layout-v1", self.model_name, self.num_layers, self.block_size,

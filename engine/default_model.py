@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from pdserve.engine.errors import ModelLoadError
+from pdserve.common.errors import ModelLoadError
 
 
 @dataclass(frozen=True, slots=True)

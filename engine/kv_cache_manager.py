@@ -17,15 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.common.util import cdiv
 from pdserve.engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from pdserve.engine.config import CacheConfig, ModelConfig
 from pdserve.engine.request import Request
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +95,9 @@ class KVCacheManager:
         return self.kv_caches[layer_idx]
 
     def get_batch_cache_indices(self, request_ids: list[str]) -> list[list[int]]:
+        """Block tables of several requests (resource-manager contract). No caller in the
+        engine yet: the model runner builds its tables from `blocks_of`; kept for
+        batch-oriented runners (CUDA graphs) and tested."""
         return [[b.block_id for b in self._blocks.get(rid, ())] for rid in request_ids]
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
@@ -163,7 +163,8 @@ class KVCacheManager:
             self.pool.free([b for b in reversed(blocks) if b.block_id != NULL_BLOCK_ID])
 
     def add_padding_request(self, request_id: str, num_tokens: int) -> bool:
-        """Hold blocks for a dummy request (warm-up / padded batches); free with free_resources."""
+        """Hold blocks for a dummy request (warm-up / padded batches); free with free_resources.
+        Resource-manager contract; no caller in the engine yet (CUDA-graph padding will be one)."""
         if request_id in self._blocks:
             raise ValueError(f"request {request_id} already holds blocks")
         new = self.pool.try_allocate(cdiv(max(1, num_tokens), self.block_size))

@@ -14,7 +14,7 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.connector import Connector, KVCacheLayout
 from pdserve.engine.detokenizer import Detokenizer
-from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
+from pdserve.common.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.kv_cache_manager import DTYPES, KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import CausalLM
@@ -23,7 +23,7 @@ from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.proto.block_hash import hash_prompt_blocks
+from pdserve.common.block_hash import hash_prompt_blocks
 
 log = logging.getLogger("pdserve.engine")
 

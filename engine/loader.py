@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.engine import default_model
 from pdserve.engine.build_cache import BuildCache, BuildInputs
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.errors import InvalidRequestError, ModelLoadError
+from pdserve.common.errors import InvalidRequestError, ModelLoadError
 
 if TYPE_CHECKING:
     import torch

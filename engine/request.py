@@ -72,10 +72,6 @@ class Request:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
-    def token_ids_slice(self, start: int, end: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:end] \
-            if end > len(self.prompt_token_ids) else self.prompt_token_ids[start:end]
-
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

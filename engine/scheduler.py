@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.config import CapacityPolicy, ChunkingPolicy, SchedulerConfig
 from pdserve.engine.connector import ConnectorMetadata, ConnectorRequest, KVConnectorScheduler
-from pdserve.engine.errors import CapacityError
+from pdserve.common.errors import CapacityError
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 

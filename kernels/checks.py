@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from pdserve.engine.errors import PdserveError
+from pdserve.common.errors import PdserveError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

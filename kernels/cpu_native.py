@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from pdserve.engine import envs
+from pdserve.common import envs
 
 log = logging.getLogger(__name__)
 

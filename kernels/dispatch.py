@@ -1,6 +1,6 @@
 """Which implementation a wrapper runs: the Triton kernel or the torch path.
 
-`PDSERVE_USE_TRITON` (read through `pdserve.engine.envs`, per call so tests may change it):
+`PDSERVE_USE_TRITON` (read through `pdserve.common.envs`, per call so tests may change it):
 
 * ``auto``: Triton for CUDA tensors, torch otherwise. A CUDA machine without triton falls
   back to torch and logs a warning once (never silently).
@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from pdserve.engine import envs
+from pdserve.common import envs
 
 log = logging.getLogger(__name__)
 

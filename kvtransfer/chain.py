@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore, KVTransport
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
@@ -49,13 +49,15 @@ class FallbackChain:
 
     def __init__(self, order: Sequence[str], *, transports: Mapping[str, KVTransport] = {},
                  stores: Mapping[str, BlockStore] = {}, unavailable: Mapping[str, str] = {},
-                 step_timeout_s: float = 10.0, health_policy: HealthPolicy = HealthPolicy()) -> None:
+                 step_timeout_s: float = 10.0, health_policy: HealthPolicy = HealthPolicy(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` times the transports' health cool-downs (stores bring their own health)."""
         self.order = tuple(order)
         self.transports = dict(transports)
         self.stores = dict(stores)
         self.unavailable = dict(unavailable)  # backend -> why it could not be opened here
         self.step_timeout_s = step_timeout_s
-        self.health = {name: BackendHealth(name, health_policy) for name in self.transports}
+        self.health = {name: BackendHealth(name, health_policy, clock) for name in self.transports}
         self.health.update({name: store.health for name, store in self.stores.items()})
 
     def send(self, job: SendJob) -> TransferVerdict:

@@ -11,13 +11,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
-from pdserve.engine.errors import TransferError
+from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.wire import (
     DTYPE_NAMES, HEADER, HEADER_SIZE, INDEX_ENTRY, NO_BLOCK, BlockHeader, WireError, WireLimits,
     encode_header, encode_index, parse_header, parse_index, verify_payload,
 )
-from pdserve.proto.block_hash import stable_hash64
+from pdserve.common.block_hash import stable_hash64
 
 NO_TRANSFER = bytes(16)  # transfer id of content-addressed records (shared by every transfer)
 

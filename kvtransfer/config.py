@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.kvtransfer.health import HealthPolicy
 from pdserve.kvtransfer.verdict import RECOMPUTE
 

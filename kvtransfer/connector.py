@@ -19,7 +19,8 @@ Two uses, both optional, on the same pair:
 
 Scheduler -> worker state travels only in `PdConnectorMetadata`. The one thing the scheduler
 half reads from the worker side is the cache layout (`connector_meta.LayoutBox`), set once by
-`register_kv_caches` (see the proposed `KVConnectorScheduler` change in the report).
+`register_kv_caches`: the scheduler ABC has no hook that hands it the layout, so both halves
+share the box they are built with (`build_connector`).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from typing import Sequence
 from pdserve.engine.connector import (
     ConnectorMetadata, ConnectorRequest, KVCacheLayout, KVConnectorScheduler,
 )
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.kvtransfer.base import BlockStore
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector_meta import (

@@ -23,7 +23,8 @@ import torch
 from pdserve.engine.connector import (
     ConnectorMetadata, KVCacheLayout, KVConnectorWorker, LayerSaveContext,
 )
-from pdserve.engine.errors import InvalidRequestError, TransferError
+from pdserve.common.errors import InvalidRequestError, TransferError
+from pdserve.common.util import cdiv
 from pdserve.kvtransfer.base import BlockStore
 from pdserve.kvtransfer.blocks import buffer_from_bytes, gather_to_host, scatter_from_host
 from pdserve.kvtransfer.chain import FallbackChain, SendJob
@@ -39,10 +40,6 @@ from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict
 log = logging.getLogger("pdserve.kvtransfer.connector")
 
 _MAX_REMEMBERED = 4096  # finished sends / verdicts kept for late readers
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class VerdictBoard:

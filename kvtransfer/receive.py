@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdserve.engine.errors import TransferError
+from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.base import BlockStore
 from pdserve.kvtransfer.codec import encode_message
 from pdserve.kvtransfer.sink import CacheSink

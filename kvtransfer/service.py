@@ -66,7 +66,7 @@ def params_to_handoff(tp: TransferParams, block_ids: Sequence[int], block_size: 
 
 def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferParams:
     """Bounds-checked: the handoff comes from a peer."""
-    from pdserve.engine.errors import InvalidRequestError
+    from pdserve.common.errors import InvalidRequestError
 
     if h.num_cached_tokens % block_size:
         raise InvalidRequestError("num_cached_tokens must be a multiple of the block size")

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from pdserve.engine.connector import KVCacheLayout
-from pdserve.engine.errors import TransferError
+from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.blocks import buffer_from_bytes, scatter_from_host
 from pdserve.kvtransfer.codec import as_bytes_view, decode_message
 from pdserve.kvtransfer.wire import BlockHeader, WireError, WireLimits, parse_index, verify_payload

@@ -8,12 +8,12 @@ import torch
 import xxhash
 
 from pdserve.engine.connector import KVCacheLayout
+from pdserve.engine.kv_cache_manager import DTYPES
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.blocks import gather_to_host
 from pdserve.kvtransfer.codec import encode_message
 from pdserve.kvtransfer.sink import limits_for
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def tiny_layout(num_blocks: int = 32, num_layers: int = 2, block_size: int = 4,
@@ -29,9 +29,9 @@ def make_caches(layout: KVCacheLayout, seed: int | None = None) -> list[torch.Te
     caches = []
     for _ in range(layout.num_layers):
         if gen is None:
-            caches.append(torch.zeros(shape, dtype=_DTYPES[layout.dtype]))
+            caches.append(torch.zeros(shape, dtype=DTYPES[layout.dtype]))
         else:
-            caches.append(torch.randn(shape, generator=gen).to(_DTYPES[layout.dtype]))
+            caches.append(torch.randn(shape, generator=gen).to(DTYPES[layout.dtype]))
     return caches
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from pdserve.engine.errors import TransferError
+from pdserve.common.errors import TransferError
 
 MAGIC = b"PDKV"
 FORMAT_VERSION = 1

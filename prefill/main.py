@@ -4,26 +4,31 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pdserve.deploy.worker import WorkerSettings, run_worker
+from pdserve.worker.runtime import run_worker
+from pdserve.worker.settings import WorkerSettings
 
 
 class PrefillBuild:
-    _sender = None
+    """How `run_worker` builds a prefill service: the sender's connector goes into the
+    engine, then the service sends through that same sender."""
 
-    @classmethod
-    def make_connector(cls, settings: WorkerSettings):
+    def __init__(self) -> None:
+        self.sender = None
+
+    def make_connector(self, settings: WorkerSettings):
         from pdserve.kvtransfer.service import make_sender
 
-        cls._sender = make_sender(settings)
-        return cls._sender.connector
+        self.sender = make_sender(settings)
+        return self.sender.connector
 
-    @classmethod
-    async def make_service(cls, runtime):
+    async def make_service(self, runtime):
+        from pdserve.prefill.runner import PrefillRunner
         from pdserve.prefill.servicer import PrefillService
         from pdserve.proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 
-        sender = cls._sender
-        service = PrefillService(runtime.loop, runtime.settings, runtime.served_name, sender, runtime.metrics)
+        sender = self.sender
+        runner = PrefillRunner(runtime.loop, sender, runtime.metrics, max_queue=runtime.settings.max_queue)
+        service = PrefillService(runner, runtime.served_name)
 
         def add(server):
             prefill_pb2_grpc.add_PrefillServicer_to_server(service, server)
@@ -35,4 +40,4 @@ class PrefillBuild:
 
 
 def main(settings: dict[str, Any]) -> int:
-    return asyncio.run(run_worker("prefill", WorkerSettings.from_settings("prefill", settings), PrefillBuild))
+    return asyncio.run(run_worker("prefill", WorkerSettings.from_settings("prefill", settings), PrefillBuild()))

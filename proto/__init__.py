@@ -1,4 +1,2 @@
-"""pdserve.v1 protocol: .proto files, generated stubs, and the block-hash definition.
-
-This package imports neither torch nor grpc at import time.
-"""
+"""pdserve.v1 protocol: the .proto files, their generated stubs (`pdserve/v1/*_pb2*.py`) and
+the script that generates them (`build.py`). Nothing hand-written besides."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.router.registry import Worker
 
 

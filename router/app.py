@@ -18,7 +18,7 @@ import grpc
 import uvicorn
 
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
-from pdserve.proto.serving import SERVER_OPTIONS, add_health_and_reflection, service_name, set_serving
+from pdserve.worker.serving import SERVER_OPTIONS, add_health_and_reflection, service_name, set_serving
 from pdserve.router.admission import InFlight
 from pdserve.router.auth import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
@@ -58,7 +58,8 @@ class RouterApp:
         self.in_flight = InFlight(config.max_queue, config.retry_after_s)
         self.metrics.in_flight.set_function(lambda: len(self.in_flight))
         planner = RoutePlanner(self.registry, make_policy(config.decode_policy), make_policy(config.prefill_policy),
-                               config.local_prefill_threshold, self.metrics)
+                               config.local_prefill_threshold, config.prefill_queue_threshold,
+                               self.metrics)
         decode = DecodeClient(self.channels, self.registry, self.tasks, config.stream_idle_timeout_s,
                               config.rpc_timeout_s)
         self.frontend = Frontend(self.catalog, planner, decode, self.in_flight, self.metrics)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.common.errors import ErrorKind, ServiceError
 
 
 class ApiKeyCheck:

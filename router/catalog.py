@@ -10,7 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.prompt import PromptBuilder
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 
 from pdserve.proto.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.proto.serving import CHANNEL_OPTIONS  # large messages (tokenizer.json), no automatic retries
+from pdserve.worker.serving import CHANNEL_OPTIONS  # large messages (tokenizer.json), no automatic retries
 
 
 class WorkerChannels:

@@ -9,8 +9,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from pdserve.deploy.cli import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT
-
+# Default ports of the router's listeners (0 picks a free port).
+ROUTER_HTTP_PORT = 8000
+ROUTER_GRPC_PORT = 50050
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 
@@ -43,6 +44,7 @@ class RouterConfig:
     prefill_policy: str = "least_loaded"
     decode_policy: str = "prefix_aware"
     local_prefill_threshold: int = 32  # uncached prompt tokens <= this: decode prefills locally
+    prefill_queue_threshold: int = 8  # chosen prefill worker's queue >= this: decode prefills locally
     max_body_bytes: int = 4 * 1024 * 1024
     worker_timeout_s: float = 10.0  # heartbeat silence that makes a worker dead
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S  # what the router asks workers for
@@ -65,6 +67,8 @@ class RouterConfig:
             raise ConfigError("max_queue must be >= 1")
         if self.local_prefill_threshold < 0:
             raise ConfigError("local_prefill_threshold must be >= 0")
+        if self.prefill_queue_threshold < 1:
+            raise ConfigError("prefill_queue_threshold must be >= 1")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be >= 1024")
         for name in ("worker_timeout_s", "heartbeat_interval_s", "rpc_timeout_s", "stream_idle_timeout_s"):
@@ -140,6 +144,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "prefill_policy": _to_str,
     "decode_policy": _to_str,
     "local_prefill_threshold": _to_int,
+    "prefill_queue_threshold": _to_int,
     "max_body_bytes": _to_int,
     "worker_timeout_s": _to_float,
     "heartbeat_interval_s": _to_float,

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Coroutine
 
 import grpc
 
-from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.common.errors import ErrorKind, ServiceError, to_service_error
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
 from pdserve.router.channels import WorkerChannels
 from pdserve.router.registry import Worker, WorkerRegistry
@@ -77,7 +77,7 @@ class DecodeClient:
                 except grpc.aio.AioRpcError as err:
                     ended_by_worker = True
                     self._note_failure(worker, err, _STREAM_FAILURE_CODES)
-                    raise ServiceError.from_rpc_error(err) from None
+                    raise to_service_error(err) from None
                 if message is grpc.aio.EOF:
                     ended_by_worker = True
                     raise ServiceError(ErrorKind.UNAVAILABLE,

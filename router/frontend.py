@@ -17,8 +17,8 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from pdserve.proto.block_hash import hash_prompt_blocks
-from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.common.block_hash import hash_prompt_blocks
+from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, generation_pb2
 from pdserve.router.admission import InFlight
 from pdserve.router.catalog import ModelCatalog, ServedModel

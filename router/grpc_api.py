@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.proto.errors import ErrorKind, ServiceError, abort_grpc
+from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.worker.grpc_errors import abort_grpc
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
 from pdserve.router.auth import ApiKeyCheck

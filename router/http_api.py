@@ -2,7 +2,7 @@
 
 Handlers read the body under the size limit, parse it (`openai_request`), run the request
 through the Frontend, and format the answer (`openai_format`). Errors become OpenAI error
-JSON with the status of `pdserve.proto.errors`. A client that goes away mid-request has its
+JSON with the status of `pdserve.common.errors`. A client that goes away mid-request has its
 request aborted on the decode worker (the stream is closed, which aborts it).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdserve.proto.errors import ErrorKind, ServiceError, to_service_error
+from pdserve.common.errors import ErrorKind, ServiceError, to_service_error
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router.auth import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog

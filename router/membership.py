@@ -13,7 +13,7 @@ from typing import Iterable
 
 import grpc
 
-from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.channels import WorkerChannels

@@ -3,7 +3,9 @@
 Conditional disaggregation: after choosing decode D, the uncached part of the prompt is
 `num_prompt_tokens - matched_blocks(D) * block_size`; at or under the local-prefill
 threshold no prefill worker is proposed (reason "short_uncached_prompt"), nor when no
-prefill worker is alive ("no_prefill_worker"). Every decision is logged and counted in
+prefill worker is alive ("no_prefill_worker"), nor when the chosen one's queue is at or
+over the prefill-queue threshold ("prefill_queue_long"). This is the only place that
+decides local vs remote; decode follows it unless it cannot receive KV at all. Every decision is logged and counted in
 pdserve_router_routing_decisions_total{pool, policy, reason}.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
-from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.router.config import Role
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RouteQuery, RoutingPolicy
@@ -22,6 +24,7 @@ log = logging.getLogger("pdserve.router.planner")
 
 SHORT_UNCACHED_PROMPT = "short_uncached_prompt"
 NO_PREFILL_WORKER = "no_prefill_worker"
+PREFILL_QUEUE_LONG = "prefill_queue_long"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +39,13 @@ class RoutePlan:
 
 class RoutePlanner:
     def __init__(self, registry: WorkerRegistry, decode_policy: RoutingPolicy, prefill_policy: RoutingPolicy,
-                 local_prefill_threshold: int, metrics: RouterMetrics) -> None:
+                 local_prefill_threshold: int, prefill_queue_threshold: int,
+                 metrics: RouterMetrics) -> None:
         self._registry = registry
         self._decode_policy = decode_policy
         self._prefill_policy = prefill_policy
         self._threshold = local_prefill_threshold
+        self._queue_threshold = prefill_queue_threshold
         self._metrics = metrics
 
     def plan(self, request_id: str, model_name: str, num_prompt_tokens: int, block_size: int,
@@ -63,9 +68,12 @@ class RoutePlanner:
             prefill_reason = NO_PREFILL_WORKER
         else:
             choice = self._prefill_policy.choose(prefillers, query)
-            prefill, prefill_reason = choice.record.worker, choice.reason
             queue_length = choice.record.load.num_queued
-            self._registry.note_routed(choice.record.worker_id, block_hashes)
+            if queue_length >= self._queue_threshold:
+                prefill_reason, queue_length = PREFILL_QUEUE_LONG, 0
+            else:
+                prefill, prefill_reason = choice.record.worker, choice.reason
+                self._registry.note_routed(choice.record.worker_id, block_hashes)
         self._count("prefill", self._prefill_policy.name, prefill_reason)
         self._registry.note_routed(decode.record.worker_id, block_hashes)
         log.info("route %s: decode=%s (%s) prefill=%s (%s) prompt=%d matched=%d", request_id,

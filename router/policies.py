@@ -8,7 +8,7 @@ import abc
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
-from pdserve.proto.block_hash import stable_hash64
+from pdserve.common.block_hash import stable_hash64
 from pdserve.router.registry import WorkerRecord
 
 

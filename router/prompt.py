@@ -13,7 +13,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.chat_template import ChatTemplate, ChatTemplateError
 

@@ -63,9 +63,6 @@ class WorkerRecord:
         """Work queued or running, counting what this router sent since the last report."""
         return self.load.num_queued + self.load.num_running + self.num_routed_since_report
 
-    def free_fraction(self) -> float:
-        return self.load.num_free_blocks / self.load.num_total_blocks if self.load.num_total_blocks else 0.0
-
     def num_matched_blocks(self, block_hashes: Sequence[int]) -> int:
         """Length of the run of `block_hashes`, from the first, this worker reports cached."""
         count = 0

@@ -5,7 +5,7 @@ goes to decode is fully resolved (every optional field set, except seed).
 """
 from __future__ import annotations
 
-from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.prompt import check_token_ids
 

@@ -16,7 +16,7 @@ from pdserve import kernels
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.connector import KVConnectorWorker, LayerSaveContext
-from pdserve.engine.errors import ModelLoadError
+from pdserve.common.errors import ModelLoadError
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
 
 

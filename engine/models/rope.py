@@ -6,7 +6,7 @@ import math
 import torch
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.errors import ModelLoadError
+from pdserve.common.errors import ModelLoadError
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

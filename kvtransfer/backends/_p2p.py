@@ -22,7 +22,7 @@ import socket
 import struct
 import time
 
-from pdserve.engine.errors import TransferError
+from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.wire import (
     HEADER, HEADER_SIZE, INDEX_ENTRY_SIZE, BlockHeader, WireLimits, parse_header,

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
 from pdserve.kvtransfer.codec import decode_record, layout_of, record_nbytes, split_records
@@ -42,7 +42,9 @@ class DiskStore(BlockStore):
 
     def __init__(self, root: str | os.PathLike, *, max_bytes: int = 20 * 2**30,
                  max_records: int = 1_000_000, ephemeral_ttl_s: float = 120.0,
-                 prune_interval_s: float = 30.0, health_policy: HealthPolicy = HealthPolicy()) -> None:
+                 prune_interval_s: float = 30.0, health_policy: HealthPolicy = HealthPolicy(),
+                 clock: Callable[[], float] = time.time) -> None:
+        """`clock` is wall time (record ages compare with file mtimes); tests inject one."""
         if max_bytes <= 0 or max_records <= 0:
             raise ValueError("max_bytes and max_records must be positive")
         self.root = Path(root)
@@ -50,7 +52,8 @@ class DiskStore(BlockStore):
         self.max_records = max_records
         self.ephemeral_ttl_s = ephemeral_ttl_s
         self.prune_interval_s = prune_interval_s
-        self.health = BackendHealth(self.name, health_policy)
+        self._clock = clock
+        self.health = BackendHealth(self.name, health_policy, clock)
         self._lock = threading.Lock()  # guards the estimate below, not the files
         self._est_bytes = 0
         self._est_records = 0
@@ -149,7 +152,7 @@ class DiskStore(BlockStore):
     def prune(self) -> int:
         """Delete least recently used records until under both budgets (to the low-water
         mark), expired short-lived records and abandoned temp files. Returns records deleted."""
-        now = time.time()
+        now = self._clock()
         records: list[tuple[float, int, str]] = []
         deleted = 0
         for path, st in _walk(self.root):
@@ -178,7 +181,7 @@ class DiskStore(BlockStore):
                 count -= 1
         with self._lock:
             self._est_bytes, self._est_records = total, count
-            self._last_scan = time.monotonic()
+            self._last_scan = now
             self.num_pruned += deleted
         return deleted
 
@@ -187,7 +190,7 @@ class DiskStore(BlockStore):
             self._est_bytes += written
             self._est_records += num_new
             due = (self._est_bytes > self.max_bytes or self._est_records > self.max_records
-                   or time.monotonic() - self._last_scan >= self.prune_interval_s)
+                   or self._clock() - self._last_scan >= self.prune_interval_s)
         if due and written:
             try:
                 self.prune()

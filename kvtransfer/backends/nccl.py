@@ -35,8 +35,8 @@ import struct
 import threading
 import time
 
-from pdserve.engine import envs
-from pdserve.engine.errors import TransferError
+from pdserve.common import envs
+from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.backends import _p2p
 from pdserve.kvtransfer.backends._p2p import (  # noqa: F401  (re-exported: shared frames)
     CLOSE_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAX_BUDGET_MS, MAX_REASON, REPLY, REQUEST,

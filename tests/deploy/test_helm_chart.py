@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from pdserve.deploy import cli
-from pdserve.engine import envs
+from pdserve.common import envs
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "deploy" / "helm" / "pdserve"

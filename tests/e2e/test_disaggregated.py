@@ -27,7 +27,6 @@ def cluster(tmp_path_factory):
     stores = ["--redis-url", redis.url, "--disk-store", store]
     workers = [("prefill-0", "prefill", ["--kv-backends", ",".join(BACKENDS), *stores])]
     workers += [(f"decode-{b}", "decode", ["--kv-backends", b, *stores,
-                                            "--local-prefill-threshold", "0",
                                             "--failure-policy", "fail"]) for b in BACKENDS]
     d = deploy_workers(workers, router_args=["--decode-policy", "round_robin",
                                              "--local-prefill-threshold", "0"])

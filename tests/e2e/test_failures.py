@@ -24,8 +24,8 @@ def cluster(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("kvstore"))
     common = ["--kv-backends", "disk", "--disk-store", store, "--transfer-timeout-s", "30"]
     workers = [("prefill-0", "prefill", []),
-               ("decode-recompute", "decode", ["--failure-policy", "recompute", "--local-prefill-threshold", "0"]),
-               ("decode-fail", "decode", ["--failure-policy", "fail", "--local-prefill-threshold", "0"])]
+               ("decode-recompute", "decode", ["--failure-policy", "recompute"]),
+               ("decode-fail", "decode", ["--failure-policy", "fail"])]
     d = deploy_workers(workers, router_args=["--decode-policy", "round_robin",
                                              "--local-prefill-threshold", "0",
                                              "--worker-timeout-s", "3"], common=common)

@@ -19,7 +19,7 @@ def cluster(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("kvstore"))
     common = ["--kv-backends", "disk", "--disk-store", store]
     workers = [(f"prefill-{i}", "prefill", []) for i in range(2)]
-    workers += [(f"decode-{i}", "decode", ["--local-prefill-threshold", "0"]) for i in range(2)]
+    workers += [(f"decode-{i}", "decode", []) for i in range(2)]
     d = deploy_workers(workers, router_args=["--decode-policy", "prefix_aware",
                                              "--prefill-policy", "round_robin",
                                              "--local-prefill-threshold", "0"], common=common)

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from pdserve.engine.errors import ModelLoadError
+from pdserve.common.errors import ModelLoadError
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 

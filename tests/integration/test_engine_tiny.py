@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.engine.block_pool import NULL_BLOCK_ID
-from pdserve.engine.errors import (CapacityError, InvalidRequestError, ModelLoadError,
+from pdserve.common.errors import (CapacityError, InvalidRequestError, ModelLoadError,
                                    PromptTooLongError)
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams

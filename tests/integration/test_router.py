@@ -20,8 +20,8 @@ import openai
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from pdserve.proto.block_hash import hash_prompt_blocks
-from pdserve.proto.registry_client import RegistryClient
+from pdserve.common.block_hash import hash_prompt_blocks
+from pdserve.worker.registry_client import RegistryClient
 from pdserve.proto.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, generation_pb2,
                                       generation_pb2_grpc, prefill_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)

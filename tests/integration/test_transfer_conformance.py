@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.child import Child
-from pdserve.engine.errors import TransferError
+from pdserve.common.errors import TransferError
 from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.codec import as_bytes_view, new_transfer_id, split_records

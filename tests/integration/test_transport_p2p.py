@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from pdserve.bench.child import Child, serve_commands
-from pdserve.engine.errors import TransferError
+from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.wire import (
     WireLimits, encode_header, encode_index, parse_index, payload_nbytes, verify_payload,

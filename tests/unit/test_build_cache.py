@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from pdserve.engine.build_cache import CACHE_FORMAT_VERSION, BuildCache, BuildInputs, BuildResult
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 
 GB = 1024**3
 

@@ -27,3 +27,57 @@ def test_bad_env_value_is_a_clear_error():
     args = build_parser().parse_args(["decode"])
     with pytest.raises(SystemExit, match="PDSERVE_MAX_BATCH_SIZE"):
         resolve(args, environ={"PDSERVE_MAX_BATCH_SIZE": "many"})
+
+
+def _dests(command: str) -> set[str]:
+    import argparse
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest for a in sub.choices[command]._actions if a.dest != "help"}
+
+
+def test_up_takes_only_flags_it_uses():
+    from pdserve.deploy import up
+
+    own = {"config", "host", "log_level", "num_prefill", "num_decode", "http_port", "router_grpc_port",
+           "local_prefill", "ready_timeout_s"}
+    assert _dests("up") - own == set(up.WORKER_FLAGS) - {"log_level"}
+
+
+def _help_defaults(command: str) -> dict[str, str]:
+    """dest -> the default a flag's help text claims, for one subcommand."""
+    import argparse
+    import re
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    out = {}
+    for action in sub.choices[command]._actions:
+        found = re.search(r"\(default ([^)]*)\)$", action.help or "")
+        if found:
+            out[action.dest] = found.group(1)
+    return out
+
+
+def test_help_defaults_are_the_settings_real_defaults():
+    """What `--help` says a flag defaults to is what the service runs with when it is unset."""
+    from pdserve.router.config import RouterConfig
+    from pdserve.worker.settings import WorkerSettings
+
+    def shown(value):
+        return "none" if value in ("", None, ()) else str(value)
+
+    for role in ("prefill", "decode"):
+        claimed = _help_defaults(role)
+        real = WorkerSettings.from_settings(role, {})
+        assert len(claimed) >= 25, sorted(claimed)
+        for dest, text in claimed.items():
+            assert text == shown(getattr(real, dest)), (role, dest, text)
+    assert (WorkerSettings.from_settings("prefill", {}).grpc_port,
+            WorkerSettings.from_settings("decode", {}).grpc_port) == (50060, 50070)
+    router = RouterConfig.from_settings({})
+    for dest, text in _help_defaults("router").items():
+        assert text == shown(getattr(router, dest)), ("router", dest, text)
+    assert set(_help_defaults("router")) >= {"http_port", "grpc_port", "max_queue", "decode_policy",
+                                             "local_prefill_threshold", "prefill_queue_threshold"}

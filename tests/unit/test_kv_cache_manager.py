@@ -6,11 +6,11 @@ import torch
 
 from pdserve.engine.block_pool import NULL_BLOCK_ID
 from pdserve.engine.config import CacheConfig, ModelConfig
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.kv_cache_manager import KVCacheManager, size_num_blocks
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.proto.block_hash import hash_prompt_blocks
+from pdserve.common.block_hash import hash_prompt_blocks
 
 BS = 8
 MODEL = ModelConfig(architecture="llama", vocab_size=100, hidden_size=16, intermediate_size=32,

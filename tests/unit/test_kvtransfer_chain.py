@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pdserve.engine.errors import TransferError
+from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.backends.disk import DiskStore
 from pdserve.kvtransfer.base import KVTransport
 from pdserve.kvtransfer.chain import FallbackChain, SendJob
@@ -17,6 +17,7 @@ from pdserve.kvtransfer.sink import limits_for
 from pdserve.kvtransfer.testing import tiny_layout
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
 from pdserve.kvtransfer.wire import payload_nbytes
+from support import FakeClock
 
 LAYOUT = tiny_layout(num_blocks=16)
 LIMITS = limits_for(LAYOUT)
@@ -121,15 +122,18 @@ def test_a_passed_deadline_skips_every_backend():
 def test_unhealthy_backend_is_skipped_until_a_probe_succeeds():
     ucx = FakeTransport("ucx", TransferError("connection refused"))
     nccl = FakeTransport("nccl")
+    clock = FakeClock()
     chain = FallbackChain(("ucx", "nccl"), transports={"ucx": ucx, "nccl": nccl},
-                          health_policy=HealthPolicy(failure_threshold=2, cooldown_s=0.2))
+                          health_policy=HealthPolicy(failure_threshold=2, cooldown_s=0.2), clock=clock)
     for _ in range(2):
         assert chain.send(job()).backend == "nccl"
     assert len(ucx.sent) == 2 and not chain.health["ucx"].is_healthy
     verdict = chain.send(job())
     assert len(ucx.sent) == 2  # skipped, not tried
     assert "unhealthy after 2 failures" in verdict.fallbacks[0].reason
-    time.sleep(0.25)
+    clock.now += 0.1
+    assert chain.send(job()).backend == "nccl" and len(ucx.sent) == 2  # still cooling down
+    clock.now += 0.15
     ucx.error = None
     assert chain.send(job()).backend == "ucx"  # the probe (the next real send) succeeded
     assert chain.health["ucx"].is_healthy
@@ -142,16 +146,8 @@ def test_a_backend_bug_does_not_end_the_chain():
     assert verdict.outcome == Outcome.RECOMPUTED and "KeyError" in verdict.fallbacks[0].reason
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_health_state_machine():
-    clock = Clock()
+    clock = FakeClock(0.0)
     health = BackendHealth("x", HealthPolicy(failure_threshold=3, cooldown_s=10), clock)
     health.record_failure("a")
     health.record_failure("b")

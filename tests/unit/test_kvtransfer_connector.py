@@ -13,7 +13,7 @@ from pdserve.kvtransfer import KVTransferConfig, build_connector
 from pdserve.kvtransfer.params import ReceiveParams, TransferParams
 from pdserve.kvtransfer.testing import block_digests, make_caches, tiny_layout
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
-from pdserve.proto.block_hash import hash_prompt_blocks
+from pdserve.common.block_hash import hash_prompt_blocks
 
 LAYOUT = tiny_layout(num_blocks=32, block_size=4)
 PROMPT = tuple(range(3, 17))  # 14 tokens: 3 full blocks + 2 tokens

@@ -17,6 +17,7 @@ from pdserve.kvtransfer.health import HealthPolicy
 from pdserve.kvtransfer.sink import limits_for
 from pdserve.kvtransfer.testing import tiny_layout
 from pdserve.kvtransfer.wire import payload_nbytes
+from support import FakeClock
 
 LAYOUT = tiny_layout(num_blocks=16)
 LIMITS = limits_for(LAYOUT)
@@ -48,13 +49,16 @@ def test_put_get_roundtrip_and_prefix_hits(tmp_path):
 
 
 def test_short_lived_keys_and_discard(tmp_path):
-    store = DiskStore(tmp_path, ephemeral_ttl_s=0.3)
+    clock = FakeClock(time.time())
+    store = DiskStore(tmp_path, ephemeral_ttl_s=0.3, clock=clock)
     assert store.put([5, -77], message([5, -77])) == 2
     assert bytes(store.get([-77], LIMITS)[0]) == block_bytes(-77)
     store.discard([-77], COMPAT)
     assert store.get([-77], LIMITS) == [None]
     store.put([-78], message([-78]))
-    time.sleep(0.35)
+    store.prune()
+    assert store.get([-78], LIMITS)[0] is not None  # not yet expired
+    clock.now += 0.35
     store.prune()  # past their TTL: pruned first, whatever the budgets
     assert store.get([-78, 5], LIMITS)[0] is None and store.get([5], LIMITS)[0] is not None
 
@@ -122,7 +126,8 @@ def test_stale_temp_files_are_cleaned(tmp_path):
 
 def test_unusable_directory_is_unhealthy_then_probed_back(tmp_path):
     root = tmp_path / "store"
-    store = DiskStore(root, health_policy=HealthPolicy(failure_threshold=1, cooldown_s=0.2))
+    clock = FakeClock(time.time())
+    store = DiskStore(root, health_policy=HealthPolicy(failure_threshold=1, cooldown_s=0.2), clock=clock)
     assert store.put([1], message([1])) == 1
     shutil.rmtree(root)
     root.write_text("a file where the directory was")  # unwritable even for root
@@ -130,7 +135,8 @@ def test_unusable_directory_is_unhealthy_then_probed_back(tmp_path):
     assert not store.health.is_healthy
     assert store.get([1], LIMITS) == [None] and store.count_prefix_hits([1], COMPAT) == 0
     root.unlink()
-    time.sleep(0.25)
+    assert store.put([3], message([3])) == 0  # cooling down: not even tried
+    clock.now += 0.25
     assert store.put([3], message([3])) == 1  # cool-down over: a probe succeeds, back in use
     assert store.health.is_healthy
 

@@ -12,11 +12,8 @@ import time
 import pytest
 import torch
 
-try:
-    from pdserve.engine.llm import LLM
-    from pdserve.engine.sampling_params import SamplingParams
-except ImportError as exc:
-    pytest.skip(f"pdserve.engine.llm is not importable: {exc}", allow_module_level=True)
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
 
 from pdserve.kvtransfer import KVTransferConfig, ReceiveParams, build_connector
 from pdserve.kvtransfer.codec import new_transfer_id

@@ -5,29 +5,22 @@ import threading
 
 import pytest
 
-from pdserve.engine.errors import TransferError
+from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.codec import as_bytes_view, new_transfer_id
 from pdserve.kvtransfer.sink import CacheSink
 from pdserve.kvtransfer.testing import block_digests, make_caches, message_from_cache, tiny_layout
 from pdserve.kvtransfer.wire import WireError, parse_header
+from support import FakeClock
 
 LAYOUT = tiny_layout(num_blocks=16)
 SOURCE = make_caches(LAYOUT, seed=1)
 ZERO = block_digests(make_caches(LAYOUT), [0])[0]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock():
-    return Clock()
+    return FakeClock()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from pdserve.engine import default_model
 from pdserve.engine.build_cache import BuildCache
-from pdserve.engine.errors import InvalidRequestError, ModelLoadError
+from pdserve.common.errors import InvalidRequestError, ModelLoadError
 from pdserve.engine.loader import LoadedModel, load_model, read_gguf_summary
 
 

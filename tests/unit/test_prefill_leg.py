@@ -91,7 +91,7 @@ async def test_a_slow_prefill_inside_the_deadline_completes(monkeypatch):
 
 def test_prefill_timeout_is_a_decode_setting(monkeypatch):
     from pdserve.deploy import cli
-    from pdserve.deploy.worker import WorkerSettings
+    from pdserve.worker.settings import WorkerSettings
 
     parser = cli.build_parser()
     args = parser.parse_args(["decode", "--prefill-timeout-s", "90"])

@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from pdserve.proto import build
-from pdserve.proto.errors import ErrorKind, ServiceError, to_service_error, wire
 
 FIELD_RE = re.compile(r"^\s+((optional|repeated)\s+)?(map<[\w, ]+>|[\w.]+)\s+\w+\s*=\s*\d+;")
 ENUM_VALUE_RE = re.compile(r"^\s+[A-Z][A-Z0-9_]*\s*=\s*\d+;")
@@ -67,32 +66,3 @@ def test_rpc_names_are_the_documented_ones():
     assert rpcs(prefill_pb2, "Prefill") == ["Abort", "Load", "ModelInfo", "Prefill"]
     assert rpcs(registry_pb2, "Registry") == ["Deregister", "Heartbeat", "Register"]
     assert decode_pb2.DESCRIPTOR.package == "pdserve.v1"
-
-
-def test_error_table_speaks_grpc_http_and_openai():
-    err = ServiceError(ErrorKind.INVALID_ARGUMENT, "temperature must be in [0, 2]", param="temperature")
-    assert (err.grpc_code, err.http_status) == (grpc.StatusCode.INVALID_ARGUMENT, 400)
-    assert err.openai_body() == {"error": {"message": "temperature must be in [0, 2]", "type": "invalid_request_error",
-                                           "param": "temperature", "code": None}}
-    limited = ServiceError(ErrorKind.RATE_LIMITED, "busy", retry_after_s=2)
-    assert (limited.http_status, limited.http_headers()) == (429, {"Retry-After": "2"})
-    assert wire(ErrorKind.NOT_FOUND).http_status == 404 and wire(ErrorKind.UNAVAILABLE).http_status == 503
-    assert wire(ErrorKind.PAYLOAD_TOO_LARGE).http_status == 413
-    for kind in ErrorKind:  # every kind is mapped
-        assert wire(kind).http_status >= 400
-    # What a worker sends comes back as the same kind, field and retry delay.
-    back = ServiceError.from_grpc(err.grpc_code, err.message, err.grpc_trailing_metadata())
-    assert (back.kind, back.param) == (ErrorKind.INVALID_ARGUMENT, "temperature")
-    back = ServiceError.from_grpc(limited.grpc_code, "busy", limited.grpc_trailing_metadata())
-    assert (back.kind, back.retry_after_s) == (ErrorKind.RATE_LIMITED, 2)
-    assert ServiceError.from_grpc(grpc.StatusCode.DATA_LOSS, "").kind is ErrorKind.INTERNAL
-
-
-def test_engine_errors_map_to_their_kinds():
-    from pdserve.engine import errors
-
-    assert to_service_error(errors.PromptTooLongError("long")).openai_body()["error"]["code"] == "context_length_exceeded"
-    assert to_service_error(errors.InvalidRequestError("bad")).kind is ErrorKind.INVALID_ARGUMENT
-    assert to_service_error(errors.RequestAbortedError("gone")).kind is ErrorKind.CANCELLED
-    assert to_service_error(errors.TransferError("refused")).kind is ErrorKind.UNAVAILABLE
-    assert to_service_error(KeyError("x")).kind is ErrorKind.INTERNAL

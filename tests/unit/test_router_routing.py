@@ -3,20 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.proto.errors import ErrorKind, ServiceError
+from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.router.config import Role
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
 from pdserve.router.policies import RouteQuery, make_policy
 from pdserve.router.registry import Load, Worker, WorkerRegistry
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from support import FakeClock
 
 
 def worker(worker_id: str, role: Role = Role.DECODE, model: str = "m") -> Worker:
@@ -25,7 +18,7 @@ def worker(worker_id: str, role: Role = Role.DECODE, model: str = "m") -> Worker
 
 @pytest.fixture
 def clock():
-    return Clock()
+    return FakeClock()
 
 
 @pytest.fixture
@@ -119,9 +112,10 @@ def test_unknown_policy_name():
         make_policy("random")
 
 
-def make_planner(registry, threshold: int = 8) -> tuple[RoutePlanner, RouterMetrics]:
+def make_planner(registry, threshold: int = 8, queue_threshold: int = 4) -> tuple[RoutePlanner, RouterMetrics]:
     metrics = RouterMetrics()
-    return RoutePlanner(registry, make_policy("prefix_aware"), make_policy("round_robin"), threshold, metrics), metrics
+    return RoutePlanner(registry, make_policy("prefix_aware"), make_policy("round_robin"), threshold,
+                        queue_threshold, metrics), metrics
 
 
 def decisions(metrics: RouterMetrics, pool: str, policy: str, reason: str) -> float:
@@ -151,6 +145,11 @@ def test_planner_conditional_disaggregation_reasons(registry):
     assert decisions(metrics, "decode", "prefix_aware", "no_prefix_match") == 2
     # The routed prompt is now expected in d's cache until its next report.
     assert planner.plan("r4", "m", 8, 4, [50, 51], "").decode_reason == "prefix_match"
+    # A prefill queue at the threshold: decode prefills locally, and says why.
+    registry.heartbeat("p", Load(num_queued=4))
+    plan = planner.plan("r5", "m", 40, 4, [60, 61], "")
+    assert (plan.prefill, plan.prefill_reason, plan.prefill_queue_length) == (None, "prefill_queue_long", 0)
+    assert decisions(metrics, "prefill", "round_robin", "prefill_queue_long") == 1
 
 
 def test_planner_skips_excluded_and_suspect_workers(registry):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams

@@ -11,12 +11,13 @@ import torch
 
 from pdserve.engine.config import CacheConfig, CapacityPolicy, ChunkingPolicy, ModelConfig, SchedulerConfig
 from pdserve.engine.connector import NoopConnectorScheduler
-from pdserve.engine.errors import CapacityError
+from pdserve.common.errors import CapacityError
+from pdserve.engine.block_pool import NULL_BLOCK_ID
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.proto.block_hash import hash_prompt_blocks
+from pdserve.common.block_hash import hash_prompt_blocks
 
 BS = 8
 MODEL = ModelConfig(architecture="llama", vocab_size=100, hidden_size=16, intermediate_size=32,
@@ -195,8 +196,28 @@ def test_max_utilization_refuses_what_could_never_finish():
 
 def test_window_caps_what_a_request_needs():
     d = Driver(num_blocks=4, window=8)  # at most cdiv(8, 8) + 1 = 2 blocks per request
-    d.add("long", 20, max_tokens=40)  # 60 tokens would be 8 blocks without the window
+    assert d.kv.num_blocks_for_tokens(60) == 2
+    a = d.add("long", 20, max_tokens=40)  # 60 tokens would be 8 blocks without the window
+    b = d.add("other", 20, max_tokens=40, first_token=100)  # together: 16 blocks uncapped, 4 capped
+    held = []
+    while d.sched.num_unfinished:
+        d.step()
+        held.append(max(len(set(d.kv.blocks_of(r.request_id)) - {NULL_BLOCK_ID}) for r in (a, b)))
+    assert max(held) <= 2 and a.num_output_tokens == b.num_output_tokens == 40
+    assert d.sched.num_preemptions == 0  # both ran side by side in 4 blocks
+    d.kv.assert_all_free()
+
+
+def test_guaranteed_no_evict_reserves_what_running_requests_will_need():
+    d = Driver(num_blocks=4)  # block size 8
+    a = d.add("a", 8, max_tokens=16)  # grows to 24 tokens: 3 blocks by its end
+    d.step()
+    b = d.add("b", 8, max_tokens=8, first_token=100)  # needs 2 blocks; only 1 is not promised to a
+    while not a.is_finished:
+        out = d.step()
+        assert "b" not in shape(out), "admitted b into blocks a was promised"
     d.run()
+    assert d.sched.num_preemptions == 0 and b.num_output_tokens == 8
 
 
 def test_finish_while_waiting_and_mid_prefill_frees_everything():

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.errors import TransferError
+from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.codec import decode_message, decode_record, new_transfer_id, split_records
 from pdserve.kvtransfer.sink import CacheSink, limits_for
 from pdserve.kvtransfer.testing import make_caches, message_from_cache, tiny_layout

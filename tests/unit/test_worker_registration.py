@@ -14,10 +14,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pdserve.deploy.worker import Registrar, WorkerSettings, router_addresses, start_server
+from pdserve.worker.registrar import Registrar, router_addresses
+from pdserve.worker.runtime import start_server
+from pdserve.worker.settings import WorkerSettings
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from pdserve.proto.registry_client import RegistryClient
-from pdserve.proto.serving import service_name, set_serving
+from pdserve.worker.registry_client import RegistryClient
+from pdserve.worker.serving import service_name, set_serving
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.channels import WorkerChannels
 from pdserve.router.config import RouterConfig
@@ -168,7 +170,7 @@ async def test_client_registers_once_the_router_comes_up(free_port):
     client.start()
     late = None
     try:
-        await asyncio.sleep(0.3)  # a few refused attempts
+        await eventually(lambda: client.num_refused >= 3, "a few refused attempts")
         assert not client.registered
         late = await start_router(f"127.0.0.1:{free_port}")
         await client.wait_registered(WAIT_S)

@@ -112,12 +112,6 @@ spec:
             {{- with $cfg.failurePolicy }}
             - {{ printf "--failure-policy=%s" . | quote }}
             {{- end }}
-            {{- if not (kindIs "invalid" $cfg.localPrefillThreshold) }}
-            - {{ printf "--local-prefill-threshold=%d" (int64 $cfg.localPrefillThreshold) | quote }}
-            {{- end }}
-            {{- with $cfg.prefillQueueThreshold }}
-            - {{ printf "--prefill-queue-threshold=%d" (int64 .) | quote }}
-            {{- end }}
             {{- end }}
             {{- range $cfg.extraArgs }}
             - {{ . | quote }}

@@ -12,7 +12,7 @@ asked for. A Heartbeat answered NOT_FOUND (router restarted, or it declared us d
 register again at once. `load_fn` is called for every report and must be cheap and
 thread-safe with respect to the engine (a snapshot).
 
-One client talks to one router address; `pdserve.deploy.worker.Registrar` keeps one client
+One client talks to one router address; `pdserve.worker.registrar.Registrar` keeps one client
 per address a router name resolves to.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Callable
 import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from pdserve.proto.serving import CHANNEL_OPTIONS
+from pdserve.worker.serving import CHANNEL_OPTIONS
 
 log = logging.getLogger("pdserve.registry_client")
 
@@ -54,6 +54,7 @@ class RegistryClient:
         self._task: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
         self.num_registrations = 0  # how often Register succeeded (re-registrations included)
+        self.num_refused = 0  # Register attempts that failed (router down, refused, timed out)
 
     @property
     def address(self) -> str:
@@ -107,6 +108,7 @@ class RegistryClient:
             answer = await stub.Register(request, timeout=self._register_timeout_s)
         except grpc.aio.AioRpcError as err:
             log.warning("register with router %s failed: %s %s", self._address, err.code().name, err.details())
+            self.num_refused += 1
             return False
         self._take_interval(answer.heartbeat_interval_ms)
         self.num_registrations += 1

@@ -1,0 +1,95 @@
+"""One decode request from admission to its last token: place the prefill, admit the request
+into the engine, run the prefill leg (or prefill here), stream the deltas as proto messages.
+Errors are typed (`pdserve.common.errors`); the servicer's decorator maps them onto gRPC."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import AsyncIterator
+
+from pdserve.common.errors import DeadlinePassedError
+from pdserve.decode.placement import place
+from pdserve.decode.prefill_leg import RemotePrefill
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
+from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
+
+FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+          "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ABORT}
+STEP_TIMEOUT_S = 120.0  # longest silence between two deltas of one request
+
+
+class DecodeSessions:
+    """Runs Decode requests on one engine loop; `abort` ends one at any phase."""
+
+    def __init__(self, loop: EngineLoop, remote: RemotePrefill, metrics) -> None:
+        self.loop = loop
+        self.remote = remote
+        self.metrics = metrics
+
+    async def run(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        rid = request.request_id or uuid.uuid4().hex
+        params = sampling_from_proto(request.sampling)
+        placement = place(request.prefill.address, request.prefill.reason, self.remote.can_receive)
+        t_arrival = time.monotonic()
+        try:
+            stream = await self.loop.add_request(list(request.prompt_token_ids), params,
+                                                 request_id=rid, remote_prefill=placement.remote)
+        except Exception:
+            self.metrics.requests.labels(outcome="rejected").inc()
+            raise
+        timings = common_pb2.RequestTimings()
+        verdict = common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_LOCAL,
+                                             reason=placement.reason)
+        try:
+            if placement.remote:
+                verdict = await self.remote.run(rid, request, stream, timings, t_arrival)
+            self.metrics.prefill_decisions.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome),
+                                                  reason=verdict.reason.split(":")[0]).inc()
+            async for response in self._stream(stream, rid):
+                if not timings.first_decode_ms:
+                    response.transfer.CopyFrom(verdict)
+                    timings.first_decode_ms = max(0.001, (time.monotonic() - t_arrival) * 1000
+                                                  - timings.queue_ms - timings.prefill_ms)
+                if response.finish_reason:
+                    response.transfer.CopyFrom(verdict)
+                    response.timings.CopyFrom(timings)
+                yield response
+            self.metrics.requests.labels(outcome="ok").inc()
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(outcome="cancelled").inc()
+            await self.abort(rid)
+            raise
+        except BaseException:
+            await self.abort(rid)
+            raise
+
+    async def _stream(self, stream, rid: str) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        tok = self.loop.engine.tokenizer
+        while True:
+            try:
+                out = await stream.next(STEP_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise DeadlinePassedError(f"no token for {STEP_TIMEOUT_S:g} s") from None
+            if isinstance(out, BaseException):
+                raise out
+            resp = decode_pb2.DecodeResponse(request_id=rid, token_ids=list(out.new_token_ids),
+                                             text=out.new_text)
+            resp.logprobs.extend(logprob_to_proto(lp, tok) for lp in out.new_logprobs)
+            if out.finished:
+                resp.finish_reason = FINISH.get(out.finish_reason, common_pb2.FINISH_REASON_STOP)
+                resp.usage.CopyFrom(common_pb2.Usage(
+                    prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                    cached_prompt_tokens=out.num_cached_tokens))
+                yield resp
+                return
+            yield resp
+
+    async def abort(self, rid: str) -> bool:
+        """End `rid` wherever it is: cancel its prefill leg, free its blocks."""
+        await self.remote.leg.abort(rid)
+        try:
+            return await asyncio.shield(self.loop.abort(rid))
+        except Exception:  # noqa: BLE001 - the loop is stopping; nothing is left to free
+            return False

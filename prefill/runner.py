@@ -1,0 +1,89 @@
+"""One prefill request: check the hand-off, compute the prompt (its KV leaves through the
+connector into the decode's blocks), wait for the transfer verdict, answer with the first
+token. Errors are typed (`pdserve.common.errors`); the servicer maps them onto gRPC."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Protocol
+
+from pdserve.common.errors import DeadlinePassedError, IncompatiblePeerError, OverloadedError
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
+from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
+
+
+class KVSender(Protocol):
+    """Prefill's side of the transfer layer (implemented in kvtransfer): turns a hand-off into
+    the engine's transfer params, and reports each request's verdict once its blocks went."""
+
+    def transfer_params(self, request_id: str, handoff: prefill_pb2.KVHandoff) -> object: ...
+
+    async def verdict(self, request_id: str, timeout: float) -> common_pb2.TransferVerdict: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+
+class PrefillRunner:
+    def __init__(self, loop: EngineLoop, sender: KVSender, metrics, *, max_queue: int) -> None:
+        self.loop = loop
+        self.sender = sender
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.num_inflight = 0
+
+    def _check(self, handoff: prefill_pb2.KVHandoff) -> float:
+        """Seconds left of the hand-off's deadline, after the checks that need no work."""
+        ours = self.loop.engine.compat_hash
+        if handoff.compatibility_hash != ours:
+            raise IncompatiblePeerError(f"compatibility hash {handoff.compatibility_hash:#x} != ours {ours:#x}")
+        remaining_s = handoff.deadline_unix_ms / 1000 - time.time()
+        if remaining_s <= 0:
+            raise DeadlinePassedError("hand-off deadline already passed")
+        if self.num_inflight >= self.max_queue:
+            raise OverloadedError("prefill queue is full")
+        return remaining_s
+
+    async def run(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        arrival = time.monotonic()
+        handoff, rid = request.handoff, request.request_id
+        remaining_s = self._check(handoff)
+        params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1,
+                                     min_tokens=0, stop=())
+        tp = self.sender.transfer_params(rid, handoff)
+        self.num_inflight += 1
+        try:
+            stream = await self.loop.add_request(list(request.prompt_token_ids), params,
+                                                 request_id=rid, transfer_params=tp)
+            try:
+                out = await stream.next(remaining_s)
+            except asyncio.TimeoutError:
+                raise DeadlinePassedError("prefill did not finish before the hand-off deadline") from None
+            if isinstance(out, BaseException):
+                raise out
+            computed = time.monotonic()
+            verdict = await self.sender.verdict(rid, max(0.1, handoff.deadline_unix_ms / 1000 - time.time()))
+            self.metrics.observe_verdict(verdict)
+            self.metrics.requests.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome)).inc()
+            return self._response(rid, out, verdict, (computed - arrival) * 1000)
+        except BaseException:
+            self.sender.abort(rid)
+            await asyncio.shield(self.loop.abort(rid))
+            raise
+        finally:
+            self.num_inflight -= 1
+
+    def _response(self, rid: str, out, verdict, compute_ms: float) -> prefill_pb2.PrefillResponse:
+        resp = prefill_pb2.PrefillResponse(
+            request_id=rid, first_token_id=out.new_token_ids[0], verdict=verdict,
+            timings=prefill_pb2.PrefillTimings(compute_ms=compute_ms, transfer_ms=verdict.duration_ms),
+            num_computed_tokens=out.num_prompt_tokens - out.num_cached_tokens - out.num_external_tokens,
+            num_cached_tokens=out.num_cached_tokens + out.num_external_tokens)
+        if out.new_logprobs:
+            resp.first_token_logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0], self.loop.engine.tokenizer))
+        return resp
+
+    async def abort(self, rid: str) -> bool:
+        self.sender.abort(rid)
+        return await self.loop.abort(rid)

@@ -1,0 +1,62 @@
+"""Conversions between proto messages and the engine's types, shared by both servicers."""
+from __future__ import annotations
+
+from pdserve.proto.pdserve.v1 import common_pb2
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams):
+    from pdserve.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=int(p.max_tokens) if p.HasField("max_tokens") else 16,
+        min_tokens=int(p.min_tokens),
+        temperature=float(p.temperature) if p.HasField("temperature") else 1.0,
+        top_p=float(p.top_p) if p.HasField("top_p") else 1.0,
+        top_k=int(p.top_k) if p.HasField("top_k") else 0,
+        seed=int(p.seed) if p.HasField("seed") else None,
+        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        logprobs=(int(p.top_logprobs) if p.logprobs else None))
+
+
+def logprob_to_proto(lp, tokenizer=None) -> common_pb2.TokenLogprob:
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, token=text(lp.token_id),
+        top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v, token=text(t)) for t, v in lp.top])
+
+
+def logprob_from_proto(p: common_pb2.TokenLogprob):
+    from pdserve.engine.request import TokenLogprob
+
+    return TokenLogprob(p.token_id, p.logprob, tuple((t.token_id, t.logprob) for t in p.top_logprobs))
+
+
+def model_info(engine, served_name: str, include_tokenizer: bool) -> common_pb2.ModelInfoResponse:
+    tok = engine.tokenizer
+    resp = common_pb2.ModelInfoResponse(
+        model_name=served_name, max_model_len=engine.max_model_len, block_size=engine.kv.block_size,
+        block_hash_salt=engine.compat_hash, eos_token_ids=list(engine.model_config.eos_token_ids),
+        vocab_size=engine.model_config.vocab_size)
+    if tok is not None:
+        resp.chat_template = getattr(tok, "chat_template", None) or ""
+        resp.bos_token = tok.bos_token or ""
+        resp.eos_token = tok.eos_token or ""
+        for key, value in (tok.special_tokens_map or {}).items():
+            if isinstance(value, str):
+                resp.special_tokens[key] = value
+        resp.additional_special_tokens.extend(
+            [t for t in (getattr(tok, "additional_special_tokens", None) or []) if isinstance(t, str)])
+        if include_tokenizer:
+            resp.tokenizer_json = tok.backend_tokenizer.to_str().encode()
+    return resp
+
+
+def load_to_proto(engine_loop, num_queued_extra: int = 0, max_hashes: int = 4096) -> common_pb2.WorkerLoad:
+    s = engine_loop.last_stats
+    hashes = engine_loop.engine.kv.pool.cached_hashes()[-max_hashes:]
+    return common_pb2.WorkerLoad(
+        num_queued=s.num_waiting + num_queued_extra, num_running=s.num_running + s.num_waiting_remote,
+        num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+        cached_block_hashes=list(reversed(hashes)))

@@ -1,0 +1,85 @@
+"""Registration with every router a `--router` name resolves to."""
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.proto.pdserve.v1 import registry_pb2
+from pdserve.worker.registry_client import RegistryClient
+from pdserve.worker.settings import WorkerSettings
+
+
+def router_addresses(target: str) -> set[str]:
+    """Every "host:port" that `target` resolves to (a Kubernetes headless Service lists each
+    router pod); `target` itself when it does not resolve. IPv6 hosts come back bracketed."""
+    import socket
+
+    host, _, port = target.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return {target}
+    addrs = {f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos}
+    return addrs or {target}
+
+
+class Registrar:
+    """Keeps this worker registered with every router while the service runs.
+
+    `--router host:port` may name several routers: the name is resolved every
+    `resolve_every_s`, each resolved address gets its own `RegistryClient` (register,
+    heartbeat, re-register on NOT_FOUND, deregister on stop), and an address that no longer
+    resolves has its client stopped without deregistering (that router is gone or not ready).
+    """
+
+    def __init__(self, settings: WorkerSettings, info: registry_pb2.WorkerInfo, load_fn,
+                 *, resolve_every_s: float = 15.0) -> None:
+        self.settings = settings
+        self.info = info
+        self.load_fn = load_fn
+        self.resolve_every_s = resolve_every_s
+        self._task: asyncio.Task | None = None
+        self._clients: dict[str, RegistryClient] = {}
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The router addresses that currently have a client."""
+        return tuple(sorted(self._clients))
+
+    @property
+    def registered(self) -> bool:
+        """Registered with at least one router."""
+        return any(c.registered for c in self._clients.values())
+
+    def start(self) -> None:
+        if self.settings.router:
+            self._task = asyncio.create_task(self._resolve_forever())
+
+    async def wait_registered(self, timeout_s: float) -> None:
+        """TimeoutError unless some router accepted us within `timeout_s`."""
+        async with asyncio.timeout(timeout_s):
+            while not self.registered:
+                await asyncio.sleep(0.05)
+
+    def _client(self, address: str) -> RegistryClient:
+        heartbeat_s = self.settings.heartbeat_s
+        return RegistryClient(address, self.info, self.load_fn, heartbeat_s=heartbeat_s,
+                              retry_s=min(0.5, heartbeat_s), max_retry_s=heartbeat_s,
+                              rpc_timeout_s=5.0, register_timeout_s=10.0)
+
+    async def _resolve_forever(self) -> None:
+        while True:
+            addrs = await asyncio.to_thread(router_addresses, self.settings.router)
+            for addr in sorted(addrs - set(self._clients)):
+                client = self._clients[addr] = self._client(addr)
+                client.start()
+            for addr in set(self._clients) - addrs:
+                await self._clients.pop(addr).stop(deregister=False)
+            await asyncio.sleep(self.resolve_every_s)
+
+    async def stop(self) -> None:
+        """Stop resolving, deregister from every router (best effort, in parallel)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(c.stop() for c in clients))

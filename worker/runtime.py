@@ -1,0 +1,129 @@
+"""The process runtime of a prefill or decode service: load the engine, serve the role's
+gRPC API (with health checking and reflection), register with the router, run until
+SIGINT/SIGTERM, stop cleanly."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Protocol
+
+import grpc
+
+from pdserve.proto.pdserve.v1 import registry_pb2
+from pdserve.worker.convert import load_to_proto
+from pdserve.worker.registrar import Registrar
+from pdserve.worker.serving import SERVER_OPTIONS, add_health_and_reflection, set_serving
+from pdserve.worker.settings import WorkerSettings
+
+log = logging.getLogger("pdserve.worker")
+
+
+async def start_server(settings: WorkerSettings, add_servicers, service_names: list[str]):
+    """A grpc.aio server with our servicers + health + reflection, every service (and "")
+    SERVING once it listens. Returns (server, port, health servicer)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    add_servicers(server)
+    health = add_health_and_reflection(server, service_names)
+    port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.grpc_port}")
+    await server.start()
+    await set_serving(health, service_names)
+    return server, port, health
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def wait_for_shutdown() -> None:
+    """Until SIGINT/SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
+
+
+@dataclass(slots=True)
+class WorkerRuntime:
+    """What a running worker holds; built by `run_worker`, used by the role's servicer."""
+
+    settings: WorkerSettings
+    engine: Any
+    loop: Any  # EngineLoop
+    metrics: Any  # WorkerMetrics
+    served_name: str
+    worker_id: str = ""
+    address: str = ""
+
+
+class ServiceBuild(Protocol):
+    """What a role gives `run_worker`: its connector (before the engine exists), then its
+    gRPC service (once the engine loop runs)."""
+
+    def make_connector(self, settings: WorkerSettings) -> Any:
+        """The engine's connector (`pdserve.engine.connector.Connector`)."""
+
+    async def make_service(self, runtime: "WorkerRuntime") -> tuple[Callable[[Any], None], list[str],
+                                                                  Callable[[], Awaitable[None]]]:
+        """(add the servicers to a grpc.aio server, their full service names, async close)."""
+
+
+async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -> int:
+    """Load the engine with `build`'s connector, serve the role's gRPC API (with health and
+    reflection), register with the router, run until SIGINT/SIGTERM, then stop cleanly:
+    NOT_SERVING, deregister, stop the server, close the service, stop the engine loop."""
+    from pdserve.worker.metrics import WorkerMetrics
+    from pdserve.engine.engine_loop import EngineLoop
+    from pdserve.engine.llm_engine import LLMEngine
+
+    setup_logging(settings.log_level)
+    connector = build.make_connector(settings)
+    engine = await asyncio.to_thread(LLMEngine, settings.engine_config(), connector=connector)
+    served = settings.served_model_name or engine.model_name
+    loop = EngineLoop(engine)
+    loop.start(asyncio.get_running_loop())
+    metrics = WorkerMetrics(role)
+    runtime = WorkerRuntime(settings, engine, loop, metrics, served)
+    add_servicers, names, on_close = await build.make_service(runtime)
+    server, port, health = await start_server(settings, add_servicers, names)
+    host = settings.advertise_host or settings.host
+    runtime.address = f"{host}:{port}"
+    runtime.worker_id = settings.worker_id or f"{role}-{host}:{port}"
+    metrics.serve(settings.host, settings.metrics_port)
+    info = registry_pb2.WorkerInfo(
+        worker_id=runtime.worker_id,
+        role=registry_pb2.WORKER_ROLE_PREFILL if role == "prefill" else registry_pb2.WORKER_ROLE_DECODE,
+        grpc_address=runtime.address, model_name=served, compatibility_hash=engine.compat_hash,
+        block_size=engine.kv.block_size, kv_backends=list(settings.backends),
+        capacity=registry_pb2.WorkerCapacity(
+            num_total_blocks=engine.kv.get_max_resource_count(),
+            max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
+            max_model_len=engine.max_model_len))
+
+    def load():
+        metrics.observe_engine(loop.last_stats)
+        return load_to_proto(loop)
+
+    registrar = Registrar(settings, info, load)
+    registrar.start()
+    # one line that launchers (pdserve up) and tests wait for
+    print(f"pdserve {role} ready on {runtime.address} worker_id={runtime.worker_id}", flush=True)
+    log.info("%s ready on %s (model %s)", role, runtime.address, served)
+    try:
+        await wait_for_shutdown()
+    finally:
+        log.info("%s shutting down", role)
+        await set_serving(health, names, serving=False)
+        await registrar.stop()
+        await server.stop(grace=2)
+        await on_close()
+        loop.stop()
+    return 0

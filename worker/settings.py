@@ -1,0 +1,113 @@
+"""Typed settings of a prefill or decode service, and the port each role listens on by default.
+
+`WorkerSettings.from_settings` takes the CLI's merged dict (flags > PDSERVE_* > YAML; values
+from the environment or YAML may be strings), types and validates it once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from pdserve.common.errors import InvalidRequestError
+
+# Default ports of each role's listeners (0 for a port picks a free one).
+PREFILL_GRPC_PORT = 50060
+DECODE_GRPC_PORT = 50070
+DECODE_TRANSFER_PORT = 50100  # UCX listener; the NCCL/gloo store listens on this port + 1
+DEFAULT_GRPC_PORT = {"prefill": PREFILL_GRPC_PORT, "decode": DECODE_GRPC_PORT}
+
+
+class SettingsError(InvalidRequestError):
+    """A setting has a value it cannot take."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    role: str
+    model: str = "default"
+    served_model_name: str = ""
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int = 0
+    block_size: int = 16
+    max_kv_tokens: int = 0
+    free_memory_fraction: float = 0.9
+    max_num_tokens: int = 2048
+    max_batch_size: int = 64
+    max_model_len: int = 0
+    capacity_policy: str = "GUARANTEED_NO_EVICT"
+    chunking_policy: str = "FIRST_COME_FIRST_SERVED"
+    host: str = "127.0.0.1"
+    grpc_port: int = 0  # from_settings: the role's default port
+    advertise_host: str = ""
+    router: str = ""
+    worker_id: str = ""
+    heartbeat_s: float = 2.0
+    kv_backends: str = "ucx,nccl,redis,disk"
+    transfer_port: int = 0  # from_settings: DECODE_TRANSFER_PORT for decode
+    redis_url: str = ""
+    disk_store: str = ""
+    disk_store_max_gb: float = 10.0
+    transfer_timeout_s: float = 10.0
+    prefill_timeout_s: float = 60.0
+    failure_policy: str = "recompute"
+    max_queue: int = 64
+    metrics_port: int = 0
+    log_level: str = "INFO"
+
+    @classmethod
+    def default(cls, role: str, name: str) -> Any:
+        """What `name` is when no flag, variable or YAML key sets it, for this role."""
+        if name == "grpc_port":
+            return DEFAULT_GRPC_PORT[role]
+        if name == "transfer_port":
+            return DECODE_TRANSFER_PORT if role == "decode" else 0
+        return cls.__dataclass_fields__[name].default
+
+    @classmethod
+    def from_settings(cls, role: str, settings: Mapping[str, Any]) -> "WorkerSettings":
+        """Typed from the CLI's merged dict (values from env/YAML may be strings); the
+        role's port defaults apply where nothing was given."""
+        values: dict[str, Any] = {"role": role, "grpc_port": cls.default(role, "grpc_port"),
+                                  "transfer_port": cls.default(role, "transfer_port")}
+        for f in fields(cls):
+            if f.name == "role" or settings.get(f.name) is None:
+                continue
+            raw = settings[f.name]
+            try:
+                values[f.name] = _coerce(raw, type(getattr(cls, f.name)) if hasattr(cls, f.name) else str, f.default)
+            except (TypeError, ValueError):
+                raise SettingsError(f"--{f.name.replace('_', '-')}: cannot use {raw!r}") from None
+        out = cls(**values)
+        if out.failure_policy not in ("recompute", "fail"):
+            raise SettingsError("--failure-policy must be recompute or fail")
+        return out
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return tuple(b.strip() for b in self.kv_backends.split(",") if b.strip())
+
+    def engine_config(self):
+        from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device,
+            num_threads=self.num_threads or None,
+            cache=CacheConfig(block_size=self.block_size, max_tokens=self.max_kv_tokens or None,
+                              free_memory_fraction=self.free_memory_fraction, dtype=self.dtype),
+            scheduler=SchedulerConfig(
+                capacity_policy=self.capacity_policy, chunking_policy=self.chunking_policy,
+                max_num_tokens=self.max_num_tokens, max_batch_size=self.max_batch_size,
+                max_model_len=self.max_model_len or None))
+
+
+def _coerce(raw: Any, kind: type, default: Any) -> Any:
+    if isinstance(default, bool):
+        return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    return str(raw)
+
+
