@@ -1,11 +1,11 @@
 """gRPC edge of the router: the Generation and Registry servicers. Each RPC converts,
-delegates and converts back; errors leave through `abort_grpc` (one mapping table)."""
+delegates and converts back; errors leave through `@grpc_errors` (the one mapping table)."""
 from __future__ import annotations
 
 import logging
 
 from pdserve.common.errors import ErrorKind, ServiceError
-from pdserve.worker.grpc_errors import abort_grpc
+from pdserve.worker.grpc_errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
 from pdserve.router.auth import ApiKeyCheck
@@ -23,34 +23,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._catalog = catalog
         self._auth = auth
 
+    @grpc_errors
     async def Generate(self, request, context):
         try:
             self._auth.check_grpc(context)
         except ServiceError as err:
             self._frontend.count_rejected("grpc", err)
-            await abort_grpc(context, err)
-        try:
-            async for response in self._frontend.generate(request, api="grpc"):
-                yield response
-        except Exception as exc:
-            await abort_grpc(context, exc)
+            raise
+        async for response in self._frontend.generate(request, api="grpc"):
+            yield response
 
+    @grpc_errors
     async def Abort(self, request, context):
-        try:
-            self._auth.check_grpc(context)
-            found = await self._frontend.abort(request.request_id, request.reason or "client_abort")
-        except Exception as exc:
-            await abort_grpc(context, exc)
+        self._auth.check_grpc(context)
+        found = await self._frontend.abort(request.request_id, request.reason or "client_abort")
         return common_pb2.AbortResponse(found=found)
 
+    @grpc_errors
     async def ModelInfo(self, request, context):
-        try:
-            self._auth.check_grpc(context)
-            model = self._catalog.resolve(request.model)
-        except Exception as exc:
-            await abort_grpc(context, exc)
+        self._auth.check_grpc(context)
         response = common_pb2.ModelInfoResponse()
-        response.CopyFrom(model.info)
+        response.CopyFrom(self._catalog.resolve(request.model).info)
         if not request.include_tokenizer:
             response.ClearField("tokenizer_json")
         return response
@@ -62,6 +55,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self._interval_ms = int(config.heartbeat_interval_s * 1000)
         self._timeout_ms = int(config.worker_timeout_s * 1000)
 
+    @grpc_errors
     async def Register(self, request, context):
         try:
             worker = worker_from_proto(request.worker)
@@ -69,20 +63,18 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
                                             request.load.cached_block_hashes)
         except Exception as exc:
             log.warning("register of %r refused: %s", request.worker.worker_id, exc)
-            await abort_grpc(context, exc)
+            raise
         return registry_pb2.RegisterResponse(heartbeat_interval_ms=self._interval_ms,
                                              worker_timeout_ms=self._timeout_ms)
 
+    @grpc_errors
     async def Heartbeat(self, request, context):
-        try:
-            self._membership.heartbeat(request.worker_id, load_from_proto(request.load),
-                                       request.load.cached_block_hashes)
-        except Exception as exc:
-            await abort_grpc(context, exc)
+        self._membership.heartbeat(request.worker_id, load_from_proto(request.load),
+                                   request.load.cached_block_hashes)
         return registry_pb2.HeartbeatResponse(heartbeat_interval_ms=self._interval_ms)
 
+    @grpc_errors
     async def Deregister(self, request, context):
         if not request.worker_id:
-            await abort_grpc(context, ServiceError(ErrorKind.INVALID_ARGUMENT, "worker_id is required",
-                                                   param="worker_id"))
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "worker_id is required", param="worker_id")
         return registry_pb2.DeregisterResponse(found=self._membership.deregister(request.worker_id))

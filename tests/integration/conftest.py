@@ -6,6 +6,7 @@ import os
 import pytest
 from support import RedisServer, redis_server_binary
 
+
 @pytest.fixture(scope="session")
 def redis_server_session(tmp_path_factory):
     binary = redis_server_binary()
@@ -24,3 +25,15 @@ def redis_server(redis_server_session):
     redis_server_session.flush()
     yield redis_server_session
     redis_server_session.start()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch intra-op thread for a module's in-process engines: on a shared 2-core
+    machine a second one mostly spins. Restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -32,12 +32,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def one_thread(one_torch_thread):
     """One intra-op thread: on a shared 2-core machine a second one mostly spins."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

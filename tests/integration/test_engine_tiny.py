@@ -64,12 +64,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def one_thread(one_torch_thread):
     """Tiny matmuls run fastest on one thread (and a shared machine punishes spinning ones)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -90,12 +90,15 @@ async def test_servicer_errors_leave_with_the_table_code_over_grpc():
         await server.stop(None)
 
 
-def test_every_worker_rpc_goes_through_the_table():
+def test_every_rpc_goes_through_the_table():
     from pdserve.decode.servicer import DecodeService
     from pdserve.prefill.servicer import PrefillService
-    from pdserve.proto.pdserve.v1 import decode_pb2, prefill_pb2
+    from pdserve.proto.pdserve.v1 import decode_pb2, generation_pb2, prefill_pb2, registry_pb2
+    from pdserve.router.grpc_api import GenerationServicer, RegistryServicer
 
-    for cls, pb2, name in ((DecodeService, decode_pb2, "Decode"), (PrefillService, prefill_pb2, "Prefill")):
+    for cls, pb2, name in ((DecodeService, decode_pb2, "Decode"), (PrefillService, prefill_pb2, "Prefill"),
+                           (GenerationServicer, generation_pb2, "Generation"),
+                           (RegistryServicer, registry_pb2, "Registry")):
         for method in pb2.DESCRIPTOR.services_by_name[name].methods:
             fn = getattr(cls, method.name)
             assert getattr(fn, "__wrapped__", None) is not None, (cls.__name__, method.name)
