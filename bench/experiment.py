@@ -50,6 +50,7 @@ NEVER = 1 << 30  # a local-prefill threshold no prompt or queue reaches
 class Ports:
     http: int
     router_grpc: int
+    router_registry: int
     prefill_grpc: int
     decode_grpc: int
     prefill_transfer: int
@@ -57,7 +58,7 @@ class Ports:
 
     @classmethod
     def pick(cls) -> "Ports":
-        return cls(*_free_ports(6))
+        return cls(*_free_ports(7))
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,7 @@ def _engine_args(opts: ServiceOptions, num_threads: int) -> list[str]:
 def _router(opts: ServiceOptions, ports: Ports, local_prefill_threshold: int,
             prefill_queue_threshold: int) -> ServiceSpec:
     args = ["router", "--http-port", str(ports.http), "--grpc-port", str(ports.router_grpc),
+            "--registry-port", str(ports.router_registry),
             "--local-prefill-threshold", str(local_prefill_threshold),
             "--prefill-queue-threshold", str(prefill_queue_threshold)]
     if opts.log_level:
@@ -100,7 +102,7 @@ def _router(opts: ServiceOptions, ports: Ports, local_prefill_threshold: int,
 
 def plan_setup(name: str, opts: ServiceOptions, ports: Ports) -> SetupPlan:
     """The processes of one setup. Every flag used here is one of deploy/cli.py's."""
-    router_addr = f"127.0.0.1:{ports.router_grpc}"
+    router_addr = f"127.0.0.1:{ports.router_registry}"
     backends = ["--kv-backends", opts.kv_backends] if opts.kv_backends else []
     if name == "disaggregated":
         prefill = ServiceSpec("prefill", (

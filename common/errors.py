@@ -60,6 +60,11 @@ class UpstreamFailedError(PdserveError):
     """A worker's own peer (decode's prefill leg) failed and the policy is to fail."""
 
 
+class AuthError(PdserveError):
+    """A credential, signature or MAC is missing or does not verify. The message names the
+    reason, never the secret or the expected value."""
+
+
 # -- the wire table ------------------------------------------------------------------------
 class ErrorKind(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"  # the request is wrong; retrying will not help
@@ -127,6 +132,7 @@ _KIND_OF: tuple[tuple[type[BaseException], ErrorKind, str | None], ...] = (
     (TransferError, ErrorKind.UNAVAILABLE, None),
     (ModelLoadError, ErrorKind.UNAVAILABLE, None),
     (UpstreamFailedError, ErrorKind.UPSTREAM_FAILED, None),
+    (AuthError, ErrorKind.UNAUTHENTICATED, "invalid_credential"),
     (TimeoutError, ErrorKind.DEADLINE_EXCEEDED, None),  # DeadlinePassedError, asyncio.TimeoutError
 )
 

@@ -12,14 +12,14 @@ class DecodeBuild:
     """How `run_worker` builds a decode service: its connector, then its gRPC service."""
 
     @staticmethod
-    def make_connector(settings: WorkerSettings):
+    def make_connector(settings: WorkerSettings, secret=None):
         from pdserve.engine.connector import Connector
 
         if not settings.backends:
             return Connector()  # local prefill only
         from pdserve.kvtransfer.service import make_connector_for_decode
 
-        return make_connector_for_decode(settings)
+        return make_connector_for_decode(settings, secret)
 
     @staticmethod
     async def make_service(runtime):
@@ -30,10 +30,10 @@ class DecodeBuild:
 
         settings = runtime.settings
         receiver = make_receiver(runtime)
-        leg = PrefillLeg(receiver, worker_id=settings.worker_id or "decode",
+        leg = PrefillLeg(receiver, worker_id=runtime.worker_id,
                          compat_hash=runtime.engine.compat_hash,
                          block_size=runtime.engine.kv.block_size,
-                         timeout_s=settings.prefill_timeout_s)
+                         timeout_s=settings.prefill_timeout_s, auth=runtime.auth)
         remote = RemotePrefill(leg, runtime.loop, failure_policy=settings.failure_policy,
                                timeout_s=settings.prefill_timeout_s)
         service = DecodeService(DecodeSessions(runtime.loop, remote, runtime.metrics), runtime.served_name)

@@ -16,7 +16,9 @@ from typing import Protocol, Sequence
 
 import grpc
 
+from pdserve.common.auth import Mac
 from pdserve.common.errors import DeadlinePassedError, UpstreamFailedError
+from pdserve.worker.auth import InternalAuth, internal_channel
 from pdserve.worker.convert import logprob_from_proto
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -73,8 +75,12 @@ class NoReceiver:
 
 class PrefillLeg:
     def __init__(self, receiver: KVReceiver, *, worker_id: str, compat_hash: int,
-                 block_size: int, timeout_s: float) -> None:
+                 block_size: int, timeout_s: float, auth: InternalAuth = InternalAuth(None)) -> None:
+        """With `auth` enabled, every Prefill call carries this decode's credential and every
+        hand-off its signature."""
         self.receiver = receiver
+        self._signer = auth.signer(worker_id)
+        self._handoff_mac = Mac(auth.secret.key("handoff")) if auth.enabled else None
         self.worker_id = worker_id
         self.compat_hash = compat_hash
         self.block_size = block_size
@@ -90,18 +96,20 @@ class PrefillLeg:
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = internal_channel(address, self._signer)
         return prefill_pb2_grpc.PrefillStub(channel)
 
     async def run(self, request_id: str, prompt_ids: list[int], block_hashes: list[int],
                   sampling: common_pb2.SamplingParams, choice, block_ids: Sequence[int],
                   num_cached_tokens: int) -> LegResult:
-        from pdserve.kvtransfer.service import params_to_handoff
+        from pdserve.kvtransfer.service import params_to_handoff, sign_handoff
 
         start = time.monotonic()
         tp = self.receiver.prepare(request_id, block_ids, len(prompt_ids), num_cached_tokens,
                                    self.timeout_s)
         handoff = params_to_handoff(tp, block_ids, self.block_size, self.worker_id)
+        if self._handoff_mac is not None:
+            sign_handoff(handoff, self._handoff_mac)
         verdict = common_pb2.TransferVerdict(prefill_worker_id=choice.worker_id,
                                              transfer_id=handoff.transfer_id)
         call = self._stub(choice.address).Prefill(

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 # Help texts quote the defaults of the typed settings each flag feeds (a test pins them);
 # these modules import neither torch nor grpc.
 from pdserve.deploy import up as up_defaults
-from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, RouterConfig
+from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT, RouterConfig
 from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,
                                      WorkerSettings)
 
@@ -43,6 +43,15 @@ def _add_common(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--config", help="YAML file of flag values (keys are flag names with _)")
     _worker_flag(p, role, "host", "address to bind listeners to")
     _worker_flag(p, role, "log_level", "DEBUG, INFO, WARNING, ERROR")
+    _add_security(p, lambda name, text, **kw: _worker_flag(p, role, name, text, **kw))
+
+
+def _add_security(p: argparse.ArgumentParser, flag) -> None:
+    flag("cluster_secret_file", "file holding this deployment's secret (mode 0600, the same on every "
+                                "service); every internal call is authenticated with it")
+    p.add_argument("--insecure-internal", action="store_true", default=None,
+                   help="allow binding beyond loopback without a cluster secret (internal APIs "
+                        "open to the network; a warning at every start)")
 
 
 def _add_engine(p: argparse.ArgumentParser, role: str) -> None:
@@ -104,6 +113,8 @@ def _add_up(sub) -> None:
     up.add_argument("--num-decode", type=int, help=f"decode services (default {up_defaults.NUM_DECODE})")
     up.add_argument("--http-port", type=int, help=f"router HTTP port (default {ROUTER_HTTP_PORT})")
     up.add_argument("--router-grpc-port", type=int, help=f"router gRPC port (default {ROUTER_GRPC_PORT})")
+    up.add_argument("--router-registry-port", type=int,
+                    help=f"router's worker registry port (default {ROUTER_REGISTRY_PORT})")
     up.add_argument("--local-prefill", action="store_true", default=None,
                     help="decode prefills every prompt itself (no prefill service)")
     up.add_argument("--ready-timeout-s", type=float,
@@ -116,9 +127,12 @@ def _add_router(sub) -> None:
     f = lambda name, text, **kw: _router_flag(router, name, text, **kw)  # noqa: E731
     f("host", "address to bind listeners to")
     f("log_level", "DEBUG, INFO, WARNING, ERROR")
+    _add_security(router, f)
     f("metrics_port", "extra Prometheus listener (0: only HTTP /metrics)", type=int)
     f("http_port", "HTTP port", type=int)
-    f("grpc_port", "gRPC port", type=int)
+    f("grpc_port", "gRPC port of the client API (Generation)", type=int)
+    f("registry_port", "gRPC port where workers register (internal; keep it off client networks)",
+      type=int)
     f("api_key", "require 'Authorization: Bearer KEY'")
     f("max_queue", "requests in flight before 429", type=int)
     f("prefill_policy", "how to pick a prefill worker", choices=POLICIES)

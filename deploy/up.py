@@ -7,18 +7,21 @@ service is ready (or fails fast if one dies), prints the URL and a curl line, an
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
-from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT
+from pdserve.common.auth import ClusterSecret
+from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
 
 GRACE_S = 10.0
 NUM_PREFILL = 1
@@ -53,22 +56,27 @@ def _flags(settings: dict[str, Any], names) -> list[str]:
 
 
 def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
+    """The processes of this deployment. `settings["cluster_secret_file"]` is the secret
+    every child authenticates internal calls with (`main` makes one when none is given)."""
     host = settings.get("host") or "127.0.0.1"
     http_port = int(settings.get("http_port") or ROUTER_HTTP_PORT)
     grpc_port = int(settings.get("router_grpc_port") or ROUTER_GRPC_PORT)
+    registry_port = int(settings.get("router_registry_port") or ROUTER_REGISTRY_PORT)
+    security = _flags(settings, ("cluster_secret_file", "insecure_internal"))
     local = bool(settings.get("local_prefill"))
     num_prefill = 0 if local else int(settings.get("num_prefill") or NUM_PREFILL)
     num_decode = int(settings.get("num_decode") or NUM_DECODE)
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
-    router = [*py, "router", "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+    router = [*py, "router", "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+              "--registry-port", str(registry_port), *security]
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
     children = [Child("router", router)]
     if settings.get("num_threads") is None:
         # several engines share this machine's cores: one torch thread each avoids thrashing
         settings = dict(settings, num_threads=1)
-    worker_common = ["--host", host, "--router", f"{host}:{grpc_port}", "--grpc-port", "0",
-                     *_flags(settings, WORKER_FLAGS)]
+    worker_common = ["--host", host, "--router", f"{host}:{registry_port}", "--grpc-port", "0",
+                     *security, *_flags(settings, WORKER_FLAGS)]
     if local:
         worker_common += ["--kv-backends", ""]
     for i in range(num_prefill):
@@ -144,7 +152,25 @@ def stop(children: list[Child], grace_s: float = GRACE_S) -> None:
             child.proc.wait(5)
 
 
+@contextlib.contextmanager
+def cluster_secret(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """`settings` with a cluster secret file: the user's, or a new random one for this run
+    (mode 0600 in a private directory, deleted when `up` ends)."""
+    if settings.get("cluster_secret_file"):
+        yield settings
+        return
+    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as private:  # 0700
+        path = os.path.join(private, "cluster-secret")
+        ClusterSecret.create(path)
+        yield dict(settings, cluster_secret_file=path)
+
+
 def main(settings: dict[str, Any]) -> int:
+    with cluster_secret(settings) as settings:
+        return _run(settings)
+
+
+def _run(settings: dict[str, Any]) -> int:
     host = settings.get("host") or "127.0.0.1"
     children, http_port = start(settings)
     stopping = threading.Event()

@@ -2,15 +2,18 @@
 
 * `encode_message`: header + index + payload for blocks gathered out of a cache.
 * `split_records` / `decode_record`: the single-block records stores keep (one block across
-  all layers each, self-checking: its own header, index entry and checksum).
+  all layers each, self-checking: its own header, index entry and checksum; with the
+  deployment's store key, a MAC trailer that a reader checks before trusting anything).
 * `decode_message`: a complete message received as bytes, checked against `WireLimits`.
 """
 from __future__ import annotations
 
+import hmac
 import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
+from pdserve.common.auth import Mac
 from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.wire import (
@@ -68,8 +71,17 @@ def layout_of(message: BlockMessage) -> WireLimits:
                       head_dim, max_blocks=num_blocks)
 
 
-def split_records(message: BlockMessage, keys: Sequence[int]) -> list[bytes]:
-    """One self-checking single-block record per block of `message`, block i under keys[i]."""
+RECORD_MAC_BYTES = 32  # HMAC-SHA256 trailer of a store record when the store has a key
+
+
+def _record_mac(mac_key: bytes, key: int, body: bytes | memoryview) -> bytes:
+    return Mac(mac_key).tag(int(key), bytes(body))
+
+
+def split_records(message: BlockMessage, keys: Sequence[int], mac_key: bytes | None = None) -> list[bytes]:
+    """One self-checking single-block record per block of `message`, block i under keys[i].
+    With `mac_key` (the deployment's store key) each record ends with a MAC over its key and
+    bytes, so only a holder of the cluster secret can write a record a service will load."""
     layout = layout_of(message)
     if len(keys) != layout.max_blocks:
         raise ValueError(f"{len(keys)} keys for {layout.max_blocks} blocks")
@@ -83,21 +95,34 @@ def split_records(message: BlockMessage, keys: Sequence[int]) -> list[bytes]:
             transfer_id=NO_TRANSFER, compat_hash=layout.compat_hash, dtype=layout.dtype,
             num_blocks=1, num_layers=layout.num_layers, block_size=layout.block_size,
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, index=index, payload=one)
-        records.append(b"".join((header, index, one)))
+        record = b"".join((header, index, one))
+        records.append(record + _record_mac(mac_key, key, record) if mac_key else record)
     return records
 
 
-def record_nbytes(limits: WireLimits) -> int:
-    """Size of one single-block record of this layout."""
+def record_nbytes(limits: WireLimits, keyed: bool = False) -> int:
+    """Size of one single-block record of this layout (with its MAC when `keyed`)."""
     from pdserve.kvtransfer.wire import INDEX_ENTRY_SIZE, payload_nbytes
 
     return HEADER_SIZE + INDEX_ENTRY_SIZE + payload_nbytes(
-        1, limits.num_layers, limits.block_size, limits.num_kv_heads, limits.head_dim, limits.dtype)
+        1, limits.num_layers, limits.block_size, limits.num_kv_heads, limits.head_dim,
+        limits.dtype) + (RECORD_MAC_BYTES if keyed else 0)
 
 
-def decode_record(data: bytes | memoryview, limits: WireLimits, key: int) -> memoryview:
-    """The payload of a single-block record stored under `key`. Raises WireError."""
+class UnauthenticatedRecord(WireError):
+    """A store record without a valid MAC: planted or from another deployment."""
+
+
+def decode_record(data: bytes | memoryview, limits: WireLimits, key: int,
+                  mac_key: bytes | None = None) -> memoryview:
+    """The payload of a single-block record stored under `key`. With `mac_key`, the record's
+    MAC is checked first (UnauthenticatedRecord). Raises WireError."""
     view = memoryview(data)
+    if mac_key is not None:
+        body, tag = view[:-RECORD_MAC_BYTES], view[-RECORD_MAC_BYTES:]
+        if len(view) < RECORD_MAC_BYTES or not hmac.compare_digest(bytes(tag), _record_mac(mac_key, key, body)):
+            raise UnauthenticatedRecord(f"record {key:#x} fails its MAC")
+        view = body
     header = parse_header(view, limits)
     if header.num_blocks != 1:
         raise WireError(f"a store record holds one block, not {header.num_blocks}")

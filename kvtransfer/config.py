@@ -1,7 +1,7 @@
 """Typed settings of the transfer layer (the `kv transfer` CLI flags map onto these)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.kvtransfer.health import HealthPolicy
@@ -38,6 +38,10 @@ class KVTransferConfig:
     probe_cooldown_s: float = 5.0  # how long an unhealthy backend is skipped before a probe
     prefix_cache: str | None = None  # "disk" | "redis" | None
     load_timeout_s: float = 10.0  # deadline of a prefix-cache lookup + fetch
+    # From the cluster secret (None: no secret configured): peers of the ucx/nccl control
+    # channels prove they hold `transfer_key`; store records carry a MAC under `store_key`.
+    transfer_key: bytes | None = field(default=None, repr=False)
+    store_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backends", tuple(self.backends))

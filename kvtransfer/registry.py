@@ -50,12 +50,13 @@ def open_store(name: str, config: KVTransferConfig) -> BlockStore:
 
         return RedisStore(config.redis_url, ttl_s=config.store_ttl_s,
                           ephemeral_ttl_s=config.ephemeral_ttl_s, timeout_s=config.redis_timeout_s,
-                          health_policy=config.health_policy)
+                          health_policy=config.health_policy, mac_key=config.store_key)
     from pdserve.kvtransfer.backends.disk import DiskStore
 
     return DiskStore(config.disk_store, max_bytes=int(config.disk_store_max_gb * 2**30),
                      max_records=config.disk_store_max_records,
-                     ephemeral_ttl_s=config.ephemeral_ttl_s, health_policy=config.health_policy)
+                     ephemeral_ttl_s=config.ephemeral_ttl_s, health_policy=config.health_policy,
+                     mac_key=config.store_key)
 
 
 @dataclass(slots=True)

@@ -7,9 +7,12 @@ worker settings. Imports grpc-free proto messages only.
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from typing import Sequence
 
+from pdserve.common.auth import ClusterSecret, Mac
+from pdserve.common.errors import AuthError
 from pdserve.engine.connector import Connector
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import build_connector
@@ -25,11 +28,14 @@ _OUTCOMES = {
 }
 
 
-def transfer_config(settings) -> KVTransferConfig:
+def transfer_config(settings, secret: ClusterSecret | None = None) -> KVTransferConfig:
+    """The transfer layer's config from worker settings; keys derived from the cluster secret."""
     return KVTransferConfig.from_settings(
         backends=settings.kv_backends, host=settings.host, transfer_port=settings.transfer_port,
         redis_url=settings.redis_url or None, disk_store=settings.disk_store or None,
-        disk_store_max_gb=settings.disk_store_max_gb, step_timeout_s=settings.transfer_timeout_s)
+        disk_store_max_gb=settings.disk_store_max_gb, step_timeout_s=settings.transfer_timeout_s,
+        transfer_key=secret.key("transfer") if secret else None,
+        store_key=secret.key("store") if secret else None)
 
 
 def verdict_to_proto(v: TransferVerdict) -> common_pb2.TransferVerdict:
@@ -64,6 +70,24 @@ def params_to_handoff(tp: TransferParams, block_ids: Sequence[int], block_size: 
         decode_worker_id=decode_worker_id)
 
 
+def handoff_fields(h: prefill_pb2.KVHandoff) -> tuple:
+    """What the decode's signature on a hand-off covers: every field but the signature."""
+    return (h.transfer_id, ",".join(h.backends),
+            "|".join(f"{e.backend}={e.address}" for e in h.endpoints),
+            struct.pack(f"<{len(h.block_ids)}I", *h.block_ids), h.num_cached_tokens,
+            h.deadline_unix_ms, h.compatibility_hash, h.decode_worker_id)
+
+
+def sign_handoff(h: prefill_pb2.KVHandoff, mac: Mac) -> None:
+    h.signature = mac.tag(*handoff_fields(h))
+
+
+def check_handoff_signature(h: prefill_pb2.KVHandoff, mac: Mac) -> None:
+    """AuthError unless the decode's signature on `h` holds."""
+    if not h.signature or not mac.check(h.signature, *handoff_fields(h)):
+        raise AuthError("the hand-off is not signed by a decode of this deployment")
+
+
 def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferParams:
     """Bounds-checked: the handoff comes from a peer."""
     from pdserve.common.errors import InvalidRequestError
@@ -85,9 +109,9 @@ def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferPara
 class Sender:
     """Prefill's side: the engine's connector, plus verdicts by request id."""
 
-    def __init__(self, settings) -> None:
+    def __init__(self, settings, secret: ClusterSecret | None = None) -> None:
         self.block_size = settings.block_size
-        self.connector: Connector = build_connector(transfer_config(settings), listen=False)
+        self.connector: Connector = build_connector(transfer_config(settings, secret), listen=False)
 
     def transfer_params(self, request_id: str, handoff: prefill_pb2.KVHandoff) -> TransferParams:
         return handoff_to_params(handoff, self.block_size)
@@ -157,9 +181,9 @@ class Receiver:
         self.worker.close()
 
 
-def make_sender(settings) -> Sender:
-    return Sender(settings)
+def make_sender(settings, secret: ClusterSecret | None = None) -> Sender:
+    return Sender(settings, secret)
 
 
-def make_connector_for_decode(settings) -> Connector:
-    return build_connector(transfer_config(settings), listen=True)
+def make_connector_for_decode(settings, secret: ClusterSecret | None = None) -> Connector:
+    return build_connector(transfer_config(settings, secret), listen=True)

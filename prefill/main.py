@@ -15,19 +15,22 @@ class PrefillBuild:
     def __init__(self) -> None:
         self.sender = None
 
-    def make_connector(self, settings: WorkerSettings):
+    def make_connector(self, settings: WorkerSettings, secret=None):
         from pdserve.kvtransfer.service import make_sender
 
-        self.sender = make_sender(settings)
+        self.sender = make_sender(settings, secret)
         return self.sender.connector
 
     async def make_service(self, runtime):
+        from pdserve.common.auth import Mac
         from pdserve.prefill.runner import PrefillRunner
         from pdserve.prefill.servicer import PrefillService
         from pdserve.proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 
         sender = self.sender
-        runner = PrefillRunner(runtime.loop, sender, runtime.metrics, max_queue=runtime.settings.max_queue)
+        auth = runtime.auth
+        runner = PrefillRunner(runtime.loop, sender, runtime.metrics, max_queue=runtime.settings.max_queue,
+                               handoff_mac=Mac(auth.secret.key("handoff")) if auth.enabled else None)
         service = PrefillService(runner, runtime.served_name)
 
         def add(server):

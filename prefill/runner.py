@@ -8,8 +8,10 @@ import dataclasses
 import time
 from typing import Protocol
 
+from pdserve.common.auth import Mac
 from pdserve.common.errors import DeadlinePassedError, IncompatiblePeerError, OverloadedError
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.kvtransfer.service import check_handoff_signature
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
 
@@ -26,8 +28,11 @@ class KVSender(Protocol):
 
 
 class PrefillRunner:
-    def __init__(self, loop: EngineLoop, sender: KVSender, metrics, *, max_queue: int) -> None:
+    def __init__(self, loop: EngineLoop, sender: KVSender, metrics, *, max_queue: int,
+                 handoff_mac: Mac | None = None) -> None:
+        """With `handoff_mac`, a hand-off must carry a decode's valid signature."""
         self.loop = loop
+        self.handoff_mac = handoff_mac
         self.sender = sender
         self.metrics = metrics
         self.max_queue = max_queue
@@ -35,6 +40,8 @@ class PrefillRunner:
 
     def _check(self, handoff: prefill_pb2.KVHandoff) -> float:
         """Seconds left of the hand-off's deadline, after the checks that need no work."""
+        if self.handoff_mac is not None:
+            check_handoff_signature(handoff, self.handoff_mac)
         ours = self.loop.engine.compat_hash
         if handoff.compatibility_hash != ours:
             raise IncompatiblePeerError(f"compatibility hash {handoff.compatibility_hash:#x} != ours {ours:#x}")

@@ -1,8 +1,9 @@
-"""The router process's parts, wired together, and its two listeners in one event loop:
-gRPC (Generation, Registry, health, reflection) and HTTP (uvicorn + FastAPI).
+"""The router process's parts, wired together, and its listeners in one event loop: HTTP
+(uvicorn + FastAPI) and gRPC Generation for clients, and gRPC Registry for workers on a port
+of its own (with the cluster secret, every Registry call must carry a credential).
 
-    app = RouterApp(RouterConfig(http_port=0, grpc_port=0))
-    await app.start()      # app.http_port / app.grpc_port are the bound ports
+    app = RouterApp(RouterConfig(http_port=0, grpc_port=0, registry_port=0))
+    await app.start()      # app.http_port / app.grpc_port / app.registry_port are the bound ports
     ...
     await app.stop()
 """
@@ -18,6 +19,7 @@ import grpc
 import uvicorn
 
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
+from pdserve.worker.auth import InternalAuth
 from pdserve.worker.serving import SERVER_OPTIONS, add_health_and_reflection, service_name, set_serving
 from pdserve.router.admission import InFlight
 from pdserve.router.auth import ApiKeyCheck
@@ -36,7 +38,8 @@ from pdserve.router.registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
 
-_SERVICE_NAMES = (service_name(generation_pb2, "Generation"), service_name(registry_pb2, "Registry"))
+_GENERATION = service_name(generation_pb2, "Generation")
+_REGISTRY = service_name(registry_pb2, "Registry")
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -53,7 +56,9 @@ class RouterApp:
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(config.worker_timeout_s, config.max_cached_hashes_per_worker)
         self.catalog = ModelCatalog()
-        self.channels = WorkerChannels()
+        self.auth = InternalAuth.from_settings("router", config.host, config.cluster_secret_file,
+                                               config.insecure_internal)
+        self.channels = WorkerChannels(self.auth.signer("router"))
         self.tasks = BackgroundTasks()
         self.in_flight = InFlight(config.max_queue, config.retry_after_s)
         self.metrics.in_flight.set_function(lambda: len(self.in_flight))
@@ -64,10 +69,12 @@ class RouterApp:
                               config.rpc_timeout_s)
         self.frontend = Frontend(self.catalog, planner, decode, self.in_flight, self.metrics)
         self.membership = Membership(config, self.registry, self.catalog, self.channels)
-        self.auth = ApiKeyCheck(config.api_key)
+        self.api_key = ApiKeyCheck(config.api_key)
         self.http_port = 0
         self.grpc_port = 0
+        self.registry_port = 0
         self._grpc_server: grpc.aio.Server | None = None
+        self._registry_server: grpc.aio.Server | None = None
         self._http_server: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task | None = None
         self._poller: asyncio.Task | None = None
@@ -83,8 +90,9 @@ class RouterApp:
 
             self._metrics_server, _ = start_http_server(self.config.metrics_port, self.config.host,
                                                         registry=self.metrics.registry)
-        log.info("router serving HTTP on http://%s:%d and gRPC on %s:%d", self.config.host, self.http_port,
-                 self.config.host, self.grpc_port)
+        log.info("router serving HTTP on http://%s:%d, gRPC on %s:%d, the worker registry on %s:%d",
+                 self.config.host, self.http_port, self.config.host, self.grpc_port, self.config.host,
+                 self.registry_port)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self._poller is not None:
@@ -95,8 +103,9 @@ class RouterApp:
             self._http_server.should_exit = True
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._http_task, grace_s + 3.0)
-        if self._grpc_server is not None:
-            await self._grpc_server.stop(grace_s)
+        for server in (self._grpc_server, self._registry_server):
+            if server is not None:
+                await server.stop(grace_s)
         await self.tasks.drain(grace_s)
         await self.channels.close()
         if self._metrics_server is not None:
@@ -105,18 +114,18 @@ class RouterApp:
     async def _start_grpc(self) -> None:
         server = grpc.aio.server(options=SERVER_OPTIONS)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.frontend, self.catalog, self.auth), server)
-        registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.membership, self.config), server)
-        health = add_health_and_reflection(server, _SERVICE_NAMES)
-        self.grpc_port = server.add_insecure_port(_join(self.config.host, self.config.grpc_port))
-        if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC to {self.config.host}:{self.config.grpc_port}")
-        await server.start()
-        await set_serving(health, _SERVICE_NAMES)
-        self._grpc_server = server
+            GenerationServicer(self.frontend, self.catalog, self.api_key), server)
+        self._grpc_server, self.grpc_port = await _serve(server, self.config.host, self.config.grpc_port,
+                                                         _GENERATION, "gRPC")
+        interceptors = self.auth.interceptors([_REGISTRY], self.metrics.count_auth_refusal)
+        registry = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
+        registry_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryServicer(self.membership, self.config, authenticated=self.auth.enabled), registry)
+        self._registry_server, self.registry_port = await _serve(
+            registry, self.config.host, self.config.registry_port, _REGISTRY, "the worker registry")
 
     async def _start_http(self) -> None:
-        app = build_http_app(self.frontend, self.catalog, self.registry, self.metrics, self.config, self.auth)
+        app = build_http_app(self.frontend, self.catalog, self.registry, self.metrics, self.config, self.api_key)
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -137,6 +146,17 @@ class RouterApp:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError("HTTP server did not start within 30 s")
             await asyncio.sleep(0.01)
+
+
+async def _serve(server: grpc.aio.Server, host: str, port: int, service: str, what: str) -> tuple[grpc.aio.Server, int]:
+    """Bind, add health + reflection, start, mark SERVING. Returns (server, bound port)."""
+    health = add_health_and_reflection(server, (service,))
+    bound = server.add_insecure_port(_join(host, port))
+    if bound == 0:
+        raise OSError(f"router: cannot bind {what} to {host}:{port}")
+    await server.start()
+    await set_serving(health, (service,))
+    return server, bound
 
 
 def _join(host: str, port: int) -> str:

@@ -4,17 +4,21 @@ from __future__ import annotations
 import grpc
 
 from pdserve.proto.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.worker.serving import CHANNEL_OPTIONS  # large messages (tokenizer.json), no automatic retries
+from pdserve.common.auth import CallSigner
+from pdserve.worker.auth import internal_channel
 
 
 class WorkerChannels:
-    def __init__(self) -> None:
+    """With a signer, every call to a worker carries the router's credential."""
+
+    def __init__(self, signer: CallSigner | None = None) -> None:
+        self._signer = signer
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._channels[address] = internal_channel(address, self._signer)
         return channel
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:

@@ -11,7 +11,8 @@ from typing import Any, Callable, Mapping
 
 # Default ports of the router's listeners (0 picks a free port).
 ROUTER_HTTP_PORT = 8000
-ROUTER_GRPC_PORT = 50050
+ROUTER_GRPC_PORT = 50050  # clients: Generation (API key)
+ROUTER_REGISTRY_PORT = 50051  # workers only: Registry (cluster credentials)
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 
@@ -38,6 +39,9 @@ class RouterConfig:
     host: str = "127.0.0.1"  # HTTP and gRPC listeners bind here
     http_port: int = ROUTER_HTTP_PORT  # 0 picks a free port
     grpc_port: int = ROUTER_GRPC_PORT  # 0 picks a free port
+    registry_port: int = ROUTER_REGISTRY_PORT  # 0 picks a free port
+    cluster_secret_file: str = ""  # internal calls authenticated with this deployment's secret
+    insecure_internal: bool = False  # allow a non-loopback bind without a cluster secret
     metrics_port: int = 0  # extra Prometheus listener; 0: only HTTP /metrics
     api_key: str | None = None  # require "Authorization: Bearer KEY" (HTTP /v1/*, gRPC Generation)
     max_queue: int = 256  # requests in flight; one more gets 429 / RESOURCE_EXHAUSTED
@@ -57,7 +61,7 @@ class RouterConfig:
     max_cached_hashes_per_worker: int = 8192  # prefix-aware routing memory per worker
 
     def __post_init__(self) -> None:
-        for name in ("http_port", "grpc_port", "metrics_port"):
+        for name in ("http_port", "grpc_port", "registry_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"{name} must be in [0, 65535]")
         for name in ("prefill_policy", "decode_policy"):
@@ -109,6 +113,17 @@ def _to_int(value: Any) -> int:
     return int(str(value).strip())
 
 
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true or false")
+
+
 def _to_float(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a number")
@@ -138,6 +153,9 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "host": _to_str,
     "http_port": _to_int,
     "grpc_port": _to_int,
+    "registry_port": _to_int,
+    "cluster_secret_file": _to_str,
+    "insecure_internal": _to_bool,
     "metrics_port": _to_int,
     "api_key": _to_str,
     "max_queue": _to_int,

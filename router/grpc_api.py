@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import AuthError, ErrorKind, ServiceError
+from pdserve.worker.auth import caller_id
 from pdserve.worker.grpc_errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
@@ -50,13 +51,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, membership: Membership, config: RouterConfig) -> None:
+    """With `authenticated`, a worker id is bound to the credential that names it: a worker
+    may register, heartbeat and deregister only itself."""
+
+    def __init__(self, membership: Membership, config: RouterConfig, *, authenticated: bool = False) -> None:
         self._membership = membership
+        self._authenticated = authenticated
         self._interval_ms = int(config.heartbeat_interval_s * 1000)
         self._timeout_ms = int(config.worker_timeout_s * 1000)
 
+    def _check_caller(self, context, worker_id: str) -> None:
+        if self._authenticated and caller_id(context) != worker_id:
+            raise AuthError(f"a credential of {caller_id(context)!r} cannot act for worker {worker_id!r}")
+
     @grpc_errors
     async def Register(self, request, context):
+        self._check_caller(context, request.worker.worker_id)
         try:
             worker = worker_from_proto(request.worker)
             await self._membership.register(worker, load_from_proto(request.load),
@@ -69,6 +79,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
     @grpc_errors
     async def Heartbeat(self, request, context):
+        self._check_caller(context, request.worker_id)
         self._membership.heartbeat(request.worker_id, load_from_proto(request.load),
                                    request.load.cached_block_hashes)
         return registry_pb2.HeartbeatResponse(heartbeat_interval_ms=self._interval_ms)
@@ -77,4 +88,5 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def Deregister(self, request, context):
         if not request.worker_id:
             raise ServiceError(ErrorKind.INVALID_ARGUMENT, "worker_id is required", param="worker_id")
+        self._check_caller(context, request.worker_id)
         return registry_pb2.DeregisterResponse(found=self._membership.deregister(request.worker_id))

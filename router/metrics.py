@@ -37,6 +37,11 @@ class RouterMetrics:
         self.completion_tokens = Counter("pdserve_router_completion_tokens_total", "Generated tokens", registry=r)
         self.in_flight = Gauge("pdserve_router_in_flight_requests", "Requests admitted and not finished", registry=r)
         self.workers = Gauge("pdserve_router_workers", "Known workers by role and state", ("role", "state"), registry=r)
+        self.auth_refused = Counter("pdserve_router_auth_refused_total",
+                                    "Registry calls refused for want of a valid credential", ("reason",), registry=r)
+
+    def count_auth_refusal(self, reason: str) -> None:
+        self.auth_refused.labels(reason).inc()
 
     def observe_finished(self, last: decode_pb2.DecodeResponse) -> None:
         """Record what the last message of a Decode stream reports (fields it carries)."""

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.router.config import Role
 
 log = logging.getLogger("pdserve.router.registry")
@@ -83,7 +84,13 @@ class WorkerRegistry:
 
     def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = ()) -> None:
         """Add or replace `worker`; an entry with the same address (a restart under a new
-        id) is replaced too."""
+        id) is replaced too. ALREADY_EXISTS while the id is alive at another address: a
+        second process cannot take over a live worker's id (and its traffic)."""
+        current = self._records.get(worker.worker_id)
+        if current is not None and current.worker.address != worker.address and self.is_alive(current):
+            raise ServiceError(ErrorKind.ALREADY_EXISTS,
+                               f"worker id {worker.worker_id!r} is alive at {current.worker.address}",
+                               param="worker_id")
         for other in [r for r in self._records.values() if r.worker.address == worker.address]:
             if other.worker_id != worker.worker_id:
                 log.info("worker %s replaces %s at %s", worker.worker_id, other.worker_id, worker.address)

@@ -24,7 +24,12 @@ class WorkerMetrics:
         self.kv_blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.prompt_tokens_computed = Gauge("pdserve_prompt_tokens_computed",
                                             "prompt tokens run through the model", registry=r)
+        self.auth_refused = Counter("pdserve_auth_refused", "internal calls refused for want of a valid "
+                                    "credential", ["reason"], registry=r)
         self.role = role
+
+    def count_auth_refusal(self, reason: str) -> None:
+        self.auth_refused.labels(reason=reason).inc()
 
     def observe_engine(self, stats) -> None:
         self.kv_blocks_free.set(stats.num_free_blocks)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+from pdserve.common.auth import CallSigner
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.worker.registry_client import RegistryClient
 from pdserve.worker.settings import WorkerSettings
@@ -32,8 +33,9 @@ class Registrar:
     """
 
     def __init__(self, settings: WorkerSettings, info: registry_pb2.WorkerInfo, load_fn,
-                 *, resolve_every_s: float = 15.0) -> None:
+                 *, resolve_every_s: float = 15.0, signer: CallSigner | None = None) -> None:
         self.settings = settings
+        self.signer = signer
         self.info = info
         self.load_fn = load_fn
         self.resolve_every_s = resolve_every_s
@@ -64,7 +66,7 @@ class Registrar:
         heartbeat_s = self.settings.heartbeat_s
         return RegistryClient(address, self.info, self.load_fn, heartbeat_s=heartbeat_s,
                               retry_s=min(0.5, heartbeat_s), max_retry_s=heartbeat_s,
-                              rpc_timeout_s=5.0, register_timeout_s=10.0)
+                              rpc_timeout_s=5.0, register_timeout_s=10.0, signer=self.signer)
 
     async def _resolve_forever(self) -> None:
         while True:

@@ -12,6 +12,8 @@ from typing import Any, Awaitable, Callable, Protocol
 import grpc
 
 from pdserve.proto.pdserve.v1 import registry_pb2
+from pdserve.common.auth import ClusterSecret
+from pdserve.worker.auth import InternalAuth
 from pdserve.worker.convert import load_to_proto
 from pdserve.worker.registrar import Registrar
 from pdserve.worker.serving import SERVER_OPTIONS, add_health_and_reflection, set_serving
@@ -20,18 +22,29 @@ from pdserve.worker.settings import WorkerSettings
 log = logging.getLogger("pdserve.worker")
 
 
-async def start_server(settings: WorkerSettings, add_servicers, service_names: list[str]):
-    """A grpc.aio server with our servicers + health + reflection, every service (and "")
-    SERVING once it listens. Returns (server, port, health servicer)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    add_servicers(server)
-    health = add_health_and_reflection(server, service_names)
+def bind_server(settings: WorkerSettings, interceptors=()) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server bound to the worker's address (servicers are added later)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
     port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
     if port == 0:
-        raise OSError(f"cannot bind {settings.host}:{settings.grpc_port}")
+        raise OSError(f"{settings.role}: cannot bind gRPC to {settings.host}:{settings.grpc_port}")
+    return server, port
+
+
+async def start_serving(server: grpc.aio.Server, add_servicers, service_names: list[str]):
+    """Add the servicers + health + reflection, start, mark every service (and "") SERVING.
+    Returns the health servicer."""
+    add_servicers(server)
+    health = add_health_and_reflection(server, service_names)
     await server.start()
     await set_serving(health, service_names)
-    return server, port, health
+    return health
+
+
+async def start_server(settings: WorkerSettings, add_servicers, service_names: list[str], interceptors=()):
+    """`bind_server` + `start_serving`. Returns (server, port, health servicer)."""
+    server, port = bind_server(settings, interceptors)
+    return server, port, await start_serving(server, add_servicers, service_names)
 
 
 def setup_logging(level: str) -> None:
@@ -62,14 +75,16 @@ class WorkerRuntime:
     served_name: str
     worker_id: str = ""
     address: str = ""
+    auth: InternalAuth = InternalAuth(None)  # signs this worker's outgoing internal calls
 
 
 class ServiceBuild(Protocol):
     """What a role gives `run_worker`: its connector (before the engine exists), then its
     gRPC service (once the engine loop runs)."""
 
-    def make_connector(self, settings: WorkerSettings) -> Any:
-        """The engine's connector (`pdserve.engine.connector.Connector`)."""
+    def make_connector(self, settings: WorkerSettings, secret: ClusterSecret | None) -> Any:
+        """The engine's connector (`pdserve.engine.connector.Connector`); the transfer layer
+        derives its keys from `secret`."""
 
     async def make_service(self, runtime: "WorkerRuntime") -> tuple[Callable[[Any], None], list[str],
                                                                   Callable[[], Awaitable[None]]]:
@@ -85,18 +100,21 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     from pdserve.engine.llm_engine import LLMEngine
 
     setup_logging(settings.log_level)
-    connector = build.make_connector(settings)
+    auth = InternalAuth.from_settings(role, settings.host, settings.cluster_secret_file,
+                                      settings.insecure_internal)
+    connector = build.make_connector(settings, auth.secret)
     engine = await asyncio.to_thread(LLMEngine, settings.engine_config(), connector=connector)
     served = settings.served_model_name or engine.model_name
     loop = EngineLoop(engine)
     loop.start(asyncio.get_running_loop())
     metrics = WorkerMetrics(role)
-    runtime = WorkerRuntime(settings, engine, loop, metrics, served)
-    add_servicers, names, on_close = await build.make_service(runtime)
-    server, port, health = await start_server(settings, add_servicers, names)
+    protected = [f"pdserve.v1.{role.capitalize()}"]
+    server, port = bind_server(settings, auth.interceptors(protected, metrics.count_auth_refusal))
     host = settings.advertise_host or settings.host
-    runtime.address = f"{host}:{port}"
-    runtime.worker_id = settings.worker_id or f"{role}-{host}:{port}"
+    runtime = WorkerRuntime(settings, engine, loop, metrics, served, auth=auth,
+                            address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}")
+    add_servicers, names, on_close = await build.make_service(runtime)
+    health = await start_serving(server, add_servicers, names)
     metrics.serve(settings.host, settings.metrics_port)
     info = registry_pb2.WorkerInfo(
         worker_id=runtime.worker_id,
@@ -112,7 +130,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
         metrics.observe_engine(loop.last_stats)
         return load_to_proto(loop)
 
-    registrar = Registrar(settings, info, load)
+    registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id))
     registrar.start()
     # one line that launchers (pdserve up) and tests wait for
     print(f"pdserve {role} ready on {runtime.address} worker_id={runtime.worker_id}", flush=True)

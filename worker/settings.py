@@ -54,6 +54,8 @@ class WorkerSettings:
     max_queue: int = 64
     metrics_port: int = 0
     log_level: str = "INFO"
+    cluster_secret_file: str = ""  # internal calls authenticated with this deployment's secret
+    insecure_internal: bool = False  # allow a non-loopback bind without a cluster secret
 
     @classmethod
     def default(cls, role: str, name: str) -> Any:

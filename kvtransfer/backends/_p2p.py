@@ -1,8 +1,16 @@
 """The control protocol shared by the point-to-point transports (`ucx`, `nccl`).
 
 Each transport carries payload bytes on its own channel (UCX, a process group) and everything
-else on one TCP control connection from sender S to receiver R. After the transport's own
-hello, every message on a connection is (all integers little-endian)::
+else on one TCP control connection from sender S to receiver R. With a transfer key (from the
+cluster secret) each connection starts with a mutual challenge-response, before the
+transport's hello and before either side reads anything else::
+
+    R -> S  challenge c (32 random bytes)
+    S -> R  nonce n (32 random bytes) + HMAC-SHA256(key, "s2r" c n)
+    R -> S  HMAC-SHA256(key, "r2s" n c)       (R closes the connection if S's proof fails)
+
+After the transport's own hello, every message on a connection is (all integers
+little-endian)::
 
     S -> R  request  REQUEST (16 B): magic b"PDRQ", seq, budget ms, index length
                      + wire header (64 B) + index (16 B per block)
@@ -18,6 +26,9 @@ deadline (nccl) and asyncio streams (ucx, whose callers bound them with `wait_fo
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import os
 import socket
 import struct
 import time
@@ -43,6 +54,80 @@ class _RefusedByPeer(TransferError):
 
 class MalformedRequest(TransferError):
     """A request frame the receiver cannot trust; its message is the reply's reason."""
+
+
+# -- peer authentication (both sides hold the deployment's transfer key) -------------------------
+PROOF_BYTES = 32
+
+
+class PeerNotAuthenticated(TransferError):
+    """The other end of a control connection did not prove it holds the transfer key."""
+
+
+def _proof(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, label + first + second, hashlib.sha256).digest()
+
+
+def sender_answer(key: bytes, challenge: bytes) -> tuple[bytes, bytes]:
+    """(our nonce, the frame that answers the receiver's challenge)."""
+    nonce = os.urandom(PROOF_BYTES)
+    return nonce, nonce + _proof(key, b"s2r", challenge, nonce)
+
+
+def check_sender(key: bytes, challenge: bytes, frame: bytes) -> bytes:
+    """The receiver's proof for a sender whose answer `frame` holds; PeerNotAuthenticated else."""
+    nonce, proof = frame[:PROOF_BYTES], frame[PROOF_BYTES:]
+    if not hmac.compare_digest(proof, _proof(key, b"s2r", challenge, nonce)):
+        raise PeerNotAuthenticated("the sender did not prove it belongs to this deployment")
+    return _proof(key, b"r2s", nonce, challenge)
+
+
+def check_receiver(key: bytes, challenge: bytes, nonce: bytes, proof: bytes, endpoint: str) -> None:
+    if not hmac.compare_digest(proof, _proof(key, b"r2s", nonce, challenge)):
+        raise PeerNotAuthenticated(f"{endpoint} did not prove it belongs to this deployment")
+
+
+async def authenticate_receiver_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                       key: bytes | None, endpoint: str) -> None:
+    """Sender side, asyncio streams (callers bound it with a deadline). No key: nothing."""
+    if key is None:
+        return
+    challenge = await reader.readexactly(PROOF_BYTES)
+    nonce, answer = sender_answer(key, challenge)
+    writer.write(answer)
+    await writer.drain()
+    check_receiver(key, challenge, nonce, await reader.readexactly(PROOF_BYTES), endpoint)
+
+
+async def authenticate_sender_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                     key: bytes | None) -> None:
+    """Receiver side, asyncio streams. No key: nothing."""
+    if key is None:
+        return
+    challenge = os.urandom(PROOF_BYTES)
+    writer.write(challenge)
+    await writer.drain()
+    writer.write(check_sender(key, challenge, await reader.readexactly(2 * PROOF_BYTES)))
+    await writer.drain()
+
+
+def authenticate_receiver(sock: socket.socket, key: bytes | None, endpoint: str, deadline: float) -> None:
+    """Sender side, a blocking socket. No key: nothing."""
+    if key is None:
+        return
+    challenge = recv_exactly(sock, PROOF_BYTES, deadline)
+    nonce, answer = sender_answer(key, challenge)
+    send_all(sock, answer, deadline)
+    check_receiver(key, challenge, nonce, recv_exactly(sock, PROOF_BYTES, deadline), endpoint)
+
+
+def authenticate_sender(sock: socket.socket, key: bytes | None, deadline: float) -> None:
+    """Receiver side, a blocking socket. No key: nothing."""
+    if key is None:
+        return
+    challenge = os.urandom(PROOF_BYTES)
+    send_all(sock, challenge, deadline)
+    send_all(sock, check_sender(key, challenge, recv_exactly(sock, 2 * PROOF_BYTES, deadline)), deadline)
 
 
 # -- endpoints and messages ----------------------------------------------------------------------

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
-from pdserve.kvtransfer.codec import decode_record, layout_of, record_nbytes, split_records
+from pdserve.kvtransfer.codec import (UnauthenticatedRecord, decode_record, layout_of, record_nbytes,
+                                      split_records)
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.wire import WireError, WireLimits
 
@@ -43,8 +44,10 @@ class DiskStore(BlockStore):
     def __init__(self, root: str | os.PathLike, *, max_bytes: int = 20 * 2**30,
                  max_records: int = 1_000_000, ephemeral_ttl_s: float = 120.0,
                  prune_interval_s: float = 30.0, health_policy: HealthPolicy = HealthPolicy(),
-                 clock: Callable[[], float] = time.time) -> None:
-        """`clock` is wall time (record ages compare with file mtimes); tests inject one."""
+                 clock: Callable[[], float] = time.time, mac_key: bytes | None = None) -> None:
+        """`clock` is wall time (record ages compare with file mtimes); tests inject one.
+        `mac_key`: the deployment's store key; records are written with a MAC and a record
+        without a valid one is a miss (counted in `num_unauthenticated`) and deleted."""
         if max_bytes <= 0 or max_records <= 0:
             raise ValueError("max_bytes and max_records must be positive")
         self.root = Path(root)
@@ -53,6 +56,8 @@ class DiskStore(BlockStore):
         self.ephemeral_ttl_s = ephemeral_ttl_s
         self.prune_interval_s = prune_interval_s
         self._clock = clock
+        self.mac_key = mac_key
+        self.num_unauthenticated = 0
         self.health = BackendHealth(self.name, health_policy, clock)
         self._lock = threading.Lock()  # guards the estimate below, not the files
         self._est_bytes = 0
@@ -79,7 +84,7 @@ class DiskStore(BlockStore):
         compat = layout_of(message).compat_hash
         stored = written = num_new = 0
         try:
-            for key, record in zip(block_hashes, split_records(message, block_hashes)):
+            for key, record in zip(block_hashes, split_records(message, block_hashes, self.mac_key)):
                 path = self.path_of(compat, key)
                 if key >= 0 and _touch(path):
                     stored += 1  # content-addressed: the same key holds the same bytes
@@ -99,7 +104,7 @@ class DiskStore(BlockStore):
         out: list[memoryview | None] = [None] * len(block_hashes)
         if not self.can_serve():
             return out
-        expected = record_nbytes(limits)
+        expected = record_nbytes(limits, keyed=self.mac_key is not None)
         for i, key in enumerate(block_hashes):
             path = self.path_of(limits.compat_hash, key)
             try:
@@ -111,7 +116,12 @@ class DiskStore(BlockStore):
                 self._trouble("get", exc)
                 break
             try:
-                out[i] = decode_record(data, limits, key)
+                out[i] = decode_record(data, limits, key, self.mac_key)
+            except UnauthenticatedRecord as exc:
+                self.num_unauthenticated += 1
+                log.warning("disk store: refusing record %s: %s", path, exc)
+                _unlink(path)
+                continue
             except WireError as exc:
                 log.warning("disk store: dropping corrupt record %s: %s", path, exc)
                 _unlink(path)

@@ -27,8 +27,8 @@ tells either side that the pair is gone; the next send pairs afresh.
 from __future__ import annotations
 
 import datetime
-import itertools
 import logging
+import os
 import select
 import socket
 import struct
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 # hello frames (little-endian); requests and replies are in _p2p
 HELLO = struct.Struct("<4sHH8s")  # magic, version, flags (0), backend name (NUL padded)
-PAIRING = struct.Struct("<II")  # store port, pair number (after an accepting reply)
+PAIRING = struct.Struct("<I16s")  # store port, pair token (after an accepting reply)
 HELLO_MAGIC = b"PDNC"
 BACKENDS = ("gloo", "nccl")
 MAX_SEQ = 0x7FFFFFFF  # tags of torch.distributed send/recv are signed ints
@@ -74,16 +74,20 @@ def _timedelta(seconds: float) -> datetime.timedelta:
 
 
 # -- process groups -------------------------------------------------------------------------------
-def _new_group(backend: str, store_host: str, store_port: int, pair_no: int, rank: int,
+def _new_group(backend: str, store_host: str, store_port: int, pair_token: bytes, rank: int,
                local_host: str, timeout_s: float):
     """A two-rank group of its own (the default group is never touched); blocks until both
     ranks joined or `timeout_s` passed. gloo listens on `local_host` (the address the control
-    connection uses on this side, so the peer can reach it)."""
+    connection uses on this side, so the peer can reach it).
+
+    The TCPStore itself takes any client; a pair's keys live under a random 128-bit token the
+    receiver hands out only over the (authenticated) control connection, so a process that
+    connects to the store cannot find, read or write any pair's state."""
     import torch.distributed as dist
 
     client = dist.TCPStore(store_host, store_port, None, False, timeout=_timedelta(timeout_s),
                            use_libuv=True)
-    store = dist.PrefixStore(f"pdkv/pair{pair_no}/", client)
+    store = dist.PrefixStore(f"pdkv/{pair_token.hex()}/", client)
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = _timedelta(timeout_s)
@@ -150,7 +154,7 @@ class _Pair:
         self.closed = False
 
     @classmethod
-    def open(cls, endpoint: str, backend: str, deadline: float) -> "_Pair":
+    def open(cls, endpoint: str, backend: str, deadline: float, key: bytes | None = None) -> "_Pair":
         host, port = _p2p.split_endpoint(endpoint, "nccl")
         remaining = deadline - time.monotonic()
         try:
@@ -161,12 +165,13 @@ class _Pair:
             raise TransferError(f"nccl peer {endpoint} unreachable: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _p2p.authenticate_receiver(sock, key, endpoint, deadline)
             send_all(sock, HELLO.pack(HELLO_MAGIC, VERSION, 0, backend.encode()), deadline)
             ok, reason = _p2p.read_reply(sock, deadline, "nccl")
             if not ok:
                 raise TransferError(f"{endpoint} refused to pair: {reason}")
-            store_port, pair_no = PAIRING.unpack(recv_exactly(sock, PAIRING.size, deadline))
-            group = _new_group(backend, host, store_port, pair_no, 0, sock.getsockname()[0],
+            store_port, pair_token = PAIRING.unpack(recv_exactly(sock, PAIRING.size, deadline))
+            group = _new_group(backend, host, store_port, pair_token, 0, sock.getsockname()[0],
                                deadline - time.monotonic())
         except BaseException:
             sock.close()
@@ -198,10 +203,10 @@ class _Pair:
 class _Receiver:
     """Accepts pairings on a listening socket; one thread per pair serves its messages."""
 
-    def __init__(self, sink: BlockSink, host: str, port: int, backend: str) -> None:
+    def __init__(self, sink: BlockSink, host: str, port: int, backend: str, key: bytes | None = None) -> None:
         import torch.distributed as dist
 
-        self.sink, self.host, self.backend = sink, host, backend
+        self.sink, self.host, self.backend, self.key = sink, host, backend, key
         self.listener = socket.create_server((host, port), backlog=64)
         store_socket = socket.create_server((host, 0), backlog=64)
         self.store_port = store_socket.getsockname()[1]
@@ -214,7 +219,6 @@ class _Receiver:
             self.listener.close()
             raise
         store_socket.detach()  # the store server owns the descriptor now
-        self._pair_nos = itertools.count(1)
         self._stop = threading.Event()
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
@@ -274,6 +278,7 @@ class _Receiver:
 
     def _pair(self, sock: socket.socket):
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        _p2p.authenticate_sender(sock, self.key, deadline)
         magic, version, flags, name = HELLO.unpack(recv_exactly(sock, HELLO.size, deadline))
         if magic != HELLO_MAGIC or version != VERSION or flags:
             raise TransferError("not a pdserve nccl sender (or another version)")
@@ -282,9 +287,9 @@ class _Receiver:
             send_all(sock, _p2p.reply(False, f"backend mismatch: sender {backend}, receiver "
                                           f"{self.backend}"), deadline)
             return None
-        pair_no = next(self._pair_nos)
-        send_all(sock, _p2p.reply(True) + PAIRING.pack(self.store_port, pair_no), deadline)
-        return _new_group(self.backend, self.host, self.store_port, pair_no, 1,
+        pair_token = os.urandom(16)
+        send_all(sock, _p2p.reply(True) + PAIRING.pack(self.store_port, pair_token), deadline)
+        return _new_group(self.backend, self.host, self.store_port, pair_token, 1,
                           sock.getsockname()[0], deadline - time.monotonic())
 
     def _wait_readable(self, sock: socket.socket) -> bool:
@@ -337,8 +342,11 @@ class NcclTransport(KVTransport):
 
     name = "nccl"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, backend: str | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, backend: str | None = None,
+                 key: bytes | None = None) -> None:
+        """`key`: the deployment's transfer key; peers must prove they hold it (None: no check)."""
         self.host, self.port = host, port
+        self.key = key
         self.backend = backend or default_backend()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
@@ -356,7 +364,7 @@ class NcclTransport(KVTransport):
         with self._lock:
             if self._closed:
                 raise TransferError("the nccl transport is closed")
-            receiver = _Receiver(sink, self.host, self.port, self.backend)
+            receiver = _Receiver(sink, self.host, self.port, self.backend, self.key)
             self._receivers.append(receiver)
         return _p2p.format_endpoint(self.host, receiver.port)
 
@@ -412,7 +420,7 @@ class NcclTransport(KVTransport):
             with self._lock:
                 pair = self._pairs.get(endpoint)
             if pair is None:
-                pair = _Pair.open(endpoint, self.backend, deadline)
+                pair = _Pair.open(endpoint, self.backend, deadline, self.key)
                 with self._lock:
                     if self._closed:
                         pair.close()
@@ -439,4 +447,4 @@ def create_transport(config) -> NcclTransport:
     """Registry factory. Listens on `config.host`; with a fixed `config.transfer_port` the
     nccl receiver takes the next port (ucx takes the port itself)."""
     port = config.transfer_port + 1 if config.transfer_port else 0
-    return NcclTransport(host=config.host, port=port)
+    return NcclTransport(host=config.host, port=port, key=config.transfer_key)

@@ -15,7 +15,7 @@ import logging
 from typing import Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
-from pdserve.kvtransfer.codec import decode_record, layout_of, split_records
+from pdserve.kvtransfer.codec import UnauthenticatedRecord, decode_record, layout_of, split_records
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.wire import WireError, WireLimits
 
@@ -32,7 +32,9 @@ class RedisStore(BlockStore):
 
     def __init__(self, url: str, *, ttl_s: float = 3600.0, ephemeral_ttl_s: float = 120.0,
                  timeout_s: float = 2.0, max_batch: int = 64,
-                 health_policy: HealthPolicy = HealthPolicy()) -> None:
+                 health_policy: HealthPolicy = HealthPolicy(), mac_key: bytes | None = None) -> None:
+        """`mac_key`: the deployment's store key; records are written with a MAC and a record
+        without a valid one is a miss (counted in `num_unauthenticated`)."""
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -47,6 +49,8 @@ class RedisStore(BlockStore):
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
         self._closed = False
+        self.mac_key = mac_key
+        self.num_unauthenticated = 0
 
     def _ttl_ms(self, key: int) -> int:
         return self.ephemeral_ttl_ms if key < 0 else self.ttl_ms
@@ -55,7 +59,7 @@ class RedisStore(BlockStore):
         if not self.can_serve():
             return 0
         compat = layout_of(message).compat_hash
-        records = split_records(message, block_hashes)
+        records = split_records(message, block_hashes, self.mac_key)
         stored = 0
         try:
             for start in range(0, len(records), self.max_batch):
@@ -95,7 +99,12 @@ class RedisStore(BlockStore):
 
     def _check(self, value: bytes, limits: WireLimits, key: int, name: str) -> memoryview | None:
         try:
-            return decode_record(value, limits, key)
+            return decode_record(value, limits, key, self.mac_key)
+        except UnauthenticatedRecord as exc:
+            self.num_unauthenticated += 1
+            log.warning("redis store: refusing record %s: %s", name, exc)
+            self._client.delete(name)
+            return None
         except WireError as exc:
             log.warning("redis store: dropping corrupt record %s: %s", name, exc)
             self._client.delete(name)

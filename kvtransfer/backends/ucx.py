@@ -249,12 +249,14 @@ class _Link:
         self.closed = False
 
     @classmethod
-    async def open(cls, endpoint: str, worker_address: bytes, error_handling: bool) -> "_Link":
+    async def open(cls, endpoint: str, worker_address: bytes, error_handling: bool,
+                   key: bytes | None = None) -> "_Link":
         import ucxx
 
         host, port = _p2p.split_endpoint(endpoint, "ucx")
         reader, writer = await asyncio.open_connection(host, port)
         try:
+            await _p2p.authenticate_receiver_stream(reader, writer, key, endpoint)
             writer.write(HELLO.pack(HELLO_MAGIC, VERSION, 0, len(worker_address)) + worker_address)
             await writer.drain()
             magic, version, flags, conn_id, length = WELCOME.unpack(
@@ -288,8 +290,10 @@ class _Link:
 class _Receiver:
     """An asyncio server on (host, port); one task per sender connection."""
 
-    def __init__(self, runtime: _Runtime, sink: BlockSink, error_handling: bool) -> None:
+    def __init__(self, runtime: _Runtime, sink: BlockSink, error_handling: bool,
+                 key: bytes | None = None) -> None:
         self.runtime = runtime
+        self.key = key
         self.sink = sink
         self.error_handling = error_handling
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-ucx-sink")
@@ -329,6 +333,7 @@ class _Receiver:
     async def _handshake(self, reader, writer):
         import ucxx
 
+        await _p2p.authenticate_sender_stream(reader, writer, self.key)
         magic, version, flags, length = HELLO.unpack(await reader.readexactly(HELLO.size))
         if magic != HELLO_MAGIC or version != VERSION or flags or not 0 < length <= MAX_ADDRESS:
             raise TransferError("not a pdserve ucx sender (or another version)")
@@ -404,8 +409,10 @@ class UcxTransport(KVTransport):
     name = "ucx"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 settings: UcxSettings | None = None) -> None:
+                 settings: UcxSettings | None = None, key: bytes | None = None) -> None:
+        """`key`: the deployment's transfer key; peers must prove they hold it (None: no check)."""
         self.host, self.port = host, port
+        self.key = key
         self.settings = settings or UcxSettings.from_env(host)
         self._lock = threading.Lock()
         self._runtime: _Runtime | None = None
@@ -416,7 +423,7 @@ class UcxTransport(KVTransport):
 
     def open_receiver(self, sink: BlockSink) -> str:
         runtime = self._ensure_runtime()
-        receiver = _Receiver(runtime, sink, self.settings.error_handling)
+        receiver = _Receiver(runtime, sink, self.settings.error_handling, self.key)
         with self._lock:
             self._receivers.append(receiver)
         port = runtime.run(receiver.start(self.host, self.port), HANDSHAKE_TIMEOUT_S)
@@ -491,7 +498,7 @@ class UcxTransport(KVTransport):
             if link is None:
                 try:
                     link = await _Link.open(endpoint, self._runtime_address(),
-                                            self.settings.error_handling)
+                                            self.settings.error_handling, self.key)
                 except OSError as exc:
                     raise TransferError(f"ucx peer {endpoint} unreachable: {exc}") from exc
                 except asyncio.IncompleteReadError as exc:
@@ -523,4 +530,4 @@ class UcxTransport(KVTransport):
 
 def create_transport(config) -> UcxTransport:
     """Registry factory: listens on `config.host`, port `config.transfer_port` (0: any)."""
-    return UcxTransport(host=config.host, port=config.transfer_port)
+    return UcxTransport(host=config.host, port=config.transfer_port, key=config.transfer_key)

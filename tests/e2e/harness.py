@@ -2,12 +2,15 @@
 OpenAI client, and transformers' greedy output as the oracle."""
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import grpc
 
+from pdserve.common.auth import CREDENTIAL_HEADER, CallSigner, ClusterSecret
 from pdserve.deploy import up
 
 
@@ -27,6 +30,14 @@ class Deployment:
     children: list
     http_port: int
     grpc_port: int
+    secret_path: str = ""  # the deployment's cluster secret: tests sign their internal calls with it
+
+    def credentials(self, method: str, caller: str = "test-operator") -> list[tuple[str, str]]:
+        """gRPC metadata that authenticates one internal call to `method` ("/pdserve.v1.Decode/Load")."""
+        if not self.secret_path:
+            return []
+        signer = CallSigner(ClusterSecret.load(self.secret_path), caller)
+        return [(CREDENTIAL_HEADER, signer.credential(method))]
 
     @property
     def base_url(self) -> str:
@@ -61,8 +72,9 @@ class Deployment:
                     continue
                 with grpc.insecure_channel(address) as channel:
                     stub = stub_cls(channel)
+                    method = f"/pdserve.v1.{role.capitalize()}/Load"
                     while True:
-                        load = stub.Load(common_pb2.LoadRequest(), timeout=5)
+                        load = stub.Load(common_pb2.LoadRequest(), timeout=5, metadata=self.credentials(method))
                         if load.num_free_blocks == load.num_total_blocks and load.num_running == 0:
                             break
                         if time.monotonic() > deadline:
@@ -72,17 +84,25 @@ class Deployment:
                         time.sleep(0.2)
 
 
+def secret_file() -> str:
+    """A cluster secret for one test deployment (as `pdserve up` makes one per run)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="pdserve-test-"), "cluster-secret")
+    ClusterSecret.create(path)
+    return path
+
+
 def deploy(**settings) -> Deployment:
-    http_port, grpc_port = pick_free_port(), pick_free_port()
-    settings = {"http_port": http_port, "router_grpc_port": grpc_port, "num_threads": 1,
-                "transfer_timeout_s": 20, **settings}
+    http_port, grpc_port, registry_port = pick_free_port(), pick_free_port(), pick_free_port()
+    settings = {"http_port": http_port, "router_grpc_port": grpc_port, "router_registry_port": registry_port,
+                "num_threads": 1, "transfer_timeout_s": 20, "cluster_secret_file": secret_file(), **settings}
+    secret_path = settings["cluster_secret_file"]
     children, port = up.start(settings)
     try:
         up.wait_ready(children, port, "127.0.0.1", READY_TIMEOUT_S)
     except BaseException:
         up.stop(children)
         raise
-    return Deployment(children, http_port, grpc_port)
+    return Deployment(children, http_port, grpc_port, secret_path)
 
 
 
@@ -90,15 +110,17 @@ def deploy(**settings) -> Deployment:
 def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[str] = (),
                    common: list[str] = ()) -> Deployment:
     """A router plus the given workers, each (name, role, extra flags), as real processes."""
-    http_port, grpc_port = pick_free_port(), pick_free_port()
+    http_port, grpc_port, registry_port = pick_free_port(), pick_free_port(), pick_free_port()
+    secret_path = secret_file()
+    secret = ["--cluster-secret-file", secret_path]
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
     children = [up.Child("router", [*py, "router", "--host", "127.0.0.1", "--http-port", str(http_port),
-                                    "--grpc-port", str(grpc_port), *router_args])]
-    base = ["--host", "127.0.0.1", "--router", f"127.0.0.1:{grpc_port}", "--grpc-port", "0",
-            "--transfer-port", "0", "--num-threads", "1", "--heartbeat-s", "0.5", *common]
+                                    "--grpc-port", str(grpc_port), "--registry-port", str(registry_port),
+                                    *secret, *router_args])]
+    base = ["--host", "127.0.0.1", "--router", f"127.0.0.1:{registry_port}", "--grpc-port", "0",
+            "--transfer-port", "0", "--num-threads", "1", "--heartbeat-s", "0.5", *secret, *common]
     for name, role, extra in workers:
         children.append(up.Child(name, [*py, role, *base, "--worker-id", name, *extra]))
-    import os
     import subprocess
     import threading
 
@@ -112,4 +134,4 @@ def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[
     except BaseException:
         up.stop(children)
         raise
-    return Deployment(children, http_port, grpc_port)
+    return Deployment(children, http_port, grpc_port, secret_path)

@@ -21,6 +21,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pdserve.common.block_hash import hash_prompt_blocks
+from pdserve.common.auth import CREDENTIAL_HEADER, CallSigner, CallVerifier, ClusterSecret
 from pdserve.worker.registry_client import RegistryClient
 from pdserve.proto.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, generation_pb2,
                                       generation_pb2_grpc, prefill_pb2_grpc, registry_pb2,
@@ -105,6 +106,7 @@ class FakeWorker:
     cached_hashes: list[int] = field(default_factory=list)
     compatibility_hash: int = 77
     requests: list[decode_pb2.DecodeRequest] = field(default_factory=list)
+    requests_metadata: list = field(default_factory=list)  # each Decode call's invocation metadata
     aborts: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     address: str = ""
@@ -130,9 +132,10 @@ class FakeWorker:
     def load(self) -> common_pb2.WorkerLoad:
         return common_pb2.WorkerLoad(num_free_blocks=64, num_total_blocks=64, cached_block_hashes=self.cached_hashes)
 
-    async def register(self, router_address: str) -> None:
+    async def register(self, router_address: str, signer: CallSigner | None = None) -> None:
         """Through the real worker-side client (register, heartbeat, re-register on NOT_FOUND)."""
-        self.client = RegistryClient(router_address, self.info(), self.load, rpc_timeout_s=WAIT_S, retry_s=0.05)
+        self.client = RegistryClient(router_address, self.info(), self.load, rpc_timeout_s=WAIT_S, retry_s=0.05,
+                                     signer=signer)
         self.client.start()
         await self.client.wait_registered(WAIT_S)
 
@@ -151,6 +154,7 @@ class _FakeDecode(decode_pb2_grpc.DecodeServicer):
     async def Decode(self, request, context):
         w, script = self.w, self.w.script
         w.requests.append(request)
+        w.requests_metadata.append(tuple(context.invocation_metadata()))
         aborted = w._abort_events.setdefault(request.request_id, asyncio.Event())
         local = not request.prefill.address
         verdict = common_pb2.TransferVerdict(
@@ -230,13 +234,15 @@ class Cluster:
         loop.run(self.router.start())
         self.http = f"http://127.0.0.1:{self.router.http_port}"
         self.grpc_address = f"127.0.0.1:{self.router.grpc_port}"
+        self.registry_address = f"127.0.0.1:{self.router.registry_port}"
 
-    def add(self, worker_id: str, role: int = registry_pb2.WORKER_ROLE_DECODE, **kwargs: Any) -> FakeWorker:
+    def add(self, worker_id: str, role: int = registry_pb2.WORKER_ROLE_DECODE, signer: CallSigner | None = None,
+            **kwargs: Any) -> FakeWorker:
         worker = FakeWorker(role, worker_id, **kwargs)
 
         async def up() -> None:
             await worker.start()
-            await worker.register(self.grpc_address)
+            await worker.register(self.registry_address, signer)
 
         self.loop.run(up())
         self.workers[worker_id] = worker
@@ -274,7 +280,7 @@ def make_cluster(loop_thread):
     made: list[Cluster] = []
 
     def make(**overrides: Any) -> Cluster:
-        settings = dict(host="127.0.0.1", http_port=0, grpc_port=0, worker_timeout_s=1.0, heartbeat_interval_s=0.2,
+        settings = dict(host="127.0.0.1", http_port=0, grpc_port=0, registry_port=0, worker_timeout_s=1.0, heartbeat_interval_s=0.2,
                         rpc_timeout_s=2.0, stream_idle_timeout_s=WAIT_S, local_prefill_threshold=4,
                         max_body_bytes=4096, log_level="WARNING")
         settings.update(overrides)
@@ -400,7 +406,17 @@ def test_grpc_health_and_reflection(make_cluster):
         answers = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=WAIT_S)
         names = {s.name for a in answers for s in a.list_services_response.service}
-    assert {"pdserve.v1.Generation", "pdserve.v1.Registry", "grpc.health.v1.Health"} <= names
+    # Clients see the Generation service only; the registry has a port of its own.
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= names and "pdserve.v1.Registry" not in names
+    with grpc.insecure_channel(cluster.registry_address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pdserve.v1.Registry"), timeout=WAIT_S)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(cluster.grpc_address) as channel:  # the client port has no Registry
+        with pytest.raises(grpc.RpcError) as caught:
+            registry_pb2_grpc.RegistryStub(channel).Heartbeat(registry_pb2.HeartbeatRequest(worker_id="d0"),
+                                                              timeout=WAIT_S)
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,7 +635,7 @@ def test_dead_worker_is_not_routed_to(make_cluster):
 def test_registry_protocol(make_cluster):
     cluster = make_cluster()
     cluster.add("d0", compatibility_hash=77)
-    with grpc.insecure_channel(cluster.grpc_address) as channel:
+    with grpc.insecure_channel(cluster.registry_address) as channel:
         stub = registry_pb2_grpc.RegistryStub(channel)
         with pytest.raises(grpc.RpcError) as caught:
             stub.Heartbeat(registry_pb2.HeartbeatRequest(worker_id="stranger"), timeout=WAIT_S)
@@ -750,9 +766,9 @@ def test_pdserve_router_command_serves_and_stops_on_sigterm():
 def test_workers_register_again_after_a_router_restart(loop_thread, make_cluster):
     cluster = make_cluster()
     worker = cluster.add("d0")
-    port = cluster.router.grpc_port
+    ports = dict(grpc_port=cluster.router.grpc_port, registry_port=cluster.router.registry_port)
     loop_thread.run(cluster.router.stop(grace_s=0.1))
-    restarted = make_cluster(grpc_port=port)  # same address, empty registry
+    restarted = make_cluster(**ports)  # same addresses, empty registry
     with httpx.Client(base_url=restarted.http, timeout=WAIT_S) as http:
         wait_until(lambda: http.get("/ready").status_code == 200, "d0 to register with the new router")
     assert worker.client.num_registrations == 2
@@ -792,3 +808,61 @@ def test_a_prefill_worker_decode_could_not_reach_is_not_proposed_again(make_clus
         second = http.post("/v1/completions", json={"model": MODEL, "prompt": words(10), "max_tokens": 1}).json()
         assert second["pdserve"]["routing"]["prefill_reason"] == "no_prefill_worker"
     assert cluster.metric("pdserve_router_transfer_outcomes_total", outcome="recomputed", backend="none") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Security: with a cluster secret, the registry (on its own port) takes only workers that prove
+# they belong to the deployment, and a worker id is bound to the credential that names it.
+
+
+def test_registry_refuses_anonymous_and_impersonating_callers(make_cluster, tmp_path):
+    secret_path = tmp_path / "cluster-secret"
+    secret = ClusterSecret.create(secret_path)
+    cluster = make_cluster(cluster_secret_file=str(secret_path))
+    cluster.add("d0", signer=CallSigner(secret, "d0"))
+    impostor = FakeWorker(registry_pb2.WORKER_ROLE_DECODE, "d0", script=Script(pieces=("pwned",)))
+    cluster.loop.run(impostor.start())
+    cluster.workers["impostor"] = impostor
+
+    def call(method: str, request, caller: str | None):
+        metadata = [(CREDENTIAL_HEADER, CallSigner(secret, caller).credential(f"/pdserve.v1.Registry/{method}"))] \
+            if caller else []
+        with grpc.insecure_channel(cluster.registry_address) as channel:
+            getattr(registry_pb2_grpc.RegistryStub(channel), method)(request, timeout=WAIT_S, metadata=metadata)
+
+    takeover = registry_pb2.RegisterRequest(worker=impostor.info())
+    for method, request, caller, code in (
+            ("Register", takeover, None, grpc.StatusCode.UNAUTHENTICATED),  # anonymous
+            ("Register", takeover, "evil", grpc.StatusCode.UNAUTHENTICATED),  # another id's credential
+            ("Register", takeover, "d0", grpc.StatusCode.ALREADY_EXISTS),  # d0 is alive elsewhere
+            ("Deregister", registry_pb2.DeregisterRequest(worker_id="d0"), None, grpc.StatusCode.UNAUTHENTICATED),
+            ("Deregister", registry_pb2.DeregisterRequest(worker_id="d0"), "evil", grpc.StatusCode.UNAUTHENTICATED),
+            ("Heartbeat", registry_pb2.HeartbeatRequest(worker_id="d0"), None, grpc.StatusCode.UNAUTHENTICATED)):
+        with pytest.raises(grpc.RpcError) as caught:
+            call(method, request, caller)
+        assert caught.value.code() == code, (method, caller)
+        assert "cluster-secret" not in (caught.value.details() or "")
+    # garbage that is not even a protobuf is refused before it is parsed
+    with grpc.insecure_channel(cluster.registry_address) as channel:
+        raw = channel.unary_unary("/pdserve.v1.Registry/Register", request_serializer=None,
+                                  response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as caught:
+            raw(b"\xff\x00garbage", timeout=WAIT_S)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert cluster.metric("pdserve_router_auth_refused_total", reason="no credential") >= 4
+    # the real worker still gets the traffic, and stays registered
+    chat = cluster.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=8)
+    assert chat.choices[0].message.content == "".join(REPLY) and not impostor.requests
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        assert http.get("/health").status_code == 200
+
+
+def test_router_calls_workers_with_its_credential(make_cluster, tmp_path):
+    secret_path = tmp_path / "cluster-secret"
+    secret = ClusterSecret.create(secret_path)
+    cluster = make_cluster(cluster_secret_file=str(secret_path))
+    worker = cluster.add("d0", signer=CallSigner(secret, "d0"))
+    cluster.openai().completions.create(model=MODEL, prompt="hello", max_tokens=4)
+    (credential,) = [v for k, v in worker.requests_metadata[-1] if k == CREDENTIAL_HEADER]
+    assert CallVerifier(secret).verify("/pdserve.v1.Decode/Decode", credential) == "router"

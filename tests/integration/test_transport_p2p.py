@@ -122,6 +122,7 @@ def peer_main(backend: str) -> None:
 
     def handle(cmd: dict) -> dict:
         if cmd["cmd"] == "open":
+            transport.key = bytes.fromhex(cmd["key"]) if cmd.get("key") else None
             return {"endpoint": transport.open_receiver(sink)}
         if cmd["cmd"] == "digests":
             return {"digests": sink.digests(cmd["blocks"])}
@@ -276,6 +277,28 @@ def test_stalled_receiver_hits_the_deadline_then_recovers(link):
     message = make_message([14, 15], seed=8)
     link.send(message)  # a fresh connection / pair
     assert link.digests([14, 15]) == payload_digests(message)
+
+
+def test_control_channel_admits_only_holders_of_the_transfer_key(link):
+    key = os.urandom(32)
+    endpoint = link.peer.call("open", key=key.hex())["endpoint"]  # a second receiver, keyed
+    holder, stranger, anonymous = (make_transport(link.backend) for _ in range(3))
+    holder.key, stranger.key = key, os.urandom(32)
+    try:
+        message = make_message([20, 21], seed=11)
+        holder.send(endpoint, message, time.monotonic() + DEADLINE_S)
+        assert link.digests([20, 21]) == payload_digests(message)
+        for sender, blocks in ((stranger, [22]), (anonymous, [23])):
+            before = link.digests(blocks)
+            with pytest.raises((TransferError, TimeoutError)):
+                sender.send(endpoint, make_message(blocks, seed=12), time.monotonic() + 3.0)
+            assert link.digests(blocks) == before  # nothing landed
+        # a keyed sender will not talk to a receiver that cannot prove the key either
+        with pytest.raises((TransferError, TimeoutError)):
+            holder.send(link.endpoint, make_message([24], seed=13), time.monotonic() + 3.0)
+    finally:
+        for sender in (holder, stranger, anonymous):
+            sender.close()
 
 
 def test_unreachable_peer_is_a_transfer_error(link):

@@ -319,7 +319,7 @@ def test_experiment_plans_use_only_real_cli_flags_and_pin_cores():
 
     opts = ServiceOptions(cores=(4, 5), kv_backends="ucx,disk", decode_args=("--max-batch-size", "8"))
     ports = Ports.pick()
-    assert len(set(dataclasses.astuple(ports))) == 6
+    assert len(set(dataclasses.astuple(ports))) == 7
     disagg, coloc = (plan_setup(name, opts, ports) for name in SETUPS)
     for plan in (disagg, coloc):
         for spec in plan.services:

@@ -41,7 +41,8 @@ def test_up_takes_only_flags_it_uses():
     from pdserve.deploy import up
 
     own = {"config", "host", "log_level", "num_prefill", "num_decode", "http_port", "router_grpc_port",
-           "local_prefill", "ready_timeout_s"}
+           "router_registry_port",
+           "local_prefill", "ready_timeout_s", "cluster_secret_file", "insecure_internal"}
     assert _dests("up") - own == set(up.WORKER_FLAGS) - {"log_level"}
 
 

@@ -1,0 +1,143 @@
+"""Call credentials on internal gRPC (DESIGN §7), used by the workers and the router.
+
+Clients: `internal_channel(address, signer)` is a grpc.aio channel whose every call carries
+a fresh credential (`pdserve-credential` metadata) bound to the method. Servers:
+`AuthInterceptor` refuses, with UNAUTHENTICATED, every call to a protected service whose
+credential does not verify; the credential is checked before the request is parsed.
+Health checking and reflection stay open (probes). Each refusal is counted and logged once
+per peer.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+import grpc
+
+from pdserve.common.auth import (CREDENTIAL_HEADER, AuthError, CallSigner, CallVerifier,
+                                 ClusterSecret, caller_of, is_loopback, require_secret_off_loopback)
+from pdserve.worker.serving import CHANNEL_OPTIONS
+
+log = logging.getLogger("pdserve.auth")
+
+_MAX_LOGGED_PEERS = 1024
+
+
+def _with_credential(signer: CallSigner, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    method = details.method.decode() if isinstance(details.method, bytes) else details.method
+    metadata = list(details.metadata or ())
+    metadata.append((CREDENTIAL_HEADER, signer.credential(method)))
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, grpc.aio.Metadata(*metadata),
+                                      details.credentials, details.wait_for_ready)
+
+
+# grpc.aio files an interceptor under one call kind only, hence one class per kind.
+class _UnaryCredentials(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, signer: CallSigner) -> None:
+        self._signer = signer
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(_with_credential(self._signer, details), request)
+
+
+class _StreamCredentials(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, signer: CallSigner) -> None:
+        self._signer = signer
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(_with_credential(self._signer, details), request)
+
+
+def internal_channel(address: str, signer: CallSigner | None) -> grpc.aio.Channel:
+    """A channel to another pdserve service; with a signer, every call carries a credential."""
+    interceptors = [_UnaryCredentials(signer), _StreamCredentials(signer)] if signer is not None else None
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+
+
+def caller_id(context: grpc.aio.ServicerContext) -> str:
+    """The caller id of the (already verified) credential of this call; "" without one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == CREDENTIAL_HEADER:
+            return caller_of(value)
+    return ""
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls to `protected` services (full names, e.g. "pdserve.v1.Decode") that carry
+    no valid credential. `on_refused(reason)` counts refusals (a metric)."""
+
+    def __init__(self, verifier: CallVerifier, protected: Iterable[str],
+                 on_refused: Callable[[str], None] = lambda reason: None) -> None:
+        self._verifier = verifier
+        self._protected = frozenset(protected)
+        self._on_refused = on_refused
+        self._logged_peers: set[str] = set()
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        service = details.method.lstrip("/").split("/", 1)[0]
+        if service not in self._protected:
+            return await continuation(details)
+        credential = dict(details.invocation_metadata or ()).get(CREDENTIAL_HEADER)
+        try:
+            self._verifier.verify(details.method, credential)
+        except AuthError as exc:
+            self._on_refused(str(exc))
+            return self._refusal(await continuation(details), str(exc))
+        return await continuation(details)
+
+    def _refusal(self, handler: grpc.RpcMethodHandler | None, reason: str) -> grpc.RpcMethodHandler | None:
+        if handler is None:
+            return None  # unknown method: grpc answers UNIMPLEMENTED
+
+        def refuse_log(context) -> str:
+            peer = context.peer() or "unknown"
+            if peer not in self._logged_peers and len(self._logged_peers) < _MAX_LOGGED_PEERS:
+                self._logged_peers.add(peer)
+                log.warning("refused an internal call from %s: %s", peer, reason)
+            return f"internal call refused: {reason}"
+
+        async def refuse_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refuse_log(context))
+
+        async def refuse_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refuse_log(context))
+            yield  # pragma: no cover - makes this an async generator
+
+        ignore = lambda data: None  # noqa: E731 - the request of a refused call is never parsed
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(refuse_stream, request_deserializer=ignore,
+                                                        response_serializer=handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(refuse_unary, request_deserializer=ignore,
+                                                   response_serializer=handler.response_serializer)
+
+
+class InternalAuth:
+    """A service's side of the cluster secret: signers for its outgoing calls, an interceptor
+    for its incoming ones. Without a secret (loopback only, or --insecure-internal) both are
+    absent and internal calls go unauthenticated."""
+
+    def __init__(self, secret: ClusterSecret | None) -> None:
+        self.secret = secret
+
+    @classmethod
+    def from_settings(cls, role: str, host: str, secret_file: str, insecure_internal: bool) -> "InternalAuth":
+        """Load the secret; refuse to run beyond loopback without one (fail closed)."""
+        secret = ClusterSecret.load(secret_file) if secret_file else None
+        require_secret_off_loopback(host, secret, insecure_internal, role)
+        if secret is None and not is_loopback(host):
+            log.warning("%s: --insecure-internal: internal gRPC on %s is open to anyone who can reach it", role, host)
+        elif secret is None:
+            log.info("%s: no cluster secret; internal calls are unauthenticated (loopback only)", role)
+        return cls(secret)
+
+    @property
+    def enabled(self) -> bool:
+        return self.secret is not None
+
+    def signer(self, caller_id: str) -> CallSigner | None:
+        return CallSigner(self.secret, caller_id) if self.secret is not None else None
+
+    def interceptors(self, protected: Iterable[str], on_refused: Callable[[str], None]) -> list:
+        if self.secret is None:
+            return []
+        return [AuthInterceptor(CallVerifier(self.secret), protected, on_refused)]
