@@ -81,7 +81,7 @@ def _add_worker(p: argparse.ArgumentParser, role: str) -> None:
     f("metrics_port", "serve Prometheus /metrics on this port (0: off)", type=int)
     f("grpc_port", "gRPC port (0 picks a free one)", type=int)
     f("advertise_host", "address peers and the router use to reach this worker (none: --host)")
-    f("router", "router gRPC address host:port to register with (none: do not register)")
+    f("router", "the router's registry address host:port to register with (none: do not register)")
     f("worker_id", "stable id in the registry (none: <role>-host:port)")
     f("transfer_port", "decode: UCX listener port; the NCCL/gloo store listens on the next port "
                        "(0 picks free ones)", type=int)
@@ -133,7 +133,11 @@ def _add_router(sub) -> None:
     f("grpc_port", "gRPC port of the client API (Generation)", type=int)
     f("registry_port", "gRPC port where workers register (internal; keep it off client networks)",
       type=int)
-    f("api_key", "require 'Authorization: Bearer KEY'")
+    f("api_key", "require 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: flags show in ps)")
+    router.add_argument("--metrics-auth", action="store_true", default=None,
+                        help="/metrics requires the API key too (/health and /ready stay open)")
+    f("tls_cert", "PEM certificate (chain) for HTTPS and gRPC TLS on the client ports")
+    f("tls_key", "PEM private key of --tls-cert")
     f("max_queue", "requests in flight before 429", type=int)
     f("prefill_policy", "how to pick a prefill worker", choices=POLICIES)
     f("decode_policy", "how to pick a decode worker", choices=POLICIES)

@@ -116,7 +116,7 @@ class RouterApp:
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.frontend, self.catalog, self.api_key), server)
         self._grpc_server, self.grpc_port = await _serve(server, self.config.host, self.config.grpc_port,
-                                                         _GENERATION, "gRPC")
+                                                         _GENERATION, "gRPC", _tls_credentials(self.config))
         interceptors = self.auth.interceptors([_REGISTRY], self.metrics.count_auth_refusal)
         registry = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
         registry_pb2_grpc.add_RegistryServicer_to_server(
@@ -135,7 +135,9 @@ class RouterApp:
         self.http_port = sock.getsockname()[1]
         server = _EmbeddedUvicorn(uvicorn.Config(app, log_level=self.config.log_level.lower(), access_log=False,
                                                  lifespan="off", http="h11", ws="none",
-                                                 timeout_graceful_shutdown=2))
+                                                 timeout_graceful_shutdown=2,
+                                                 ssl_certfile=self.config.tls_cert or None,
+                                                 ssl_keyfile=self.config.tls_key or None))
         self._http_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
         self._http_server = server
         deadline = asyncio.get_running_loop().time() + 30.0
@@ -148,10 +150,20 @@ class RouterApp:
             await asyncio.sleep(0.01)
 
 
-async def _serve(server: grpc.aio.Server, host: str, port: int, service: str, what: str) -> tuple[grpc.aio.Server, int]:
-    """Bind, add health + reflection, start, mark SERVING. Returns (server, bound port)."""
+def _tls_credentials(config: RouterConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert:
+        return None
+    with open(config.tls_key, "rb") as key, open(config.tls_cert, "rb") as cert:
+        return grpc.ssl_server_credentials([(key.read(), cert.read())])
+
+
+async def _serve(server: grpc.aio.Server, host: str, port: int, service: str, what: str,
+                 credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+    """Bind (with TLS when given credentials), add health + reflection, start, mark SERVING.
+    Returns (server, bound port)."""
     health = add_health_and_reflection(server, (service,))
-    bound = server.add_insecure_port(_join(host, port))
+    address = _join(host, port)
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"router: cannot bind {what} to {host}:{port}")
     await server.start()

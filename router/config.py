@@ -44,6 +44,9 @@ class RouterConfig:
     insecure_internal: bool = False  # allow a non-loopback bind without a cluster secret
     metrics_port: int = 0  # extra Prometheus listener; 0: only HTTP /metrics
     api_key: str | None = None  # require "Authorization: Bearer KEY" (HTTP /v1/*, gRPC Generation)
+    metrics_auth: bool = False  # /metrics requires the API key too (health and readiness stay open)
+    tls_cert: str = ""  # PEM certificate chain: HTTPS and gRPC-over-TLS on the client ports
+    tls_key: str = ""  # its PEM private key
     max_queue: int = 256  # requests in flight; one more gets 429 / RESOURCE_EXHAUSTED
     prefill_policy: str = "least_loaded"
     decode_policy: str = "prefix_aware"
@@ -84,6 +87,10 @@ class RouterConfig:
             raise ConfigError(f"unknown log_level {self.log_level!r}")
         if self.api_key == "":
             object.__setattr__(self, "api_key", None)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        if self.metrics_auth and self.api_key is None:
+            raise ConfigError("--metrics-auth needs --api-key")
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "RouterConfig":
@@ -158,6 +165,9 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "insecure_internal": _to_bool,
     "metrics_port": _to_int,
     "api_key": _to_str,
+    "metrics_auth": _to_bool,
+    "tls_cert": _to_str,
+    "tls_key": _to_str,
     "max_queue": _to_int,
     "prefill_policy": _to_str,
     "decode_policy": _to_str,

@@ -230,6 +230,11 @@ def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRe
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     async def prometheus(request: Request) -> Response:
+        if config.metrics_auth:
+            try:
+                auth.check(request.headers.get("authorization"))
+            except ServiceError as err:
+                return error_response(err)
         return Response(metrics.render(registry), media_type=metrics.content_type)
 
     app.add_api_route("/health", health, methods=["GET"])

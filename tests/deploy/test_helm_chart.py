@@ -135,6 +135,19 @@ def render(chart: helm.Chart) -> Callable[..., Manifests]:
     return _render
 
 
+@pytest.fixture(scope="module")
+def render_values(chart: helm.Chart) -> Callable[[dict[str, Any]], Manifests]:
+    """render_values(overrides) -> Manifests of the default values with `overrides` merged in."""
+
+    def _render(overrides: dict[str, Any]) -> Manifests:
+        out = render_raw(chart, overrides, ())
+        docs = tuple(d for path, text in sorted(out.items()) if path.endswith(".yaml")
+                     for d in yaml.safe_load_all(text) if d)
+        return Manifests(docs=docs, notes="", values=chart.merge_values(overrides))
+
+    return _render
+
+
 # --- reading pods ---------------------------------------------------------------------------
 
 def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
@@ -300,8 +313,9 @@ def test_router_args_parse_with_the_cli_and_ports_agree(profile: str, render) ->
     container = main_container(m.workload("router"))
     namespace, s = cli_settings(container)
     assert namespace.command == "router" and s["host"] == m.values["listenHost"]
-    assert container_ports(container) == {"http": s["http_port"], "grpc": s["grpc_port"]}
-    assert (s["http_port"], s["grpc_port"]) == (v["httpPort"], v["grpcPort"])
+    assert container_ports(container) == {"http": s["http_port"], "grpc": s["grpc_port"],
+                                          "registry": s["registry_port"]}
+    assert (s["http_port"], s["grpc_port"], s["registry_port"]) == (v["httpPort"], v["grpcPort"], v["registryPort"])
     assert probe_ports(container) == {s["grpc_port"]}
     assert ("api_key" in s) == bool(v["apiKeySecret"]["name"])  # PDSERVE_API_KEY from the Secret
     # The router's own config accepts what the chart passes (it imports no torch).
@@ -339,7 +353,7 @@ def test_workers_register_at_the_router_headless_service(profile: str, role: str
     # Headless and listing pods before they are ready: registration never waits on readiness.
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
     assert m.deployments_selected_by(headless["spec"]["selector"]) == [m.workload("router")]
-    assert int(port) == headless["spec"]["ports"][0]["port"] == m.values["router"]["grpcPort"]
+    assert [p["port"] for p in headless["spec"]["ports"]] == [int(port)] == [m.values["router"]["registryPort"]]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -536,7 +550,14 @@ def test_network_policy_lets_clients_reach_only_the_router(profile: str, render)
     http_rules = admitting_rules(m, pod_labels(m.workload("router")), v["router"]["httpPort"])
     assert [r.get("from", []) for r in http_rules] == [v["networkPolicy"]["clientFrom"]]
     grpc_rules = admitting_rules(m, pod_labels(m.workload("router")), v["router"]["grpcPort"])
-    assert all(any(admits(r, pod_labels(m.workload(w))) for r in grpc_rules) for w in WORKERS)  # registration
+    assert [r.get("from", []) for r in grpc_rules] == [v["networkPolicy"]["clientFrom"]]
+    # the registry: this release's worker pods only, never clients or the release's other pods
+    registry_rules = admitting_rules(m, pod_labels(m.workload("router")), v["router"]["registryPort"])
+    assert all(any(admits(r, pod_labels(m.workload(w))) for r in registry_rules) for w in WORKERS)
+    assert all(r.get("from") for r in registry_rules)
+    outsiders = ({"app": "something-else"}, pod_labels(m.workload("router")),
+                 {**RELEASE_LABELS, "app.kubernetes.io/instance": "other", "app.kubernetes.io/component": "decode"})
+    assert not any(admits(r, o) for r in registry_rules for o in outsiders)
     if v["redis"]["mode"] == "internal":
         redis_rules = admitting_rules(m, pod_labels(m.workload("redis")), v["redis"]["internal"]["port"])
         assert redis_rules and not any(admits(r, {"app": "something-else"}) for r in redis_rules)
@@ -548,3 +569,46 @@ def test_notes_say_how_to_reach_the_router(render) -> None:
     assert f"port-forward svc/{RELEASE}-router 8000:8000" in notes and "/v1/models" in notes
     notes = render("external-redis").notes
     assert "loadBalancer.ingress" in notes and "Authorization: Bearer" in notes
+
+
+
+# --- the cluster secret ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_role_reads_one_cluster_secret(profile: str, render) -> None:
+    m = render(profile)
+    secret = m.named("Secret", f"{RELEASE}-cluster-secret")
+    key = m.values["clusterSecret"]["key"]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    import base64
+
+    assert len(base64.b64decode(secret["data"][key])) >= 32
+    for role in ROLES:
+        pod = m.workload(role)["spec"]["template"]["spec"]
+        container = main_container(m.workload(role))
+        _, s = cli_settings(container)
+        mount = next(v for v in container["volumeMounts"] if v["name"] == "cluster-secret")
+        volume = next(v for v in pod["volumes"] if v["name"] == "cluster-secret")
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+        assert s["cluster_secret_file"] == f"{mount['mountPath']}/{key}" and mount["readOnly"] is True
+        assert "insecure_internal" not in s
+
+
+def test_an_existing_secret_replaces_the_generated_one(render_values) -> None:
+    m = render_values({"clusterSecret": {"existingSecret": "mine", "key": "k"}})
+    assert not [d for d in m.docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("cluster-secret")]
+    for role in ROLES:
+        volume = next(v for v in m.workload(role)["spec"]["template"]["spec"]["volumes"] if v["name"] == "cluster-secret")
+        assert volume["secret"]["secretName"] == "mine" and volume["secret"]["items"] == [{"key": "k", "path": "k"}]
+
+
+def test_router_tls_from_a_certificate_secret(render_values) -> None:
+    m = render_values({"router": {"tls": {"secretName": "router-cert"}, "metricsAuth": True,
+                                  "apiKeySecret": {"name": "api", "key": "key"}}})
+    container = main_container(m.workload("router"))
+    _, s = cli_settings(container)
+    mount = next(v for v in container["volumeMounts"] if v["name"] == "tls")
+    assert s["tls_cert"] == f"{mount['mountPath']}/tls.crt" and s["tls_key"] == f"{mount['mountPath']}/tls.key"
+    assert s["metrics_auth"] is True
+    volume = next(v for v in m.workload("router")["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["secretName"] == "router-cert"

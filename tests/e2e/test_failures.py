@@ -35,6 +35,55 @@ def cluster(tmp_path_factory):
     up.stop(d.children)
 
 
+def test_internal_apis_refuse_anonymous_calls_and_unsigned_handoffs(cluster):
+    """An attacker on the network, without the cluster secret, can neither call a decode
+    directly nor make a prefill send anywhere; the services stay healthy."""
+    import socket
+
+    from pdserve.proto.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2,
+                                          prefill_pb2_grpc)
+
+    decode = cluster.worker_addresses("decode")["decode-recompute"]
+    prefill = cluster.worker_addresses("prefill")["prefill-0"]
+    with grpc.insecure_channel(decode) as channel:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        calls = (lambda md: list(stub.Decode(decode_pb2.DecodeRequest(
+                     request_id="x", prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=2)),
+                     timeout=30, metadata=md)),
+                 lambda md: stub.ModelInfo(common_pb2.ModelInfoRequest(), timeout=30, metadata=md),
+                 lambda md: stub.Abort(common_pb2.AbortRequest(request_id="x"), timeout=30, metadata=md))
+        for call in calls:
+            for metadata in ([], [("pdserve-credential", "v1 router 1 " + "0" * 32 + " " + "0" * 64)]):
+                with pytest.raises(grpc.RpcError) as caught:
+                    call(metadata)
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # A hand-off that names a listener of ours: with no signature, or a forged one, the prefill
+    # refuses before it connects anywhere, even to a caller holding a valid call credential.
+    with socket.socket() as bait:
+        bait.bind(("127.0.0.1", 0))
+        bait.listen(8)
+        bait.setblocking(False)
+        handoff = prefill_pb2.KVHandoff(
+            transfer_id="ab" * 16, backends=["ucx"], block_ids=[1], decode_worker_id="decode-recompute",
+            deadline_unix_ms=int(time.time() * 1000) + 30_000,
+            endpoints=[prefill_pb2.TransferEndpoint(backend="ucx", address=f"127.0.0.1:{bait.getsockname()[1]}")])
+        with grpc.insecure_channel(prefill) as channel:
+            stub = prefill_pb2_grpc.PrefillStub(channel)
+            for signature in (b"", b"\x01" * 32):
+                handoff.signature = signature
+                request = prefill_pb2.PrefillRequest(request_id=f"bait-{len(signature)}", prompt_token_ids=[1, 2, 3],
+                                                     sampling=common_pb2.SamplingParams(max_tokens=1), handoff=handoff)
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.Prefill(request, timeout=30, metadata=cluster.credentials("/pdserve.v1.Prefill/Prefill"))
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(BlockingIOError):
+            bait.accept()  # nobody connected
+    # still healthy: a chat goes through the same workers
+    chat = cluster.openai().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    assert chat.choices[0].message.content
+    cluster.assert_no_leaks()
+
+
 def test_client_disconnect_mid_stream_frees_every_block(cluster):
     body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 400,
             "temperature": 0, "stream": True, "ignore_eos": True}
@@ -140,51 +189,3 @@ def test_prefill_killed_mid_request(cluster, hf_reference):
         time.sleep(0.5)
     cluster.assert_no_leaks()
 
-
-def test_internal_apis_refuse_anonymous_calls_and_unsigned_handoffs(cluster):
-    """An attacker on the network, without the cluster secret, can neither call a decode
-    directly nor make a prefill send anywhere; the services stay healthy."""
-    import socket
-
-    from pdserve.proto.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2,
-                                          prefill_pb2_grpc)
-
-    decode = cluster.worker_addresses("decode")["decode-recompute"]
-    prefill = cluster.worker_addresses("prefill")["prefill-0"]
-    with grpc.insecure_channel(decode) as channel:
-        stub = decode_pb2_grpc.DecodeStub(channel)
-        calls = (lambda md: list(stub.Decode(decode_pb2.DecodeRequest(
-                     request_id="x", prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=2)),
-                     timeout=30, metadata=md)),
-                 lambda md: stub.ModelInfo(common_pb2.ModelInfoRequest(), timeout=30, metadata=md),
-                 lambda md: stub.Abort(common_pb2.AbortRequest(request_id="x"), timeout=30, metadata=md))
-        for call in calls:
-            for metadata in ([], [("pdserve-credential", "v1 router 1 " + "0" * 32 + " " + "0" * 64)]):
-                with pytest.raises(grpc.RpcError) as caught:
-                    call(metadata)
-                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    # A hand-off that names a listener of ours: with no signature, or a forged one, the prefill
-    # refuses before it connects anywhere, even to a caller holding a valid call credential.
-    with socket.socket() as bait:
-        bait.bind(("127.0.0.1", 0))
-        bait.listen(8)
-        bait.setblocking(False)
-        handoff = prefill_pb2.KVHandoff(
-            transfer_id="ab" * 16, backends=["ucx"], block_ids=[1], decode_worker_id="decode-recompute",
-            deadline_unix_ms=int(time.time() * 1000) + 30_000,
-            endpoints=[prefill_pb2.TransferEndpoint(backend="ucx", address=f"127.0.0.1:{bait.getsockname()[1]}")])
-        with grpc.insecure_channel(prefill) as channel:
-            stub = prefill_pb2_grpc.PrefillStub(channel)
-            for signature in (b"", b"\x01" * 32):
-                handoff.signature = signature
-                request = prefill_pb2.PrefillRequest(request_id=f"bait-{len(signature)}", prompt_token_ids=[1, 2, 3],
-                                                     sampling=common_pb2.SamplingParams(max_tokens=1), handoff=handoff)
-                with pytest.raises(grpc.RpcError) as caught:
-                    stub.Prefill(request, timeout=30, metadata=cluster.credentials("/pdserve.v1.Prefill/Prefill"))
-                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with pytest.raises(BlockingIOError):
-            bait.accept()  # nobody connected
-    # still healthy: a chat goes through the same workers
-    chat = cluster.openai().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
-    assert chat.choices[0].message.content
-    cluster.assert_no_leaks()

@@ -866,3 +866,53 @@ def test_router_calls_workers_with_its_credential(make_cluster, tmp_path):
     cluster.openai().completions.create(model=MODEL, prompt="hello", max_tokens=4)
     (credential,) = [v for k, v in worker.requests_metadata[-1] if k == CREDENTIAL_HEADER]
     assert CallVerifier(secret).verify("/pdserve.v1.Decode/Decode", credential) == "router"
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 made here (cryptography), and its key, as PEM files."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdserve-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    import ipaddress
+
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+def test_tls_on_the_client_ports_and_metrics_behind_the_api_key(make_cluster, tmp_path):
+    cert, key = _self_signed(tmp_path)
+    cluster = make_cluster(tls_cert=cert, tls_key=key, api_key="sesame", metrics_auth=True)
+    cluster.add("d0")
+    https = cluster.http.replace("http://", "https://")
+    with httpx.Client(base_url=https, verify=cert, timeout=WAIT_S) as client:
+        assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/metrics", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        chat = openai.OpenAI(base_url=f"{https}/v1", api_key="sesame", http_client=client, max_retries=0)
+        answer = chat.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+        assert answer.choices[0].message.content == "".join(REPLY)
+    with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on a TLS port
+        httpx.get(f"{cluster.http}/health", timeout=WAIT_S)
+    with open(cert, "rb") as f:
+        credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+    with grpc.secure_channel(cluster.grpc_address, credentials) as channel:
+        info = generation_pb2_grpc.GenerationStub(channel).ModelInfo(
+            common_pb2.ModelInfoRequest(model=MODEL), timeout=WAIT_S, metadata=[("authorization", "Bearer sesame")])
+    assert info.model_name == MODEL

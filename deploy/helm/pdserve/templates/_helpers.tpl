@@ -62,7 +62,35 @@ Workers register at the router through a headless Service that also lists router
 are not ready yet, so registration never waits on the router's own readiness.
 */}}
 {{- define "pdserve.routerRegistrationAddress" -}}
-{{- printf "%s-router-headless:%d" (include "pdserve.fullname" .) (int .Values.router.grpcPort) }}
+{{- printf "%s-router-headless:%d" (include "pdserve.fullname" .) (int .Values.router.registryPort) }}
+{{- end }}
+
+{{/* The Secret that holds the cluster secret (made by the chart unless existingSecret). */}}
+{{- define "pdserve.clusterSecretName" -}}
+{{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "pdserve.fullname" .)) }}
+{{- end }}
+
+{{/* Where every pod reads the cluster secret. */}}
+{{- define "pdserve.clusterSecretDir" -}}/etc/pdserve/cluster{{- end }}
+
+{{- define "pdserve.clusterSecretArg" -}}
+{{- printf "--cluster-secret-file=%s/%s" (include "pdserve.clusterSecretDir" .) .Values.clusterSecret.key | quote }}
+{{- end }}
+
+{{- define "pdserve.clusterSecretMount" -}}
+- name: cluster-secret
+  mountPath: {{ include "pdserve.clusterSecretDir" . }}
+  readOnly: true
+{{- end }}
+
+{{- define "pdserve.clusterSecretVolume" -}}
+- name: cluster-secret
+  secret:
+    secretName: {{ include "pdserve.clusterSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.clusterSecret.key }}
+        path: {{ .Values.clusterSecret.key }}
 {{- end }}
 
 {{/* The --redis-url value, or "" when it comes from a Secret or there is no Redis. */}}

@@ -55,6 +55,7 @@ spec:
             - "--advertise-host=$(POD_IP)"
             - "--worker-id=$(POD_NAME)"
             - {{ printf "--router=%s" (include "pdserve.routerRegistrationAddress" $ctx) | quote }}
+            - {{ include "pdserve.clusterSecretArg" $ctx }}
             - {{ printf "--log-level=%s" $values.logLevel | quote }}
             - {{ printf "--metrics-port=%d" (int $values.metrics.port) | quote }}
             - {{ printf "--model=%s" $modelArg | quote }}
@@ -158,6 +159,7 @@ spec:
               mountPath: {{ $values.buildCache.mountPath }}
             - name: shm
               mountPath: /dev/shm
+            {{- include "pdserve.clusterSecretMount" $ctx | nindent 12 }}
             {{- if ne $model.source "image" }}
             - name: model
               mountPath: {{ $model.mountPath }}
@@ -168,6 +170,7 @@ spec:
               mountPath: {{ $kv.diskStore.mountPath }}
             {{- end }}
       volumes:
+        {{- include "pdserve.clusterSecretVolume" $ctx | nindent 8 }}
         - name: tmp
           emptyDir:
             sizeLimit: 2Gi
