@@ -82,3 +82,27 @@ def test_help_defaults_are_the_settings_real_defaults():
         assert text == shown(getattr(router, dest)), ("router", dest, text)
     assert set(_help_defaults("router")) >= {"http_port", "grpc_port", "max_queue", "decode_policy",
                                              "local_prefill_threshold", "prefill_queue_threshold"}
+
+
+def test_up_makes_a_private_cluster_secret_per_run_and_removes_it(tmp_path):
+    import os
+    import stat
+
+    from pdserve.common.auth import ClusterSecret
+    from pdserve.deploy import up
+
+    with up.cluster_secret({"num_decode": 1}) as settings:
+        path = settings["cluster_secret_file"]
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        ClusterSecret.load(path)
+        children, _ = up.plan(settings)
+        for child in children:  # every process gets the same file, never the secret itself
+            assert child.argv[child.argv.index("--cluster-secret-file") + 1] == path
+            assert open(path).read().strip() not in " ".join(child.argv)
+    assert not os.path.exists(path)
+    given = str(tmp_path / "mine")
+    ClusterSecret.create(given)
+    with up.cluster_secret({"cluster_secret_file": given}) as settings:
+        assert settings["cluster_secret_file"] == given
+    assert os.path.exists(given)
