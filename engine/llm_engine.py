@@ -105,7 +105,7 @@ class LLMEngine:
                           transfer_params=transfer_params, remote_prefill=remote_prefill)
         request.block_hashes = hash_prompt_blocks(ids, self.kv.block_size, self.compat_hash)
         if params.seed is not None:
-            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            request.generator = torch.Generator(device=self.device)  # reseeded per token (sampler)
         else:
             request.generator = self._generator
         self.scheduler.add(request)

@@ -23,6 +23,27 @@ def _suppress_stops(row: torch.Tensor, request: Request) -> None:
             row[ids] = float("-inf")
 
 
+_MASK63 = (1 << 63) - 1
+
+
+def step_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's `index`-th generated token (splitmix64 finalizer of
+    seed and index). Per-token seeds, not one running stream, make a token's draw depend only
+    on (seed, index, logits): the first token drawn by a prefill service and the rest drawn
+    by decode give the same text as one local run."""
+    x = (seed * 0x9E3779B97F4A7C15 + index + 1) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 31)) & _MASK63
+
+
+def _generator(request: Request):
+    seed = request.sampling_params.seed
+    if seed is not None:
+        request.generator.manual_seed(step_seed(seed, request.num_output_tokens))
+    return request.generator
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
@@ -52,7 +73,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         else:
             row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
             probs = row.softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=req.generator).item())
+            token = int(torch.multinomial(probs, 1, generator=_generator(req)).item())
         lp = None
         if p.logprobs is not None:
             row_lp = logprobs[i]

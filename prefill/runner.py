@@ -27,6 +27,14 @@ class KVSender(Protocol):
     def abort(self, request_id: str) -> None: ...
 
 
+def first_token_params(params):
+    """The request's sampling settings for its first token only. Everything that shapes the
+    first draw (seed, min_tokens' EOS/stop-token suppression, penalties, constraints) is kept,
+    so the token equals what a local prefill would draw; stop strings are checked by decode,
+    which sees the token before streaming it."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
+
+
 class PrefillRunner:
     def __init__(self, loop: EngineLoop, sender: KVSender, metrics, *, max_queue: int,
                  handoff_mac: Mac | None = None) -> None:
@@ -56,8 +64,7 @@ class PrefillRunner:
         arrival = time.monotonic()
         handoff, rid = request.handoff, request.request_id
         remaining_s = self._check(handoff)
-        params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1,
-                                     min_tokens=0, stop=())
+        params = first_token_params(sampling_from_proto(request.sampling))
         tp = self.sender.transfer_params(rid, handoff)
         self.num_inflight += 1
         try:

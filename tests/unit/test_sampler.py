@@ -27,7 +27,9 @@ def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
 def draw(params: SamplingParams, logits: torch.Tensor, n: int) -> list[int]:
     """n tokens from the same logits row, through one request's generator."""
     req = make_request(params)
-    return [sample(logits.clone(), [req])[0].token_id for _ in range(n)]
+    for _ in range(n):
+        req.output_token_ids.append(sample(logits.clone(), [req])[0].token_id)
+    return req.output_token_ids
 
 
 def test_greedy_is_argmax_per_row():
@@ -44,6 +46,27 @@ def test_same_seed_same_tokens_different_seed_different_tokens():
     assert a == b
     assert a != c
     assert len(set(a)) > 3  # really sampling, not argmax
+
+
+def test_a_seeded_draw_depends_only_on_seed_and_index():
+    """A request handed over after its first token (remote prefill) draws what one local run
+    would: its fresh generator is reseeded per token, not continued from a stream."""
+    logits = logits_rows(1) / 3
+    local = draw(SamplingParams(temperature=1.0, seed=77), logits, 12)
+    resumed = make_request(SamplingParams(temperature=1.0, seed=77), "resumed")
+    resumed.generator = torch.Generator().manual_seed(123)  # whatever state it starts in
+    resumed.output_token_ids.append(local[0])  # the first token came from elsewhere
+    for _ in range(11):
+        resumed.output_token_ids.append(sample(logits.clone(), [resumed])[0].token_id)
+    assert resumed.output_token_ids == local
+
+
+def test_prefill_first_token_keeps_min_tokens():
+    from pdserve.prefill.runner import first_token_params
+
+    p = first_token_params(SamplingParams(max_tokens=50, min_tokens=5, seed=3, stop=("x",), temperature=0.7))
+    assert (p.max_tokens, p.min_tokens, p.stop, p.seed, p.temperature) == (1, 1, (), 3, 0.7)
+    assert first_token_params(SamplingParams(max_tokens=50)).min_tokens == 0
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
