@@ -9,27 +9,30 @@ from pdserve.worker.settings import WorkerSettings
 
 
 class DecodeBuild:
-    """How `run_worker` builds a decode service: its connector, then its gRPC service."""
+    """How `run_worker` builds a decode service: its connector, then its gRPC service, whose
+    KV receiver drives transfers through that connector's `receives`."""
 
-    @staticmethod
-    def make_connector(settings: WorkerSettings, secret=None):
+    def __init__(self) -> None:
+        self.connector = None  # the PdConnector built for the engine (None: local prefill only)
+
+    def make_connector(self, settings: WorkerSettings, secret=None):
         from pdserve.engine.connector import Connector
 
         if not settings.backends:
             return Connector()  # local prefill only
         from pdserve.kvtransfer.service import make_connector_for_decode
 
-        return make_connector_for_decode(settings, secret)
+        self.connector = make_connector_for_decode(settings, secret)
+        return self.connector
 
-    @staticmethod
-    async def make_service(runtime):
+    async def make_service(self, runtime):
         from pdserve.decode.prefill_leg import PrefillLeg, RemotePrefill
         from pdserve.decode.servicer import DecodeService
         from pdserve.decode.session import DecodeSessions
         from pdserve.proto.pdserve.v1 import decode_pb2, decode_pb2_grpc
 
         settings = runtime.settings
-        receiver = make_receiver(runtime)
+        receiver = make_receiver(runtime, self.connector)
         leg = PrefillLeg(receiver, worker_id=runtime.worker_id,
                          compat_hash=runtime.engine.compat_hash,
                          block_size=runtime.engine.kv.block_size,
@@ -48,16 +51,16 @@ class DecodeBuild:
         return add, [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name], close
 
 
-def make_receiver(runtime):
+def make_receiver(runtime, connector):
     """Decode's KV receiver for the configured backends (none configured: local prefill only)."""
     from pdserve.decode.prefill_leg import NoReceiver
 
-    if not runtime.settings.backends:
+    if connector is None:
         return NoReceiver()
     from pdserve.kvtransfer.service import Receiver
 
-    return Receiver(runtime.engine.connector, runtime.settings)
+    return Receiver(connector.receives, runtime.settings)
 
 
 def main(settings: dict[str, Any]) -> int:
-    return asyncio.run(run_worker("decode", WorkerSettings.from_settings("decode", settings), DecodeBuild))
+    return asyncio.run(run_worker("decode", WorkerSettings.from_settings("decode", settings), DecodeBuild()))

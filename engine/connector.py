@@ -18,6 +18,24 @@ The engine calls, per step, in this order::
     worker:    get_finished(finished_ids)             (after the step)
     scheduler: request_finished                        (when a request ends, any way)
 
+Loads through the connector are synchronous: what `get_num_new_matched_tokens` offers is
+in hand when it returns (fetched and verified) and lands in `start_load_kv`, so a request
+never waits on the connector between steps.
+
+A remote prefill (decode side of disaggregation) is *not* a connector path; the engine runs
+it and the decode service drives it:
+
+1. `add_request(..., remote_prefill=True)`: at admission the scheduler allocates blocks for
+   the whole prompt, asks the connector for no load, and parks the request in
+   `WAITING_FOR_REMOTE_KVS` (`step()` returns it among the requests now waiting).
+2. The service reserves those blocks with its transport and asks a prefill service to fill
+   them; the prefill's answer carries the first token, which no local forward produced.
+3. It ends the wait with exactly one of `finish_remote_prefill(id, first_token)` (the blocks
+   hold the prompt's KV: decode from them), `recompute_remote_prefill(id)` (compute the
+   prompt here, in the same blocks) or `abort(id)` (the blocks go back now).
+
+The connector's `get_finished` therefore reports sends only: nothing else frees blocks.
+
 `NoopConnector` is the "no connector" object; the engine never checks for None.
 Backends live in `pdserve.kvtransfer`; the engine never imports that package.
 """
@@ -91,11 +109,13 @@ class KVConnectorScheduler(abc.ABC):
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> int:
         """How many prompt tokens beyond `num_computed_tokens` (the local prefix-cache hit)
-        the connector can provide, and whether they arrive asynchronously (True: the request
-        waits in WAITING_FOR_REMOTE_KVS until `get_finished` reports it). Called before
-        allocation; must not reserve anything it would leak if allocation fails."""
+        the connector can load, already in hand: they are scattered by `start_load_kv` of
+        the step that admits the request, before its forward. A multiple of the block size;
+        at least one prompt token must be left to compute. Called before allocation, maybe
+        again for the same request if allocation failed; must not reserve anything it would
+        leak if the request is never admitted (`request_finished` is called either way)."""
 
     @abc.abstractmethod
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
@@ -137,13 +157,15 @@ class KVConnectorWorker(abc.ABC):
         """Block until this step's saves are handed off (with a deadline)."""
 
     @abc.abstractmethod
-    def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(ids whose sends are done, ids whose receives are done) since the last call."""
+    def get_finished(self, finished_request_ids: set[str]) -> set[str]:
+        """Ids whose sends are done. `finished_request_ids`: those the engine ended this
+        step. Every id `request_finished` kept (True) must come back here eventually, send
+        done or failed; the engine frees its blocks then. Called after every step."""
 
 
 class NoopConnectorScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return 0, False
+        return 0
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         pass
@@ -172,7 +194,7 @@ class NoopConnectorWorker(KVConnectorWorker):
         pass
 
     def get_finished(self, finished_request_ids):
-        return set(), set()
+        return set()
 
 
 @dataclass(frozen=True, slots=True)

@@ -182,7 +182,7 @@ class LLMEngine:
         outputs += self._pending
         self._pending = []
         finished, self._finished_this_step = self._finished_this_step, set()
-        done_sending, _ = self.connector.worker.get_finished(finished)
+        done_sending = self.connector.worker.get_finished(finished)
         for request_id in done_sending & self._sending:
             self._sending.discard(request_id)
             self.kv.free_resources(request_id)

@@ -170,8 +170,9 @@ class Scheduler:
         hit = self.kv.find_prefix_hit(request)
         hit_tokens = hit.num_blocks * self.kv.block_size
         creq = connector_view(request)
-        num_external, _is_async = self.connector.get_num_new_matched_tokens(creq, hit_tokens)
         wants_remote = request.remote_prefill and request.num_output_tokens == 0
+        num_external = 0 if wants_remote else \
+            self.connector.get_num_new_matched_tokens(creq, hit_tokens)
         if self.config.capacity_policy != CapacityPolicy.MAX_UTILIZATION:
             final = min(request.num_tokens + request.sampling_params.max_tokens
                         - request.num_output_tokens, self.max_model_len)

@@ -11,11 +11,11 @@ Two uses, both optional, on the same pair:
 * disaggregation, prefill side: a request whose `transfer_params` is a `TransferParams` has
   its blocks gathered when its prefill completes and sent through the fallback chain in the
   background; `request_finished` keeps its blocks until `get_finished` reports the send
-  done, and its `TransferVerdict` is posted on `worker.verdicts`.
-* disaggregation, decode side: the decode service reserves the allocated blocks
-  (`worker.prepare_receive` -> the `TransferParams` for the prefill service), then settles
-  the receive with the prefill's verdict (`worker.complete_receive`) or drops it
-  (`worker.cancel_receive`). Transports deliver into `worker.sink`.
+  done. The prefill service reads its `TransferVerdict` through `sends` (`SendControl`).
+* disaggregation, decode side: the decode service reserves the allocated blocks through
+  `receives` (`ReceiveControl.prepare_receive` -> the `TransferParams` for the prefill
+  service), then settles the receive with the prefill's verdict (`complete_receive`) or
+  drops it (`cancel_receive`). Transports deliver into the worker's sink.
 
 Scheduler -> worker state travels only in `PdConnectorMetadata`. The one thing the scheduler
 half reads from the worker side is the cache layout (`connector_meta.LayoutBox`), set once by
@@ -24,6 +24,8 @@ share the box they are built with (`build_connector`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pdserve.engine.connector import Connector
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector_meta import (
@@ -31,17 +33,31 @@ from pdserve.kvtransfer.connector_meta import (
 )
 from pdserve.kvtransfer.connector_scheduler import PdConnectorScheduler
 from pdserve.kvtransfer.connector_worker import PdConnectorWorker, VerdictBoard
+from pdserve.kvtransfer.ports import ReceiveControl, SendControl
 from pdserve.kvtransfer.registry import open_backends
 
-__all__ = ["LoadSpec", "PdConnectorMetadata", "PdConnectorScheduler", "PdConnectorWorker",
-           "SaveSpec", "SendSpec", "VerdictBoard", "build_connector"]
+__all__ = ["LoadSpec", "PdConnector", "PdConnectorMetadata", "PdConnectorScheduler",
+           "PdConnectorWorker", "SaveSpec", "SendSpec", "VerdictBoard", "build_connector"]
 
 
-def build_connector(config: KVTransferConfig, *, listen: bool = True) -> Connector:
+@dataclass(frozen=True, slots=True)
+class PdConnector(Connector):
+    """The engine's pair, plus the typed surfaces the services drive transfers through."""
+
+    @property
+    def sends(self) -> SendControl:
+        return self.worker
+
+    @property
+    def receives(self) -> ReceiveControl:
+        return self.worker
+
+
+def build_connector(config: KVTransferConfig, *, listen: bool = True) -> PdConnector:
     """The pdserve connector pair for an engine. `listen`: open the transports' receivers
     (decode workers); a prefill-only worker can pass False."""
     backends = open_backends(config)
     box = LayoutBox()
     store = backends.stores.get(config.prefix_cache) if config.prefix_cache else None
-    return Connector(scheduler=PdConnectorScheduler(config, store, box),
-                     worker=PdConnectorWorker(config, backends, store, box, listen=listen))
+    return PdConnector(scheduler=PdConnectorScheduler(config, store, box),
+                       worker=PdConnectorWorker(config, backends, store, box, listen=listen))

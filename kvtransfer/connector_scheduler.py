@@ -44,22 +44,22 @@ class PdConnectorScheduler(KVConnectorScheduler):
         self.num_matched_blocks = 0  # store blocks offered to the engine, all requests
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> int:
         params = request.transfer_params
         if isinstance(params, ReceiveParams):
-            return 0, False  # a remote prefill fills this one (the decode service drives it)
+            return 0  # a remote prefill fills this one (the decode service drives it)
         if isinstance(params, TransferParams):
             self._announce(request.request_id, SendSpec(
                 request.request_id, params, len(request.prompt_token_ids), request.block_hashes))
         layout = self._layout.layout
         if self.store is None or layout is None:
-            return 0, False
+            return 0
         bs = layout.block_size
         start = num_computed_tokens // bs
         hits = self._lookup(request, start, layout)
         self._announce(request.request_id,
                        SaveSpec(request.request_id, request.block_hashes, start + hits))
-        return hits * bs, False
+        return hits * bs
 
     def _lookup(self, request: ConnectorRequest, start: int, layout: KVCacheLayout) -> int:
         """Full blocks from `start` on that the store holds, fetched and verified now. At

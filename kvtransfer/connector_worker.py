@@ -169,20 +169,20 @@ class PdConnectorWorker(KVConnectorWorker):
         for spec in ready:
             self._start_send(spec, context.block_ids_by_request[spec.request_id])
 
-    def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(sends done — reported on every call until the engine has seen the request finish,
-        receives done). A request `request_finished` kept always comes back in the first set."""
+    def get_finished(self, finished_request_ids: set[str]) -> set[str]:
+        """Sends done — reported on every call until the engine has seen the request finish.
+        A request `request_finished` kept always comes back. Also expires overdue receives
+        (their reservations end; the decode service settles them by verdict, not here)."""
         for rid in finished_request_ids:
             self._on_finished(rid, kept=False, from_scheduler=False)
-        received: set[str] = set()
         if self.sink is not None:
             self.sink.expire_overdue()
-            received = {e.tag for e in self.sink.take_events() if e.ok}
+            self.sink.take_events()  # receives are settled by complete_receive
         with self._lock:
             done = set(self._sent)
             for rid in [r for r, seen in self._sent.items() if seen]:
                 del self._sent[rid]  # reported after the finish: the engine has it
-        return done, received
+        return done
 
     # -- persistent prefix cache --------------------------------------------------------
     def _save_completed(self, rid: str, state: _SaveState, context: LayerSaveContext) -> None:
@@ -281,6 +281,10 @@ class PdConnectorWorker(KVConnectorWorker):
         with self._lock:
             self._sent[rid] = True
 
+    def wait_verdict(self, request_id: str, timeout_s: float) -> TransferVerdict | None:
+        """`SendControl.wait_verdict`: the verdict of a send, taken from the board."""
+        return self.verdicts.wait(request_id, timeout_s)
+
     def abort_send(self, request_id: str) -> bool:
         """Prefill service: the request is being aborted. A send that has not started never
         will (its verdict says aborted); one under way runs to its own deadline. True if a
@@ -294,6 +298,10 @@ class PdConnectorWorker(KVConnectorWorker):
         return True
 
     # -- decode side (called by the decode service, any thread) --------------------------
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
     def prepare_receive(self, request_id: str, block_ids: Sequence[int], num_prompt_tokens: int,
                         num_leading_blocks: int, deadline: float,
                         transfer_id: bytes | None = None) -> TransferParams:

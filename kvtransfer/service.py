@@ -13,10 +13,10 @@ from typing import Sequence
 
 from pdserve.common.auth import ClusterSecret, Mac
 from pdserve.common.errors import AuthError
-from pdserve.engine.connector import Connector
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.connector import build_connector
+from pdserve.kvtransfer.connector import PdConnector, build_connector
 from pdserve.kvtransfer.params import TransferParams
+from pdserve.kvtransfer.ports import ReceiveControl, SendControl
 from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 
@@ -107,36 +107,36 @@ def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferPara
 
 
 class Sender:
-    """Prefill's side: the engine's connector, plus verdicts by request id."""
+    """Prefill's side: builds the engine's connector, then reads verdicts through its
+    `SendControl`."""
 
     def __init__(self, settings, secret: ClusterSecret | None = None) -> None:
         self.block_size = settings.block_size
-        self.connector: Connector = build_connector(transfer_config(settings, secret), listen=False)
+        self.connector: PdConnector = build_connector(transfer_config(settings, secret), listen=False)
+        self.sends: SendControl = self.connector.sends
 
     def transfer_params(self, request_id: str, handoff: prefill_pb2.KVHandoff) -> TransferParams:
         return handoff_to_params(handoff, self.block_size)
 
     async def verdict(self, request_id: str, timeout: float) -> common_pb2.TransferVerdict:
-        v = await asyncio.to_thread(self.connector.worker.verdicts.wait, request_id, timeout)
+        v = await asyncio.to_thread(self.sends.wait_verdict, request_id, timeout)
         if v is None:
             return common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_FAILED,
                                               reason="transfer_failed: no verdict before the deadline")
         return verdict_to_proto(v)
 
     def abort(self, request_id: str) -> None:
-        abort = getattr(self.connector.worker, "abort_send", None)
-        if abort is not None:
-            abort(request_id)
+        self.sends.abort_send(request_id)
 
     def close(self) -> None:
-        self.connector.worker.close()
+        self.sends.close()
 
 
 class Receiver:
     """Decode's side: reserve blocks for a transfer, settle it with prefill's verdict."""
 
-    def __init__(self, connector: Connector, settings) -> None:
-        self.worker = connector.worker
+    def __init__(self, receives: ReceiveControl, settings) -> None:
+        self.receives = receives
         self.settings = settings
         self.backends = transfer_config(settings).backends
 
@@ -144,7 +144,7 @@ class Receiver:
         """Where each configured backend reaches us, in chain order: a transport's listener
         (a wildcard bind is advertised as --advertise-host), a store's location."""
         advertise = self.settings.advertise_host
-        listening = self.worker.endpoints
+        listening = self.receives.endpoints
         stores = {"redis": self.settings.redis_url, "disk": self.settings.disk_store}
         out = []
         for backend in self.backends:
@@ -159,8 +159,8 @@ class Receiver:
 
     def prepare(self, request_id: str, block_ids: Sequence[int], num_prompt_tokens: int,
                 num_cached_tokens: int, timeout_s: float) -> TransferParams:
-        bs = self.worker.layout.block_size
-        tp = self.worker.prepare_receive(request_id, block_ids, num_prompt_tokens,
+        bs = self.receives.block_size
+        tp = self.receives.prepare_receive(request_id, block_ids, num_prompt_tokens,
                                          num_cached_tokens // bs, time.time() + timeout_s)
         # advertise reachable endpoints (a 0.0.0.0 listener is not an address)
         import dataclasses
@@ -168,22 +168,22 @@ class Receiver:
         return dataclasses.replace(tp, endpoints=tuple(self.endpoints()))
 
     def complete(self, request_id: str, verdict: common_pb2.TransferVerdict) -> common_pb2.TransferVerdict:
-        final = self.worker.complete_receive(request_id, verdict_from_proto(verdict))
+        final = self.receives.complete_receive(request_id, verdict_from_proto(verdict))
         out = verdict_to_proto(final)
         if final.outcome == Outcome.RECOMPUTED or not final.ok:
             out.outcome = common_pb2.TRANSFER_OUTCOME_FAILED  # decode's policy decides what next
         return out
 
     def cancel(self, request_id: str) -> None:
-        self.worker.cancel_receive(request_id)
+        self.receives.cancel_receive(request_id)
 
     def close(self) -> None:
-        self.worker.close()
+        self.receives.close()
 
 
 def make_sender(settings, secret: ClusterSecret | None = None) -> Sender:
     return Sender(settings, secret)
 
 
-def make_connector_for_decode(settings, secret: ClusterSecret | None = None) -> Connector:
+def make_connector_for_decode(settings, secret: ClusterSecret | None = None) -> PdConnector:
     return build_connector(transfer_config(settings, secret), listen=True)

@@ -48,7 +48,7 @@ def setup(redis_server, tmp_path):
                           health_policy=config.health_policy)
     receiver = build_connector(config, listen=False)
     receiver.worker.register_kv_caches(make_caches(LAYOUT), LAYOUT)
-    yield chain, receiver.worker, disk_dir, redis_server
+    yield chain, receiver.receives, disk_dir, redis_server
     chain.close()
     receiver.worker.close()
 

@@ -53,7 +53,7 @@ def forward(conn, caches, block_ids: dict[str, list[int]], num_computed: dict[st
 def test_prefix_cache_saves_then_a_fresh_instance_loads(tmp_path):
     conn1, caches1 = make(tmp_path)
     req = request("a")
-    assert conn1.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert conn1.scheduler.get_num_new_matched_tokens(req, 0) == 0
     conn1.scheduler.update_state_after_alloc(req, [5, 6, 7, 8], 0)
     forward(conn1, caches1, {"a": [5, 6, 7, 8]}, {"a": 14})
     assert conn1.worker.flush(10)
@@ -63,12 +63,12 @@ def test_prefix_cache_saves_then_a_fresh_instance_loads(tmp_path):
 
     conn2, caches2 = make(tmp_path)
     # all 3 full blocks hit; the engine always computes at least the last prompt token
-    assert conn2.scheduler.get_num_new_matched_tokens(req, 0) == (12, False)
+    assert conn2.scheduler.get_num_new_matched_tokens(req, 0) == 12
     conn2.scheduler.update_state_after_alloc(req, [9, 10, 11, 12], 12)
     forward(conn2, caches2, {"a": [9, 10, 11, 12]}, {"a": 14})
     assert block_digests(caches2, [9, 10, 11]) == block_digests(caches1, [5, 6, 7])
     # with a local prefix hit of one block, the store supplies the next two
-    assert conn2.scheduler.get_num_new_matched_tokens(request("b"), 4) == (8, False)
+    assert conn2.scheduler.get_num_new_matched_tokens(request("b"), 4) == 8
     conn2.worker.close()
 
 
@@ -80,7 +80,7 @@ def test_prompt_of_exact_blocks_leaves_the_last_block_to_compute(tmp_path):
     forward(conn, caches, {"a": [1, 2]}, {"a": 8})
     conn.worker.flush(10)
     fresh, _ = make(tmp_path)
-    assert fresh.scheduler.get_num_new_matched_tokens(request("b", prompt=prompt), 0) == (4, False)
+    assert fresh.scheduler.get_num_new_matched_tokens(request("b", prompt=prompt), 0) == 4
     conn.worker.close()
     fresh.worker.close()
 
@@ -88,7 +88,7 @@ def test_prompt_of_exact_blocks_leaves_the_last_block_to_compute(tmp_path):
 def test_remote_prefill_requests_get_no_store_load(tmp_path):
     conn, _ = make(tmp_path)
     assert conn.scheduler.get_num_new_matched_tokens(
-        request("d", ReceiveParams(bytes(16))), 0) == (0, False)
+        request("d", ReceiveParams(bytes(16))), 0) == 0
     conn.worker.close()
 
 
@@ -102,23 +102,23 @@ def handoff_pair(tmp_path):
 
 def test_prefill_sends_into_the_decode_cache(tmp_path):
     prefill, p_caches, decode, d_caches = handoff_pair(tmp_path)
-    params = decode.worker.prepare_receive("d1", [20, 21, 22, 23, 24], num_prompt_tokens=14,
+    params = decode.receives.prepare_receive("d1", [20, 21, 22, 23, 24], num_prompt_tokens=14,
                                            num_leading_blocks=1, deadline=time.time() + 30)
     assert params.dst_block_ids == (21, 22, 23)  # block 0 is the decode side's own prefix hit
     assert decode.worker.sink.reserved_block_ids == {21, 22, 23}
 
     req = request("p1", params)
-    assert prefill.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert prefill.scheduler.get_num_new_matched_tokens(req, 0) == 0
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 8})  # first chunk: not done yet
-    assert prefill.worker.verdicts.wait("p1", 0.2) is None
+    assert prefill.sends.wait_verdict("p1", 0.2) is None
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 14})  # prompt complete: send
-    verdict = prefill.worker.verdicts.wait("p1", 10)
+    verdict = prefill.sends.wait_verdict("p1", 10)
     assert verdict.ok and verdict.backend == "disk" and verdict.num_blocks == 3
     assert verdict.fetch_keys[:2] == req.block_hashes[1:] and verdict.fetch_keys[2] < 0
     assert prefill.scheduler.request_finished(req, [2, 3, 4, 5]) is True  # keep until reported
-    assert "p1" in prefill.worker.get_finished(set())[0]
+    assert "p1" in prefill.worker.get_finished(set())
 
-    final = decode.worker.complete_receive("d1", verdict)
+    final = decode.receives.complete_receive("d1", verdict)
     assert final.ok
     assert block_digests(d_caches, [21, 22, 23]) == block_digests(p_caches, [3, 4, 5])
     assert decode.worker.sink.pending_transfer_ids == set()
@@ -129,19 +129,19 @@ def test_prefill_sends_into_the_decode_cache(tmp_path):
 
 def test_send_reports_stick_until_the_engine_saw_the_finish(tmp_path):
     prefill, p_caches, decode, _ = handoff_pair(tmp_path)
-    params = decode.worker.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
+    params = decode.receives.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
     req = request("p1", params)
     prefill.scheduler.get_num_new_matched_tokens(req, 0)
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 14})
-    prefill.worker.verdicts.wait("p1", 10)
+    prefill.sends.wait_verdict("p1", 10)
     assert prefill.worker.flush(10)
-    assert prefill.worker.get_finished(set())[0] == {"p1"}
-    assert prefill.worker.get_finished(set())[0] == {"p1"}  # not acknowledged yet
+    assert prefill.worker.get_finished(set()) == {"p1"}
+    assert prefill.worker.get_finished(set()) == {"p1"}  # not acknowledged yet
     assert prefill.scheduler.request_finished(req, [2, 3, 4, 5])
     forward(prefill, p_caches, {}, {})  # the next step carries the finish to the worker
-    assert prefill.worker.get_finished(set())[0] == {"p1"}  # reported once more, then dropped
-    assert prefill.worker.get_finished(set())[0] == set()
-    decode.worker.cancel_receive("d1")
+    assert prefill.worker.get_finished(set()) == {"p1"}  # reported once more, then dropped
+    assert prefill.worker.get_finished(set()) == set()
+    decode.receives.cancel_receive("d1")
     assert decode.worker.sink.reserved_block_ids == set()
     prefill.worker.close()
     decode.worker.close()
@@ -152,37 +152,37 @@ def test_a_fast_send_gets_one_verdict_whichever_finish_notice_comes_first(tmp_pa
     first (get_finished), the scheduler's notice a step later. Before the fix the second
     notice posted a false 'aborted' verdict that a slower reader took for the real one."""
     prefill, p_caches, decode, _ = handoff_pair(tmp_path)
-    params = decode.worker.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
+    params = decode.receives.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
     req = request("p1", params)
     prefill.scheduler.get_num_new_matched_tokens(req, 0)
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 14})
     assert prefill.worker.flush(10)
     assert prefill.scheduler.request_finished(req, [2, 3, 4, 5])  # the first token ended p1
-    assert prefill.worker.get_finished({"p1"})[0] == {"p1"}  # end of that step
+    assert prefill.worker.get_finished({"p1"}) == {"p1"}  # end of that step
     forward(prefill, p_caches, {}, {})  # the scheduler's notice arrives
-    assert prefill.worker.get_finished(set())[0] == {"p1"}
-    assert prefill.worker.get_finished(set())[0] == set()
-    verdict = prefill.worker.verdicts.wait("p1", 1)
+    assert prefill.worker.get_finished(set()) == {"p1"}
+    assert prefill.worker.get_finished(set()) == set()
+    verdict = prefill.sends.wait_verdict("p1", 1)
     assert verdict is not None and verdict.ok, verdict
-    assert prefill.worker.verdicts.wait("p1", 0.2) is None  # and no second one
-    decode.worker.cancel_receive("d1")
+    assert prefill.sends.wait_verdict("p1", 0.2) is None  # and no second one
+    decode.receives.cancel_receive("d1")
     prefill.worker.close()
     decode.worker.close()
 
 
 def test_abort_before_the_prompt_completes_reports_an_aborted_verdict(tmp_path):
     prefill, p_caches, decode, _ = handoff_pair(tmp_path)
-    params = decode.worker.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
+    params = decode.receives.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
     req = request("p1", params)
     prefill.scheduler.get_num_new_matched_tokens(req, 0)
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 4})
     assert prefill.scheduler.request_finished(req, [2, 3, 4, 5]) is True
     forward(prefill, p_caches, {}, {})
-    assert "p1" in prefill.worker.get_finished(set())[0]
-    verdict = prefill.worker.verdicts.wait("p1", 1)
+    assert "p1" in prefill.worker.get_finished(set())
+    verdict = prefill.sends.wait_verdict("p1", 1)
     assert verdict.outcome == Outcome.ABORTED and not verdict.ok
 
-    final = decode.worker.complete_receive("d1", verdict)
+    final = decode.receives.complete_receive("d1", verdict)
     assert final.outcome == Outcome.ABORTED
     assert decode.worker.sink.reserved_block_ids == set()
     prefill.worker.close()
@@ -191,35 +191,35 @@ def test_abort_before_the_prompt_completes_reports_an_aborted_verdict(tmp_path):
 
 def test_service_abort_before_the_send_starts(tmp_path):
     prefill, p_caches, decode, _ = handoff_pair(tmp_path)
-    params = decode.worker.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
+    params = decode.receives.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
     req = request("p1", params)
     prefill.scheduler.get_num_new_matched_tokens(req, 0)
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 4})
-    assert prefill.worker.abort_send("p1") and not prefill.worker.abort_send("p1")
-    assert prefill.worker.verdicts.wait("p1", 1).outcome == Outcome.ABORTED
+    assert prefill.sends.abort_send("p1") and not prefill.sends.abort_send("p1")
+    assert prefill.sends.wait_verdict("p1", 1).outcome == Outcome.ABORTED
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 14})  # too late: nothing is sent
     assert prefill.worker.flush(5) and not list((tmp_path / "store").rglob("*.kv"))
     prefill.scheduler.request_finished(req, [2, 3, 4, 5])
     forward(prefill, p_caches, {}, {})
-    assert prefill.worker.get_finished(set())[0] == {"p1"}
-    assert prefill.worker.get_finished(set())[0] == set()
-    decode.worker.cancel_receive("d1")
+    assert prefill.worker.get_finished(set()) == {"p1"}
+    assert prefill.worker.get_finished(set()) == set()
+    decode.receives.cancel_receive("d1")
     prefill.worker.close()
     decode.worker.close()
 
 
 def test_incompatible_or_mis_sized_handoffs_fail_without_sending(tmp_path):
     prefill, p_caches, decode, _ = handoff_pair(tmp_path)
-    params = decode.worker.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
+    params = decode.receives.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
     for rid, bad, why in (("p1", replace(params, compat_hash=params.compat_hash ^ 1), "compatibility"),
                           ("p2", replace(params, dst_block_ids=(20, 21)), "reserved 2 blocks")):
         req = request(rid, bad)
         prefill.scheduler.get_num_new_matched_tokens(req, 0)
         forward(prefill, p_caches, {rid: [2, 3, 4, 5]}, {rid: 14})
-        verdict = prefill.worker.verdicts.wait(rid, 5)
+        verdict = prefill.sends.wait_verdict(rid, 5)
         assert verdict.outcome == Outcome.FAILED and verdict.fallbacks[0].backend == "sender"
         assert why in verdict.fallbacks[0].reason
-    assert decode.worker.complete_receive("d1", verdict).outcome == Outcome.FAILED
+    assert decode.receives.complete_receive("d1", verdict).outcome == Outcome.FAILED
     assert not list((tmp_path / "store").rglob("*.kv"))  # nothing was sent
     prefill.worker.close()
     decode.worker.close()
@@ -227,12 +227,12 @@ def test_incompatible_or_mis_sized_handoffs_fail_without_sending(tmp_path):
 
 def test_receive_api_guards(tmp_path):
     decode, _ = make(tmp_path, prefix_cache=None)
-    decode.worker.prepare_receive("d1", [1, 2], 8, 0, time.time() + 30)
+    decode.receives.prepare_receive("d1", [1, 2], 8, 0, time.time() + 30)
     with pytest.raises(ValueError):
-        decode.worker.prepare_receive("d1", [3, 4], 8, 0, time.time() + 30)
+        decode.receives.prepare_receive("d1", [3, 4], 8, 0, time.time() + 30)
     with pytest.raises(ValueError):
-        decode.worker.complete_receive("nope", None)
-    assert decode.worker.cancel_receive("d1") and not decode.worker.cancel_receive("d1")
+        decode.receives.complete_receive("nope", None)
+    assert decode.receives.cancel_receive("d1") and not decode.receives.cancel_receive("d1")
     assert decode.worker.sink.reserved_block_ids == set()
     decode.worker.close()
     decode.worker.close()  # idempotent

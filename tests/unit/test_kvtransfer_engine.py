@@ -52,14 +52,14 @@ def disaggregated(prefill, decode, prompt, rid):
     run_until(decode, lambda: waiting or waiting.extend(d_engine.step()[1]))
     request = waiting[0]
     num_leading = max(0, request.num_cached_tokens) // BLOCK
-    params = d_engine.connector.worker.prepare_receive(
+    params = d_engine.connector.receives.prepare_receive(
         rid, d_engine.remote_block_ids(rid), len(prompt), num_leading, time.time() + 30, tid)
 
     p_engine.add_request(prompt, FIRST_TOKEN, request_id=f"p-{rid}", transfer_params=params)
     outs = run_until(prefill, lambda: not p_engine.has_unfinished())
     first = [t for o in outs if o.request_id == f"p-{rid}" for t in o.new_token_ids]
-    sent = p_engine.connector.worker.verdicts.wait(f"p-{rid}", 10)
-    received = d_engine.connector.worker.complete_receive(rid, sent)
+    sent = p_engine.connector.sends.wait_verdict(f"p-{rid}", 10)
+    received = d_engine.connector.receives.complete_receive(rid, sent)
     if received.ok:
         assert d_engine.finish_remote_prefill(rid, first[0])
     else:
