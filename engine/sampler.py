@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.penalties import apply_adjustments
 from pdserve.engine.request import Request, TokenLogprob
 
 
@@ -60,6 +61,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
     """logits: [N, vocab] fp32, row i for requests[i]."""
+    apply_adjustments(logits, requests)
     for i, req in enumerate(requests):
         _suppress_stops(logits[i], req)
     greedy = logits.argmax(dim=-1).tolist()

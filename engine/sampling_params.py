@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pdserve.common.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N >= 0: chosen token's logprob + top N
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0  # in [-2, 2]: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # in [-2, 2]: minus this times each token's output count
+    repetition_penalty: float = 1.0  # > 0; transformers' rule over prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +48,24 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must not be empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError("seed must be in [0, 2**63)")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items()))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
+        if any(not -100.0 <= b <= 100.0 or t < 0 for t, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100] for token ids >= 0")
+
+    @property
+    def has_logit_adjustments(self) -> bool:
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def is_greedy(self) -> bool:

@@ -84,11 +84,7 @@ def _common(body: _Body, sampling: common_pb2.SamplingParams) -> tuple[bool, boo
     n = body.int("n", 1, 1 << 30)
     if n is not None and n != 1:
         raise _invalid("only n=1 is supported", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = body.number(name)
-        if value:
-            raise _invalid(f"'{name}' is not supported (only 0)", name)
-    body.unsupported("logit_bias", ({},))
+    _penalties(body, sampling)
     body.unsupported("best_of", (1,))
     temperature = body.number("temperature")
     if temperature is not None:
@@ -117,6 +113,28 @@ def _common(body: _Body, sampling: common_pb2.SamplingParams) -> tuple[bool, boo
     if options is not None and not stream:
         raise _invalid("'stream_options' is only allowed with stream=true", "stream_options")
     return stream, bool(options and options.get("include_usage"))
+
+
+def _penalties(body: _Body, sampling: common_pb2.SamplingParams) -> None:
+    """presence/frequency/repetition penalties and logit_bias (ranges: validation.py)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = body.number(name)
+        if value is not None:
+            setattr(sampling, name, value)
+    repetition = body.number("repetition_penalty")
+    if repetition is not None:
+        sampling.repetition_penalty = repetition
+    bias = body.raw("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise _invalid("'logit_bias' must be an object of token id -> bias", "logit_bias")
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) <= _UINT32_MAX):
+            raise _invalid(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _invalid("'logit_bias' values must be numbers", "logit_bias")
+        sampling.logit_bias[int(key)] = float(value)
 
 
 def _stop_strings(value: Any) -> list[str]:

@@ -12,6 +12,7 @@ from pdserve.router.prompt import check_token_ids
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 CONTEXT_CODE = "context_length_exceeded"
 
 
@@ -64,4 +65,24 @@ def resolve_sampling(sampling: common_pb2.SamplingParams, num_prompt_tokens: int
         raise _invalid(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
     if sampling.top_logprobs and not sampling.logprobs:
         raise _invalid("top_logprobs needs logprobs", "top_logprobs")
+    _check_penalties(sampling, resolved, vocab_size)
     return resolved
+
+
+def _check_penalties(sampling: common_pb2.SamplingParams, resolved: common_pb2.SamplingParams,
+                     vocab_size: int) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not -2.0 <= value <= 2.0:
+            raise _invalid(f"{name} must be in [-2, 2], got {value:g}", name)
+    if sampling.HasField("repetition_penalty"):
+        if not 0.0 < sampling.repetition_penalty <= 100.0:
+            raise _invalid(f"repetition_penalty must be in (0, 100], got {sampling.repetition_penalty:g}",
+                           "repetition_penalty")
+    else:
+        resolved.repetition_penalty = 1.0
+    if len(sampling.logit_bias) > MAX_LOGIT_BIAS:
+        raise _invalid(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    check_token_ids(list(sampling.logit_bias), vocab_size, "logit_bias")
+    if any(not -100.0 <= b <= 100.0 for b in sampling.logit_bias.values()):
+        raise _invalid("logit_bias values must be in [-100, 100]", "logit_bias")

@@ -15,7 +15,10 @@ def sampling_from_proto(p: common_pb2.SamplingParams):
         top_k=int(p.top_k) if p.HasField("top_k") else 0,
         seed=int(p.seed) if p.HasField("seed") else None,
         stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        logprobs=(int(p.top_logprobs) if p.logprobs else None))
+        logprobs=(int(p.top_logprobs) if p.logprobs else None),
+        presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty),
+        repetition_penalty=float(p.repetition_penalty) if p.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(p.logit_bias.items())))
 
 
 def logprob_to_proto(lp, tokenizer=None) -> common_pb2.TokenLogprob:

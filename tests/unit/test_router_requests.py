@@ -72,6 +72,24 @@ def test_chat_body_maps_onto_generate_request():
         "max_tokens")  # chat default: the rest of the context
 
 
+def test_penalties_and_logit_bias_map_onto_sampling():
+    s = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5,
+                    "frequency_penalty": -1, "repetition_penalty": 1.3, "logit_bias": {"7": -100, "9": 2.5}}
+                   ).request.sampling
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1.0)
+    assert s.repetition_penalty == pytest.approx(1.3) and dict(s.logit_bias) == {7: -100.0, 9: 2.5}
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3),
+                                          ("repetition_penalty", 0), ("logit_bias", {"10": 1}),
+                                          ("logit_bias", {"1": 101})])
+def test_out_of_range_penalties_are_refused(field, value):
+    s = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}).request.sampling
+    with pytest.raises(ServiceError) as caught:
+        resolve_sampling(s, 3, 64, vocab_size=10)
+    assert caught.value.param == field
+
+
 def test_completion_body_maps_onto_generate_request():
     parsed = parse_completion({"model": "m", "prompt": ["hi"], "logprobs": 2})
     assert parsed.request.prompt == "hi" and parsed.request.sampling.max_tokens == 16
@@ -95,7 +113,9 @@ def test_completion_body_maps_onto_generate_request():
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, "stream_options"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_k": -2}, "top_k"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 2**64}, "seed"),
-    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}, "frequency_penalty"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, "logit_bias"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "big"}}, "logit_bias"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": "x"}, "presence_penalty"),
     (parse_completion, {"model": "m", "prompt": ["a", "b"]}, "prompt"),
     (parse_completion, {"model": "m", "prompt": [1, -2]}, "prompt"),
     (parse_completion, {"model": "m", "prompt": "x", "echo": True}, "echo"),
