@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.common.errors import ErrorKind, ServiceError, to_service_error
 from pdserve.proto.pdserve.v1 import generation_pb2
+from pdserve.router import fanout
 from pdserve.router.auth import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
@@ -134,6 +135,8 @@ class OpenAIHandlers:
             return error_response(err)
         prefix = "chatcmpl" if chat else "cmpl"
         parsed.request.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        if parsed.best_of > 1 or len(parsed.prompts) > 1:
+            return await self._fan_out(request, parsed, chat, api)
         responses = self._frontend.generate(parsed.request, api=api)
         formatter = ResponseFormatter(chat, parsed.model, parsed.request.request_id, parsed.request.sampling.logprobs,
                                       self._token_text(parsed.model))
@@ -168,6 +171,30 @@ class OpenAIHandlers:
         return DisconnectAwareStream(_sse_events(first, responses, formatter, parsed.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _fan_out(self, request: Request, parsed: OpenAIRequest, chat: bool, api: str) -> Response:
+        """Several choices (n, best_of, prompt lists): see `fanout`."""
+        rid = parsed.request.request_id
+        choices = fanout.plan_choices(parsed, rid)
+
+        def generate(one: generation_pb2.GenerateRequest):
+            return self._frontend.generate(one, api=api)
+
+        def formatter(index: int) -> ResponseFormatter:
+            return ResponseFormatter(chat, parsed.model, rid, parsed.request.sampling.logprobs,
+                                     self._token_text(parsed.model), index)
+
+        if parsed.stream:
+            return DisconnectAwareStream(fanout.sse_events(parsed, choices, generate, formatter),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async def answer() -> Response:
+            try:
+                return JSONResponse(await fanout.whole(parsed, choices, generate, formatter(0)))
+            except ServiceError as err:
+                return error_response(err)
+        return await _until_disconnect(request.receive, answer())
 
     def _token_text(self, model_name: str) -> Callable[[int], str]:
         def token_text(token_id: int) -> str:

@@ -105,7 +105,9 @@ class Collected:
 class ResponseFormatter:
     """Builds the JSON of one request's answer: `chat` or text completion, whole or chunks."""
 
-    def __init__(self, chat: bool, model: str, response_id: str, logprobs: bool, token_text: TokenText) -> None:
+    def __init__(self, chat: bool, model: str, response_id: str, logprobs: bool, token_text: TokenText,
+                 index: int = 0) -> None:
+        self._index = index  # the choice this formatter's chunks belong to
         self._chat = chat
         self._model = model
         self._id = response_id
@@ -116,9 +118,22 @@ class ResponseFormatter:
         self._sent_role = False
 
     def whole(self, collected: Collected) -> dict[str, Any]:
+        return self.whole_many([collected])
+
+    def whole_many(self, choices: list[Collected], num_prompt_copies: int = 1) -> dict[str, Any]:
+        """One answer of several choices (index = position); usage summed, each prompt once
+        (every `num_prompt_copies` consecutive choices share one prompt)."""
+        out = self._envelope("chat.completion" if self._chat else "text_completion",
+                             [self._choice(c, i) for i, c in enumerate(choices)])
+        lasts = [c.last for c in choices]
+        out["usage"] = None if None in lasts else usage_json(sum_usage(lasts, num_prompt_copies))
+        out["pdserve"] = choices[0].pdserve if len(choices) == 1 else [c.pdserve for c in choices]
+        return out
+
+    def _choice(self, collected: Collected, index: int) -> dict[str, Any]:
         last = collected.last
         text = "".join(collected.text)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(last) if last else None,
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(last) if last else None,
                                   "logprobs": None}
         if self._logprobs:
             choice["logprobs"] = (chat_logprobs(collected.logprobs, self._token_text) if self._chat
@@ -127,13 +142,10 @@ class ResponseFormatter:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        out = self._envelope("chat.completion" if self._chat else "text_completion", [choice])
-        out["usage"] = usage_json(last.usage) if last is not None else None
-        out["pdserve"] = collected.pdserve
-        return out
+        return choice
 
     def chunk(self, response: generation_pb2.GenerateResponse, include_usage: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(response), "logprobs": None}
+        choice: dict[str, Any] = {"index": self._index, "finish_reason": finish_reason(response), "logprobs": None}
         if self._chat:
             delta: dict[str, Any] = {"content": response.text}
             if not self._sent_role:
@@ -161,6 +173,17 @@ class ResponseFormatter:
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self._id, "object": obj, "created": self._created, "model": self._model, "choices": choices}
+
+
+def sum_usage(lasts: list[generation_pb2.GenerateResponse], num_prompt_copies: int) -> common_pb2.Usage:
+    """Usage of several choices: completions summed, each prompt counted once."""
+    total = common_pb2.Usage()
+    for i, last in enumerate(lasts):
+        total.completion_tokens += last.usage.completion_tokens
+        if i % num_prompt_copies == 0:
+            total.prompt_tokens += last.usage.prompt_tokens
+            total.cached_prompt_tokens += last.usage.cached_prompt_tokens
+    return total
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

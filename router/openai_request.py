@@ -1,6 +1,6 @@
 """OpenAI request bodies -> GenerateRequest.
 
-Only the JSON shape is checked here (types, n=1, unsupported options, numeric ranges the
+Only the JSON shape is checked here (types, choice counts, unsupported options, ranges the
 proto cannot hold); value rules shared with gRPC (temperature, top_p, max_tokens against
 the context...) live in `validation.py`. Unknown fields are ignored, as OpenAI clients
 send extras.
@@ -17,6 +17,15 @@ from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 _UINT32_MAX = 2**32 - 1
 _INT64 = (-(2**63), 2**63 - 1)
+MAX_CHOICES = 128  # n * number of prompts: one request fans out into at most this many
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One generation of a fanned-out request (n > 1, best_of, a list of prompts)."""
+    prompt_index: int
+    copy_index: int  # 0 .. best_of - 1
+    request: generation_pb2.GenerateRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +34,22 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage
     model: str  # as the client named it, echoed in responses
+    n: int = 1
+    best_of: int = 1  # >= n; the n with the highest total logprob are returned
+    prompts: tuple[generation_pb2.GenerateRequest, ...] = ()  # completions: one request per prompt
+
+    def choices(self) -> list[Choice]:
+        """The generations to run: best_of per prompt; a seeded request's k-th copy gets
+        seed + k, so n choices differ and stay reproducible."""
+        out = []
+        for p, base in enumerate(self.prompts or (self.request,)):
+            for k in range(self.best_of):
+                copy = generation_pb2.GenerateRequest()
+                copy.CopyFrom(base)
+                if k and copy.sampling.HasField("seed"):
+                    copy.sampling.seed = (copy.sampling.seed + k) % 2**63
+                out.append(Choice(p, k, copy))
+        return out
 
 
 def _invalid(message: str, param: str) -> ServiceError:
@@ -79,13 +104,22 @@ class _Body:
             raise _invalid(f"'{name}' = {value!r} is not supported", name)
 
 
+def _num_choices(body: _Body, stream: bool, num_prompts: int) -> tuple[int, int]:
+    """(n, best_of), bounded so that best_of * prompts <= MAX_CHOICES."""
+    n = body.int("n", 1, MAX_CHOICES) or 1
+    best_of = body.int("best_of", 1, MAX_CHOICES) or n
+    if best_of < n:
+        raise _invalid("'best_of' must be at least 'n'", "best_of")
+    if best_of > n and stream:
+        raise _invalid("'best_of' > 'n' cannot be streamed", "best_of")
+    if best_of * num_prompts > MAX_CHOICES:
+        raise _invalid(f"at most {MAX_CHOICES} generations per request (n or best_of times prompts)", "n")
+    return n, best_of
+
+
 def _common(body: _Body, sampling: common_pb2.SamplingParams) -> tuple[bool, bool]:
     """Fields both endpoints share; returns (stream, include_usage)."""
-    n = body.int("n", 1, 1 << 30)
-    if n is not None and n != 1:
-        raise _invalid("only n=1 is supported", "n")
     _penalties(body, sampling)
-    body.unsupported("best_of", (1,))
     temperature = body.number("temperature")
     if temperature is not None:
         sampling.temperature = temperature
@@ -174,31 +208,48 @@ def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
     body = _Body(raw)
     model = _model(body)
     request = generation_pb2.GenerateRequest(model=model, session_id=body.str("user") or "")
-    _set_prompt(request, raw.get("prompt"))
+    prompts = _prompts(raw.get("prompt"))
     if body.bool("echo"):
         raise _invalid("'echo' is not supported", "echo")
     body.unsupported("suffix", ("",))
     stream, include_usage = _common(body, request.sampling)
+    n, best_of = _num_choices(body, stream, len(prompts))
     max_tokens = _max_tokens(body, "max_tokens")
     request.sampling.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     logprobs = body.int("logprobs", 0, 20)
     if logprobs is not None:
         request.sampling.logprobs = True
         request.sampling.top_logprobs = logprobs
-    return OpenAIRequest(request, stream, include_usage, model)
+    requests = []
+    for prompt in prompts:
+        one = generation_pb2.GenerateRequest()
+        one.CopyFrom(request)
+        if isinstance(prompt, str):
+            one.prompt = prompt
+        else:
+            one.token_ids.ids.extend(prompt)
+        requests.append(one)
+    return OpenAIRequest(requests[0], stream, include_usage, model, n, best_of, tuple(requests))
 
 
-def _set_prompt(request: generation_pb2.GenerateRequest, prompt: Any) -> None:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A string, a list of token ids, or a non-empty list of either."""
     if isinstance(prompt, str):
-        request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        request.token_ids.ids.extend(_token_list(prompt, "prompt"))
-    elif prompt is None:
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [_token_list(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise _invalid(f"at most {MAX_CHOICES} prompts per request", "prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, list) and not p:
+                raise _invalid("a prompt of token ids must not be empty", "prompt")
+            out.append(p if isinstance(p, str) else _token_list(p, "prompt"))
+        return out
+    if prompt is None:
         raise _invalid("'prompt' is required", "prompt")
-    else:
-        raise _invalid("'prompt' must be a string, a list of token ids, or a list of one of those", "prompt")
+    raise _invalid("'prompt' must be a string, a list of token ids, or a list of those", "prompt")
 
 
 def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
@@ -217,6 +268,7 @@ def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
     if response_format is not None and response_format != {"type": "text"}:
         raise _invalid("only response_format {\"type\": \"text\"} is supported", "response_format")
     stream, include_usage = _common(body, request.sampling)
+    n, best_of = _num_choices(body, stream, 1)
     max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
     if max_tokens is not None:
         request.sampling.max_tokens = max_tokens
@@ -224,7 +276,7 @@ def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
     top_logprobs = body.int("top_logprobs", 0, 20)
     if top_logprobs:
         request.sampling.top_logprobs = top_logprobs
-    return OpenAIRequest(request, stream, include_usage, model)
+    return OpenAIRequest(request, stream, include_usage, model, n, best_of)
 
 
 def _chat_message(message: Any) -> tuple[str, str]:

@@ -367,6 +367,33 @@ def test_logprobs_stop_and_sampling_reach_decode(make_cluster):
     assert completion.choices[0].logprobs.token_logprobs == [-0.25, -0.25]
 
 
+def test_n_best_of_and_prompt_lists_give_indexed_choices(make_cluster):
+    cluster = make_cluster()
+    decode = cluster.add("d0")
+    client = cluster.openai()
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=8, n=3, seed=5)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert all(c.message.content == "Hello, world!" for c in chat.choices)
+    assert sorted(r.sampling.seed for r in decode.requests[-3:]) == [5, 6, 7]
+    assert chat.usage.completion_tokens == 12 and chat.usage.prompt_tokens == len(decode.requests[-1].prompt_token_ids)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=8, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    for index in (0, 1):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == index)
+        assert text == "Hello, world!"
+    assert chunks[-1].usage.completion_tokens == 8
+
+    listed = client.completions.create(model=MODEL, prompt=["hello", [5, 6, 7]], max_tokens=2, n=2)
+    assert [c.index for c in listed.choices] == [0, 1, 2, 3]
+    assert all(c.text == "Hello," for c in listed.choices)
+    best = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, n=1, best_of=3)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert all(r.sampling.logprobs for r in decode.requests[-3:])  # asked for the ranking
+
+
 def test_grpc_generate_streams_the_same_and_example_client(make_cluster):
     from pdserve.router.example_client import stream_chat
 
@@ -432,7 +459,8 @@ BAD_HTTP = [
     ("temperature > 2", "/v1/chat/completions", chat_body(temperature=2.5), 400, "temperature"),
     ("top_p = 0", "/v1/chat/completions", chat_body(top_p=0), 400, "top_p"),
     ("top_p > 1", "/v1/chat/completions", chat_body(top_p=1.5), 400, "top_p"),
-    ("n > 1", "/v1/chat/completions", chat_body(n=2), 400, "n"),
+    ("n too large", "/v1/chat/completions", chat_body(n=1000), 400, "n"),
+    ("best_of < n", "/v1/chat/completions", chat_body(n=3, best_of=2), 400, "best_of"),
     ("string max_tokens", "/v1/chat/completions", chat_body(max_tokens="8"), 400, "max_tokens"),
     ("empty messages", "/v1/chat/completions", chat_body(messages=[]), 400, "messages"),
     ("bad role", "/v1/chat/completions", chat_body(messages=[{"role": "wizard", "content": "x"}]), 400, "messages"),

@@ -90,6 +90,17 @@ def test_out_of_range_penalties_are_refused(field, value):
     assert caught.value.param == field
 
 
+def test_n_and_prompt_lists_fan_out_into_choices():
+    parsed = parse_completion({"model": "m", "prompt": ["a", [5, 6]], "n": 2, "seed": 9})
+    choices = parsed.choices()
+    assert [(c.prompt_index, c.copy_index) for c in choices] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [c.request.prompt for c in choices[:2]] == ["a", "a"]
+    assert list(choices[2].request.token_ids.ids) == [5, 6]
+    assert [c.request.sampling.seed for c in choices] == [9, 10, 9, 10]  # distinct, reproducible
+    best = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2, "best_of": 4})
+    assert (best.n, best.best_of, len(best.choices())) == (2, 4, 4)
+
+
 def test_completion_body_maps_onto_generate_request():
     parsed = parse_completion({"model": "m", "prompt": ["hi"], "logprobs": 2})
     assert parsed.request.prompt == "hi" and parsed.request.sampling.max_tokens == 16
@@ -103,7 +114,11 @@ def test_completion_body_maps_onto_generate_request():
     (parse_chat, {"model": "m", "messages": "hi"}, "messages"),
     (parse_chat, {"model": "m", "messages": [{"content": "x"}]}, "messages"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2, "best_of": 3,
+                  "stream": True}, "best_of"),
+    (parse_completion, {"model": "m", "prompt": ["a"] * 65, "n": 2}, "n"),
+    (parse_completion, {"model": "m", "prompt": ["a", []]}, "prompt"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}, "max_tokens"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
@@ -116,7 +131,6 @@ def test_completion_body_maps_onto_generate_request():
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, "logit_bias"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "big"}}, "logit_bias"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": "x"}, "presence_penalty"),
-    (parse_completion, {"model": "m", "prompt": ["a", "b"]}, "prompt"),
     (parse_completion, {"model": "m", "prompt": [1, -2]}, "prompt"),
     (parse_completion, {"model": "m", "prompt": "x", "echo": True}, "echo"),
     (parse_completion, {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
