@@ -18,8 +18,8 @@ class DecodeBuild:
     def make_connector(self, settings: WorkerSettings, secret=None):
         from pdserve.engine.connector import Connector
 
-        if not settings.backends:
-            return Connector()  # local prefill only
+        if not settings.backends and settings.prefix_store == "none":
+            return Connector()  # local prefill only, no prefix store
         from pdserve.kvtransfer.service import make_connector_for_decode
 
         self.connector = make_connector_for_decode(settings, secret)
@@ -55,7 +55,7 @@ def make_receiver(runtime, connector):
     """Decode's KV receiver for the configured backends (none configured: local prefill only)."""
     from pdserve.decode.prefill_leg import NoReceiver
 
-    if connector is None:
+    if connector is None or not runtime.settings.backends:
         return NoReceiver()
     from pdserve.kvtransfer.service import Receiver
 

@@ -81,7 +81,7 @@ class DecodeSessions:
                 resp.finish_reason = FINISH.get(out.finish_reason, common_pb2.FINISH_REASON_STOP)
                 resp.usage.CopyFrom(common_pb2.Usage(
                     prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                    cached_prompt_tokens=out.num_cached_tokens))
+                    cached_prompt_tokens=out.num_cached_tokens + out.num_loaded_tokens))
                 yield resp
                 return
             yield resp

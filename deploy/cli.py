@@ -98,6 +98,10 @@ def _add_shared_worker(p: argparse.ArgumentParser, role: str) -> None:
     f("redis_url", "redis://host:port/db for the redis backend")
     f("disk_store", "directory of the disk KV store (shared volume in k8s)")
     f("disk_store_max_gb", "disk store size budget", type=float)
+    f("prefix_store", "persistent prefix cache in that store (--disk-store / --redis-url): "
+                      "prefill computes only blocks it lacks and writes those it computes; "
+                      "decode loads matching blocks before asking for a prefill",
+      choices=("none", "disk", "redis"))
     f("transfer_timeout_s", "deadline of one transfer step", type=float)
     f("prefill_timeout_s", "decode: deadline of a remote prefill, from admission to the KV "
                            "landing: the prefill service's queue, compute and transfer; past it "

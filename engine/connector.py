@@ -26,8 +26,10 @@ A remote prefill (decode side of disaggregation) is *not* a connector path; the 
 it and the decode service drives it:
 
 1. `add_request(..., remote_prefill=True)`: at admission the scheduler allocates blocks for
-   the whole prompt, asks the connector for no load, and parks the request in
-   `WAITING_FOR_REMOTE_KVS` (`step()` returns it among the requests now waiting).
+   the whole prompt, lets the connector load what it offers (a persistent prefix store) as
+   for any request, and parks the request in `WAITING_FOR_REMOTE_KVS` with
+   `num_computed_tokens` = prefix hit + loads (`step()` returns it among those now waiting,
+   its loads already scattered). The prefill fills the blocks after those.
 2. The service reserves those blocks with its transport and asks a prefill service to fill
    them; the prefill's answer carries the first token, which no local forward produced.
 3. It ends the wait with exactly one of `finish_remote_prefill(id, first_token)` (the blocks

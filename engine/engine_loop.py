@@ -133,7 +133,7 @@ class EngineLoop:
             stream = self._streams.get(request.request_id)
             if stream is not None and stream.remote_ready is not None:
                 info = (tuple(self.engine.remote_block_ids(request.request_id)),
-                        max(0, request.num_cached_tokens))
+                        request.num_computed_tokens)  # held already: prefix hit + loads
                 loop.call_soon_threadsafe(_set_result, stream.remote_ready, info)
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -240,7 +240,7 @@ class LLMEngine:
             request.request_id, tuple(tokens), text, tuple(logprobs), request.is_finished,
             request.finish_reason, request.stop_reason, request.num_prompt_tokens,
             request.num_output_tokens, max(0, request.num_cached_tokens),
-            request.num_external_tokens)
+            request.num_external_tokens, num_loaded_tokens=request.num_loaded_tokens)
 
     # -- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:

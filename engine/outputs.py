@@ -22,6 +22,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens found in the local prefix cache
     num_external_tokens: int  # prompt tokens loaded or received through a connector
     error: str | None = None
+    num_loaded_tokens: int = 0  # of those, loaded from a connector's store (not received)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     num_external_tokens: int = 0  # prompt tokens a connector provided (loaded or received)
+    num_loaded_tokens: int = 0  # of those, loaded from a connector's store at admission
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # full prompt blocks, chained
     stop_reason: str | int | None = None

@@ -170,9 +170,8 @@ class Scheduler:
         hit = self.kv.find_prefix_hit(request)
         hit_tokens = hit.num_blocks * self.kv.block_size
         creq = connector_view(request)
+        num_external = self.connector.get_num_new_matched_tokens(creq, hit_tokens)
         wants_remote = request.remote_prefill and request.num_output_tokens == 0
-        num_external = 0 if wants_remote else \
-            self.connector.get_num_new_matched_tokens(creq, hit_tokens)
         if self.config.capacity_policy != CapacityPolicy.MAX_UTILIZATION:
             final = min(request.num_tokens + request.sampling_params.max_tokens
                         - request.num_output_tokens, self.max_model_len)
@@ -204,8 +203,9 @@ class Scheduler:
         if num_external:
             self.connector.update_state_after_alloc(
                 creq, self.kv.blocks_of(request.request_id), num_external)
-            request.num_external_tokens = num_external
-        if wants_remote:
+            request.num_external_tokens = request.num_loaded_tokens = num_external
+        if wants_remote:  # loads land before the step ends; the prefill fills the rest
+            request.num_computed_tokens = computed
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             return True
         request.num_computed_tokens = computed

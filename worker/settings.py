@@ -48,6 +48,7 @@ class WorkerSettings:
     redis_url: str = ""
     disk_store: str = ""
     disk_store_max_gb: float = 10.0
+    prefix_store: str = "none"  # "disk" | "redis": a persistent prefix cache in that store
     transfer_timeout_s: float = 10.0
     prefill_timeout_s: float = 60.0
     failure_policy: str = "recompute"
@@ -83,6 +84,11 @@ class WorkerSettings:
         out = cls(**values)
         if out.failure_policy not in ("recompute", "fail"):
             raise SettingsError("--failure-policy must be recompute or fail")
+        if out.prefix_store not in ("none", "disk", "redis"):
+            raise SettingsError("--prefix-store must be disk, redis or none")
+        where = {"disk": ("disk_store", "--disk-store"), "redis": ("redis_url", "--redis-url")}
+        if out.prefix_store in where and not getattr(out, where[out.prefix_store][0]):
+            raise SettingsError(f"--prefix-store {out.prefix_store} needs {where[out.prefix_store][1]}")
         return out
 
     @property

@@ -108,10 +108,11 @@ def deploy(**settings) -> Deployment:
 
 
 def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[str] = (),
-                   common: list[str] = ()) -> Deployment:
-    """A router plus the given workers, each (name, role, extra flags), as real processes."""
+                   common: list[str] = (), secret_path: str | None = None) -> Deployment:
+    """A router plus the given workers, each (name, role, extra flags), as real processes.
+    `secret_path`: the cluster secret to use (a restarted deployment keeps its own)."""
     http_port, grpc_port, registry_port = pick_free_port(), pick_free_port(), pick_free_port()
-    secret_path = secret_file()
+    secret_path = secret_path or secret_file()
     secret = ["--cluster-secret-file", secret_path]
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
     children = [up.Child("router", [*py, "router", "--host", "127.0.0.1", "--http-port", str(http_port),

@@ -106,3 +106,22 @@ def test_up_makes_a_private_cluster_secret_per_run_and_removes_it(tmp_path):
     with up.cluster_secret({"cluster_secret_file": given}) as settings:
         assert settings["cluster_secret_file"] == given
     assert os.path.exists(given)
+
+
+def test_prefix_store_is_validated_and_reaches_the_transfer_config(tmp_path):
+    import pytest
+
+    from pdserve.kvtransfer.service import transfer_config
+    from pdserve.worker.settings import SettingsError, WorkerSettings
+
+    for role in ("prefill", "decode"):
+        args = build_parser().parse_args([role, "--prefix-store", "disk", "--disk-store", str(tmp_path)])
+        settings = WorkerSettings.from_settings(role, resolve(args, environ={}))
+        assert transfer_config(settings).prefix_cache == "disk"
+    assert transfer_config(WorkerSettings.from_settings("decode", {})).prefix_cache is None
+    with pytest.raises(SettingsError, match="--disk-store"):
+        WorkerSettings.from_settings("prefill", {"prefix_store": "disk"})
+    with pytest.raises(SettingsError, match="--redis-url"):
+        WorkerSettings.from_settings("decode", {"prefix_store": "redis"})
+    with pytest.raises(SettingsError, match="disk, redis or none"):
+        WorkerSettings.from_settings("decode", {"prefix_store": "s3"})

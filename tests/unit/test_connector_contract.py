@@ -3,8 +3,8 @@
 A scripted connector stands in for the transfer layer: its scheduler half offers loads and
 keeps finished requests' blocks as told, its worker half records what the engine hands it
 and reports sends done when the test says so. The engine is real (a tiny random model on
-CPU). Paths: a remote prefill finished, aborted, or failed and recomputed; a kept send
-released by `get_finished`; a connector load. Each ends with every block back in the pool.
+CPU). Paths: a remote prefill (after a store load) finished, aborted, or failed and
+recomputed; a kept send released by `get_finished`; a connector load. Each ends with every block back in the pool.
 """
 from __future__ import annotations
 
@@ -125,8 +125,10 @@ def park_remote(engine, rid):
 def test_remote_prefill_finished_decodes_from_the_given_first_token(scripted):
     engine, sched, worker = scripted
     free_before = engine.kv.get_num_free_blocks()
-    park_remote(engine, "r")
-    assert "r" not in sched.asked  # a remote prefill asks the connector for no load
+    sched.offer["r"] = BLOCK  # a persistent store holds the first block
+    request = park_remote(engine, "r")
+    assert request.num_computed_tokens == BLOCK  # the prefill fills only what follows
+    assert [load[2] for m in worker.metas for load in m.loads if load[0] == "r"] == [BLOCK]
     assert engine.stats().num_waiting_remote == 1
     assert len(engine.remote_block_ids("r")) == 4  # the whole prompt's blocks are held
     assert free_before - engine.kv.get_num_free_blocks() >= 4
@@ -136,6 +138,7 @@ def test_remote_prefill_finished_decodes_from_the_given_first_token(scripted):
     outs, _ = step_until(engine, lambda o, w: not engine.has_unfinished())
     tokens = tokens_of(outs, "r")
     assert tokens[0] == 42 and len(tokens) == GREEDY.max_tokens
+    assert outs[-1].num_loaded_tokens == BLOCK and outs[-1].num_external_tokens == len(PROMPT)
     assert ("r", False) in sched.finished_calls and "r" in worker.told_finished
 
 

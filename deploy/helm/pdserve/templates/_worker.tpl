@@ -105,6 +105,9 @@ spec:
             - {{ printf "--disk-store=%s" $kv.diskStore.mountPath | quote }}
             - {{ printf "--disk-store-max-gb=%v" $kv.diskStore.maxGB | quote }}
             {{- end }}
+            {{- with $kv.prefixStore }}
+            - {{ printf "--prefix-store=%s" . | quote }}
+            {{- end }}
             {{- if eq $role "prefill" }}
             {{- with $cfg.maxQueue }}
             - {{ printf "--max-queue=%d" (int64 .) | quote }}

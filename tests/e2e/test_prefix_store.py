@@ -1,0 +1,62 @@
+"""A persistent prefix store through the whole system, across a restart of every service.
+
+Router, prefill and decode run as real processes with `--prefix-store disk`. A prompt goes
+through the HTTP API; every service is stopped and started again on the same store; the
+same prompt then gives identical text, and its full prompt blocks are loaded from the store
+by the decode before it asks for a prefill (usage's cached tokens), so only the last,
+partial block crosses the transfer. No block is left held anywhere.
+"""
+from __future__ import annotations
+
+import pytest
+from harness import MODEL, deploy_workers, secret_file
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+PROMPT = ("A short story about a lighthouse keeper who finds a message in a bottle. It begins "
+          "on a stormy night, when the waves are high and the lamp is the only light for miles. "
+          "The keeper climbs the stairs and")
+
+
+def start(store: str, backend: str, secret: str):
+    flags = ["--kv-backends", backend, "--disk-store", store, "--prefix-store", "disk",
+             "--failure-policy", "fail"]
+    return deploy_workers([("prefill-0", "prefill", flags), ("decode-0", "decode", flags)],
+                          router_args=["--local-prefill-threshold", "0"], secret_path=secret)
+
+
+def complete(deployment):
+    out = deployment.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                                 temperature=0)
+    return out.choices[0].text, out.usage, out.model_extra["pdserve"]["transfer"]
+
+
+def test_text_is_identical_after_a_restart_and_the_prompt_is_loaded_not_computed(tmp_path):
+    from pdserve.deploy import up
+    from pdserve.kvtransfer.registry import is_importable
+
+    backend = "ucx" if is_importable("ucx")[0] else "disk"
+    store, secret = str(tmp_path / "kv"), secret_file()  # store records carry the secret's MAC
+    first = start(store, backend, secret)
+    try:
+        text0, usage0, transfer0 = complete(first)
+        first.assert_no_leaks()
+    finally:
+        up.stop(first.children)
+    num_full = (usage0.prompt_tokens - 1) // BLOCK  # a prompt's last token is always computed
+    num_blocks = -(-usage0.prompt_tokens // BLOCK)
+    assert num_full >= 2
+    assert usage0.prompt_tokens_details.cached_tokens == 0  # the store started empty
+    assert transfer0["outcome"] == "transferred" and transfer0["blocks"] == num_blocks
+
+    second = start(store, backend, secret)
+    try:
+        text1, usage1, transfer1 = complete(second)
+        second.assert_no_leaks()
+    finally:
+        up.stop(second.children)
+    assert text1 == text0
+    assert usage1.prompt_tokens_details.cached_tokens == num_full * BLOCK
+    assert transfer1["outcome"] == "transferred"
+    assert transfer1["blocks"] == num_blocks - num_full  # only the tail crossed
