@@ -13,6 +13,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.connector import Connector, KVCacheLayout
+from pdserve.engine.constraints import GrammarCompiler
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.common.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.kv_cache_manager import DTYPES, KVCacheManager
@@ -72,6 +73,8 @@ class LLMEngine:
         self.connector = connector or Connector()
         self.connector.worker.register_kv_caches(self.kv.kv_caches, self.layout)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.connector.scheduler, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                        self.model_config.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv, self.connector.worker)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
@@ -104,6 +107,7 @@ class LLMEngine:
         request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,
                           transfer_params=transfer_params, remote_prefill=remote_prefill)
         request.block_hashes = hash_prompt_blocks(ids, self.kv.block_size, self.compat_hash)
+        request.grammar = self.grammars.matcher(params.constraint)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device)  # reseeded per token (sampler)
         else:
@@ -197,6 +201,7 @@ class LLMEngine:
             if request.is_finished:
                 continue
             request.output_token_ids.append(token)
+            request.grammar.advance(token)  # every path, a remote prefill's first token too
             if logprob is not None:
                 request.output_logprobs.append(logprob)
             if request.first_token_time is None:

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pdserve.engine.constraints import NO_GRAMMAR
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -56,6 +57,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     generator: object | None = None  # torch.Generator when seeded
+    grammar: object = NO_GRAMMAR  # constraints.GrammarMatcher when sampling_params.constraint
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""Token choice from logits: greedy, temperature, top-k, top-p, seeded; logprobs; min_tokens."""
+"""Token choice from logits: penalties and logit_bias, min_tokens, the grammar mask, then greedy,
+temperature, top-k, top-p, seeded; logprobs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,6 +65,9 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
     apply_adjustments(logits, requests)
     for i, req in enumerate(requests):
         _suppress_stops(logits[i], req)
+        allowed = req.grammar.allowed()
+        if allowed is not None:
+            logits[i, : allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
     greedy = logits.argmax(dim=-1).tolist()
     need_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
     logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None

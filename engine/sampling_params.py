@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.engine.constraints import Constraint
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
@@ -26,6 +27,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # in [-2, 2]: minus this times each token's output count
     repetition_penalty: float = 1.0  # > 0; transformers' rule over prompt and output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    constraint: Constraint | None = None  # a grammar the output must follow (constraints.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

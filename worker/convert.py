@@ -18,7 +18,18 @@ def sampling_from_proto(p: common_pb2.SamplingParams):
         logprobs=(int(p.top_logprobs) if p.logprobs else None),
         presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty),
         repetition_penalty=float(p.repetition_penalty) if p.HasField("repetition_penalty") else 1.0,
-        logit_bias=tuple(sorted(p.logit_bias.items())))
+        logit_bias=tuple(sorted(p.logit_bias.items())), constraint=_constraint_from_proto(p.constraint))
+
+
+def _constraint_from_proto(c: common_pb2.Constraint):
+    from pdserve.engine.constraints import Constraint
+
+    kind = c.WhichOneof("kind")
+    if kind == "json_object" and c.json_object:
+        return Constraint("json_object")
+    if kind == "json_schema":
+        return Constraint("json_schema", c.json_schema)
+    return None
 
 
 def logprob_to_proto(lp, tokenizer=None) -> common_pb2.TokenLogprob:

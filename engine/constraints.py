@@ -1,0 +1,106 @@
+"""Constrained decoding: the tokens a request may draw next, from a grammar (llguidance).
+
+A request with a `Constraint` gets a `GrammarMatcher` at admission. Before each draw the
+sampler masks every token the grammar does not allow; every token appended to the request
+(sampled here, or the first token a prefill service chose) advances the matcher, so the
+mask is the same on every path. Unconstrained requests carry `NO_GRAMMAR`, which allows
+everything and costs nothing. llguidance is imported only when a constraint is first used.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.common.errors import InvalidRequestError
+
+MAX_SCHEMA_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must be: `json_object` (any JSON object) or `json_schema` (JSON
+    valid against `schema`, the schema's JSON text)."""
+
+    kind: str
+    schema: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_object", "json_schema"):
+            raise InvalidRequestError(f"unknown constraint {self.kind!r}")
+        if self.kind == "json_schema":
+            if len(self.schema) > MAX_SCHEMA_CHARS:
+                raise InvalidRequestError(f"the JSON schema is over {MAX_SCHEMA_CHARS} characters")
+            try:
+                json.loads(self.schema)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the JSON schema is not JSON: {exc}") from None
+
+    def schema_json(self) -> str:
+        return self.schema if self.kind == "json_schema" else '{"type": "object"}'
+
+
+class NoGrammar:
+    """The null matcher: every token allowed."""
+
+    is_constrained = False
+
+    def allowed(self) -> torch.Tensor | None:
+        return None
+
+    def advance(self, token_id: int) -> None:
+        pass
+
+
+NO_GRAMMAR = NoGrammar()
+
+
+class GrammarMatcher:
+    """One request's grammar state (an llguidance LLMatcher)."""
+
+    is_constrained = True
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar allows next."""
+        # one byte per token: 0 (refused) or 200 (allowed)
+        per_token = torch.frombuffer(bytearray(self._matcher.compute_logit_bias()), dtype=torch.uint8)
+        return per_token[: self._vocab_size] != 0
+
+    def advance(self, token_id: int) -> None:
+        self._matcher.consume_token(token_id)  # a refused token (EOS past the end) is harmless
+
+
+class GrammarCompiler:
+    """Builds matchers for one tokenizer; the llguidance tokenizer is made once, lazily."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._ll_tokenizer = None
+
+    def matcher(self, constraint: Constraint | None):
+        if constraint is None:
+            return NO_GRAMMAR
+        import llguidance
+        import llguidance.hf
+
+        if self._hf_tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: constrained output needs one")
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_ids or None)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                constraint.schema_json(), defaults={"whitespace_flexible": False})
+        except Exception as exc:  # noqa: BLE001 - the library's message names the schema's fault
+            raise InvalidRequestError(f"unsupported JSON schema: {exc}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise InvalidRequestError(f"unsupported JSON schema: {error}")
+        return GrammarMatcher(llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0), self._vocab_size)
