@@ -15,6 +15,7 @@ BENCHMARKS = {
     "serve": "serve",  # load generator for any OpenAI-compatible endpoint
     "experiment": "experiment",  # disaggregated vs colocated on this machine
     "kernels": "kernels",  # Triton kernels against their torch references
+    "mixed-prefill": "mixed_prefill",  # prefill scheduling: a short prompt behind a long one
 }
 
 

@@ -19,7 +19,7 @@ from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PRE
 
 TRANSFER_PORT = DECODE_TRANSFER_PORT
 BACKENDS = ("ucx", "nccl", "redis", "disk")
-BENCHMARKS = ("offline", "transfer", "serve", "experiment", "kernels")
+BENCHMARKS = ("offline", "transfer", "serve", "experiment", "kernels", "mixed-prefill")
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
 
 

@@ -21,6 +21,15 @@ class SettingsError(InvalidRequestError):
     """A setting has a value it cannot take."""
 
 
+# Where a role's default differs from the field's. The prefill service runs prompts only:
+# sharing each step's budget among waiting prompts in small chunks lets a short chat that
+# arrives behind a long prompt finish within a step or two instead of after the whole long
+# prefill (`pdserve bench mixed-prefill` measures policy x budget; docs in the README).
+ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "prefill": {"chunking_policy": "EQUAL_PROGRESS", "max_num_tokens": 256},
+}
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
     role: str
@@ -65,6 +74,8 @@ class WorkerSettings:
             return DEFAULT_GRPC_PORT[role]
         if name == "transfer_port":
             return DECODE_TRANSFER_PORT if role == "decode" else 0
+        if name in ROLE_DEFAULTS.get(role, {}):
+            return ROLE_DEFAULTS[role][name]
         return cls.__dataclass_fields__[name].default
 
     @classmethod
@@ -72,7 +83,8 @@ class WorkerSettings:
         """Typed from the CLI's merged dict (values from env/YAML may be strings); the
         role's port defaults apply where nothing was given."""
         values: dict[str, Any] = {"role": role, "grpc_port": cls.default(role, "grpc_port"),
-                                  "transfer_port": cls.default(role, "transfer_port")}
+                                  "transfer_port": cls.default(role, "transfer_port"),
+                                  **ROLE_DEFAULTS.get(role, {})}
         for f in fields(cls):
             if f.name == "role" or settings.get(f.name) is None:
                 continue

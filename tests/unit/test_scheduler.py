@@ -230,3 +230,20 @@ def test_finish_while_waiting_and_mid_prefill_frees_everything():
     assert d.sched.finish(a, RequestStatus.FINISHED_ABORTED)
     assert d.sched.num_unfinished == 0
     d.kv.assert_all_free()
+
+
+def test_prefill_service_default_lets_a_short_prompt_pass_a_long_one():
+    """The prefill role's default scheduling (EQUAL_PROGRESS, 256-token steps): a short prompt
+    queued behind a 2,000-token one is prefilled in the first step, not after the long one."""
+    from pdserve.worker.settings import WorkerSettings
+
+    cfg = WorkerSettings.from_settings("prefill", {}).engine_config().scheduler
+    d = Driver(max_num_tokens=cfg.max_num_tokens, chunking_policy=cfg.chunking_policy,
+               max_model_len=4096, num_blocks=300)
+    d.add("long", 2000, max_tokens=1)
+    d.add("short", 40, max_tokens=1, first_token=3000)
+    first = shape(d.step())
+    assert first["short"] == 40 and first["long"] < 2000
+    assert [r.request_id for r in d.finished] == ["short"]
+    d.run()
+    assert d.kv.get_num_free_blocks() == d.kv.get_max_resource_count()
