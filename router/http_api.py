@@ -139,7 +139,7 @@ class OpenAIHandlers:
             return await self._fan_out(request, parsed, chat, api)
         responses = self._frontend.generate(parsed.request, api=api)
         formatter = ResponseFormatter(chat, parsed.model, parsed.request.request_id, parsed.request.sampling.logprobs,
-                                      self._token_text(parsed.model))
+                                      self._token_text(parsed.model), tool_mode=parsed.tool_mode)
         if parsed.stream:
             return await self._stream(request, responses, formatter, parsed)
         return await _until_disconnect(request.receive, self._collect(responses, formatter))
@@ -182,7 +182,7 @@ class OpenAIHandlers:
 
         def formatter(index: int) -> ResponseFormatter:
             return ResponseFormatter(chat, parsed.model, rid, parsed.request.sampling.logprobs,
-                                     self._token_text(parsed.model), index)
+                                     self._token_text(parsed.model), index, parsed.tool_mode)
 
         if parsed.stream:
             return DisconnectAwareStream(fanout.sse_events(parsed, choices, generate, formatter),

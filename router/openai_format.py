@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
+from pdserve.router.tools import ToolMode, tool_calls
 
 FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                   common_pb2.FINISH_REASON_ABORT: "abort"}
@@ -106,8 +107,10 @@ class ResponseFormatter:
     """Builds the JSON of one request's answer: `chat` or text completion, whole or chunks."""
 
     def __init__(self, chat: bool, model: str, response_id: str, logprobs: bool, token_text: TokenText,
-                 index: int = 0) -> None:
+                 index: int = 0, tool_mode: ToolMode = ToolMode()) -> None:
         self._index = index  # the choice this formatter's chunks belong to
+        self._tool_mode = tool_mode
+        self._held: list[str] = []  # tool_choice required: the call's text, sent whole at the end
         self._chat = chat
         self._model = model
         self._id = response_id
@@ -140,6 +143,10 @@ class ResponseFormatter:
                                   else completion_logprobs(collected.logprobs, self._token_text, 0))
         if self._chat:
             choice["message"] = {"role": "assistant", "content": text}
+            calls = tool_calls(text, self._tool_mode) if self._tool_mode.mode else None
+            if calls:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = text
         return choice
@@ -147,7 +154,7 @@ class ResponseFormatter:
     def chunk(self, response: generation_pb2.GenerateResponse, include_usage: bool) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self._index, "finish_reason": finish_reason(response), "logprobs": None}
         if self._chat:
-            delta: dict[str, Any] = {"content": response.text}
+            delta = self._delta(response, choice)
             if not self._sent_role:
                 delta["role"], self._sent_role = "assistant", True
             choice["delta"] = delta
@@ -164,6 +171,20 @@ class ResponseFormatter:
             out["usage"] = None
         out["pdserve"] = pdserve_json(response)
         return out
+
+    def _delta(self, response: generation_pb2.GenerateResponse, choice: dict[str, Any]) -> dict[str, Any]:
+        """A chat chunk's delta; a required tool call is held back and sent whole when it ends."""
+        if self._tool_mode.mode != "required":
+            return {"content": response.text}
+        self._held.append(response.text)
+        if not response.finish_reason:
+            return {}
+        text = "".join(self._held)
+        calls = tool_calls(text, self._tool_mode)
+        if not calls:
+            return {"content": text}
+        choice["finish_reason"] = "tool_calls"
+        return {"tool_calls": [{"index": 0, **calls[0]}]}
 
     def usage_chunk(self, usage: common_pb2.Usage) -> dict[str, Any]:
         """The extra last chunk of stream_options.include_usage: no choices, the usage."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
+from pdserve.router.tools import ToolMode, apply_tools, set_response_format
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 _UINT32_MAX = 2**32 - 1
@@ -37,6 +38,7 @@ class OpenAIRequest:
     n: int = 1
     best_of: int = 1  # >= n; the n with the highest total logprob are returned
     prompts: tuple[generation_pb2.GenerateRequest, ...] = ()  # completions: one request per prompt
+    tool_mode: ToolMode = ToolMode()  # chat with tools: how the answer is read (tools.py)
 
     def choices(self) -> list[Choice]:
         """The generations to run: best_of per prompt; a seeded request's k-th copy gets
@@ -212,6 +214,7 @@ def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
     if body.bool("echo"):
         raise _invalid("'echo' is not supported", "echo")
     body.unsupported("suffix", ("",))
+    set_response_format(raw.get("response_format"), request.sampling)
     stream, include_usage = _common(body, request.sampling)
     n, best_of = _num_choices(body, stream, len(prompts))
     max_tokens = _max_tokens(body, "max_tokens")
@@ -262,11 +265,8 @@ def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
     for message in messages:
         role, content = _chat_message(message)
         request.chat.messages.add(role=role, content=content)
-    if raw.get("tools"):
-        raise _invalid("'tools' are not supported", "tools")
-    response_format = raw.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise _invalid("only response_format {\"type\": \"text\"} is supported", "response_format")
+    set_response_format(raw.get("response_format"), request.sampling)
+    tool_mode = apply_tools(raw, request)
     stream, include_usage = _common(body, request.sampling)
     n, best_of = _num_choices(body, stream, 1)
     max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
@@ -276,7 +276,7 @@ def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
     top_logprobs = body.int("top_logprobs", 0, 20)
     if top_logprobs:
         request.sampling.top_logprobs = top_logprobs
-    return OpenAIRequest(request, stream, include_usage, model, n, best_of)
+    return OpenAIRequest(request, stream, include_usage, model, n, best_of, tool_mode=tool_mode)
 
 
 def _chat_message(message: Any) -> tuple[str, str]:

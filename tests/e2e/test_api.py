@@ -2,6 +2,8 @@
 default local-prefill threshold): sampling identical on both paths, and the API's options."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from harness import MODEL, deploy
 
@@ -77,4 +79,94 @@ def test_logit_bias_and_penalties_reach_the_prefill_and_decode(cluster, hf_refer
                                           frequency_penalty=2.0, presence_penalty=2.0,
                                           extra_body={"repetition_penalty": 1.5})
     assert plain.choices[0].text and penalised.choices[0].text != plain.choices[0].text
+    cluster.assert_no_leaks()
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+# long enough to be prefilled by the prefill service (over the local-prefill threshold)
+ASK_PERSON = [{"role": "system", "content": "You are a helpful assistant that answers in JSON. " * 3},
+              {"role": "user", "content": "Describe a fictional person with a name and an age."}]
+ASK_WEATHER = [{"role": "system", "content": "You are a helpful assistant with access to tools. " * 3},
+               {"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def _stream_chat(client, **kwargs) -> tuple[str, list, str | None, dict]:
+    content, calls, finish, extra = [], {}, None, {}
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        extra = chunk.model_extra.get("pdserve") or extra
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += (call.function.name or "") if call.function else ""
+            entry["arguments"] += (call.function.arguments or "") if call.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    return "".join(content), [calls[i] for i in sorted(calls)], finish, extra
+
+
+def test_json_schema_answers_validate_stream_and_not(cluster):
+    import jsonschema
+
+    client = cluster.openai()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in (0, 5):
+        chat = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=60, temperature=0.8,
+                                              seed=seed, response_format=fmt)
+        assert chat.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+        outcome = chat.model_extra["pdserve"]["transfer"]["outcome"]
+        assert outcome == ("transferred" if seed == 0 else "local")  # then decode has the prompt cached
+    text, _, finish, _ = _stream_chat(client, messages=ASK_PERSON, max_tokens=60, temperature=0,
+                                      response_format=fmt)
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+    obj = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    cluster.assert_no_leaks()
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_calls_are_well_formed_stream_and_not(cluster, tool_choice):
+    import jsonschema
+
+    client = cluster.openai()
+    # a prompt of its own, so that decode has none of it cached and the prefill service runs
+    messages = [{"role": "system", "content": f"Session {json.dumps(tool_choice)}."}, *ASK_WEATHER]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                          tools=[WEATHER], tool_choice=tool_choice)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert chat.model_extra["pdserve"]["transfer"]["outcome"] == "transferred"
+
+    text, calls, finish, _ = _stream_chat(client, messages=messages, max_tokens=60, temperature=0,
+                                          tools=[WEATHER], tool_choice=tool_choice)
+    assert finish == "tool_calls" and text == ""
+    assert [c["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == json.loads(call.function.arguments)
+    cluster.assert_no_leaks()
+
+
+def test_n_choices_through_the_deployment(cluster):
+    client = cluster.openai()
+    chat = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=12, temperature=1.0,
+                                          n=3, seed=21)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert len({c.message.content for c in chat.choices}) > 1  # seeds 21, 22, 23
+    again = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=12, temperature=1.0,
+                                           n=3, seed=21)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in chat.choices]
     cluster.assert_no_leaks()

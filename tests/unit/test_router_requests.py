@@ -101,6 +101,50 @@ def test_n_and_prompt_lists_fan_out_into_choices():
     assert (best.n, best.best_of, len(best.choices())) == (2, 4, 4)
 
 
+def test_response_format_and_tools_become_constraints():
+    import json
+
+    user = [{"role": "user", "content": "x"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    s = parse_chat({"model": "m", "messages": user, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}).request.sampling
+    assert json.loads(s.constraint.json_schema) == schema
+    assert parse_chat({"model": "m", "messages": user, "response_format": {"type": "json_object"}}
+                      ).request.sampling.constraint.json_object
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    required = parse_chat({"model": "m", "messages": user, "tools": [tool], "tool_choice": "required"})
+    assert required.tool_mode.mode == "required" and required.tool_mode.names == ("f",)
+    call = json.loads(required.request.sampling.constraint.json_schema)
+    assert call["properties"] == {"name": {"const": "f"}, "arguments": schema}
+    assert required.request.chat.messages[0].role == "system" and '"f"' in required.request.chat.messages[0].content
+    auto = parse_chat({"model": "m", "messages": user, "tools": [tool]})
+    assert auto.tool_mode.mode == "auto" and not auto.request.sampling.HasField("constraint")
+    assert parse_chat({"model": "m", "messages": user, "tools": [tool], "tool_choice": "none"}).tool_mode.mode == ""
+
+
+def test_tool_call_answers_are_formatted_as_tool_calls():
+    import json
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    parsed = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [tool],
+                         "tool_choice": "required"})
+    done = generation_pb2.GenerateResponse(request_id="r", text='{"name":"f","arguments":{"k":1}}',
+                                           finish_reason=common_pb2.FINISH_REASON_STOP)
+    collected = Collected()
+    collected.add(done)
+    choice = ResponseFormatter(True, "m", "c", False, str, tool_mode=parsed.tool_mode).whole(collected)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "f" and json.loads(call["function"]["arguments"]) == {"k": 1}
+    streamer = ResponseFormatter(True, "m", "c", False, str, tool_mode=parsed.tool_mode)
+    first = streamer.chunk(generation_pb2.GenerateResponse(request_id="r", text='{"name":"f",'), False)
+    assert "content" not in first["choices"][0]["delta"]  # held back until the call is whole
+    last = streamer.chunk(generation_pb2.GenerateResponse(request_id="r", text='"arguments":{}}',
+                                                          finish_reason=common_pb2.FINISH_REASON_STOP), False)
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    assert last["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "f"
+
+
 def test_completion_body_maps_onto_generate_request():
     parsed = parse_completion({"model": "m", "prompt": ["hi"], "logprobs": 2})
     assert parsed.request.prompt == "hi" and parsed.request.sampling.max_tokens == 16
@@ -119,6 +163,11 @@ def test_completion_body_maps_onto_generate_request():
                   "stream": True}, "best_of"),
     (parse_completion, {"model": "m", "prompt": ["a"] * 65, "n": 2}, "n"),
     (parse_completion, {"model": "m", "prompt": ["a", []]}, "prompt"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format"),
+    (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                  "tools": [{"type": "function", "function": {"name": "f"}}],
+                  "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}, "max_tokens"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
