@@ -1,4 +1,5 @@
-"""HTTP edge of the router (FastAPI): OpenAI completions and chat, models, health, metrics.
+"""HTTP edge of the router (FastAPI): OpenAI completions and chat, models, /tokenize and
+/detokenize, health, metrics.
 
 Handlers read the body under the size limit, parse it (`openai_request`), run the request
 through the Frontend, and format the answer (`openai_format`). Errors become OpenAI error
@@ -22,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.common.errors import ErrorKind, ServiceError, to_service_error
 from pdserve.proto.pdserve.v1 import generation_pb2
-from pdserve.router import fanout
+from pdserve.router import fanout, tokenize_api
 from pdserve.router.auth import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
@@ -114,6 +115,20 @@ class OpenAIHandlers:
 
     async def chat(self, request: Request) -> Response:
         return await self._handle(request, chat=True)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokenizer_call(request, tokenize_api.tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokenizer_call(request, tokenize_api.detokenize)
+
+    async def _tokenizer_call(self, request: Request, call) -> Response:
+        try:
+            self._auth.check(request.headers.get("authorization"))
+            body = await read_json_object(request, self._max_body_bytes)
+            return JSONResponse(await asyncio.to_thread(call, self._catalog, body))  # off the event loop
+        except ServiceError as err:
+            return error_response(err)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -246,6 +261,8 @@ def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRe
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handlers.chat, methods=["POST"])
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
+    app.add_api_route("/tokenize", handlers.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", handlers.detokenize, methods=["POST"])
 
     async def health(request: Request) -> Response:
         """Liveness: 200 while the process serves; the body says what is routable."""

@@ -279,6 +279,13 @@ def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
     return OpenAIRequest(request, stream, include_usage, model, n, best_of, tool_mode=tool_mode)
 
 
+def chat_messages(value: Any) -> list[tuple[str, str]]:
+    """(role, text) of an OpenAI `messages` list."""
+    if not isinstance(value, list) or not value:
+        raise _invalid("'messages' must be a non-empty list", "messages")
+    return [_chat_message(m) for m in value]
+
+
 def _chat_message(message: Any) -> tuple[str, str]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise _invalid("each message must be an object with a string 'role'", "messages")

@@ -64,8 +64,16 @@ class PromptBuilder:
             raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the prompt is empty", param=param)
         return ids
 
-    def encode_text(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens kept); INVALID_ARGUMENT outside the vocabulary."""
+        check_token_ids(ids, self._vocab_size, "tokens")
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        return [self._tokenizer.id_to_token(i) or "" for i in ids]
 
     def render_chat(self, messages: Sequence[tuple[str, str]]) -> str:
         if not messages:

@@ -394,6 +394,26 @@ def test_n_best_of_and_prompt_lists_give_indexed_choices(make_cluster):
     assert all(r.sampling.logprobs for r in decode.requests[-3:])  # asked for the ranking
 
 
+def test_tokenize_and_detokenize(make_cluster):
+    cluster = make_cluster()
+    cluster.add("d0")
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        text = http.post("/tokenize", json={"model": MODEL, "prompt": "hello world", "return_token_strs": True}).json()
+        ids = TOKENIZER.encode("hello world").ids
+        assert text["tokens"] == ids and text["count"] == len(ids) and text["max_model_len"] == MAX_MODEL_LEN
+        assert text["token_strs"] == [TOKENIZER.id_to_token(i) for i in ids]
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "tell me a joke"}]}).json()
+        expected = TOKENIZER.encode("<|im_start|>user\ntell me a joke<|im_end|>\n<|im_start|>assistant\n",
+                                    add_special_tokens=False).ids
+        assert chat["tokens"] == expected and chat["token_strs"] is None
+        back = http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()
+        assert back == {"prompt": TOKENIZER.decode(ids, skip_special_tokens=False)}
+        for path, body, param in (("/detokenize", {"tokens": [10**7]}, "tokens"), ("/tokenize", {"prompt": 3}, "prompt"),
+                                  ("/tokenize", {"model": "nope", "prompt": "x"}, "model")):
+            answer = http.post(path, json=body)
+            assert answer.status_code in (400, 404) and answer.json()["error"]["param"] == param
+
+
 def test_grpc_generate_streams_the_same_and_example_client(make_cluster):
     from pdserve.router.example_client import stream_chat
 
