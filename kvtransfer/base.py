@@ -81,6 +81,15 @@ class KVTransport(abc.ABC):
         `deadline` is a `time.monotonic()` instant. Raises TransferError (refused by the
         receiver, peer unreachable) or TimeoutError (deadline passed)."""
 
+    def prepare(self) -> None:
+        """Start what every send needs (a context, its thread) now, off the first request's
+        path. Called once, in the background, by a sender. Default: nothing to do."""
+
+    def connect_ahead(self, endpoint: str, deadline: float) -> None:
+        """Connect to the receiver at `endpoint` now, so a later `send` finds the connection
+        open (the sender learns of a peer before it has anything to send). Blocks until
+        connected or `deadline` (monotonic); raises like `send`. Default: nothing to do."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop listening, drop connections. Idempotent."""

@@ -97,6 +97,8 @@ class PdConnectorWorker(KVConnectorWorker):
                                    health_policy=config.health_policy)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv")
+        self._connect_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect")
+        self._connected: set[tuple[str, str]] = set()  # (backend, endpoint) warmed or warming
         self._inflight: set[Future] = set()
         self._saves: dict[str, _SaveState] = {}
         self._sends: dict[str, SendSpec] = {}  # announced, not started
@@ -117,7 +119,9 @@ class PdConnectorWorker(KVConnectorWorker):
         self.limits = limits_for(layout)
         self._layout_box.layout = layout
         self.sink = CacheSink(self.kv_caches, layout)
-        if not self._listen:
+        if not self._listen:  # a sender: start the transports now, not on the first send
+            for name, transport in self.backends.transports.items():
+                self._connect_pool.submit(self._prepare, name, transport)
             return
         for name, transport in self.backends.transports.items():
             try:
@@ -281,6 +285,36 @@ class PdConnectorWorker(KVConnectorWorker):
         with self._lock:
             self._sent[rid] = True
 
+    def connect_ahead(self, params: TransferParams) -> None:
+        """`SendControl.connect_ahead`: warm the links to a receiver's transports in the
+        background (once per endpoint), overlapping the connection with the prefill."""
+        for backend, endpoint in params.endpoints:
+            transport = self.backends.transports.get(backend)
+            with self._lock:
+                if transport is None or self._closed or (backend, endpoint) in self._connected:
+                    continue
+                self._connected.add((backend, endpoint))
+            self._connect_pool.submit(self._connect, backend, transport, endpoint)
+
+    @staticmethod
+    def _prepare(name: str, transport) -> None:
+        try:
+            transport.prepare()
+        except Exception as exc:  # the first send will try again (and report)
+            log.warning("kv transport %s could not start ahead: %s", name, exc)
+
+    def _connect(self, backend: str, transport, endpoint: str) -> None:
+        start = time.monotonic()
+        try:
+            transport.connect_ahead(endpoint, start + self.config.step_timeout_s)
+        except Exception as exc:  # the send will connect (and report) on its own
+            with self._lock:
+                self._connected.discard((backend, endpoint))
+            log.info("kv %s: connecting ahead to %s failed: %s", backend, endpoint, exc)
+            return
+        log.info("kv %s: connected to %s ahead of its first send (%.1f ms)", backend, endpoint,
+                 (time.monotonic() - start) * 1000)
+
     def wait_verdict(self, request_id: str, timeout_s: float) -> TransferVerdict | None:
         """`SendControl.wait_verdict`: the verdict of a send, taken from the board."""
         return self.verdicts.wait(request_id, timeout_s)
@@ -394,6 +428,7 @@ class PdConnectorWorker(KVConnectorWorker):
         self._closed = True
         self.flush(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._connect_pool.shutdown(wait=True, cancel_futures=True)
         if self.sink is not None:
             self.sink.close()
         self.chain.close()

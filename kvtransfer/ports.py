@@ -19,6 +19,11 @@ class SendControl(Protocol):
         """The verdict of `request_id`'s send (taken: each is read once), or None if none
         came within `timeout_s`. Blocks; call it off the event loop."""
 
+    def connect_ahead(self, params: TransferParams) -> None:
+        """A hand-off arrived: start connecting to its receiver's transport endpoints now
+        (once per endpoint, in the background), so the first send finds them open. Never
+        blocks; a failed connect is left to the send."""
+
     def abort_send(self, request_id: str) -> bool:
         """The request is being aborted: a send not yet started never will (its verdict
         says aborted); one under way runs to its own deadline. True if one was dropped."""

@@ -117,7 +117,9 @@ class Sender:
         self.sends: SendControl = self.connector.sends
 
     def transfer_params(self, request_id: str, handoff: prefill_pb2.KVHandoff) -> TransferParams:
-        return handoff_to_params(handoff, self.block_size)
+        params = handoff_to_params(handoff, self.block_size)
+        self.sends.connect_ahead(params)  # first contact: connect while the prompt computes
+        return params
 
     async def verdict(self, request_id: str, timeout: float) -> common_pb2.TransferVerdict:
         v = await asyncio.to_thread(self.sends.wait_verdict, request_id, timeout)

@@ -440,6 +440,15 @@ class UcxTransport(KVTransport):
         except TimeoutError as exc:
             raise TimeoutError(f"ucx send to {endpoint}: {exc}") from None
 
+    def prepare(self) -> None:
+        """Start this process's UCX context and loop (ucxx.init costs ~1 s the first time)."""
+        self._ensure_runtime()
+
+    def connect_ahead(self, endpoint: str, deadline: float) -> None:
+        """Open the link (control stream + UCX endpoint) a first send would open."""
+        runtime = self._ensure_runtime()
+        runtime.run(self._link(endpoint), max(0.0, deadline - time.monotonic()))
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

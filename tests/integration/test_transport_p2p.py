@@ -309,6 +309,24 @@ def test_unreachable_peer_is_a_transfer_error(link):
         link.sender.send(f"127.0.0.1:{port}", make_message([1], seed=9), time.monotonic() + 5)
 
 
+def test_connecting_ahead_opens_the_link_the_first_send_uses(link):
+    if link.backend != "ucx":
+        pytest.skip("only ucx connects ahead (the others connect per send)")
+    sender = make_transport(link.backend)
+    try:
+        sender.connect_ahead(link.endpoint, time.monotonic() + DEADLINE_S)
+        message = make_message([12, 13], seed=11)
+        sender.send(link.endpoint, message, time.monotonic() + DEADLINE_S)
+        assert link.digests([12, 13]) == payload_digests(message)
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with pytest.raises(TransferError, match="unreachable"):
+            sender.connect_ahead(f"127.0.0.1:{port}", time.monotonic() + 5)
+    finally:
+        sender.close()
+
+
 def test_close_twice_leaves_no_threads(link):
     """Runs last for each backend: it closes both sides."""
     reply = link.peer.call("close")
