@@ -52,6 +52,7 @@ class LegResult:
     first_token_id: int = 0
     first_logprob: object | None = None
     aborted: bool = False  # ended by an abort: nothing to recompute
+    tail_ms: float = 0.0  # the transfer after the prefill's forward, to the blocks verified here
 
 
 class NoReceiver:
@@ -136,14 +137,16 @@ class PrefillLeg:
             return LegResult(False, verdict)
         finally:
             self._inflight.pop(request_id, None)
+        settle_start = time.monotonic()
         final = await asyncio.to_thread(self.receiver.complete, request_id, resp.verdict)
+        tail_ms = resp.timings.transfer_ms + (time.monotonic() - settle_start) * 1000
         verdict.MergeFrom(final)
         verdict.prefill_worker_id = choice.worker_id
         if final.outcome != common_pb2.TRANSFER_OUTCOME_TRANSFERRED:
             verdict.reason = verdict.reason or "transfer_failed"
-            return LegResult(False, verdict)
+            return LegResult(False, verdict, tail_ms=tail_ms)
         lp = logprob_from_proto(resp.first_token_logprob) if resp.HasField("first_token_logprob") else None
-        return LegResult(True, verdict, resp.first_token_id, lp)
+        return LegResult(True, verdict, resp.first_token_id, lp, tail_ms=tail_ms)
 
     async def abort(self, request_id: str) -> None:
         """Cancel the leg of `request_id` if one runs: the RPC, then the reservation."""
@@ -188,7 +191,7 @@ class RemotePrefill:
         result = await self.leg.run(rid, list(request.prompt_token_ids), list(request.block_hashes),
                                     request.sampling, request.prefill, block_ids, num_cached)
         timings.prefill_ms = (time.monotonic() - t_admitted) * 1000
-        timings.transfer_ms = result.verdict.duration_ms
+        timings.transfer_ms = result.tail_ms  # the transfer's tail: not overlapped with compute
         if result.aborted:
             return result.verdict  # the engine ends the stream with finish_reason abort
         if result.ok:

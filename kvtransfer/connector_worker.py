@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -163,6 +163,7 @@ class PdConnectorWorker(KVConnectorWorker):
         context, self._context = self._context, None
         if context is None:
             return
+        forward_end = time.monotonic()  # every layer of this step is written
         for rid, state in self._saves.items():
             self._save_completed(rid, state, context)
         done = context.num_computed_by_request
@@ -171,7 +172,7 @@ class PdConnectorWorker(KVConnectorWorker):
                      if done.get(rid, 0) >= spec.num_prompt_tokens]  # abort_send sees it gone
             self._sending.update(spec.request_id for spec in ready)
         for spec in ready:
-            self._start_send(spec, context.block_ids_by_request[spec.request_id])
+            self._start_send(spec, context.block_ids_by_request[spec.request_id], forward_end)
 
     def get_finished(self, finished_request_ids: set[str]) -> set[str]:
         """Sends done — reported on every call until the engine has seen the request finish.
@@ -208,7 +209,7 @@ class PdConnectorWorker(KVConnectorWorker):
         log.debug("prefix cache (%s): stored %d of %d blocks", self.prefix_store.name, stored, len(keys))
 
     # -- prefill side -------------------------------------------------------------------
-    def _start_send(self, spec: SendSpec, block_ids: Sequence[int]) -> None:
+    def _start_send(self, spec: SendSpec, block_ids: Sequence[int], forward_end: float) -> None:
         """Gather now (the blocks are only ours during this step), send in the background.
         Whatever goes wrong ends in a verdict, so the request is always reported back."""
         rid, params = spec.request_id, spec.params
@@ -221,7 +222,7 @@ class PdConnectorWorker(KVConnectorWorker):
                 keys = tuple(spec.block_hashes[i] if i < len(spec.block_hashes)
                              else ephemeral_key(params.transfer_id, i)
                              for i in range(params.num_leading_blocks, num_prompt_blocks))
-                self._submit(self._run_send, rid, params, keys, blocks)
+                self._submit(self._run_send, rid, params, keys, blocks, forward_end)
                 return
         except Exception as exc:  # e.g. closed: the engine must still get the request back
             problem = f"{exc.__class__.__name__}: {exc}"
@@ -237,7 +238,7 @@ class PdConnectorWorker(KVConnectorWorker):
         return ""
 
     def _run_send(self, rid: str, params: TransferParams, keys: tuple[int, ...],
-                  blocks: torch.Tensor) -> None:
+                  blocks: torch.Tensor, forward_end: float) -> None:
         try:
             message = encode_message(self.limits, params.transfer_id, params.dst_block_ids,
                                      keys, blocks)
@@ -247,7 +248,7 @@ class PdConnectorWorker(KVConnectorWorker):
         except Exception as exc:  # the chain catches backend errors; this is a last guard
             verdict = TransferVerdict(params.transfer_id.hex(), Outcome.FAILED, "",
                                       fallbacks=(Fallback("sender", repr(exc)),))
-        self._finish_send(rid, verdict)
+        self._finish_send(rid, replace(verdict, tail_s=time.monotonic() - forward_end))
 
     def _finish_send(self, rid: str, verdict: TransferVerdict) -> None:
         (log.info if verdict.ok else log.warning)("request %s: %s", rid, verdict.describe())

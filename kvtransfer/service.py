@@ -121,12 +121,13 @@ class Sender:
         self.sends.connect_ahead(params)  # first contact: connect while the prompt computes
         return params
 
-    async def verdict(self, request_id: str, timeout: float) -> common_pb2.TransferVerdict:
+    async def verdict(self, request_id: str, timeout: float) -> tuple[common_pb2.TransferVerdict, float]:
+        """(the send's verdict, its tail in ms: end of the prompt's forward to the verdict)."""
         v = await asyncio.to_thread(self.sends.wait_verdict, request_id, timeout)
         if v is None:
             return common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_FAILED,
-                                              reason="transfer_failed: no verdict before the deadline")
-        return verdict_to_proto(v)
+                                              reason="transfer_failed: no verdict before the deadline"), 0.0
+        return verdict_to_proto(v), v.tail_s * 1000
 
     def abort(self, request_id: str) -> None:
         self.sends.abort_send(request_id)

@@ -47,6 +47,9 @@ class TransferVerdict:
     duration_s: float = 0.0
     fallbacks: tuple[Fallback, ...] = ()
     fetch_keys: tuple[int, ...] = ()
+    # Sender side: from the end of the prompt's forward to this verdict in hand (for ucx/nccl
+    # that is after the receiver verified every block). 0: no send ran.
+    tail_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -68,7 +71,8 @@ class TransferVerdict:
         """One log line."""
         head = (f"transfer {self.transfer_id[:12]} {self.outcome.value}"
                 + (f" via {self.backend}" if self.backend else "")
-                + f": {self.num_blocks} blocks, {self.num_bytes} B in {self.duration_s * 1e3:.1f} ms")
+                + f": {self.num_blocks} blocks, {self.num_bytes} B in {self.duration_s * 1e3:.1f} ms"
+                + (f" (tail {self.tail_s * 1e3:.1f} ms after the forward)" if self.tail_s else ""))
         if not self.fallbacks:
             return head
         tried = "; ".join(f"{f.backend}: {f.reason}" for f in self.fallbacks)

@@ -22,7 +22,9 @@ class KVSender(Protocol):
 
     def transfer_params(self, request_id: str, handoff: prefill_pb2.KVHandoff) -> object: ...
 
-    async def verdict(self, request_id: str, timeout: float) -> common_pb2.TransferVerdict: ...
+    async def verdict(self, request_id: str, timeout: float) -> tuple[common_pb2.TransferVerdict, float]:
+        """(the verdict, its tail in ms: end of the prompt's forward to the verdict in hand —
+        the transfer time not overlapped with compute; 0 when no send ran)."""
 
     def abort(self, request_id: str) -> None: ...
 
@@ -77,10 +79,11 @@ class PrefillRunner:
             if isinstance(out, BaseException):
                 raise out
             computed = time.monotonic()
-            verdict = await self.sender.verdict(rid, max(0.1, handoff.deadline_unix_ms / 1000 - time.time()))
-            self.metrics.observe_verdict(verdict)
+            verdict, tail_ms = await self.sender.verdict(
+                rid, max(0.1, handoff.deadline_unix_ms / 1000 - time.time()))
+            self.metrics.observe_verdict(verdict, tail_ms)
             self.metrics.requests.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome)).inc()
-            return self._response(rid, out, verdict, (computed - arrival) * 1000)
+            return self._response(rid, out, verdict, (computed - arrival) * 1000, tail_ms)
         except BaseException:
             self.sender.abort(rid)
             await asyncio.shield(self.loop.abort(rid))
@@ -88,10 +91,11 @@ class PrefillRunner:
         finally:
             self.num_inflight -= 1
 
-    def _response(self, rid: str, out, verdict, compute_ms: float) -> prefill_pb2.PrefillResponse:
+    def _response(self, rid: str, out, verdict, compute_ms: float,
+                  tail_ms: float) -> prefill_pb2.PrefillResponse:
         resp = prefill_pb2.PrefillResponse(
             request_id=rid, first_token_id=out.new_token_ids[0], verdict=verdict,
-            timings=prefill_pb2.PrefillTimings(compute_ms=compute_ms, transfer_ms=verdict.duration_ms),
+            timings=prefill_pb2.PrefillTimings(compute_ms=compute_ms, transfer_ms=tail_ms),
             num_computed_tokens=out.num_prompt_tokens - out.num_cached_tokens - out.num_external_tokens,
             num_cached_tokens=out.num_cached_tokens + out.num_external_tokens)
         if out.new_logprobs:

@@ -18,6 +18,10 @@ class WorkerMetrics:
         self.transfer_bytes = Counter("pdserve_transfer_bytes", "KV bytes moved", ["backend"], registry=r)
         self.transfer_seconds = Histogram("pdserve_transfer_seconds", "KV transfer latency", ["backend"],
                                           buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_tail_seconds = Histogram(
+            "pdserve_transfer_tail_seconds", "end of the prompt's forward to the transfer's verdict "
+            "(the transfer time not overlapped with compute)", ["backend"],
+            buckets=LATENCY_BUCKETS, registry=r)
         self.transfer_failures = Counter("pdserve_transfer_failures", "failed transfer steps",
                                          ["backend"], registry=r)
         self.kv_blocks_free = Gauge("pdserve_kv_blocks_free", "free KV blocks", registry=r)
@@ -36,7 +40,10 @@ class WorkerMetrics:
         self.kv_blocks_total.set(stats.num_total_blocks)
         self.prompt_tokens_computed.set(stats.num_prompt_tokens_computed)
 
-    def observe_verdict(self, verdict) -> None:
+    def observe_verdict(self, verdict, tail_ms: float = 0.0) -> None:
+        """A transfer verdict; `tail_ms` (sender side): end of the prompt's forward to it."""
+        if verdict.backend and tail_ms > 0:
+            self.transfer_tail_seconds.labels(backend=verdict.backend).observe(tail_ms / 1000)
         for step in verdict.fallbacks:
             self.transfer_failures.labels(backend=step.backend).inc()
         if verdict.backend:

@@ -29,7 +29,9 @@ def start(store: str, backend: str, secret: str):
 def complete(deployment):
     out = deployment.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
                                                  temperature=0)
-    return out.choices[0].text, out.usage, out.model_extra["pdserve"]["transfer"]
+    info = out.model_extra["pdserve"]
+    assert info["timings"]["transfer_ms"] > 0  # the transfer's tail, per request
+    return out.choices[0].text, out.usage, info["transfer"]
 
 
 def test_text_is_identical_after_a_restart_and_the_prompt_is_loaded_not_computed(tmp_path):

@@ -86,6 +86,7 @@ def test_disaggregated_greedy_equals_local(tiny_model_factory, tmp_path, backend
         for i, prompt in enumerate(prompts):
             tokens, sent, received = disaggregated(prefill, decode, prompt, f"r{i}")
             assert sent.ok and sent.backend == backend and received.ok, received.describe()
+            assert sent.tail_s >= sent.duration_s > 0  # the tail: gather + send + verdict
             expected = local.generate(prompt, GREEDY)[0].token_ids
             assert tuple(tokens) == expected
         # the second prompt's first 2 blocks were a prefix hit on the decode side: not sent
