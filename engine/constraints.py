@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from pdserve.common.errors import InvalidRequestError
@@ -68,8 +69,8 @@ class GrammarMatcher:
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next."""
         # one byte per token: 0 (refused) or 200 (allowed)
-        per_token = torch.frombuffer(bytearray(self._matcher.compute_logit_bias()), dtype=torch.uint8)
-        return per_token[: self._vocab_size] != 0
+        per_token = numpy.frombuffer(self._matcher.compute_logit_bias(), dtype=numpy.uint8)
+        return torch.from_numpy(per_token[: self._vocab_size] != 0)  # numpy: one thread, no pool wake-up
 
     def advance(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # a refused token (EOS past the end) is harmless
