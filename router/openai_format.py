@@ -95,6 +95,7 @@ class Collected:
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     last: generation_pb2.GenerateResponse | None = None
     pdserve: dict[str, Any] = field(default_factory=dict)
+    echo: str | None = None  # completions with echo: the prompt's text
 
     def add(self, response: generation_pb2.GenerateResponse) -> None:
         self.text.append(response.text)
@@ -107,8 +108,9 @@ class ResponseFormatter:
     """Builds the JSON of one request's answer: `chat` or text completion, whole or chunks."""
 
     def __init__(self, chat: bool, model: str, response_id: str, logprobs: bool, token_text: TokenText,
-                 index: int = 0, tool_mode: ToolMode = ToolMode()) -> None:
+                 index: int = 0, tool_mode: ToolMode = ToolMode(), echo: str = "") -> None:
         self._index = index  # the choice this formatter's chunks belong to
+        self._echo = echo  # completions with echo: the prompt's text, sent first
         self._tool_mode = tool_mode
         self._held: list[str] = []  # tool_choice required: the call's text, sent whole at the end
         self._chat = chat
@@ -136,6 +138,7 @@ class ResponseFormatter:
     def _choice(self, collected: Collected, index: int) -> dict[str, Any]:
         last = collected.last
         text = "".join(collected.text)
+        text = (self._echo if collected.echo is None else collected.echo) + text
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(last) if last else None,
                                   "logprobs": None}
         if self._logprobs:
@@ -161,11 +164,11 @@ class ResponseFormatter:
             if self._logprobs and response.logprobs:
                 choice["logprobs"] = chat_logprobs(list(response.logprobs), self._token_text)
         else:
-            choice["text"] = response.text
+            choice["text"], self._echo = self._echo + response.text, ""
             if self._logprobs and response.logprobs:
                 choice["logprobs"] = completion_logprobs(list(response.logprobs), self._token_text,
                                                          self._text_offset)
-            self._text_offset += len(response.text)
+            self._text_offset += len(choice["text"])
         out = self._envelope("chat.completion.chunk" if self._chat else "text_completion", [choice])
         if include_usage:
             out["usage"] = None

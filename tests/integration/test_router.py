@@ -394,6 +394,19 @@ def test_n_best_of_and_prompt_lists_give_indexed_choices(make_cluster):
     assert all(r.sampling.logprobs for r in decode.requests[-3:])  # asked for the ranking
 
 
+def test_echo_puts_the_prompt_first(make_cluster):
+    cluster = make_cluster()
+    cluster.add("d0")
+    client = cluster.openai()
+    assert client.completions.create(model=MODEL, prompt="hello", max_tokens=2, echo=True).choices[0].text == "hello" + "Hello,"
+    pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt="hi", max_tokens=2, echo=True,
+                                                                   stream=True)]
+    assert pieces[0].startswith("hi") and "".join(pieces) == "hiHello,"
+    ids = TOKENIZER.encode("well then", add_special_tokens=False).ids
+    listed = client.completions.create(model=MODEL, prompt=["a", ids], max_tokens=2, echo=True)
+    assert [c.text for c in listed.choices] == ["aHello,", TOKENIZER.decode(ids, skip_special_tokens=False) + "Hello,"]
+
+
 def test_tokenize_and_detokenize(make_cluster):
     cluster = make_cluster()
     cluster.add("d0")

@@ -181,7 +181,7 @@ def test_completion_body_maps_onto_generate_request():
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "big"}}, "logit_bias"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": "x"}, "presence_penalty"),
     (parse_completion, {"model": "m", "prompt": [1, -2]}, "prompt"),
-    (parse_completion, {"model": "m", "prompt": "x", "echo": True}, "echo"),
+    (parse_completion, {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     (parse_completion, {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
     (parse_completion, {"model": "m", "prompt": "x", "max_tokens": 2**40}, "max_tokens"),
 ])
