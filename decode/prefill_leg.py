@@ -81,6 +81,7 @@ class PrefillLeg:
         hand-off its signature."""
         self.receiver = receiver
         self._signer = auth.signer(worker_id)
+        self._tls = auth.tls
         self._handoff_mac = Mac(auth.secret.key("handoff")) if auth.enabled else None
         self.worker_id = worker_id
         self.compat_hash = compat_hash
@@ -97,7 +98,7 @@ class PrefillLeg:
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = internal_channel(address, self._signer)
+            channel = self._channels[address] = internal_channel(address, self._signer, self._tls)
         return prefill_pb2_grpc.PrefillStub(channel)
 
     async def run(self, request_id: str, prompt_ids: list[int], block_hashes: list[int],

@@ -49,6 +49,10 @@ def _add_common(p: argparse.ArgumentParser, role: str) -> None:
 def _add_security(p: argparse.ArgumentParser, flag) -> None:
     flag("cluster_secret_file", "file holding this deployment's secret (mode 0600, the same on every "
                                 "service); every internal call is authenticated with it")
+    flag("internal_tls_cert", "PEM certificate for mutual TLS on internal gRPC (SAN "
+                              "'pdserve-internal'; with --internal-tls-key and --internal-tls-ca)")
+    flag("internal_tls_key", "PEM private key of --internal-tls-cert")
+    flag("internal_tls_ca", "PEM CA that every internal peer's certificate must chain to")
     p.add_argument("--insecure-internal", action="store_true", default=None,
                    help="allow binding beyond loopback without a cluster secret (internal APIs "
                         "open to the network; a warning at every start)")

@@ -24,6 +24,9 @@ from pdserve.common.auth import ClusterSecret
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
 
 GRACE_S = 10.0
+# passed to every process, the router included
+SECURITY_FLAGS = ("cluster_secret_file", "insecure_internal", "internal_tls_cert", "internal_tls_key",
+                  "internal_tls_ca")
 NUM_PREFILL = 1
 NUM_DECODE = 1
 READY_TIMEOUT_S = 300.0
@@ -62,7 +65,7 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     http_port = int(settings.get("http_port") or ROUTER_HTTP_PORT)
     grpc_port = int(settings.get("router_grpc_port") or ROUTER_GRPC_PORT)
     registry_port = int(settings.get("router_registry_port") or ROUTER_REGISTRY_PORT)
-    security = _flags(settings, ("cluster_secret_file", "insecure_internal"))
+    security = _flags(settings, SECURITY_FLAGS)
     local = bool(settings.get("local_prefill"))
     num_prefill = 0 if local else int(settings.get("num_prefill") or NUM_PREFILL)
     num_decode = int(settings.get("num_decode") or NUM_DECODE)

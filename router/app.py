@@ -19,7 +19,7 @@ import grpc
 import uvicorn
 
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
-from pdserve.worker.auth import InternalAuth
+from pdserve.worker.auth import InternalAuth, InternalTLS
 from pdserve.worker.serving import SERVER_OPTIONS, add_health_and_reflection, service_name, set_serving
 from pdserve.router.admission import InFlight
 from pdserve.router.auth import ApiKeyCheck
@@ -56,9 +56,10 @@ class RouterApp:
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(config.worker_timeout_s, config.max_cached_hashes_per_worker)
         self.catalog = ModelCatalog()
+        tls = InternalTLS.load(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
         self.auth = InternalAuth.from_settings("router", config.host, config.cluster_secret_file,
-                                               config.insecure_internal)
-        self.channels = WorkerChannels(self.auth.signer("router"))
+                                               config.insecure_internal, tls)
+        self.channels = WorkerChannels(self.auth.signer("router"), tls)
         self.tasks = BackgroundTasks()
         self.in_flight = InFlight(config.max_queue, config.retry_after_s)
         self.metrics.in_flight.set_function(lambda: len(self.in_flight))
@@ -122,7 +123,8 @@ class RouterApp:
         registry_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(self.membership, self.config, authenticated=self.auth.enabled), registry)
         self._registry_server, self.registry_port = await _serve(
-            registry, self.config.host, self.config.registry_port, _REGISTRY, "the worker registry")
+            registry, self.config.host, self.config.registry_port, _REGISTRY, "the worker registry",
+            self.auth.tls.server_credentials() if self.auth.tls else None)
 
     async def _start_http(self) -> None:
         app = build_http_app(self.frontend, self.catalog, self.registry, self.metrics, self.config, self.api_key)

@@ -5,20 +5,22 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.common.auth import CallSigner
-from pdserve.worker.auth import internal_channel
+from pdserve.worker.auth import InternalTLS, internal_channel
 
 
 class WorkerChannels:
-    """With a signer, every call to a worker carries the router's credential."""
+    """With a signer, every call to a worker carries the router's credential (over mutual TLS
+    when `tls`)."""
 
-    def __init__(self, signer: CallSigner | None = None) -> None:
+    def __init__(self, signer: CallSigner | None = None, tls: InternalTLS | None = None) -> None:
         self._signer = signer
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = internal_channel(address, self._signer)
+            channel = self._channels[address] = internal_channel(address, self._signer, self._tls)
         return channel
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:

@@ -47,6 +47,9 @@ class RouterConfig:
     metrics_auth: bool = False  # /metrics requires the API key too (health and readiness stay open)
     tls_cert: str = ""  # PEM certificate chain: HTTPS and gRPC-over-TLS on the client ports
     tls_key: str = ""  # its PEM private key
+    internal_tls_cert: str = ""  # mutual TLS on internal gRPC (registry, router -> workers)
+    internal_tls_key: str = ""
+    internal_tls_ca: str = ""
     max_queue: int = 256  # requests in flight; one more gets 429 / RESOURCE_EXHAUSTED
     prefill_policy: str = "least_loaded"
     decode_policy: str = "prefix_aware"
@@ -168,6 +171,9 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "metrics_auth": _to_bool,
     "tls_cert": _to_str,
     "tls_key": _to_str,
+    "internal_tls_cert": _to_str,
+    "internal_tls_key": _to_str,
+    "internal_tls_ca": _to_str,
     "max_queue": _to_int,
     "prefill_policy": _to_str,
     "decode_policy": _to_str,

@@ -10,12 +10,14 @@ per peer.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import grpc
 
 from pdserve.common.auth import (CREDENTIAL_HEADER, AuthError, CallSigner, CallVerifier,
-                                 ClusterSecret, caller_of, is_loopback, require_secret_off_loopback)
+                                 ClusterSecret, ClusterSecretError, caller_of, is_loopback,
+                                 require_secret_off_loopback)
 from pdserve.worker.serving import CHANNEL_OPTIONS
 
 log = logging.getLogger("pdserve.auth")
@@ -48,10 +50,57 @@ class _StreamCredentials(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_with_credential(self._signer, details), request)
 
 
-def internal_channel(address: str, signer: CallSigner | None) -> grpc.aio.Channel:
-    """A channel to another pdserve service; with a signer, every call carries a credential."""
+INTERNAL_SERVER_NAME = "pdserve-internal"  # the name internal certificates carry (a SAN)
+
+
+@dataclass(frozen=True)
+class InternalTLS:
+    """Mutual TLS between the services of one deployment: every server presents `cert`, every
+    client presents it too, and each side accepts only certificates signed by `ca`. Clients
+    check the server's certificate against INTERNAL_SERVER_NAME, not its address (pods come
+    and go with new addresses; the deployment's certificate stays)."""
+
+    cert: bytes = field(repr=False)
+    key: bytes = field(repr=False)
+    ca: bytes = field(repr=False)
+
+    @classmethod
+    def load(cls, cert_path: str, key_path: str, ca_path: str) -> "InternalTLS | None":
+        paths = (cert_path, key_path, ca_path)
+        if not any(paths):
+            return None
+        if not all(paths):
+            raise ClusterSecretError("--internal-tls-cert, --internal-tls-key and --internal-tls-ca go together")
+        try:
+            return cls(*(open(p, "rb").read() for p in paths))
+        except OSError as exc:
+            raise ClusterSecretError(f"cannot read internal TLS material: {exc}") from None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+def internal_channel(address: str, signer: CallSigner | None, tls: InternalTLS | None = None) -> grpc.aio.Channel:
+    """A channel to another pdserve service; with a signer, every call carries a credential;
+    with `tls`, it runs over mutual TLS."""
     interceptors = [_UnaryCredentials(signer), _StreamCredentials(signer)] if signer is not None else None
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    options = CHANNEL_OPTIONS + (("grpc.ssl_target_name_override", INTERNAL_SERVER_NAME),)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options,
+                                   interceptors=interceptors)
+
+
+def bind(server: grpc.aio.Server, address: str, tls: InternalTLS | None) -> int:
+    """Listen on `address` (over mutual TLS when `tls`); the bound port, 0 when it failed."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, tls.server_credentials())
 
 
 def caller_id(context: grpc.aio.ServicerContext) -> str:
@@ -116,11 +165,13 @@ class InternalAuth:
     for its incoming ones. Without a secret (loopback only, or --insecure-internal) both are
     absent and internal calls go unauthenticated."""
 
-    def __init__(self, secret: ClusterSecret | None) -> None:
+    def __init__(self, secret: ClusterSecret | None, tls: InternalTLS | None = None) -> None:
         self.secret = secret
+        self.tls = tls
 
     @classmethod
-    def from_settings(cls, role: str, host: str, secret_file: str, insecure_internal: bool) -> "InternalAuth":
+    def from_settings(cls, role: str, host: str, secret_file: str, insecure_internal: bool,
+                      tls: InternalTLS | None = None) -> "InternalAuth":
         """Load the secret; refuse to run beyond loopback without one (fail closed)."""
         secret = ClusterSecret.load(secret_file) if secret_file else None
         require_secret_off_loopback(host, secret, insecure_internal, role)
@@ -128,7 +179,7 @@ class InternalAuth:
             log.warning("%s: --insecure-internal: internal gRPC on %s is open to anyone who can reach it", role, host)
         elif secret is None:
             log.info("%s: no cluster secret; internal calls are unauthenticated (loopback only)", role)
-        return cls(secret)
+        return cls(secret, tls)
 
     @property
     def enabled(self) -> bool:
@@ -136,6 +187,10 @@ class InternalAuth:
 
     def signer(self, caller_id: str) -> CallSigner | None:
         return CallSigner(self.secret, caller_id) if self.secret is not None else None
+
+    def channel(self, address: str, caller_id: str) -> grpc.aio.Channel:
+        """A channel whose calls carry `caller_id`'s credential (and run over mutual TLS)."""
+        return internal_channel(address, self.signer(caller_id), self.tls)
 
     def interceptors(self, protected: Iterable[str], on_refused: Callable[[str], None]) -> list:
         if self.secret is None:

@@ -26,7 +26,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from pdserve.common.auth import CallSigner
-from pdserve.worker.auth import internal_channel
+from pdserve.worker.auth import InternalTLS, internal_channel
 
 log = logging.getLogger("pdserve.registry_client")
 
@@ -38,12 +38,14 @@ class RegistryClient:
     def __init__(self, router_address: str, info: registry_pb2.WorkerInfo,
                  load_fn: Callable[[], common_pb2.WorkerLoad], *, heartbeat_s: float = 2.0,
                  rpc_timeout_s: float = 5.0, retry_s: float = 0.5, max_retry_s: float = MAX_RETRY_S,
-                 register_timeout_s: float | None = None, signer: CallSigner | None = None) -> None:
+                 register_timeout_s: float | None = None, signer: CallSigner | None = None,
+                 tls: InternalTLS | None = None) -> None:
         """`retry_s` doubles after each failed Register up to `max_retry_s`. Register may take
         longer than other calls (the router fetches ModelInfo from a new decode worker), hence
         `register_timeout_s` (default `rpc_timeout_s`)."""
         self._address = router_address
         self._signer = signer
+        self._tls = tls
         self._info = info
         self._load_fn = load_fn
         self._configured_s = heartbeat_s
@@ -67,7 +69,7 @@ class RegistryClient:
         return self._registered.is_set()
 
     def start(self) -> None:
-        self._channel = internal_channel(self._address, self._signer)
+        self._channel = internal_channel(self._address, self._signer, self._tls)
         self._task = asyncio.get_running_loop().create_task(self._run(registry_pb2_grpc.RegistryStub(self._channel)))
 
     async def wait_registered(self, timeout_s: float) -> None:

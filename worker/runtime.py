@@ -13,7 +13,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.common.auth import ClusterSecret
-from pdserve.worker.auth import InternalAuth
+from pdserve.worker.auth import InternalAuth, InternalTLS, bind
 from pdserve.worker.convert import load_to_proto
 from pdserve.worker.registrar import Registrar
 from pdserve.worker.serving import SERVER_OPTIONS, add_health_and_reflection, set_serving
@@ -22,10 +22,11 @@ from pdserve.worker.settings import WorkerSettings
 log = logging.getLogger("pdserve.worker")
 
 
-def bind_server(settings: WorkerSettings, interceptors=()) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server bound to the worker's address (servicers are added later)."""
+def bind_server(settings: WorkerSettings, interceptors=(), tls: InternalTLS | None = None) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server bound to the worker's address, over mutual TLS when `tls` (servicers
+    are added later)."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
-    port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+    port = bind(server, f"{settings.host}:{settings.grpc_port}", tls)
     if port == 0:
         raise OSError(f"{settings.role}: cannot bind gRPC to {settings.host}:{settings.grpc_port}")
     return server, port
@@ -100,8 +101,9 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     from pdserve.engine.llm_engine import LLMEngine
 
     setup_logging(settings.log_level)
+    tls = InternalTLS.load(settings.internal_tls_cert, settings.internal_tls_key, settings.internal_tls_ca)
     auth = InternalAuth.from_settings(role, settings.host, settings.cluster_secret_file,
-                                      settings.insecure_internal)
+                                      settings.insecure_internal, tls)
     connector = build.make_connector(settings, auth.secret)
     engine = await asyncio.to_thread(LLMEngine, settings.engine_config(), connector=connector)
     served = settings.served_model_name or engine.model_name
@@ -109,7 +111,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     loop.start(asyncio.get_running_loop())
     metrics = WorkerMetrics(role)
     protected = [f"pdserve.v1.{role.capitalize()}"]
-    server, port = bind_server(settings, auth.interceptors(protected, metrics.count_auth_refusal))
+    server, port = bind_server(settings, auth.interceptors(protected, metrics.count_auth_refusal), tls)
     host = settings.advertise_host or settings.host
     runtime = WorkerRuntime(settings, engine, loop, metrics, served, auth=auth,
                             address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}")
@@ -130,7 +132,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
         metrics.observe_engine(loop.last_stats)
         return load_to_proto(loop)
 
-    registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id))
+    registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls)
     registrar.start()
     # one line that launchers (pdserve up) and tests wait for
     print(f"pdserve {role} ready on {runtime.address} worker_id={runtime.worker_id}", flush=True)

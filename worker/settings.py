@@ -66,6 +66,9 @@ class WorkerSettings:
     log_level: str = "INFO"
     cluster_secret_file: str = ""  # internal calls authenticated with this deployment's secret
     insecure_internal: bool = False  # allow a non-loopback bind without a cluster secret
+    internal_tls_cert: str = ""  # mutual TLS on internal gRPC: this deployment's certificate,
+    internal_tls_key: str = ""  # its key,
+    internal_tls_ca: str = ""  # and the CA every peer's certificate must chain to
 
     @classmethod
     def default(cls, role: str, name: str) -> Any:

@@ -612,3 +612,16 @@ def test_router_tls_from_a_certificate_secret(render_values) -> None:
     assert s["metrics_auth"] is True
     volume = next(v for v in m.workload("router")["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
     assert volume["secret"]["secretName"] == "router-cert"
+
+
+
+def test_internal_mutual_tls_from_a_certificate_secret(render_values) -> None:
+    m = render_values({"internalTLS": {"secretName": "internal-cert"}})
+    for role in ROLES:
+        container = main_container(m.workload(role))
+        _, s = cli_settings(container)
+        mount = next(v for v in container["volumeMounts"] if v["name"] == "internal-tls")
+        assert (s["internal_tls_cert"], s["internal_tls_key"], s["internal_tls_ca"]) == tuple(
+            f"{mount['mountPath']}/{f}" for f in ("tls.crt", "tls.key", "ca.crt"))
+        volume = next(v for v in m.workload(role)["spec"]["template"]["spec"]["volumes"] if v["name"] == "internal-tls")
+        assert volume["secret"]["secretName"] == "internal-cert"

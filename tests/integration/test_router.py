@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pdserve.common.block_hash import hash_prompt_blocks
 from pdserve.common.auth import CREDENTIAL_HEADER, CallSigner, CallVerifier, ClusterSecret
+from pdserve.worker.auth import INTERNAL_SERVER_NAME, InternalTLS, bind
 from pdserve.worker.registry_client import RegistryClient
 from pdserve.proto.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, generation_pb2,
                                       generation_pb2_grpc, prefill_pb2_grpc, registry_pb2,
@@ -114,13 +115,13 @@ class FakeWorker:
     client: RegistryClient | None = None
     _abort_events: dict = field(default_factory=dict)
 
-    async def start(self) -> None:
+    async def start(self, tls: InternalTLS | None = None) -> None:
         server = grpc.aio.server()
         if self.role == registry_pb2.WORKER_ROLE_DECODE:
             decode_pb2_grpc.add_DecodeServicer_to_server(_FakeDecode(self), server)
         else:
             prefill_pb2_grpc.add_PrefillServicer_to_server(_FakePrefill(self), server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = bind(server, "127.0.0.1:0", tls)
         await server.start()
         self._server, self.address = server, f"127.0.0.1:{port}"
 
@@ -132,10 +133,11 @@ class FakeWorker:
     def load(self) -> common_pb2.WorkerLoad:
         return common_pb2.WorkerLoad(num_free_blocks=64, num_total_blocks=64, cached_block_hashes=self.cached_hashes)
 
-    async def register(self, router_address: str, signer: CallSigner | None = None) -> None:
+    async def register(self, router_address: str, signer: CallSigner | None = None,
+                       tls: InternalTLS | None = None) -> None:
         """Through the real worker-side client (register, heartbeat, re-register on NOT_FOUND)."""
         self.client = RegistryClient(router_address, self.info(), self.load, rpc_timeout_s=WAIT_S, retry_s=0.05,
-                                     signer=signer)
+                                     signer=signer, tls=tls)
         self.client.start()
         await self.client.wait_registered(WAIT_S)
 
@@ -237,12 +239,12 @@ class Cluster:
         self.registry_address = f"127.0.0.1:{self.router.registry_port}"
 
     def add(self, worker_id: str, role: int = registry_pb2.WORKER_ROLE_DECODE, signer: CallSigner | None = None,
-            **kwargs: Any) -> FakeWorker:
+            tls: InternalTLS | None = None, **kwargs: Any) -> FakeWorker:
         worker = FakeWorker(role, worker_id, **kwargs)
 
         async def up() -> None:
-            await worker.start()
-            await worker.register(self.registry_address, signer)
+            await worker.start(tls)
+            await worker.register(self.registry_address, signer, tls)
 
         self.loop.run(up())
         self.workers[worker_id] = worker
@@ -977,3 +979,76 @@ def test_tls_on_the_client_ports_and_metrics_behind_the_api_key(make_cluster, tm
         info = generation_pb2_grpc.GenerationStub(channel).ModelInfo(
             common_pb2.ModelInfoRequest(model=MODEL), timeout=WAIT_S, metadata=[("authorization", "Bearer sesame")])
     assert info.model_name == MODEL
+
+
+
+def _internal_pki(tmp_path) -> dict[str, str]:
+    """A CA and the deployment's certificate (SAN pdserve-internal) signed by it; and a second
+    CA's certificate, as an outsider would have. PEM paths."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(subject: str, key, issuer: str, issuer_key, ca: bool):
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(INTERNAL_SERVER_NAME)]),
+                                            critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    out = {}
+    for name in ("ours", "theirs"):
+        ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+        ca = cert(f"{name}-ca", ca_key, f"{name}-ca", ca_key, True)
+        leaf = cert(INTERNAL_SERVER_NAME, leaf_key, f"{name}-ca", ca_key, False)
+        for kind, data in (("ca", ca.public_bytes(serialization.Encoding.PEM)),
+                           ("cert", leaf.public_bytes(serialization.Encoding.PEM)),
+                           ("key", leaf_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))):
+            path = tmp_path / f"{name}-{kind}.pem"
+            path.write_bytes(data)
+            out[f"{name}_{kind}"] = str(path)
+    return out
+
+
+def test_internal_grpc_over_mutual_tls(make_cluster, tmp_path, loop_thread):
+    pki = _internal_pki(tmp_path)
+    secret_path = tmp_path / "cluster-secret"
+    secret = ClusterSecret.create(secret_path)
+    ours = InternalTLS.load(pki["ours_cert"], pki["ours_key"], pki["ours_ca"])
+    cluster = make_cluster(cluster_secret_file=str(secret_path), internal_tls_cert=pki["ours_cert"],
+                           internal_tls_key=pki["ours_key"], internal_tls_ca=pki["ours_ca"])
+    cluster.add("d0", signer=CallSigner(secret, "d0"), tls=ours)  # registry and router -> d0 both over mTLS
+    chat = cluster.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=8)
+    assert chat.choices[0].message.content == "".join(REPLY)
+    # plaintext, and TLS with a certificate of another CA, never reach the registry
+    theirs = InternalTLS.load(pki["theirs_cert"], pki["theirs_key"], pki["theirs_ca"])
+    mixed = InternalTLS(theirs.cert, theirs.key, ours.ca)  # trusts us, but is not trusted
+    for tls in (None, mixed):
+        async def try_register() -> None:
+            client = RegistryClient(cluster.registry_address, FakeWorker(registry_pb2.WORKER_ROLE_DECODE, "d9",
+                                                                          address="127.0.0.1:9").info(),
+                                    lambda: common_pb2.WorkerLoad(), rpc_timeout_s=2.0, retry_s=0.05,
+                                    signer=CallSigner(secret, "d9"), tls=tls)
+            client.start()
+            try:
+                with pytest.raises(TimeoutError):
+                    await client.wait_registered(1.5)
+                assert client.num_refused >= 1
+            finally:
+                await client.stop(deregister=False)
+
+        loop_thread.run(try_register())
+    assert cluster.router.registry.get("d9") is None

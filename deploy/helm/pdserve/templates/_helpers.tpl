@@ -81,6 +81,20 @@ are not ready yet, so registration never waits on the router's own readiness.
 - name: cluster-secret
   mountPath: {{ include "pdserve.clusterSecretDir" . }}
   readOnly: true
+{{- if .Values.internalTLS.secretName }}
+- name: internal-tls
+  mountPath: /etc/pdserve/internal-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Mutual TLS on internal gRPC, from a cert-manager-shaped Secret (ca.crt, tls.crt, tls.key). */}}
+{{- define "pdserve.internalTlsArgs" -}}
+{{- if .Values.internalTLS.secretName }}
+- "--internal-tls-cert=/etc/pdserve/internal-tls/tls.crt"
+- "--internal-tls-key=/etc/pdserve/internal-tls/tls.key"
+- "--internal-tls-ca=/etc/pdserve/internal-tls/ca.crt"
+{{- end }}
 {{- end }}
 
 {{- define "pdserve.clusterSecretVolume" -}}
@@ -91,6 +105,12 @@ are not ready yet, so registration never waits on the router's own readiness.
     items:
       - key: {{ .Values.clusterSecret.key }}
         path: {{ .Values.clusterSecret.key }}
+{{- with .Values.internalTLS.secretName }}
+- name: internal-tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+{{- end }}
 {{- end }}
 
 {{/* The --redis-url value, or "" when it comes from a Secret or there is no Redis. */}}

@@ -56,6 +56,7 @@ spec:
             - "--worker-id=$(POD_NAME)"
             - {{ printf "--router=%s" (include "pdserve.routerRegistrationAddress" $ctx) | quote }}
             - {{ include "pdserve.clusterSecretArg" $ctx }}
+            {{- include "pdserve.internalTlsArgs" $ctx | nindent 12 }}
             - {{ printf "--log-level=%s" $values.logLevel | quote }}
             - {{ printf "--metrics-port=%d" (int $values.metrics.port) | quote }}
             - {{ printf "--model=%s" $modelArg | quote }}
