@@ -20,7 +20,8 @@ import uvicorn
 
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 from pdserve.worker.auth import InternalAuth, InternalTLS
-from pdserve.worker.serving import SERVER_OPTIONS, add_health_and_reflection, service_name, set_serving
+from pdserve.worker.serving import (MAX_MESSAGE_BYTES, SERVER_OPTIONS, MalformedRequestInterceptor,
+                                    add_health_and_reflection, service_name, set_serving)
 from pdserve.router.admission import InFlight
 from pdserve.router.auth import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
@@ -109,17 +110,21 @@ class RouterApp:
                 await server.stop(grace_s)
         await self.tasks.drain(grace_s)
         await self.channels.close()
+        self.frontend.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
 
     async def _start_grpc(self) -> None:
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        # the client port takes no message larger than an HTTP body may be
+        limit = self.config.max_body_bytes
+        options = (("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
+        server = grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor()])
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.frontend, self.catalog, self.api_key), server)
         self._grpc_server, self.grpc_port = await _serve(server, self.config.host, self.config.grpc_port,
                                                          _GENERATION, "gRPC", _tls_credentials(self.config))
         interceptors = self.auth.interceptors([_REGISTRY], self.metrics.count_auth_refusal)
-        registry = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
+        registry = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, MalformedRequestInterceptor()])
         registry_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(self.membership, self.config, authenticated=self.auth.enabled), registry)
         self._registry_server, self.registry_port = await _serve(

@@ -20,6 +20,7 @@ from typing import AsyncIterator
 from pdserve.common.block_hash import hash_prompt_blocks
 from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, generation_pb2
+from pdserve.router.cpu_pool import CpuPool
 from pdserve.router.admission import InFlight
 from pdserve.router.catalog import ModelCatalog, ServedModel
 from pdserve.router.dispatch import DecodeClient
@@ -45,8 +46,9 @@ class PreparedRequest:
 
 class Frontend:
     def __init__(self, catalog: ModelCatalog, planner: RoutePlanner, decode: DecodeClient,
-                 in_flight: InFlight, metrics: RouterMetrics) -> None:
+                 in_flight: InFlight, metrics: RouterMetrics, cpu: CpuPool | None = None) -> None:
         self._catalog = catalog
+        self._cpu = cpu or CpuPool()
         self._planner = planner
         self._decode = decode
         self._in_flight = in_flight
@@ -73,6 +75,9 @@ class Frontend:
         finally:
             self._metrics.requests.labels(api, outcome).inc()
 
+    def close(self) -> None:
+        self._cpu.close()
+
     def count_rejected(self, api: str, err: ServiceError) -> None:
         """Count a request an edge refused before it reached `generate` (auth, bad body)."""
         self._metrics.requests.labels(api, err.outcome).inc()
@@ -83,8 +88,8 @@ class Frontend:
 
     async def prepare(self, request: generation_pb2.GenerateRequest, request_id: str) -> PreparedRequest:
         model = self._catalog.resolve(request.model)
-        # Tokenizing and templating are CPU work: off the event loop.
-        prompt_ids = await asyncio.to_thread(model.prompts.build, request)
+        # Tokenizing and templating are CPU work: off the event loop, in a bounded pool.
+        prompt_ids = await self._cpu.run(model.prompts.build, request, model.max_model_len)
         param = "messages" if request.WhichOneof("input") == "chat" else "prompt"
         check_prompt_fits(len(prompt_ids), model.max_model_len, param)
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.max_model_len,

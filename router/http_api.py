@@ -73,6 +73,13 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         body = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as exc:
         raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the JSON body is nested too deeply") from None
+    try:  # JSON may spell a lone surrogate ("\\ud800"), which no text can hold
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the JSON body holds a lone UTF-16 surrogate "
+                           "(e.g. \\ud800), which is not text") from None
     if not isinstance(body, dict):
         raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the request body must be a JSON object")
     return body

@@ -18,6 +18,10 @@ from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.chat_template import ChatTemplate, ChatTemplateError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# A prompt is refused before any tokenizing when its raw text is longer than this many
+# characters per token of context: no tokenizer packs more into one token, so such a prompt
+# can never fit, and tokenizing it first would let one request stall the router.
+MAX_CHARS_PER_TOKEN = 32
 
 
 class PromptBuilder:
@@ -44,8 +48,10 @@ class PromptBuilder:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def build(self, request: generation_pb2.GenerateRequest) -> list[int]:
-        """The prompt's token ids; INVALID_ARGUMENT for an empty or malformed input."""
+    def build(self, request: generation_pb2.GenerateRequest, max_model_len: int) -> list[int]:
+        """The prompt's token ids; INVALID_ARGUMENT for an empty or malformed input, and for
+        text that cannot fit `max_model_len` tokens, checked on its raw size first."""
+        check_raw_size(request, max_model_len)
         which = request.WhichOneof("input")
         if which == "prompt":
             ids = self.encode_text(request.prompt)
@@ -96,6 +102,22 @@ class PromptBuilder:
     def token_text(self, token_id: int) -> str:
         """One token's text, decoded alone (for logprobs when decode sent none)."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def check_raw_size(request: generation_pb2.GenerateRequest, max_model_len: int) -> None:
+    """Before any work: the raw prompt must be able to fit the context."""
+    which = request.WhichOneof("input")
+    if which == "token_ids":
+        if len(request.token_ids.ids) >= max_model_len:
+            raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"the prompt has {len(request.token_ids.ids)} tokens; "
+                               f"this model's context is {max_model_len}", param="prompt", code="context_length_exceeded")
+        return
+    texts = [request.prompt] if which == "prompt" else [m.content for m in request.chat.messages]
+    param = "messages" if which == "chat" else "prompt"
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    if sum(len(t) for t in texts) > limit:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"the prompt is over {limit} characters; this model's "
+                           f"context is {max_model_len} tokens", param=param, code="context_length_exceeded")
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:

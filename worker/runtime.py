@@ -16,7 +16,8 @@ from pdserve.common.auth import ClusterSecret
 from pdserve.worker.auth import InternalAuth, InternalTLS, bind
 from pdserve.worker.convert import load_to_proto
 from pdserve.worker.registrar import Registrar
-from pdserve.worker.serving import SERVER_OPTIONS, add_health_and_reflection, set_serving
+from pdserve.worker.serving import (SERVER_OPTIONS, MalformedRequestInterceptor, add_health_and_reflection,
+                                    set_serving)
 from pdserve.worker.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")
@@ -25,7 +26,7 @@ log = logging.getLogger("pdserve.worker")
 def bind_server(settings: WorkerSettings, interceptors=(), tls: InternalTLS | None = None) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server bound to the worker's address, over mutual TLS when `tls` (servicers
     are added later)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, MalformedRequestInterceptor()])
     port = bind(server, f"{settings.host}:{settings.grpc_port}", tls)
     if port == 0:
         raise OSError(f"{settings.role}: cannot bind gRPC to {settings.host}:{settings.grpc_port}")

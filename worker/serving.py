@@ -12,6 +12,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Iterable
 
+import grpc
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -45,3 +47,52 @@ async def set_serving(health_servicer: Any, service_names: Iterable[str], servin
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *service_names):
         await health_servicer.set(name, status)
+
+
+class _Malformed:
+    """Stands for a request whose bytes did not parse."""
+
+
+_MALFORMED = _Malformed()
+
+
+def _tolerant(deserializer):
+    def parse(data: bytes):
+        try:
+            return deserializer(data) if deserializer is not None else data
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError, bad UTF-8 in a string field
+            return _MALFORMED
+    return parse
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """A request that is not a valid protobuf of its method's type (garbage bytes, a string
+    field that is not UTF-8) ends with INVALID_ARGUMENT and a fixed message, before any
+    servicer code runs, instead of grpc's UNKNOWN carrying a Python exception's text."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler
+
+        async def refuse(context):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed request: not a valid protobuf message")
+
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                if request is _MALFORMED:
+                    await refuse(context)
+                return await inner(request, context)
+            return grpc.unary_unary_rpc_method_handler(unary, _tolerant(handler.request_deserializer),
+                                                       handler.response_serializer)
+        inner_stream = handler.unary_stream
+
+        async def stream(request, context):
+            if request is _MALFORMED:
+                await refuse(context)
+            async for item in inner_stream(request, context):
+                yield item
+        return grpc.unary_stream_rpc_method_handler(stream, _tolerant(handler.request_deserializer),
+                                                    handler.response_serializer)

@@ -503,6 +503,13 @@ BAD_HTTP = [
     ("token id outside vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**6]}, 400, "prompt"),
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("oversized body", "/v1/completions", {"model": MODEL, "prompt": "w1 " * 2000}, 413, None),
+    ("lone surrogate in a prompt", "/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "a\\ud800b"}',
+     400, None),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, None),
+    ("JSON nested past the recursion limit", "/v1/completions", b"[" * 2_040 + b"]" * 2_040, 400, None),
+    ("raw prompt that can never fit", "/v1/completions",
+     {"model": MODEL, "prompt": "x" * (MAX_MODEL_LEN * 32 + 1)}, 400, "prompt"),
 ]
 
 
@@ -522,6 +529,27 @@ def test_bad_http_input_gets_openai_error(make_cluster, case):
         ok = http.post("/v1/chat/completions", json=chat_body(max_tokens=2))
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "Hello,"
     assert len(decode.requests) == 1  # the bad request never reached the worker
+
+
+def test_malformed_and_oversized_grpc_requests_are_invalid_argument(make_cluster):
+    from pdserve.router.example_client import stream_chat
+
+    cluster = make_cluster()
+    decode = cluster.add("d0")
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        raw = channel.unary_stream("/pdserve.v1.Generation/Generate", request_serializer=None,
+                                   response_deserializer=None)
+        for garbage in (b"\xff\xff\xff\xff garbage", b"\x12\x03\xff\xfe\xfd"):  # junk; a non-UTF-8 prompt string
+            with pytest.raises(grpc.RpcError) as caught:
+                list(raw(garbage, timeout=WAIT_S))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "Traceback" not in caught.value.details() and "Error" not in caught.value.details()
+        big = generation_pb2.GenerateRequest(model=MODEL, prompt="x" * 8000)  # over --max-body-bytes (4096)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(generation_pb2_grpc.GenerationStub(channel).Generate(big, timeout=WAIT_S))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "".join(stream_chat(cluster.grpc_address, "hello", max_tokens=8)) == "Hello, world!"
+    assert len(decode.requests) == 1
 
 
 def test_oversized_chunked_body_is_413_while_reading(make_cluster):

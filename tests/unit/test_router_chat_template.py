@@ -56,7 +56,7 @@ def test_chat_ids_equal_transformers_apply_chat_template(smollm, messages):
     builder = PromptBuilder.from_model_info(info)
     request = generation_pb2.GenerateRequest(chat=generation_pb2.ChatMessages(
         messages=[generation_pb2.ChatMessage(**m) for m in messages]))
-    assert builder.build(request) == list(expected)
+    assert builder.build(request, 8192) == list(expected)
     assert builder.render_chat([(m["role"], m["content"]) for m in messages]) == tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False)
 
