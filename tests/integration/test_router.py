@@ -869,7 +869,10 @@ def test_workers_register_again_after_a_router_restart(loop_thread, make_cluster
 
 
 def test_worker_errors_reach_the_client_and_refusals_move_on(make_cluster):
-    cluster = make_cluster(decode_policy="round_robin")
+    # Liveness is not under test here: with the fixture's 1 s heartbeat timeout, a loaded CI
+    # machine once stalled the shared loop past it, both workers were dropped, and the
+    # retry found none (503). 5 s keeps every worker alive through such a stall.
+    cluster = make_cluster(decode_policy="round_robin", worker_timeout_s=5.0)
     cluster.add("d0", script=Script(fail_after=0))  # refuses every request as invalid
     with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
         refused = http.post("/v1/chat/completions", json=chat_body())
