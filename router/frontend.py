@@ -75,6 +75,10 @@ class Frontend:
         finally:
             self._metrics.requests.labels(api, outcome).inc()
 
+    async def run_cpu(self, fn, *args):
+        """CPU work of an edge (tokenizing) in the same bounded pool as prompt preparation."""
+        return await self._cpu.run(fn, *args)
+
     def close(self) -> None:
         self._cpu.close()
 

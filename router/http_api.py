@@ -133,7 +133,7 @@ class OpenAIHandlers:
         try:
             self._auth.check(request.headers.get("authorization"))
             body = await read_json_object(request, self._max_body_bytes)
-            return JSONResponse(await asyncio.to_thread(call, self._catalog, body))  # off the event loop
+            return JSONResponse(await self._frontend.run_cpu(call, self._catalog, body))  # off the event loop
         except ServiceError as err:
             return error_response(err)
 
