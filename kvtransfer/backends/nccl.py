@@ -80,9 +80,10 @@ def _new_group(backend: str, store_host: str, store_port: int, pair_token: bytes
     ranks joined or `timeout_s` passed. gloo listens on `local_host` (the address the control
     connection uses on this side, so the peer can reach it).
 
-    The TCPStore itself takes any client; a pair's keys live under a random 128-bit token the
-    receiver hands out only over the (authenticated) control connection, so a process that
-    connects to the store cannot find, read or write any pair's state."""
+    The TCPStore itself takes any client, and any client can list its keys: a pair's keys live
+    under a random 128-bit token the receiver hands out only over the (authenticated) control
+    connection, and the receiver deletes them as soon as the sender is done with the store
+    (`_Receiver._forget_pair`), so the token is visible only while the pair rendezvouses."""
     import torch.distributed as dist
 
     client = dist.TCPStore(store_host, store_port, None, False, timeout=_timedelta(timeout_s),
@@ -260,10 +261,13 @@ class _Receiver:
         group = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            group = self._pair(sock)
+            group, pair_token = self._pair(sock)
             while group is not None and not self._stop.is_set():
                 if not self._wait_readable(sock):
                     continue
+                if pair_token is not None:  # the sender's first request: it is done with the store
+                    self._forget_pair(pair_token)
+                    pair_token = None
                 if not self._serve_one(sock, group):
                     break
         except (ConnectionError, TimeoutError, OSError):
@@ -286,11 +290,25 @@ class _Receiver:
         if backend != self.backend:
             send_all(sock, _p2p.reply(False, f"backend mismatch: sender {backend}, receiver "
                                           f"{self.backend}"), deadline)
-            return None
+            return None, None
         pair_token = os.urandom(16)
         send_all(sock, _p2p.reply(True) + PAIRING.pack(self.store_port, pair_token), deadline)
-        return _new_group(self.backend, self.host, self.store_port, pair_token, 1,
-                          sock.getsockname()[0], deadline - time.monotonic())
+        try:
+            group = _new_group(self.backend, self.host, self.store_port, pair_token, 1,
+                               sock.getsockname()[0], deadline - time.monotonic())
+        except BaseException:
+            self._forget_pair(pair_token)
+            raise
+        return group, pair_token
+
+    def _forget_pair(self, pair_token: bytes) -> None:
+        """Delete a pair's rendezvous keys: TCPStore lists its keys to anyone who connects, so
+        the random prefix hides a pair only while no key carries it. Called once the sender
+        has sent its first request (it reads nothing from the store after its group is up)."""
+        prefix = f"pdkv/{pair_token.hex()}/"
+        for key in self.store.list_keys():
+            if key.startswith(prefix):
+                self.store.delete_key(key)
 
     def _wait_readable(self, sock: socket.socket) -> bool:
         readable, _, _ = select.select([sock], [], [], POLL_S)

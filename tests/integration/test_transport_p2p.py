@@ -126,6 +126,8 @@ def peer_main(backend: str) -> None:
             return {"endpoint": transport.open_receiver(sink)}
         if cmd["cmd"] == "digests":
             return {"digests": sink.digests(cmd["blocks"])}
+        if cmd["cmd"] == "store_ports":  # nccl: where each receiver's TCPStore listens
+            return {"ports": [r.store_port for r in transport._receivers]}
         if cmd["cmd"] == "stall":
             sink.stall_s = cmd["seconds"]
             return {}
@@ -299,6 +301,35 @@ def test_control_channel_admits_only_holders_of_the_transfer_key(link):
     finally:
         for sender in (holder, stranger, anonymous):
             sender.close()
+
+
+def test_anonymous_store_client_finds_no_pair_state(link):
+    """torch's TCPStore takes any client and lists its keys: once a keyed pair is up, a process
+    that connects to the store sees none of the pair's keys, and its junk breaks nothing."""
+    if link.backend != "nccl":
+        pytest.skip("only the nccl/gloo path runs a TCPStore")
+    import datetime
+
+    import torch.distributed as dist
+
+    key = os.urandom(32)
+    endpoint = link.peer.call("open", key=key.hex())["endpoint"]
+    holder = make_transport(link.backend)
+    holder.key = key
+    try:
+        message = make_message([25, 26], seed=14)
+        holder.send(endpoint, message, time.monotonic() + DEADLINE_S)
+        assert link.digests([25, 26]) == payload_digests(message)
+        for port in link.peer.call("store_ports")["ports"]:
+            anonymous = dist.TCPStore("127.0.0.1", port, None, False,
+                                      timeout=datetime.timedelta(seconds=5), use_libuv=True)
+            assert not [k for k in anonymous.list_keys() if k.startswith("pdkv/")]
+            anonymous.set("pdkv/junk/0", b"junk")
+        second = make_message([27], seed=15)
+        holder.send(endpoint, second, time.monotonic() + DEADLINE_S)  # the pair still works
+        assert link.digests([27]) == payload_digests(second)
+    finally:
+        holder.close()
 
 
 def test_unreachable_peer_is_a_transfer_error(link):
