@@ -429,6 +429,26 @@ def test_tokenize_and_detokenize(make_cluster):
             assert answer.status_code in (400, 404) and answer.json()["error"]["param"] == param
 
 
+def test_grpc_generate_carries_penalties_bias_and_constraint_to_decode(make_cluster):
+    cluster = make_cluster()
+    decode = cluster.add("d0")
+    channel, stub = cluster.generation()
+    with channel:
+        sampling = common_pb2.SamplingParams(max_tokens=8, presence_penalty=0.5, frequency_penalty=0.25,
+                                             logit_bias={7: -3.0},
+                                             constraint=common_pb2.Constraint(json_schema='{"type": "object"}'))
+        request = generation_pb2.GenerateRequest(model=MODEL, prompt="hello", sampling=sampling)
+        list(stub.Generate(request, timeout=WAIT_S))
+        sent = decode.requests[-1].sampling
+        assert (sent.presence_penalty, sent.frequency_penalty, dict(sent.logit_bias)) == (0.5, 0.25, {7: -3.0})
+        assert sent.repetition_penalty == 1.0 and sent.constraint.json_schema == '{"type": "object"}'
+        bad = generation_pb2.GenerateRequest(model=MODEL, prompt="hello", sampling=common_pb2.SamplingParams(
+            max_tokens=8, logit_bias={10**6: 1.0}))
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(bad, timeout=WAIT_S))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_grpc_generate_streams_the_same_and_example_client(make_cluster):
     from pdserve.router.example_client import stream_chat
 
