@@ -92,17 +92,21 @@ async def merged(choices: list[Choice], generate: Generate) -> AsyncIterator[tup
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def sse_events(parsed: OpenAIRequest, choices: list[Choice], generate: Generate,
+async def sse_events(parsed: OpenAIRequest, num_choices: int, first: tuple[int, generation_pb2.GenerateResponse],
+                     stream: AsyncIterator[tuple[int, generation_pb2.GenerateResponse]],
                      make_formatter: MakeFormatter) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed multi-choice request (best_of == n here)."""
-    formatters = [make_formatter(i) for i in range(len(choices))]
-    lasts: list = [None] * len(choices)
-    stream = merged(choices, generate)
+    """The SSE body of a streamed multi-choice request (best_of == n here), from the first
+    message of `merged` on (the caller awaited it, so errors before it get a real status)."""
+    formatters = [make_formatter(i) for i in range(num_choices)]
+    lasts: list = [None] * num_choices
     try:
-        async for index, response in stream:
+        item = first
+        while item is not None:
+            index, response = item
             if response.finish_reason:
                 lasts[index] = response
             yield sse(formatters[index].chunk(response, parsed.include_usage))
+            item = await anext(stream, None)
         if parsed.include_usage and None not in lasts:
             yield sse(formatters[0].usage_chunk(sum_usage(lasts, parsed.n)))
     except ServiceError as err:

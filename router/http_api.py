@@ -215,7 +215,16 @@ class OpenAIHandlers:
                                      self._token_text(parsed.model), index, parsed.tool_mode, text)
 
         if parsed.stream:
-            return DisconnectAwareStream(fanout.sse_events(parsed, choices, generate, formatter),
+            stream = fanout.merged(choices, generate)
+            try:  # the first message before answering: errors before it get a real status
+                first = await _until_disconnect(request.receive, anext(stream))
+            except ServiceError as err:
+                await stream.aclose()
+                return error_response(err)
+            if isinstance(first, Response):  # the client left while waiting
+                await stream.aclose()
+                return first
+            return DisconnectAwareStream(fanout.sse_events(parsed, len(choices), first, stream, formatter),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

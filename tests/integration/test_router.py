@@ -388,6 +388,10 @@ def test_n_best_of_and_prompt_lists_give_indexed_choices(make_cluster):
         assert text == "Hello, world!"
     assert chunks[-1].usage.completion_tokens == 8
 
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:  # a bad stream still gets its status
+        answer = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "stream": True,
+                                                    "max_tokens": MAX_MODEL_LEN})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "max_tokens"
     listed = client.completions.create(model=MODEL, prompt=["hello", [5, 6, 7]], max_tokens=2, n=2)
     assert [c.index for c in listed.choices] == [0, 1, 2, 3]
     assert all(c.text == "Hello," for c in listed.choices)
