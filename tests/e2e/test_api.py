@@ -170,3 +170,16 @@ def test_n_choices_through_the_deployment(cluster):
                                            n=3, seed=21)
     assert [c.message.content for c in again.choices] == [c.message.content for c in chat.choices]
     cluster.assert_no_leaks()
+
+
+def test_an_unsupported_schema_is_a_400_and_the_service_stays_healthy(cluster):
+    import openai
+
+    client = cluster.openai()
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=8, response_format=bad)
+    ok = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=4, temperature=0)
+    assert ok.choices[0].message.content
+    cluster.assert_no_leaks()
