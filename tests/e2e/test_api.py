@@ -123,8 +123,8 @@ def test_json_schema_answers_validate_stream_and_not(cluster):
                                               seed=seed, response_format=fmt)
         assert chat.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
-        outcome = chat.model_extra["pdserve"]["transfer"]["outcome"]
-        assert outcome == ("transferred" if seed == 0 else "local")  # then decode has the prompt cached
+        if seed == 0:  # the first time: through the prefill service (later ones may hit decode's cache)
+            assert chat.model_extra["pdserve"]["transfer"]["outcome"] == "transferred"
     text, _, finish, _ = _stream_chat(client, messages=ASK_PERSON, max_tokens=60, temperature=0,
                                       response_format=fmt)
     assert finish == "stop"
