@@ -7,6 +7,7 @@ import fnmatch
 import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,28 @@ def test_exposed_ports_are_the_cli_defaults() -> None:
     exposed = {int(p) for keyword, rest in final_stage() if keyword == "EXPOSE" for p in shlex.split(rest)}
     assert exposed == {cli.ROUTER_HTTP_PORT, cli.ROUTER_GRPC_PORT, cli.PREFILL_GRPC_PORT,
                        cli.DECODE_GRPC_PORT, cli.TRANSFER_PORT}
+
+
+def _run_with_stubs(script: str, variant: str) -> str:
+    """Runs a RUN step's shell with apt-get, the install script and pdserve replaced by stubs
+    that print what they were asked to install, for the given VARIANT."""
+    stubs = ('apt-get() { echo "apt-get $*"; }; bash() { echo "extras=$PDSERVE_EXTRAS"; }; '
+             'pdserve() { :; }; python3() { :; }; groupadd() { :; }; useradd() { :; }; rm() { :; }; ')
+    env = {**arg_defaults(), "VARIANT": variant, "PATH": "/usr/bin:/bin"}
+    body = expand(script.removeprefix("--mount=type=bind,source=.,target=/src,rw").strip(), env)
+    out = subprocess.run(["/bin/bash", "-c", stubs + body], env=env, capture_output=True,
+                         text=True, check=True, timeout=10)
+    return out.stdout
+
+
+@pytest.mark.parametrize("variant", ["cuda", "cpu"])
+def test_each_variant_carries_a_compiler_and_only_cuda_carries_triton(variant: str) -> None:
+    runs = [rest for keyword, rest in instructions() if keyword == "RUN"]
+    apt = _run_with_stubs(next(r for r in runs if "apt-get install" in r), variant)
+    packages = set(next(line for line in apt.splitlines() if " install " in line).split())
+    # Triton compiles its CUDA driver stub with a C compiler at run time; the CPU kernel is C++.
+    assert {"gcc", "g++", "python3-dev"} <= packages
+    install = _run_with_stubs(next(r for r in runs if "install.sh" in r), variant)
+    extras = set(re.search(r"extras=(\S*)", install).group(1).split(","))
+    assert "test" not in extras and "bench" not in extras
+    assert ("triton" in extras) == (variant == "cuda")
