@@ -25,8 +25,13 @@ class SettingsError(InvalidRequestError):
 # sharing each step's budget among waiting prompts in small chunks lets a short chat that
 # arrives behind a long prompt finish within a step or two instead of after the whole long
 # prefill (`pdserve bench mixed-prefill` measures policy x budget; docs in the README).
+# The decode service runs a 256-token step too, so a wave of prompts it prefills locally is
+# cut into chunks with the running decodes riding in every step: at c8 on SmolLM2-135M
+# (2-core CPU, issue 13) 2,048 tokens stalled every decode 3.4 s in one 1,400-token step,
+# 256 cut TTFT p50 from 4.1 to 1.6 s with the same throughput.
 ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "prefill": {"chunking_policy": "EQUAL_PROGRESS", "max_num_tokens": 256},
+    "decode": {"max_num_tokens": 256},
 }
 
 

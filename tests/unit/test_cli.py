@@ -125,3 +125,16 @@ def test_prefix_store_is_validated_and_reaches_the_transfer_config(tmp_path):
         WorkerSettings.from_settings("decode", {"prefix_store": "redis"})
     with pytest.raises(SettingsError, match="disk, redis or none"):
         WorkerSettings.from_settings("decode", {"prefix_store": "s3"})
+
+
+def test_both_services_default_to_a_256_token_step_with_chunked_prefill():
+    """A wave of prompts is prefilled in 256-token chunks with the decodes riding along (issue
+    13's measured budget), unless a flag says otherwise."""
+    from pdserve.worker.settings import WorkerSettings
+
+    for role in ("prefill", "decode"):
+        sched = WorkerSettings.from_settings(role, {}).engine_config().scheduler
+        assert (sched.max_num_tokens, sched.enable_chunked_prefill) == (256, True), role
+    args = build_parser().parse_args(["decode", "--max-num-tokens", "2048"])
+    explicit = WorkerSettings.from_settings("decode", resolve(args, environ={}))
+    assert explicit.engine_config().scheduler.max_num_tokens == 2048
