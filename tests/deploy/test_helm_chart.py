@@ -34,7 +34,7 @@ NAMESPACE = "llm"
 # The newest Kubernetes release kubernetes-validate carries schemas for.
 KUBE_VERSION = kubernetes_validate.latest_version()
 # "default" is values.yaml alone; the others are the files under ci/.
-PROFILES = ("default", "cpu-small", "gpu-2p4d", "external-redis")
+PROFILES = ("default", "kind", "cpu-small", "gpu-2p4d", "external-redis")
 ROLES = ("router", "prefill", "decode")
 WORKERS = ("prefill", "decode")
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
@@ -265,7 +265,7 @@ def test_values_that_break_the_schema_are_rejected(path: Path, chart: helm.Chart
 
 @pytest.mark.parametrize("values, reason", [
     ({"redis": {"mode": "none"}}, "names redis but redis.mode is none"),
-    ({"kvTransfer": {"diskStore": {"enabled": False}}}, "names disk but kvTransfer.diskStore.enabled is false"),
+    ({"kvTransfer": {"backends": ["ucx", "disk"]}}, "names disk but kvTransfer.diskStore.enabled is false"),
     ({"metrics": {"port": 50100}}, "grpcPort, kvTransfer.port and metrics.port must differ"),
     ({"kvTransfer": {"port": 50150}}, "lies inside kvTransfer.ucx.tcpPortRange"),
     ({"router": {"grpcPort": 8000}}, "router.httpPort and router.grpcPort must differ"),
@@ -625,3 +625,39 @@ def test_internal_mutual_tls_from_a_certificate_secret(render_values) -> None:
             f"{mount['mountPath']}/{f}" for f in ("tls.crt", "tls.key", "ca.crt"))
         volume = next(v for v in m.workload(role)["spec"]["template"]["spec"]["volumes"] if v["name"] == "internal-tls")
         assert volume["secret"]["secretName"] == "internal-cert"
+
+
+# --- scheduling on a small cluster ----------------------------------------------------------
+
+def _quantity(text: str | int | float) -> float:
+    """A Kubernetes quantity (CPU or bytes) as a float: "500m" -> 0.5, "1536Mi" -> 1536 * 2**20."""
+    text = str(text)
+    binary = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    decimal = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    for suffix, factor in {**binary, **decimal}.items():
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * factor
+    return float(text)
+
+
+def test_kind_values_fit_one_two_cpu_eight_gib_node(render) -> None:
+    m = render("kind")
+    cpu = memory = 0.0
+    for workload in m.of_kind("Deployment") + m.of_kind("StatefulSet"):
+        pod = workload["spec"]["template"]["spec"]
+        replicas = workload["spec"].get("replicas", 1)
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            requests = container.get("resources", {}).get("requests", {})
+            assert "cpu" in requests and "memory" in requests, container["name"]
+            cpu += replicas * _quantity(requests["cpu"])
+            memory += replicas * _quantity(requests["memory"])
+    # kind's own pods (kube-apiserver, etcd, coredns, ...) request about 0.95 CPU together.
+    assert cpu <= 2 - 0.95, cpu
+    assert memory <= 6 * 2**30, memory
+    assert m.of_kind("PersistentVolumeClaim") == []
+
+
+@pytest.mark.parametrize("profile", ["default", "kind"])
+def test_no_read_write_many_claim_unless_asked(profile: str, render) -> None:
+    claims = render(profile).of_kind("PersistentVolumeClaim")
+    assert not any("ReadWriteMany" in c["spec"]["accessModes"] for c in claims)
