@@ -137,10 +137,9 @@ def test_build_context_keeps_what_the_install_needs() -> None:
     assert ignored("tests/deploy/test_dockerfile.py") and ignored("engine/__pycache__/x.pyc")
 
 
-def test_exposed_ports_are_the_cli_defaults() -> None:
+def test_exposed_ports_are_the_routers_which_the_default_command_serves() -> None:
     exposed = {int(p) for keyword, rest in final_stage() if keyword == "EXPOSE" for p in shlex.split(rest)}
-    assert exposed == {cli.ROUTER_HTTP_PORT, cli.ROUTER_GRPC_PORT, cli.PREFILL_GRPC_PORT,
-                       cli.DECODE_GRPC_PORT, cli.TRANSFER_PORT}
+    assert exposed == {cli.ROUTER_HTTP_PORT, cli.ROUTER_GRPC_PORT}
 
 
 def _run_with_stubs(script: str, variant: str) -> str:
