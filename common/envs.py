@@ -19,6 +19,8 @@ KNOWN = {
                                    "1: Triton everywhere (CPU needs TRITON_INTERPRET=1); 0: never"),
     "PDSERVE_CPU_ATTENTION": ("auto", "CPU decode attention: auto (native C++ kernel, built on first use, "
                                       "else the torch path with a warning), native (must build), torch"),
+    "PDSERVE_CPU_PREPACK": ("1", "1: fp32 CPU linears use weights prepacked once at load for oneDNN "
+                                 "(faster small-batch decode); 0: plain F.linear on MKL (A/B switch)"),
     "PDSERVE_LOG_LEVEL": ("INFO", "log level of every process"),
     "TRITON_INTERPRET": ("0", "read by Triton itself when it compiles a kernel; pdserve reads it only "
                               "to refuse PDSERVE_USE_TRITON=1 on CPU without the interpreter"),

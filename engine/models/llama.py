@@ -17,6 +17,7 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.connector import KVConnectorWorker, LayerSaveContext
 from pdserve.common.errors import ModelLoadError
+from pdserve.engine.models.linear import Linear, can_prepack
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -30,14 +31,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]: q, k, v projections stacked
-    qkv_bias: torch.Tensor | None
+    qkv: Linear  # [(Hq + 2 Hkv) * D, hidden]: q, k, v projections stacked (+ bias)
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor  # [hidden, Hq * D]
+    o_proj: Linear  # [hidden, Hq * D]
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate then up
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]: gate then up
+    down: Linear  # [hidden, intermediate]
 
 
 class CausalLM:
@@ -58,7 +58,8 @@ class CausalLM:
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
         lm_head = None if config.tie_word_embeddings else take("lm_head.weight", required=False)
-        self.lm_head = lm_head if lm_head is not None else self.embed
+        pack = can_prepack(device, dtype)
+        self.lm_head = Linear(lm_head if lm_head is not None else self.embed, prepack=pack)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -68,14 +69,15 @@ class CausalLM:
                 bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]),
-                qkv_bias=bias,
+                qkv=Linear(torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
+                                      take(a + "v_proj.weight")]), bias, prepack=pack),
                 q_norm=take(a + "q_norm.weight") if config.qk_norm else None,
                 k_norm=take(a + "k_norm.weight") if config.qk_norm else None,
-                o_proj=take(a + "o_proj.weight"),
+                o_proj=Linear(take(a + "o_proj.weight"), prepack=pack),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                          take(p + "mlp.up_proj.weight")]), prepack=pack),
+                down=Linear(take(p + "mlp.down_proj.weight"), prepack=pack),
             ))
         self.rope = RotaryEmbedding(config, device)
         self.scale = config.head_dim ** -0.5
@@ -95,7 +97,7 @@ class CausalLM:
         for i, w in enumerate(self.layers):
             connector.wait_for_layer_load(i)
             x = rms_norm(h, w.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qkv = w.qkv(x)
             q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
             q = q.reshape(T, c.num_heads, c.head_dim)
             k = k.reshape(T, c.num_kv_heads, c.head_dim)
@@ -107,10 +109,10 @@ class CausalLM:
             k = apply_rotary(k, cos, sin)
             kernels.store_kv(k.contiguous(), v.contiguous(), kv_caches[i], meta.slot_mapping)
             attn = self._attention(q.contiguous(), kv_caches[i], meta)
-            h = h + F.linear(attn.reshape(T, self._q_size), w.o_proj)
+            h = h + w.o_proj(attn.reshape(T, self._q_size))
             x = rms_norm(h, w.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            h = h + w.down(F.silu(gate) * up)
             connector.save_kv_layer(i, kv_caches[i], save_context)
         return rms_norm(h, self.norm, c.rms_norm_eps)
 
@@ -128,4 +130,4 @@ class CausalLM:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
