@@ -115,12 +115,27 @@ def _router_ready(http_port: int, host: str, num_workers: int) -> bool:
     return int(body.get("decode_workers", 0)) + int(body.get("prefill_workers", 0)) >= num_workers
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: its own session (a terminal's Ctrl-C reaches only `up`), and
+    SIGKILL when `up` dies however it dies (Linux PR_SET_PDEATHSIG), so no worker outlives it."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def start(settings: dict[str, Any]) -> tuple[list[Child], int]:
     children, http_port = plan(settings)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for child in children:
         child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env, start_new_session=True)
+                                      text=True, env=env, preexec_fn=_die_with_parent)
         threading.Thread(target=_pump, args=(child,), daemon=True).start()
     return children, http_port
 
@@ -175,9 +190,12 @@ def main(settings: dict[str, Any]) -> int:
 
 def _run(settings: dict[str, Any]) -> int:
     host = settings.get("host") or "127.0.0.1"
+    # SIGTERM and SIGINT stop everything at any moment, start-up included; SIGINT's handler is
+    # set explicitly because a shell script starting `up` in the background ignores it
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     children, http_port = start(settings)
     stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
         wait_ready(children, http_port, host, float(settings.get("ready_timeout_s") or READY_TIMEOUT_S))
         url = f"http://{host}:{http_port}"

@@ -20,7 +20,7 @@ import uvicorn
 
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 from pdserve.worker.auth import InternalAuth, InternalTLS
-from pdserve.worker.serving import (MAX_MESSAGE_BYTES, SERVER_OPTIONS, MalformedRequestInterceptor,
+from pdserve.worker.serving import (MAX_MESSAGE_BYTES, NO_PORT_SHARING, SERVER_OPTIONS, MalformedRequestInterceptor,
                                     add_health_and_reflection, service_name, set_serving)
 from pdserve.router.admission import InFlight
 from pdserve.router.auth import ApiKeyCheck
@@ -117,7 +117,7 @@ class RouterApp:
     async def _start_grpc(self) -> None:
         # the client port takes no message larger than an HTTP body may be
         limit = self.config.max_body_bytes
-        options = (("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
+        options = (("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)) + NO_PORT_SHARING
         server = grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor()])
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.frontend, self.catalog, self.api_key), server)

@@ -15,11 +15,13 @@ from typing import Any, Iterable
 import grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-SERVER_OPTIONS = (
+_MESSAGE_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
-CHANNEL_OPTIONS = SERVER_OPTIONS + (("grpc.enable_retries", 0),)  # callers decide about retries
+NO_PORT_SHARING = (("grpc.so_reuseport", 0),)  # a second listener on a used port fails to bind
+SERVER_OPTIONS = _MESSAGE_OPTIONS + NO_PORT_SHARING
+CHANNEL_OPTIONS = _MESSAGE_OPTIONS + (("grpc.enable_retries", 0),)  # callers decide about retries
 
 
 def service_name(pb2_module: ModuleType, service: str) -> str:
