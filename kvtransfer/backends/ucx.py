@@ -33,7 +33,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import importlib.util
-import ipaddress
 import itertools
 import logging
 import struct
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Coroutine
 
 from pdserve.common import envs
+from pdserve.common.auth import is_loopback
 from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.backends import _p2p
 from pdserve.kvtransfer.backends._p2p import (  # noqa: F401  (re-exported: shared frames)
@@ -87,7 +87,7 @@ class UcxSettings:
             tls = "tcp,sm,self" + (",cuda_copy,cuda_ipc" if _has_cuda() else "")
         devices = envs.get("PDSERVE_UCX_NET_DEVICES").strip()
         if devices == "auto":  # keep UCX's own TCP sockets on loopback when we listen there
-            devices = "lo" if _is_loopback(host) else "all"
+            devices = "lo" if is_loopback(host) else "all"
         extra = []
         for item in envs.get("PDSERVE_UCX_OPTIONS").split():
             key, sep, value = item.partition("=")
@@ -115,15 +115,6 @@ def _has_cuda() -> bool:
 
         return torch.cuda.is_available()
     except ImportError:
-        return False
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
         return False
 
 
