@@ -16,7 +16,6 @@ from typing import Protocol, Sequence
 
 import grpc
 
-from pdserve.common.auth import Mac
 from pdserve.common.errors import DeadlinePassedError, UpstreamFailedError
 from pdserve.worker.auth import InternalAuth, internal_channel
 from pdserve.worker.convert import logprob_from_proto
@@ -82,7 +81,7 @@ class PrefillLeg:
         self.receiver = receiver
         self._signer = auth.signer(worker_id)
         self._tls = auth.tls
-        self._handoff_mac = Mac(auth.secret.key("handoff")) if auth.enabled else None
+        self._handoff_mac = auth.handoff_mac()
         self.worker_id = worker_id
         self.compat_hash = compat_hash
         self.block_size = block_size

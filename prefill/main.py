@@ -22,15 +22,13 @@ class PrefillBuild:
         return self.sender.connector
 
     async def make_service(self, runtime):
-        from pdserve.common.auth import Mac
         from pdserve.prefill.runner import PrefillRunner
         from pdserve.prefill.servicer import PrefillService
         from pdserve.proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 
         sender = self.sender
-        auth = runtime.auth
         runner = PrefillRunner(runtime.loop, sender, runtime.metrics, max_queue=runtime.settings.max_queue,
-                               handoff_mac=Mac(auth.secret.key("handoff")) if auth.enabled else None)
+                               handoff_mac=runtime.auth.handoff_mac())
         service = PrefillService(runner, runtime.served_name)
 
         def add(server):

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import grpc
 
 from pdserve.common.auth import (CREDENTIAL_HEADER, AuthError, CallSigner, CallVerifier,
-                                 ClusterSecret, ClusterSecretError, caller_of, is_loopback,
+                                 ClusterSecret, ClusterSecretError, Mac, caller_of, is_loopback,
                                  require_secret_off_loopback)
 from pdserve.worker.serving import CHANNEL_OPTIONS
 
@@ -187,6 +187,10 @@ class InternalAuth:
 
     def signer(self, caller_id: str) -> CallSigner | None:
         return CallSigner(self.secret, caller_id) if self.secret is not None else None
+
+    def handoff_mac(self) -> Mac | None:
+        """The MAC decodes sign hand-offs with and prefills check them with."""
+        return Mac(self.secret.key("handoff")) if self.secret is not None else None
 
     def channel(self, address: str, caller_id: str) -> grpc.aio.Channel:
         """A channel whose calls carry `caller_id`'s credential (and run over mutual TLS)."""
