@@ -2,8 +2,8 @@
 mapped by `grpc_errors` from the one table."""
 from __future__ import annotations
 
-from pdserve.decode.session import DecodeSessions
-from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2_grpc
+from pdserve.decode.session import DecodeSessions, keep_alive
+from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from pdserve.worker.convert import load_to_proto, model_info
 from pdserve.worker.grpc_errors import grpc_errors
 
@@ -15,7 +15,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
     @grpc_errors
     async def Decode(self, request, context):
-        async for response in self.sessions.run(request):
+        responses = self.sessions.run(request)
+        if request.keepalive_ms:
+            responses = keep_alive(responses, request.keepalive_ms / 1000,
+                                   lambda: decode_pb2.DecodeResponse(request_id=request.request_id))
+        async for response in responses:
             yield response
 
     @grpc_errors

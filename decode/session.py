@@ -4,12 +4,13 @@ Errors are typed (`pdserve.common.errors`); the servicer's decorator maps them o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from pdserve.common.errors import DeadlinePassedError
-from pdserve.decode.placement import place
+from pdserve.decode.placement import Placement, place
 from pdserve.decode.prefill_leg import RemotePrefill
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
@@ -18,6 +19,34 @@ from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ABORT}
 STEP_TIMEOUT_S = 120.0  # longest silence between two deltas of one request
+T = TypeVar("T")
+
+
+async def keep_alive(stream: AsyncIterator[T], interval_s: float, make: Callable[[], T]) -> AsyncIterator[T]:
+    """`stream`'s items, with `make()` in between whenever it is silent for `interval_s`.
+    The pending read survives a keep-alive (it is not cancelled); closing this generator
+    cancels it and closes `stream`."""
+    pending: asyncio.Task | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(stream))
+            done, _ = await asyncio.wait((pending,), timeout=interval_s)
+            if not done:
+                yield make()
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await stream.aclose()
 
 
 class DecodeSessions:
@@ -31,11 +60,13 @@ class DecodeSessions:
     async def run(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
         rid = request.request_id or uuid.uuid4().hex
         params = sampling_from_proto(request.sampling)
-        placement = place(request.prefill.address, request.prefill.reason, self.remote.can_receive)
+        resumed = list(request.resumed_token_ids)
+        placement = (Placement(False, "resumed") if resumed else
+                     place(request.prefill.address, request.prefill.reason, self.remote.can_receive))
         t_arrival = time.monotonic()
         try:
-            stream = await self.loop.add_request(list(request.prompt_token_ids), params,
-                                                 request_id=rid, remote_prefill=placement.remote)
+            stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
+                                                 remote_prefill=placement.remote, resumed=resumed)
         except Exception:
             self.metrics.requests.labels(outcome="rejected").inc()
             raise

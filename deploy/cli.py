@@ -155,6 +155,10 @@ def _add_router(sub) -> None:
                                  "prefills locally", type=int)
     f("max_body_bytes", "largest request body in bytes", type=int)
     f("worker_timeout_s", "heartbeat age that marks a worker dead", type=float)
+    f("stream_idle_timeout_s", "a decode stream silent this long is cut off and its request migrated "
+                               "(workers send keep-alives at a quarter of it)", type=float)
+    f("max_migrations", "times one request may move to another decode when its own dies or hangs "
+                        "mid-stream (0: never)", type=int)
     router.add_argument("--static-workers",
                         help="comma list of role=host:port to use without registration (default none)")
 

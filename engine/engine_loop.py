@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
 from pdserve.engine.outputs import RequestOutput
@@ -83,7 +83,7 @@ class EngineLoop:
 
     async def add_request(self, prompt_token_ids: list[int], params, *, request_id: str,
                           remote_prefill: bool = False,
-                          transfer_params: object | None = None) -> RequestStream:
+                          transfer_params: object | None = None, resumed: Sequence[int] = ()) -> RequestStream:
         stream = RequestStream(request_id)
         if remote_prefill:
             stream.remote_ready = asyncio.get_running_loop().create_future()
@@ -91,7 +91,7 @@ class EngineLoop:
         def add() -> Request:
             request = self.engine.add_request(prompt_token_ids, params, request_id=request_id,
                                               remote_prefill=remote_prefill,
-                                              transfer_params=transfer_params)
+                                              transfer_params=transfer_params, resumed=resumed)
             self._streams[request_id] = stream
             return request
 

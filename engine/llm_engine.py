@@ -97,13 +97,18 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, remote_prefill: bool = False,
-                    transfer_params: object | None = None) -> Request:
+                    transfer_params: object | None = None, resumed: Sequence[int] = ()) -> Request:
+        """Queue a request. `resumed`: tokens it already generated elsewhere (a decode that
+        died mid-stream); they count as its output (max_tokens, penalties, the seeded draw's
+        index, grammar and stop-string state), their KV is computed here with the prompt's,
+        and generation goes on after them. Such a request prefills locally."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         self.validate_prompt(ids, params)
+        resumed = self._validate_resumed(resumed, params)
         request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,
                           transfer_params=transfer_params, remote_prefill=remote_prefill)
         request.block_hashes = hash_prompt_blocks(ids, self.kv.block_size, self.compat_hash)
@@ -112,10 +117,26 @@ class LLMEngine:
             request.generator = torch.Generator(device=self.device)  # reseeded per token (sampler)
         else:
             request.generator = self._generator
+        detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        for token in resumed:  # replay: the state the first decode had, nothing emitted again
+            request.output_token_ids.append(token)
+            request.grammar.advance(token)
+            detok.push(token)
         self.scheduler.add(request)
         self._requests[request_id] = request
-        self._detok[request_id] = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        self._detok[request_id] = detok
         return request
+
+    def _validate_resumed(self, resumed: Sequence[int], params: SamplingParams) -> list[int]:
+        tokens = [int(t) for t in resumed]
+        if not tokens:
+            return tokens
+        if len(tokens) >= params.max_tokens:
+            raise InvalidRequestError(f"{len(tokens)} resumed tokens leave nothing of max_tokens "
+                                      f"({params.max_tokens}) to generate")
+        if min(tokens) < 0 or max(tokens) >= self.model_config.vocab_size:
+            raise InvalidRequestError(f"resumed token ids must be in [0, {self.model_config.vocab_size})")
+        return tokens
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -67,9 +67,10 @@ class RouterApp:
         planner = RoutePlanner(self.registry, make_policy(config.decode_policy), make_policy(config.prefill_policy),
                                config.local_prefill_threshold, config.prefill_queue_threshold,
                                self.metrics)
-        decode = DecodeClient(self.channels, self.registry, self.tasks, config.stream_idle_timeout_s,
-                              config.rpc_timeout_s)
-        self.frontend = Frontend(self.catalog, planner, decode, self.in_flight, self.metrics)
+        self.decode = DecodeClient(self.channels, self.registry, self.tasks, config.stream_idle_timeout_s,
+                                   config.rpc_timeout_s)
+        self.frontend = Frontend(self.catalog, planner, self.decode, self.in_flight, self.metrics,
+                                 max_migrations=config.max_migrations)
         self.membership = Membership(config, self.registry, self.catalog, self.channels)
         self.api_key = ApiKeyCheck(config.api_key)
         self.http_port = 0
@@ -80,11 +81,13 @@ class RouterApp:
         self._http_server: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task | None = None
         self._poller: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
         self._metrics_server = None
 
     async def start(self) -> None:
         await self._start_grpc()
         await self._start_http()
+        self._watch = asyncio.get_running_loop().create_task(self._cut_off_dead_workers())
         if self.config.static_workers:
             self._poller = asyncio.get_running_loop().create_task(self.membership.poll_static_workers())
         if self.config.metrics_port:
@@ -96,11 +99,21 @@ class RouterApp:
                  self.config.host, self.http_port, self.config.host, self.grpc_port, self.config.host,
                  self.registry_port)
 
+    async def _cut_off_dead_workers(self) -> None:
+        """Streams open to a worker the registry declares dead end at once (and migrate)."""
+        period = min(1.0, self.config.worker_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.registry.forget_silent()
+            if ended := self.decode.cut_off_dead():
+                log.warning("ended %d streams open to dead decode workers", ended)
+
     async def stop(self, grace_s: float = 2.0) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        for task in (self._poller, self._watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._http_server is not None and self._http_task is not None:
             self._http_server.should_exit = True
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):

@@ -57,12 +57,13 @@ class RouterConfig:
     prefill_queue_threshold: int = 8  # chosen prefill worker's queue >= this: decode prefills locally
     max_body_bytes: int = 4 * 1024 * 1024
     worker_timeout_s: float = 10.0  # heartbeat silence that makes a worker dead
+    stream_idle_timeout_s: float = 30.0  # a Decode stream silent this long (keep-alives included) is cut off
+    max_migrations: int = 2  # times one request may move to another decode after losing its own
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S  # what the router asks workers for
     static_workers: tuple[StaticWorker, ...] = ()
     log_level: str = "INFO"
     # Not CLI flags (tests shorten them):
     rpc_timeout_s: float = 10.0  # ModelInfo, Load, Abort calls to workers
-    stream_idle_timeout_s: float = 300.0  # longest wait for the next message of a Decode stream
     retry_after_s: int = 1  # Retry-After of a 429
     max_cached_hashes_per_worker: int = 8192  # prefix-aware routing memory per worker
 
@@ -79,6 +80,8 @@ class RouterConfig:
             raise ConfigError("local_prefill_threshold must be >= 0")
         if self.prefill_queue_threshold < 1:
             raise ConfigError("prefill_queue_threshold must be >= 1")
+        if self.max_migrations < 0:
+            raise ConfigError("max_migrations must be >= 0")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be >= 1024")
         for name in ("worker_timeout_s", "heartbeat_interval_s", "rpc_timeout_s", "stream_idle_timeout_s"):
@@ -181,6 +184,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "prefill_queue_threshold": _to_int,
     "max_body_bytes": _to_int,
     "worker_timeout_s": _to_float,
+    "stream_idle_timeout_s": _to_float,
+    "max_migrations": _to_int,
     "heartbeat_interval_s": _to_float,
     "static_workers": parse_static_workers,
     "log_level": _to_str,

@@ -26,14 +26,27 @@ _UNARY_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 _PREFILL_FAILURE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
-async def read_within(call: grpc.aio.UnaryStreamCall, timeout_s: float) -> Any:
-    """`call.read()` with a deadline. Not `asyncio.wait_for`: before Python 3.12 it can
-    swallow a cancellation that races with the read completing, and a cancelled request
-    (client gone) must always reach the `finally` that aborts it."""
-    if hasattr(asyncio, "timeout"):  # Python >= 3.11
-        async with asyncio.timeout(timeout_s):
-            return await call.read()
-    return await asyncio.wait_for(call.read(), timeout_s)  # pragma: no cover - Python 3.10
+class DecodeWorkerLost(ServiceError):
+    """The decode worker of a stream died, hung past the inactivity deadline, or was declared
+    dead by the registry, before the stream finished: the request may be migrated."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(kind, message, retry_after_s=1)
+
+
+class _OpenStream:
+    """One open Decode stream, as the dead-worker watch sees it."""
+
+    __slots__ = ("worker_id", "lost")
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.lost: asyncio.Future = asyncio.get_running_loop().create_future()  # result: why
+
+
+def _is_keepalive(message: decode_pb2.DecodeResponse) -> bool:
+    return not (message.token_ids or message.text or message.logprobs or message.finish_reason
+                or message.HasField("transfer") or message.HasField("usage"))
 
 
 class BackgroundTasks:
@@ -53,6 +66,10 @@ class BackgroundTasks:
 
 
 class DecodeClient:
+    """Decode streams, each with an inactivity deadline (the worker sends keep-alives at a
+    quarter of it while it has nothing else to say) and ended at once when the registry
+    declares its worker dead (`cut_off_dead`)."""
+
     def __init__(self, channels: WorkerChannels, registry: WorkerRegistry, tasks: BackgroundTasks,
                  idle_timeout_s: float, rpc_timeout_s: float) -> None:
         self._channels = channels
@@ -60,38 +77,82 @@ class DecodeClient:
         self._tasks = tasks
         self._idle_timeout_s = idle_timeout_s
         self._rpc_timeout_s = rpc_timeout_s
+        self._open: set[_OpenStream] = set()
+
+    @property
+    def keepalive_ms(self) -> int:
+        return max(1, int(self._idle_timeout_s * 1000 / 4))
+
+    def cut_off_dead(self) -> int:
+        """End every open stream whose worker the registry no longer holds alive. Returns how
+        many were ended."""
+        ended = 0
+        for handle in list(self._open):
+            record = self._registry.get(handle.worker_id)
+            if not handle.lost.done() and (record is None or not self._registry.is_alive(record)):
+                handle.lost.set_result(f"decode worker {handle.worker_id} was declared dead")
+                ended += 1
+        return ended
 
     async def stream(self, worker: Worker, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        """The worker's Decode stream, message by message, ending after the message with a
-        finish_reason. Errors are ServiceErrors (the worker's status mapped back)."""
+        """The worker's Decode stream, message by message (keep-alives left out), ending after
+        the message with a finish_reason. Errors are ServiceErrors (the worker's status mapped
+        back); DecodeWorkerLost when the worker is gone, hung or declared dead."""
+        request.keepalive_ms = self.keepalive_ms
         call = self._channels.decode(worker.address).Decode(request)
+        handle = _OpenStream(worker.worker_id)
+        self._open.add(handle)
         finished = False  # the last message arrived
         ended_by_worker = False  # the worker closed the call (error status or early EOF)
         try:
             while not finished:
                 try:
-                    message = await read_within(call, self._idle_timeout_s)
-                except asyncio.TimeoutError:
-                    raise ServiceError(ErrorKind.DEADLINE_EXCEEDED, f"decode worker {worker.worker_id} sent "
-                                       f"nothing for {self._idle_timeout_s:g} s") from None
+                    message = await self._next(call, handle)
                 except grpc.aio.AioRpcError as err:
                     ended_by_worker = True
                     self._note_failure(worker, err, _STREAM_FAILURE_CODES)
+                    if err.code() in _STREAM_FAILURE_CODES:
+                        raise DecodeWorkerLost(ErrorKind.UNAVAILABLE, f"decode worker {worker.worker_id} "
+                                               f"failed mid-stream: {err.code().name}") from None
                     raise to_service_error(err) from None
                 if message is grpc.aio.EOF:
                     ended_by_worker = True
-                    raise ServiceError(ErrorKind.UNAVAILABLE,
-                                       f"decode worker {worker.worker_id} ended the stream without finishing")
+                    raise DecodeWorkerLost(ErrorKind.UNAVAILABLE,
+                                           f"decode worker {worker.worker_id} ended the stream without finishing")
+                if _is_keepalive(message):
+                    continue
                 finished = message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 if message.HasField("transfer"):
                     self._note_prefill_verdict(message.transfer)
                 yield message
         finally:
+            self._open.discard(handle)
             if not finished and not ended_by_worker:
-                # Left early (consumer gone, cancelled, idle timeout): cancel the call and,
+                # Left early (consumer gone, cancelled, worker lost): cancel the call and,
                 # in case the cancellation is lost, abort the request explicitly.
                 call.cancel()
                 self._tasks.spawn(self.abort(worker, request.request_id, "router_stream_closed"))
+
+    async def _next(self, call: grpc.aio.UnaryStreamCall, handle: _OpenStream) -> Any:
+        """The call's next message, or DecodeWorkerLost when the inactivity deadline passes or
+        the worker is declared dead first. asyncio.wait, not wait_for: a cancellation of this
+        task (client gone) always propagates, and the pending read is cancelled with it."""
+        read = asyncio.ensure_future(call.read())
+        try:
+            done, _ = await asyncio.wait((read, handle.lost), timeout=self._idle_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            read.cancel()
+            raise
+        if read in done:
+            return read.result()
+        read.cancel()
+        if handle.lost.done():
+            self._registry.mark_suspect(handle.worker_id, handle.lost.result())
+            raise DecodeWorkerLost(ErrorKind.UNAVAILABLE, handle.lost.result())
+        self._registry.mark_suspect(handle.worker_id, f"a stream was silent for {self._idle_timeout_s:g} s")
+        raise DecodeWorkerLost(ErrorKind.DEADLINE_EXCEEDED, f"decode worker {handle.worker_id} sent "
+                                                            f"nothing for {self._idle_timeout_s:g} s")
 
     async def abort(self, worker: Worker, request_id: str, reason: str) -> bool:
         """Decode.Abort with a deadline; False when the worker did not know the request or

@@ -4,7 +4,9 @@
     -> plan (decode, prefill) -> Decode stream -> GenerateResponse messages
 
 A decode worker that is unreachable, or refuses for load, before sending anything is
-replaced by another one (at most MAX_ATTEMPTS workers). Outcomes, TTFT and inter-token
+replaced by another one (at most MAX_ATTEMPTS workers). A decode worker lost mid-stream
+(dead, hung past the inactivity deadline, declared dead by the registry) hands the request
+to another one, which continues after the tokens already streamed (migration). Outcomes, TTFT and inter-token
 latency are recorded here.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, generation_pb2
 from pdserve.router.cpu_pool import CpuPool
 from pdserve.router.admission import InFlight
 from pdserve.router.catalog import ModelCatalog, ServedModel
-from pdserve.router.dispatch import DecodeClient
+from pdserve.router.dispatch import DecodeClient, DecodeWorkerLost
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlan, RoutePlanner
 from pdserve.router.validation import check_prompt_fits, resolve_sampling
@@ -46,8 +48,10 @@ class PreparedRequest:
 
 class Frontend:
     def __init__(self, catalog: ModelCatalog, planner: RoutePlanner, decode: DecodeClient,
-                 in_flight: InFlight, metrics: RouterMetrics, cpu: CpuPool | None = None) -> None:
+                 in_flight: InFlight, metrics: RouterMetrics, cpu: CpuPool | None = None,
+                 max_migrations: int = 2) -> None:
         self._catalog = catalog
+        self._max_migrations = max_migrations
         self._cpu = cpu or CpuPool()
         self._planner = planner
         self._decode = decode
@@ -102,44 +106,72 @@ class Frontend:
         return PreparedRequest(request_id, model, tuple(prompt_ids), tuple(hashes), sampling, request.session_id)
 
     async def _run(self, request: generation_pb2.GenerateRequest, request_id: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """Prepare, open a Decode stream, relay it. When the decode worker is lost mid-stream
+        the request migrates: another decode continues it after the tokens already sent (at
+        most `max_migrations` times); otherwise the error ends the stream."""
         arrival = time.monotonic()
         arrival_unix_ms = int(time.time() * 1000)
         prepared = await self.prepare(request, request_id)
-        plan, stream, first = await self._open(prepared, arrival_unix_ms)
-        async with contextlib.aclosing(stream):
-            async for response in self._relay(first, stream, prepared, plan, arrival):
-                yield response
+        sent: list[int] = []  # token ids the client has received
+        failed: list[str] = []  # decode workers lost by this request
+        while True:
+            plan, stream, first = await self._open(prepared, arrival_unix_ms, sent, failed)
+            try:
+                async with contextlib.aclosing(stream):
+                    async for response in self._relay(first, stream, prepared, plan, arrival, sent, failed):
+                        sent.extend(response.token_ids)
+                        yield response
+                return
+            except DecodeWorkerLost as err:
+                failed.append(plan.decode.worker_id)
+                if not self._may_migrate(prepared, len(failed), len(sent)):
+                    raise
+                log.warning("request %s: %s; migrating it after %d tokens (migration %d of %d)", request_id,
+                            err.message, len(sent), len(failed), self._max_migrations)
 
-    async def _open(self, prepared: PreparedRequest, arrival_unix_ms: int
+    def _may_migrate(self, prepared: PreparedRequest, num_lost: int, num_sent: int) -> bool:
+        if num_lost > self._max_migrations:
+            self._metrics.migrations.labels("limit").inc()
+            return False
+        if num_sent >= prepared.sampling.max_tokens:
+            return False  # nothing left to generate: the finish message alone was lost
+        self._metrics.migrations.labels("migrated").inc()
+        return True
+
+    async def _open(self, prepared: PreparedRequest, arrival_unix_ms: int, resumed: list[int], lost: list[str]
                     ) -> tuple[RoutePlan, AsyncIterator[decode_pb2.DecodeResponse], decode_pb2.DecodeResponse]:
         """Plan and open the Decode stream up to its first message, replacing a decode
-        worker that is unreachable or refuses for load (up to MAX_ATTEMPTS workers)."""
-        tried: list[str] = []
+        worker that is unreachable or refuses for load (up to MAX_ATTEMPTS workers). A
+        migrated request (`resumed` tokens sent, workers `lost`) avoids the lost workers and
+        prefills locally."""
+        tried: list[str] = list(lost)
         last_error: ServiceError | None = None
         while True:
             try:
                 plan = self._planner.plan(prepared.request_id, prepared.model.name, len(prepared.prompt_token_ids),
                                           prepared.model.block_size, prepared.block_hashes, prepared.session_key,
-                                          exclude=tried)
+                                          exclude=tried, migrated=bool(lost))
             except ServiceError:
                 if last_error is not None:  # every worker refused: report the last refusal
                     raise last_error from None
                 raise
             self._in_flight.assign(prepared.request_id, plan.decode)
             tried.append(plan.decode.worker_id)
-            stream = self._decode.stream(plan.decode, _decode_request(prepared, plan, arrival_unix_ms))
+            stream = self._decode.stream(plan.decode, _decode_request(prepared, plan, arrival_unix_ms, resumed))
             try:
                 return plan, stream, await anext(stream)
             except ServiceError as err:
-                if err.kind not in _RETRYABLE or len(tried) >= MAX_ATTEMPTS:
+                retryable = err.kind in _RETRYABLE or isinstance(err, DecodeWorkerLost)
+                if not retryable or len(tried) - len(lost) >= MAX_ATTEMPTS:
                     raise
                 log.warning("request %s: decode %s refused (%s); trying another", prepared.request_id,
                             plan.decode.worker_id, err.message)
                 last_error = err
 
     async def _relay(self, first: decode_pb2.DecodeResponse, stream: AsyncIterator[decode_pb2.DecodeResponse],
-                     prepared: PreparedRequest, plan: RoutePlan, arrival: float) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        last_token_at = None
+                     prepared: PreparedRequest, plan: RoutePlan, arrival: float,
+                     sent: list[int], lost: list[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        last_token_at = time.monotonic() if sent else None  # TTFT: once per request
         message: decode_pb2.DecodeResponse | None = first
         while message is not None:
             now = time.monotonic()
@@ -152,7 +184,7 @@ class Frontend:
                         self._metrics.inter_token.observe(gap)
                 last_token_at = now
             response = _generate_response(prepared.request_id, message)
-            if message is first:
+            if message is first and not lost:  # the routing of the request's first stream
                 response.routing.CopyFrom(_routing_info(plan, len(prepared.prompt_token_ids)))
             if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 self._metrics.e2e.observe(now - arrival)
@@ -161,13 +193,15 @@ class Frontend:
             message = await anext(stream, None)
 
 
-def _decode_request(prepared: PreparedRequest, plan: RoutePlan, arrival_unix_ms: int) -> decode_pb2.DecodeRequest:
+def _decode_request(prepared: PreparedRequest, plan: RoutePlan, arrival_unix_ms: int,
+                    resumed: list[int]) -> decode_pb2.DecodeRequest:
     prefill = decode_pb2.PrefillChoice(reason=plan.prefill_reason, queue_length=plan.prefill_queue_length)
     if plan.prefill is not None:
         prefill.worker_id, prefill.address = plan.prefill.worker_id, plan.prefill.address
     return decode_pb2.DecodeRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                                     block_hashes=prepared.block_hashes, sampling=prepared.sampling,
-                                    prefill=prefill, arrival_unix_ms=arrival_unix_ms)
+                                    prefill=prefill, arrival_unix_ms=arrival_unix_ms,
+                                    resumed_token_ids=resumed)
 
 
 def _generate_response(request_id: str, message: decode_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:

@@ -35,6 +35,9 @@ class RouterMetrics:
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens_total",
                                      "Prompt tokens of finished requests, cached or computed", ("kind",), registry=r)
         self.completion_tokens = Counter("pdserve_router_completion_tokens_total", "Generated tokens", registry=r)
+        self.migrations = Counter("pdserve_router_migrations_total",
+                                  "Requests whose decode worker was lost mid-stream, by what followed "
+                                  "(migrated to another decode, or ended: limit reached)", ("outcome",), registry=r)
         self.in_flight = Gauge("pdserve_router_in_flight_requests", "Requests admitted and not finished", registry=r)
         self.workers = Gauge("pdserve_router_workers", "Known workers by role and state", ("role", "state"), registry=r)
         self.auth_refused = Counter("pdserve_router_auth_refused_total",

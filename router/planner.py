@@ -25,6 +25,7 @@ log = logging.getLogger("pdserve.router.planner")
 SHORT_UNCACHED_PROMPT = "short_uncached_prompt"
 NO_PREFILL_WORKER = "no_prefill_worker"
 PREFILL_QUEUE_LONG = "prefill_queue_long"
+MIGRATED = "migrated"  # a request continued after its decode was lost: decode recomputes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +50,10 @@ class RoutePlanner:
         self._metrics = metrics
 
     def plan(self, request_id: str, model_name: str, num_prompt_tokens: int, block_size: int,
-             block_hashes: Sequence[int], session_key: str, exclude: Collection[str] = ()) -> RoutePlan:
-        """UNAVAILABLE when no decode worker of the model is routable (minus `exclude`)."""
+             block_hashes: Sequence[int], session_key: str, exclude: Collection[str] = (),
+             migrated: bool = False) -> RoutePlan:
+        """UNAVAILABLE when no decode worker of the model is routable (minus `exclude`).
+        A `migrated` request gets no prefill worker (its resumed tokens are prefilled too)."""
         query = RouteQuery(tuple(block_hashes), session_key)
         decoders = [r for r in self._registry.routable(Role.DECODE, model_name) if r.worker_id not in exclude]
         if not decoders:
@@ -62,7 +65,9 @@ class RoutePlanner:
 
         prefill, prefill_reason, queue_length = None, "", 0
         prefillers = self._registry.routable(Role.PREFILL, model_name)
-        if num_prompt_tokens - num_matched <= self._threshold:
+        if migrated:
+            prefill_reason = MIGRATED
+        elif num_prompt_tokens - num_matched <= self._threshold:
             prefill_reason = SHORT_UNCACHED_PROMPT
         elif not prefillers:
             prefill_reason = NO_PREFILL_WORKER

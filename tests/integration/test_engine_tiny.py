@@ -435,3 +435,34 @@ def test_offline_benchmark_smoke(llama_dir, tmp_path, capsys):
         assert row["ours"] > 0 and row["theirs"] > 0 and row["ratio"] > 0
         assert row["agreement"] in (None, 1.0)  # greedy tokens equal transformers'
     assert torch.get_num_threads() == 1
+
+
+def _run_engine(llm: LLM, prompt, params: SamplingParams, resumed=()) -> tuple[list[int], object]:
+    """Drive the engine directly (add_request with `resumed`) to the request's end."""
+    llm.engine.add_request(prompt, params, request_id="resumed", resumed=resumed)
+    tokens, last = [], None
+    while llm.engine.has_unfinished():
+        outputs, _ = llm.engine.step()
+        for out in outputs:
+            tokens += out.new_token_ids
+            last = out if out.finished else last
+    return tokens, last
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=14, temperature=1.3, seed=11, ignore_eos=True, frequency_penalty=0.7),
+], ids=["greedy", "seeded-with-penalty"])
+def test_resumed_request_continues_exactly_where_it_stopped(llama_dir, params):
+    """A request migrated after k tokens (its resumed tokens) generates exactly the rest of the
+    uninterrupted run: the seeded draw's index, the penalties and max_tokens count the resumed
+    tokens as output; only new tokens are returned; usage counts all of them."""
+    llm = make_llm(llama_dir)
+    full, _ = _run_engine(llm, PROMPTS[5], params)
+    for k in (1, 6, 13):
+        rest, last = _run_engine(llm, PROMPTS[5], params, resumed=full[:k])
+        assert rest == full[k:], k
+        assert last.num_output_tokens == len(full) and last.num_prompt_tokens == len(PROMPTS[5])
+    with pytest.raises(InvalidRequestError, match="resumed"):
+        llm.engine.add_request(PROMPTS[5], params, request_id="over", resumed=full)
+    llm.engine.assert_no_leaks()

@@ -1,0 +1,74 @@
+"""A decode service lost mid-stream, on real processes: killed outright, or frozen (SIGSTOP)
+so that it neither answers nor closes its connections. The router hands the request to
+another decode, which continues after the tokens already streamed: the client sees one
+uninterrupted stream whose text is transformers' greedy text."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from harness import MODEL, deploy_workers
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]
+MAX_TOKENS = 40
+IDLE_TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    workers = [(f"decode-{i}", "decode", []) for i in range(3)]
+    d = deploy_workers(workers, router_args=["--decode-policy", "round_robin", "--worker-timeout-s", "3",
+                                             "--stream-idle-timeout-s", str(IDLE_TIMEOUT_S)])
+    yield d
+    from pdserve.deploy import up
+
+    for child in d.children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGCONT)
+    up.stop(d.children)
+
+
+def _stream_and_disrupt(cluster, disrupt) -> tuple[str, str, float]:
+    """Stream one greedy chat; after the third content chunk apply `disrupt(child)` to the
+    decode serving it. Returns (text, the disrupted worker, longest gap between chunks)."""
+    stream = cluster.openai().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS,
+                                                      temperature=0, stream=True)
+    text, worker, chunks, longest, last = "", "", 0, 0.0, time.monotonic()
+    for chunk in stream:
+        now = time.monotonic()
+        longest, last = max(longest, now - last), now
+        extra = (chunk.model_extra or {}).get("pdserve") or {}
+        worker = worker or extra.get("routing", {}).get("decode_worker_id", "")
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+            chunks += 1
+            if chunks == 3:
+                assert worker, "the first chunk names the decode worker"
+                disrupt(cluster.child(worker))
+    return text, worker, longest
+
+
+def test_killed_then_frozen_decode_the_stream_migrates_and_text_is_exact(cluster, hf_reference):
+    _, greedy = hf_reference
+    expected = greedy(CHAT, MAX_TOKENS)
+
+    killed_text, killed, _ = _stream_and_disrupt(cluster, lambda child: child.proc.send_signal(signal.SIGKILL))
+    assert killed_text == expected
+    assert cluster.child(killed).proc.wait(10) is not None
+
+    frozen_text, frozen, longest = _stream_and_disrupt(cluster, lambda child: child.proc.send_signal(signal.SIGSTOP))
+    assert frozen != killed
+    assert frozen_text == expected
+    # cut off by the inactivity deadline or the registry's verdict, whichever came first
+    assert longest < IDLE_TIMEOUT_S + 6, longest
+
+    # the one decode left serves on; once thawed, the frozen one frees what it held
+    chat = cluster.openai().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == greedy(CHAT, 8)
+    cluster.child(frozen).proc.send_signal(signal.SIGCONT)
+    cluster.assert_no_leaks(timeout_s=30)
+    metrics = cluster.openai()._client.get(f"http://127.0.0.1:{cluster.http_port}/metrics").text
+    assert 'pdserve_router_migrations_total{outcome="migrated"} 2.0' in metrics, metrics
