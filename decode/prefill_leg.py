@@ -137,6 +137,11 @@ class PrefillLeg:
             return LegResult(False, verdict)
         finally:
             self._inflight.pop(request_id, None)
+        if resp.skipped:  # no KV backend could carry the blocks: the prefill computed nothing
+            self.receiver.cancel(request_id)
+            verdict.MergeFrom(resp.verdict)
+            verdict.duration_ms = (time.monotonic() - start) * 1000
+            return LegResult(False, verdict)
         settle_start = time.monotonic()
         final = await asyncio.to_thread(self.receiver.complete, request_id, resp.verdict)
         tail_ms = resp.timings.transfer_ms + (time.monotonic() - settle_start) * 1000

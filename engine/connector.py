@@ -52,6 +52,15 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class BackendState:
+    """One transfer backend as its worker sees it now, for load reports and health."""
+
+    name: str
+    usable: bool  # healthy, or its cool-down is over (the next call probes it)
+    detail: str = ""  # why not usable
+
+
+@dataclass(frozen=True, slots=True)
 class KVCacheLayout:
     """What a peer must agree on before it may write our blocks.
 
@@ -163,6 +172,11 @@ class KVConnectorWorker(abc.ABC):
         """Ids whose sends are done. `finished_request_ids`: those the engine ended this
         step. Every id `request_finished` kept (True) must come back here eventually, send
         done or failed; the engine frees its blocks then. Called after every step."""
+
+    def backend_states(self) -> Sequence[BackendState]:
+        """Each transfer backend's state now (thread-safe, cheap: read at every load report);
+        none without a transfer layer."""
+        return ()
 
 
 class NoopConnectorScheduler(KVConnectorScheduler):

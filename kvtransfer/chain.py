@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from pdserve.engine.connector import BackendState
 from pdserve.kvtransfer.base import BlockMessage, BlockStore, KVTransport
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.verdict import RECOMPUTE, Fallback, Outcome, TransferVerdict
@@ -68,7 +69,7 @@ class FallbackChain:
             if name == RECOMPUTE:
                 return self._verdict(job, start, Outcome.RECOMPUTED, RECOMPUTE, fallbacks)
             now = time.monotonic()
-            skip = self._skip_reason(name, job, now)
+            skip = self._skip_reason(name, job.endpoints, job.deadline, now)
             if skip:
                 fallbacks.append(Fallback(name, skip))
                 continue
@@ -80,12 +81,40 @@ class FallbackChain:
             log.warning("transfer %s: %s failed: %s", job.transfer_id.hex()[:12], name, error)
         return self._verdict(job, start, Outcome.FAILED, "", fallbacks)
 
-    def _skip_reason(self, name: str, job: SendJob, now: float) -> str:
-        if now >= job.deadline:
+    def states(self) -> list[BackendState]:
+        """Each backend of the chain as it stands now ("recompute" is not a backend)."""
+        out = []
+        for name in self.order:
+            if name == RECOMPUTE:
+                continue
+            if name not in self.transports and name not in self.stores:
+                out.append(BackendState(name, False, self.unavailable.get(name, "not opened here")))
+            elif self.health[name].can_try():
+                out.append(BackendState(name, True))
+            else:
+                out.append(BackendState(name, False, self.health[name].skip_reason()))
+        return out
+
+    def unusable(self, endpoints: Mapping[str, str], order: Sequence[str] = ()) -> list[Fallback]:
+        """[] when some backend of `order` (default: the chain's) could carry a transfer to
+        `endpoints` now; else why each one cannot. Lets a sender refuse a transfer before
+        computing anything for it."""
+        skipped = []
+        for name in order or self.order:
+            if name == RECOMPUTE:
+                break
+            skip = self._skip_reason(name, endpoints, float("inf"), time.monotonic())
+            if not skip:
+                return []
+            skipped.append(Fallback(name, skip))
+        return skipped or [Fallback(RECOMPUTE, "no KV backend to try")]
+
+    def _skip_reason(self, name: str, endpoints: Mapping[str, str], deadline: float, now: float) -> str:
+        if now >= deadline:
             return "the transfer's deadline passed"
         if name not in self.transports and name not in self.stores:
             return self.unavailable.get(name, "not configured on the sender")
-        if name in self.transports and name not in job.endpoints:
+        if name in self.transports and name not in endpoints:
             return "the receiver has no endpoint for it"
         health = self.health[name]
         if not health.can_try():

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from pdserve.engine.connector import (
-    ConnectorMetadata, KVCacheLayout, KVConnectorWorker, LayerSaveContext,
+    BackendState, ConnectorMetadata, KVCacheLayout, KVConnectorWorker, LayerSaveContext,
 )
 from pdserve.common.errors import InvalidRequestError, TransferError
 from pdserve.common.util import cdiv
@@ -127,12 +127,15 @@ class PdConnectorWorker(KVConnectorWorker):
             try:
                 self._endpoints[name] = transport.open_receiver(self.sink)
             except Exception as exc:  # a transport that cannot listen is skipped, with a reason
-                self.backends.unavailable[name] = f"cannot listen: {exc}"
+                self.backends.unavailable[name] = self.chain.unavailable[name] = f"cannot listen: {exc}"
                 log.warning("kv transport %s cannot listen: %s", name, exc)
 
     @property
     def endpoints(self) -> dict[str, str]:
         return dict(self._endpoints)
+
+    def backend_states(self) -> list[BackendState]:
+        return self.chain.states()
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         if not isinstance(metadata, PdConnectorMetadata):
@@ -315,6 +318,9 @@ class PdConnectorWorker(KVConnectorWorker):
             return
         log.info("kv %s: connected to %s ahead of its first send (%.1f ms)", backend, endpoint,
                  (time.monotonic() - start) * 1000)
+
+    def unusable(self, params: TransferParams) -> list[Fallback]:
+        return self.chain.unusable(dict(params.endpoints), params.backends)
 
     def wait_verdict(self, request_id: str, timeout_s: float) -> TransferVerdict | None:
         """`SendControl.wait_verdict`: the verdict of a send, taken from the board."""

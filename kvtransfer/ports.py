@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from pdserve.kvtransfer.params import TransferParams
-from pdserve.kvtransfer.verdict import TransferVerdict
+from pdserve.kvtransfer.verdict import Fallback, TransferVerdict
 
 
 class SendControl(Protocol):
@@ -18,6 +18,10 @@ class SendControl(Protocol):
     def wait_verdict(self, request_id: str, timeout_s: float) -> TransferVerdict | None:
         """The verdict of `request_id`'s send (taken: each is read once), or None if none
         came within `timeout_s`. Blocks; call it off the event loop."""
+
+    def unusable(self, params: TransferParams) -> list[Fallback]:
+        """[] when some backend could carry this transfer now; else why each cannot (unhealthy
+        in its cool-down, not opened here, no receiver endpoint for it)."""
 
     def connect_ahead(self, params: TransferParams) -> None:
         """A hand-off arrived: start connecting to its receiver's transport endpoints now

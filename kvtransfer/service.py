@@ -121,6 +121,17 @@ class Sender:
         self.sends.connect_ahead(params)  # first contact: connect while the prompt computes
         return params
 
+    def refusal(self, handoff: prefill_pb2.KVHandoff) -> common_pb2.TransferVerdict | None:
+        """None when some backend could carry this hand-off now; else the verdict (FAILED,
+        reason no_usable_kv_backend, a fallback per backend) that spares computing the prompt
+        only to throw its KV away."""
+        skipped = self.sends.unusable(handoff_to_params(handoff, self.block_size))
+        if not skipped:
+            return None
+        out = verdict_to_proto(TransferVerdict(handoff.transfer_id, Outcome.FAILED, "", fallbacks=tuple(skipped)))
+        out.reason = "no_usable_kv_backend: " + "; ".join(f"{f.backend}: {f.reason}" for f in skipped)
+        return out
+
     async def verdict(self, request_id: str, timeout: float) -> tuple[common_pb2.TransferVerdict, float]:
         """(the send's verdict, its tail in ms: end of the prompt's forward to the verdict)."""
         v = await asyncio.to_thread(self.sends.wait_verdict, request_id, timeout)

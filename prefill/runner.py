@@ -22,6 +22,10 @@ class KVSender(Protocol):
 
     def transfer_params(self, request_id: str, handoff: prefill_pb2.KVHandoff) -> object: ...
 
+    def refusal(self, handoff: prefill_pb2.KVHandoff) -> common_pb2.TransferVerdict | None:
+        """None when some backend could carry the hand-off's blocks now; else a FAILED
+        verdict saying why none can."""
+
     async def verdict(self, request_id: str, timeout: float) -> tuple[common_pb2.TransferVerdict, float]:
         """(the verdict, its tail in ms: end of the prompt's forward to the verdict in hand —
         the transfer time not overlapped with compute; 0 when no send ran)."""
@@ -66,6 +70,10 @@ class PrefillRunner:
         arrival = time.monotonic()
         handoff, rid = request.handoff, request.request_id
         remaining_s = self._check(handoff)
+        refusal = self.sender.refusal(handoff)
+        if refusal is not None:  # the KV could go nowhere: computing it would be wasted work
+            self.metrics.requests.labels(outcome="SKIPPED_NO_USABLE_BACKEND").inc()
+            return prefill_pb2.PrefillResponse(request_id=rid, verdict=refusal, skipped=True)
         params = first_token_params(sampling_from_proto(request.sampling))
         tp = self.sender.transfer_params(rid, handoff)
         self.num_inflight += 1

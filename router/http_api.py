@@ -30,6 +30,7 @@ from pdserve.router.config import Role, RouterConfig
 from pdserve.router.frontend import Frontend
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_format import Collected, ResponseFormatter, sse
+from pdserve.router.planner import can_carry
 from pdserve.router.openai_request import OpenAIRequest, parse_chat, parse_completion
 from pdserve.router.registry import WorkerRegistry
 
@@ -340,5 +341,12 @@ def _health_body(registry: WorkerRegistry, catalog: ModelCatalog) -> dict[str, A
     num_decode = len([r for r in registry.alive(Role.DECODE) if not r.suspect])
     num_prefill = len([r for r in registry.alive(Role.PREFILL) if not r.suspect])
     ready = bool(num_decode and catalog.names())
+    backends = {r.worker_id: {b.name: "ok" if b.usable else f"unusable: {b.detail}" for b in r.load.kv_backends}
+                for r in registry.alive() if r.load.kv_backends}
+    decoders = registry.alive(Role.DECODE)
+    # remote prefill is degraded when some live prefill shares no usable backend with some decode
+    degraded = any(not can_carry(p, d) for p in registry.alive(Role.PREFILL) for d in decoders
+                   if p.worker.model_name == d.worker.model_name)
     return {"status": "ok" if ready else "no_workers", "models": catalog.names(),
-            "decode_workers": num_decode, "prefill_workers": num_prefill}
+            "decode_workers": num_decode, "prefill_workers": num_prefill,
+            "kv_transfer": "degraded" if degraded else "ok", "kv_backends": backends}

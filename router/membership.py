@@ -18,7 +18,7 @@ from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.channels import WorkerChannels
 from pdserve.router.config import Role, RouterConfig, StaticWorker
-from pdserve.router.registry import Load, Worker, WorkerRegistry
+from pdserve.router.registry import KVBackendState, Load, Worker, WorkerRegistry
 
 log = logging.getLogger("pdserve.router.membership")
 
@@ -46,7 +46,8 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
 
 
 def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
-    return Load(load.num_queued, load.num_running, load.num_free_blocks, load.num_total_blocks)
+    return Load(load.num_queued, load.num_running, load.num_free_blocks, load.num_total_blocks,
+                tuple(KVBackendState(b.name, b.usable, b.detail) for b in load.kv_backends))
 
 
 class Membership:

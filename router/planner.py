@@ -4,7 +4,9 @@ Conditional disaggregation: after choosing decode D, the uncached part of the pr
 `num_prompt_tokens - matched_blocks(D) * block_size`; at or under the local-prefill
 threshold no prefill worker is proposed (reason "short_uncached_prompt"), nor when no
 prefill worker is alive ("no_prefill_worker"), nor when the chosen one's queue is at or
-over the prefill-queue threshold ("prefill_queue_long"). This is the only place that
+over the prefill-queue threshold ("prefill_queue_long"), nor when no live prefill worker
+shares a usable KV backend with D by their last reports ("no_usable_kv_backend": every
+backend down would mean computing the prompt twice). This is the only place that
 decides local vs remote; decode follows it unless it cannot receive KV at all. Every decision is logged and counted in
 pdserve_router_routing_decisions_total{pool, policy, reason}.
 """
@@ -18,13 +20,14 @@ from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.router.config import Role
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RouteQuery, RoutingPolicy
-from pdserve.router.registry import Worker, WorkerRegistry
+from pdserve.router.registry import Worker, WorkerRecord, WorkerRegistry
 
 log = logging.getLogger("pdserve.router.planner")
 
 SHORT_UNCACHED_PROMPT = "short_uncached_prompt"
 NO_PREFILL_WORKER = "no_prefill_worker"
 PREFILL_QUEUE_LONG = "prefill_queue_long"
+NO_USABLE_KV_BACKEND = "no_usable_kv_backend"
 MIGRATED = "migrated"  # a request continued after its decode was lost: decode recomputes it
 
 
@@ -71,6 +74,8 @@ class RoutePlanner:
             prefill_reason = SHORT_UNCACHED_PROMPT
         elif not prefillers:
             prefill_reason = NO_PREFILL_WORKER
+        elif not (prefillers := [r for r in prefillers if can_carry(r, decode.record)]):
+            prefill_reason = NO_USABLE_KV_BACKEND
         else:
             choice = self._prefill_policy.choose(prefillers, query)
             queue_length = choice.record.load.num_queued
@@ -88,3 +93,12 @@ class RoutePlanner:
 
     def _count(self, pool: str, policy: str, reason: str) -> None:
         self._metrics.routing.labels(pool, policy, reason).inc()
+
+
+def can_carry(prefill: WorkerRecord, decode: WorkerRecord) -> bool:
+    """Whether a KV backend both workers speak is usable on both (by their last reports; a
+    backend in its cool-down is reported usable once a probe is due, so traffic brings it back).
+    A worker that names no backends (registered by hand) is taken at its word."""
+    if not prefill.worker.kv_backends or not decode.worker.kv_backends:
+        return True
+    return bool((prefill.usable_backends() & decode.usable_backends()) - {"recompute"})

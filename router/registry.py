@@ -36,6 +36,15 @@ class Worker:
 
 
 @dataclass(frozen=True, slots=True)
+class KVBackendState:
+    """One KV transfer backend as its worker last reported it."""
+
+    name: str
+    usable: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Load:
     """A worker's reported load (from WorkerLoad)."""
 
@@ -43,6 +52,7 @@ class Load:
     num_running: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    kv_backends: tuple[KVBackendState, ...] = ()  # empty: not reported (every backend counts usable)
 
 
 @dataclass(slots=True)
@@ -63,6 +73,11 @@ class WorkerRecord:
     def load_score(self) -> int:
         """Work queued or running, counting what this router sent since the last report."""
         return self.load.num_queued + self.load.num_running + self.num_routed_since_report
+
+    def usable_backends(self) -> set[str]:
+        """The KV backends this worker speaks that its last report calls usable."""
+        unusable = {b.name for b in self.load.kv_backends if not b.usable}
+        return {b for b in self.worker.kv_backends if b not in unusable}
 
     def num_matched_blocks(self, block_hashes: Sequence[int]) -> int:
         """Length of the run of `block_hashes`, from the first, this worker reports cached."""

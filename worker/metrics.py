@@ -28,6 +28,9 @@ class WorkerMetrics:
         self.kv_blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.prompt_tokens_computed = Gauge("pdserve_prompt_tokens_computed",
                                             "prompt tokens run through the model", registry=r)
+        self.kv_backend_usable = Gauge("pdserve_kv_backend_usable", "1 while a KV transfer backend is "
+                                       "usable (healthy or due a probe), 0 while it is skipped",
+                                       ["backend"], registry=r)
         self.auth_refused = Counter("pdserve_auth_refused", "internal calls refused for want of a valid "
                                     "credential", ["reason"], registry=r)
         self.role = role
@@ -39,6 +42,11 @@ class WorkerMetrics:
         self.kv_blocks_free.set(stats.num_free_blocks)
         self.kv_blocks_total.set(stats.num_total_blocks)
         self.prompt_tokens_computed.set(stats.num_prompt_tokens_computed)
+
+    def observe_backends(self, states) -> None:
+        """The load report's KV backend states (`common_pb2.KVBackendState`s)."""
+        for state in states:
+            self.kv_backend_usable.labels(backend=state.name).set(1 if state.usable else 0)
 
     def observe_verdict(self, verdict, tail_ms: float = 0.0) -> None:
         """A transfer verdict; `tail_ms` (sender side): end of the prompt's forward to it."""

@@ -131,7 +131,9 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
 
     def load():
         metrics.observe_engine(loop.last_stats)
-        return load_to_proto(loop)
+        report = load_to_proto(loop)
+        metrics.observe_backends(report.kv_backends)
+        return report
 
     registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls)
     registrar.start()

@@ -139,6 +139,29 @@ def test_unhealthy_backend_is_skipped_until_a_probe_succeeds():
     assert chain.health["ucx"].is_healthy
 
 
+def test_states_and_unusable_say_before_any_work_whether_a_transfer_can_go():
+    """What a sender checks before computing a prompt, and what workers report: every backend
+    in its cool-down (or unopened, or unreachable) means no backend; a due probe counts as usable."""
+    ucx = FakeTransport("ucx", TransferError("connection refused"))
+    clock = FakeClock()
+    chain = FallbackChain(("ucx", "redis", RECOMPUTE), transports={"ucx": ucx},
+                          unavailable={"redis": "unavailable here: redis store not configured"},
+                          health_policy=HealthPolicy(failure_threshold=1, cooldown_s=5), clock=clock)
+    assert chain.unusable({"ucx": "u:1"}) == []
+    assert [(s.name, s.usable) for s in chain.states()] == [("ucx", True), ("redis", False)]
+    assert "not configured" in chain.states()[1].detail
+    assert [f.backend for f in chain.unusable({})] == ["ucx", "redis"]  # no endpoint for ucx
+
+    chain.send(job())  # ucx fails once: unhealthy for 5 s
+    skipped = chain.unusable({"ucx": "u:1"})
+    assert [f.backend for f in skipped] == ["ucx", "redis"]
+    assert "unhealthy after 1 failures" in skipped[0].reason and "connection refused" in skipped[0].reason
+    assert not chain.states()[0].usable and "connection refused" in chain.states()[0].detail
+    assert chain.unusable({"ucx": "u:1"}, order=("redis", "ucx"))[0].backend == "redis"  # the receiver's order
+    clock.now += 5
+    assert chain.unusable({"ucx": "u:1"}) == [] and chain.states()[0].usable  # the probe is due
+
+
 def test_a_backend_bug_does_not_end_the_chain():
     ucx = FakeTransport("ucx", KeyError("oops"))
     chain = FallbackChain(("ucx", RECOMPUTE), transports={"ucx": ucx})

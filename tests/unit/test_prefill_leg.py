@@ -14,12 +14,20 @@ from pdserve.decode.prefill_leg import PrefillLeg
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 
+SKIPPED = "no_usable_kv_backend: disk: unhealthy after 3 failures in a row"
+
+
 class SlowPrefill(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, skip: bool = False) -> None:
         self.delay_s = delay_s
+        self.skip = skip
 
     async def Prefill(self, request, context):
         await asyncio.sleep(self.delay_s)
+        if self.skip:  # what a prefill with no usable backend answers, having computed nothing
+            return prefill_pb2.PrefillResponse(skipped=True, verdict=common_pb2.TransferVerdict(
+                outcome=common_pb2.TRANSFER_OUTCOME_FAILED, reason=SKIPPED,
+                fallbacks=[common_pb2.FallbackStep(backend="disk", reason="unhealthy after 3 failures in a row")]))
         return prefill_pb2.PrefillResponse(
             first_token_id=7,
             verdict=common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_TRANSFERRED, backend="disk"))
@@ -53,11 +61,11 @@ class Choice:
     address: str
 
 
-async def run_leg(delay_s: float, timeout_s: float, monkeypatch):
+async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = False):
     # the hand-off message itself is the transfer layer's business, not this test's
     monkeypatch.setattr("pdserve.kvtransfer.service.params_to_handoff", lambda *a: prefill_pb2.KVHandoff())
     server = grpc.aio.server()
-    prefill_pb2_grpc.add_PrefillServicer_to_server(SlowPrefill(delay_s), server)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(SlowPrefill(delay_s, skip), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     receiver = RecordingReceiver()
@@ -87,6 +95,16 @@ async def test_a_slow_prefill_inside_the_deadline_completes(monkeypatch):
     assert result.ok, result.verdict
     assert result.first_token_id == 7 and result.verdict.prefill_worker_id == "prefill-0"
     assert elapsed >= 1.0 and receiver.cancelled == []
+
+
+async def test_a_prefill_that_skipped_the_prompt_fails_the_leg_with_its_reason(monkeypatch):
+    """No KV backend could carry the blocks, so the prefill computed nothing: the reservation
+    is dropped (nothing will arrive) and decode's verdict carries why, for its recompute."""
+    result, _, receiver = await run_leg(delay_s=0.0, timeout_s=5.0, monkeypatch=monkeypatch, skip=True)
+    assert not result.ok and not result.aborted
+    assert result.verdict.reason == SKIPPED and result.verdict.prefill_worker_id == "prefill-0"
+    assert [f.backend for f in result.verdict.fallbacks] == ["disk"]
+    assert receiver.cancelled == ["req-1"]
 
 
 def test_prefill_timeout_is_a_decode_setting(monkeypatch):

@@ -1,6 +1,8 @@
 """Worker registry (liveness with a fake clock), routing policies and the route planner."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.common.errors import ErrorKind, ServiceError
@@ -8,7 +10,7 @@ from pdserve.router.config import Role
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
 from pdserve.router.policies import RouteQuery, make_policy
-from pdserve.router.registry import Load, Worker, WorkerRegistry
+from pdserve.router.registry import KVBackendState, Load, Worker, WorkerRegistry
 from support import FakeClock
 
 
@@ -150,6 +152,26 @@ def test_planner_conditional_disaggregation_reasons(registry):
     plan = planner.plan("r5", "m", 40, 4, [60, 61], "")
     assert (plan.prefill, plan.prefill_reason, plan.prefill_queue_length) == (None, "prefill_queue_long", 0)
     assert decisions(metrics, "prefill", "round_robin", "prefill_queue_long") == 1
+
+
+def test_planner_prefills_locally_while_no_kv_backend_could_carry_the_blocks(registry):
+    """A prefill whose every backend shared with the decode is reported unusable is not asked
+    (it would compute the prompt only for decode to compute it again); a report that its
+    probe is due brings it back. A backend only one side speaks never counts."""
+    planner, metrics = make_planner(registry, threshold=0)
+    ucx_redis = ("ucx", "redis", "recompute")
+    registry.register(dataclasses.replace(worker("d"), kv_backends=("redis", "recompute")), Load())
+    registry.register(dataclasses.replace(worker("p", Role.PREFILL), kv_backends=ucx_redis), Load())
+    assert planner.plan("r1", "m", 40, 4, [], "").prefill.worker_id == "p"
+    down = (KVBackendState("ucx", True), KVBackendState("redis", False, "unhealthy after 3 failures"))
+    registry.heartbeat("p", Load(kv_backends=down))  # ucx is fine, but decode does not speak it
+    plan = planner.plan("r2", "m", 40, 4, [], "")
+    assert (plan.prefill, plan.prefill_reason) == (None, "no_usable_kv_backend")
+    assert decisions(metrics, "prefill", "round_robin", "no_usable_kv_backend") == 1
+    registry.heartbeat("p", Load(kv_backends=(KVBackendState("redis", True),)))  # the probe is due
+    assert planner.plan("r3", "m", 40, 4, [], "").prefill.worker_id == "p"
+    registry.heartbeat("d", Load(kv_backends=(KVBackendState("redis", False, "fetch failed"),)))
+    assert planner.plan("r4", "m", 40, 4, [], "").prefill_reason == "no_usable_kv_backend"
 
 
 def test_planner_skips_excluded_and_suspect_workers(registry):

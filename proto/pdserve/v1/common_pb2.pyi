@@ -224,15 +224,27 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_queued", "num_running", "num_free_blocks", "num_total_blocks", "cached_block_hashes")
+    __slots__ = ("num_queued", "num_running", "num_free_blocks", "num_total_blocks", "cached_block_hashes", "kv_backends")
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     num_queued: int
     num_running: int
     num_free_blocks: int
     num_total_blocks: int
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_backends: _containers.RepeatedCompositeFieldContainer[KVBackendState]
+    def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., kv_backends: _Optional[_Iterable[_Union[KVBackendState, _Mapping]]] = ...) -> None: ...
+
+class KVBackendState(_message.Message):
+    __slots__ = ("name", "usable", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    USABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    usable: bool
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., usable: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,54 @@
+"""The prefill runner's checks before any work: a hand-off whose blocks no KV backend could
+carry is answered at once as skipped, with the sender's reasons, and nothing is computed."""
+from __future__ import annotations
+
+import time
+
+from pdserve.kvtransfer.service import Sender
+from pdserve.prefill.runner import PrefillRunner
+from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
+from pdserve.worker.metrics import WorkerMetrics
+
+
+class Engine:
+    compat_hash = 7
+
+
+class NeverRunLoop:
+    """An engine loop that must not be asked to compute."""
+
+    engine = Engine()
+
+    async def add_request(self, *args, **kwargs):
+        raise AssertionError("the prompt was computed although its KV could go nowhere")
+
+
+class DownSends:
+    """The transfer layer's send side with every backend in its cool-down."""
+
+    def unusable(self, params):
+        from pdserve.kvtransfer.verdict import Fallback
+
+        return [Fallback("redis", "unhealthy after 3 failures in a row (last: connection refused)")]
+
+
+def handoff() -> prefill_pb2.KVHandoff:
+    return prefill_pb2.KVHandoff(transfer_id="ab" * 16, compatibility_hash=7, block_ids=[1, 2],
+                                 backends=["redis", "recompute"], deadline_unix_ms=int(time.time() * 1000) + 30_000)
+
+
+async def test_no_usable_backend_answers_skipped_without_computing():
+    sender = Sender.__new__(Sender)  # the real refusal logic over a stand-in send side
+    sender.block_size, sender.sends = 16, DownSends()
+    metrics = WorkerMetrics("prefill")
+    runner = PrefillRunner(NeverRunLoop(), sender, metrics, max_queue=4)
+    request = prefill_pb2.PrefillRequest(request_id="r1", prompt_token_ids=list(range(20)),
+                                         sampling=common_pb2.SamplingParams(max_tokens=4), handoff=handoff())
+    response = await runner.run(request)
+    assert response.skipped and response.request_id == "r1"
+    assert response.verdict.outcome == common_pb2.TRANSFER_OUTCOME_FAILED
+    assert response.verdict.reason.startswith("no_usable_kv_backend: redis: unhealthy after 3 failures")
+    assert [f.backend for f in response.verdict.fallbacks] == ["redis"]
+    assert runner.num_inflight == 0
+    assert metrics.registry.get_sample_value("pdserve_worker_requests_total",
+                                             {"outcome": "SKIPPED_NO_USABLE_BACKEND"}) == 1
