@@ -16,6 +16,7 @@ BENCHMARKS = {
     "experiment": "experiment",  # disaggregated vs colocated on this machine
     "kernels": "kernels",  # Triton kernels against their torch references
     "mixed-prefill": "mixed_prefill",  # prefill scheduling: a short prompt behind a long one
+    "abuse": "abuse",  # a router under oversized prompts: small-chat latency, status counts, RSS
 }
 
 

@@ -25,7 +25,8 @@ KNOWN = {
     "TRITON_INTERPRET": ("0", "read by Triton itself when it compiles a kernel; pdserve reads it only "
                               "to refuse PDSERVE_USE_TRITON=1 on CPU without the interpreter"),
     # kv transfer, ucx backend: read once, when the process's UCX context starts
-    "PDSERVE_UCX_TLS": ("auto", "UCX transports for KV transfer; auto: tcp,sm,self "
+    "PDSERVE_UCX_TLS": ("auto", "UCX transports for KV transfer; auto: tcp,posix,sysv,self (no cma: a "
+                                "sender dying mid-read aborts the receiver) "
                                 "(+cuda_copy,cuda_ipc where CUDA is available)"),
     "PDSERVE_UCX_NET_DEVICES": ("auto", "network devices UCX may use; auto: lo when the transfer "
                                         "host is a loopback address, else all"),

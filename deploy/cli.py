@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 # Help texts quote the defaults of the typed settings each flag feeds (a test pins them);
 # these modules import neither torch nor grpc.
+from pdserve.bench import cli as bench_cli
 from pdserve.deploy import up as up_defaults
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT, RouterConfig
 from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,
@@ -19,7 +20,7 @@ from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PRE
 
 TRANSFER_PORT = DECODE_TRANSFER_PORT
 BACKENDS = ("ucx", "nccl", "redis", "disk")
-BENCHMARKS = ("offline", "transfer", "serve", "experiment", "kernels", "mixed-prefill")
+BENCHMARKS = tuple(bench_cli.BENCHMARKS)  # the one list, in bench/cli.py
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import logging
 import socket
+import time
 from typing import Iterator
 
 import grpc
@@ -100,13 +103,18 @@ class RouterApp:
                  self.registry_port)
 
     async def _cut_off_dead_workers(self) -> None:
-        """Streams open to a worker the registry declares dead end at once (and migrate)."""
+        """Streams open to a worker the registry declares dead end at once (and migrate).
+        Every TRIM_EVERY_S, freed heap goes back to the OS."""
         period = min(1.0, self.config.worker_timeout_s / 4)
+        trimmed = time.monotonic()
         while True:
             await asyncio.sleep(period)
             self.registry.forget_silent()
             if ended := self.decode.cut_off_dead():
                 log.warning("ended %d streams open to dead decode workers", ended)
+            if time.monotonic() - trimmed >= TRIM_EVERY_S:
+                trimmed = time.monotonic()
+                await asyncio.to_thread(_give_back_freed_memory)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         for task in (self._poller, self._watch):
@@ -168,6 +176,25 @@ class RouterApp:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError("HTTP server did not start within 30 s")
             await asyncio.sleep(0.01)
+
+
+TRIM_EVERY_S = 10.0
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return None
+
+
+def _give_back_freed_memory() -> None:
+    """glibc keeps freed heap in its arenas: after a burst of large request bodies the
+    router's RSS would stay at its peak for good. malloc_trim hands it back."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def _tls_credentials(config: RouterConfig) -> grpc.ServerCredentials | None:

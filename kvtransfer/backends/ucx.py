@@ -22,10 +22,13 @@ last `close()` resets UCX and joins the thread. `send()` blocks its caller until
 or the deadline; on the deadline the in-flight operation is cancelled (UCX endpoint aborted,
 control connection dropped) and the next send to that peer connects afresh.
 
-Tuning (measured on loopback, see bench/transfer.py): UCX endpoint error handling (peer
-failure detection) excludes the shared-memory zero-copy transport (cma) and costs 3-4x
-throughput here; it is off by default because the control connection and the deadlines
-already detect a dead peer. Settings come from PDSERVE_UCX_* (engine/envs.py).
+Robustness over a few percent: the default transports are tcp, posix and sysv shared
+memory, and self, never cma (cross-memory attach, part of UCX's "sm"). With cma a receiver
+reads the sender's memory directly, and a sender killed mid-transfer made UCX abort the
+receiving decode process (found by tests/e2e/test_chaos.py). Without it, measured with
+bench/transfer.py on this 2-core machine: 16 blocks 5.0 vs 3.7 ms, 256 blocks 26 vs 37 ms.
+UCX endpoint error handling (peer failure detection) costs 3-4x throughput here; it is off
+by default because the control connection and the deadlines already detect a dead peer. Settings come from PDSERVE_UCX_* (engine/envs.py).
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ _GRACE_S = 1.0  # the calling thread waits this much past the deadline for the l
 class UcxSettings:
     """UCX options, fixed when the process's UCX context starts (one per process)."""
 
-    tls: str = "tcp,sm,self"
+    tls: str = "tcp,posix,sysv,self"
     net_devices: str = "lo"
     rndv_thresh: str = "8192"
     tcp_tx_seg_size: str = "256k"
@@ -84,7 +87,7 @@ class UcxSettings:
     def from_env(cls, host: str = "127.0.0.1") -> "UcxSettings":
         tls = envs.get("PDSERVE_UCX_TLS").strip()
         if tls == "auto":
-            tls = "tcp,sm,self" + (",cuda_copy,cuda_ipc" if _has_cuda() else "")
+            tls = "tcp,posix,sysv,self" + (",cuda_copy,cuda_ipc" if _has_cuda() else "")
         devices = envs.get("PDSERVE_UCX_NET_DEVICES").strip()
         if devices == "auto":  # keep UCX's own TCP sockets on loopback when we listen there
             devices = "lo" if is_loopback(host) else "all"
