@@ -91,6 +91,22 @@ def test_cuda_by_default_and_cpu_by_build_argument() -> None:
     assert "download.pytorch.org/whl/cpu" in install  # the CPU variant's torch wheel index
 
 
+def test_every_base_image_is_pinned_by_digest() -> None:
+    """A tag can be re-pushed; a digest cannot. Every FROM that names an image (not an
+    earlier stage) resolves, with the defaults, to name:tag@sha256:<64 hex>."""
+    defaults = arg_defaults()
+    stages = set()
+    for keyword, rest in instructions():
+        if keyword != "FROM":
+            continue
+        words = [w for w in rest.split() if not w.startswith("--")]
+        image = expand(words[0], {**defaults, "VARIANT": "cuda"})
+        if image not in stages and not image.startswith("base-"):
+            assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", image), image
+        if len(words) >= 3 and words[1].upper() == "AS":
+            stages.add(words[2])
+
+
 def test_image_runs_as_the_non_root_user_the_chart_expects() -> None:
     users = [rest for keyword, rest in final_stage() if keyword == "USER"]
     assert users, "the final stage sets no USER: it would run as root"
