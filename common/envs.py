@@ -12,6 +12,8 @@ ENV_PREFIX = "PDSERVE_"
 # name -> (default, help). `pdserve` CLI flags map onto PDSERVE_<FLAG_NAME> as well.
 KNOWN = {
     "PDSERVE_CACHE_ROOT": ("~/.cache/pdserve", "root of the build cache (converted models)"),
+    "PDSERVE_CACHE_SEED": ("", "a read-only build cache consulted before building, e.g. the models "
+                               "an image prepared at build time (`pdserve prepare`)"),
     "PDSERVE_CACHE_ENABLED": ("1", "0 turns the build cache off (convert on every start)"),
     "PDSERVE_CACHE_MAX_RECORDS": ("8", "build cache: most records kept"),
     "PDSERVE_CACHE_MAX_STORAGE_GB": ("20", "build cache: most gigabytes kept"),

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 # Help texts quote the defaults of the typed settings each flag feeds (a test pins them);
 # these modules import neither torch nor grpc.
 from pdserve.bench import cli as bench_cli
+from pdserve.deploy import prepare
 from pdserve.deploy import up as up_defaults
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT, RouterConfig
 from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode = sub.add_parser("decode", help="one decode service")
     _add_common(decode, "decode")
     _add_worker(decode, "decode")
+    prepare.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
     bench.add_argument("what", choices=BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
@@ -246,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pdserve.bench.cli import main as bench_main
 
         return bench_main(args.what, args.rest)
+    if args.command == "prepare":
+        return prepare.main(args)
     settings = resolve(args)
     return _role_main(args.command)(settings) or 0
 

@@ -101,7 +101,9 @@ class BuildCache:
     """
 
     def __init__(self, root: Path, max_records: int, max_storage_gb: float, enabled: bool = True,
-                 lock_timeout_s: float = 1800.0) -> None:
+                 lock_timeout_s: float = 1800.0, seed: Path | None = None) -> None:
+        """`seed`: a read-only cache (same layout) whose valid records are used in place,
+        never written, touched or pruned: what an image prepared at build time."""
         if max_records < 1:
             raise InvalidRequestError(f"build cache max_records must be >= 1, got {max_records}")
         if not max_storage_gb > 0:
@@ -112,6 +114,7 @@ class BuildCache:
         self.max_storage_bytes = int(max_storage_gb * _GB)
         self.enabled = enabled
         self.lock_timeout_s = lock_timeout_s
+        self.seed = Path(seed).expanduser() if seed else None
 
     @classmethod
     def from_env(cls) -> BuildCache:
@@ -121,7 +124,7 @@ class BuildCache:
         except ValueError as e:
             raise InvalidRequestError(f"bad PDSERVE_CACHE_* value: {e}") from e
         return cls(envs.cache_root(), max_records, max_storage_gb,
-                   enabled=envs.get_bool("PDSERVE_CACHE_ENABLED"))
+                   enabled=envs.get_bool("PDSERVE_CACHE_ENABLED"), seed=envs.get("PDSERVE_CACHE_SEED") or None)
 
     # ---- keys -------------------------------------------------------------------------
 
@@ -164,6 +167,9 @@ class BuildCache:
         if self._is_valid(record, key):
             self._touch(record)
             return BuildResult(record / "content", built=False, key=key)
+        if self.seed is not None and self._is_valid(self.seed / key, key):
+            log.info("build cache: %s found prepared in %s", what, self.seed)
+            return BuildResult(self.seed / key / "content", built=False, key=key)
 
         from filelock import FileLock, Timeout
 

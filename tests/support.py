@@ -1,14 +1,16 @@
-"""Helpers any test may import (`import support`): a real Redis server process, and a clock
-tests advance by hand.
+"""Helpers any test may import (`import support`): a real Redis server process, a clock
+tests advance by hand, and tiny GGUF files.
 
 The Redis server lives in the package (`pdserve.kvtransfer.local_redis`, shared with
 `pdserve bench transfer`); tests stop it on teardown.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from pdserve.kvtransfer.local_redis import RedisServer, redis_server_binary
 
-__all__ = ["FakeClock", "RedisServer", "redis_server_binary"]
+__all__ = ["FakeClock", "RedisServer", "redis_server_binary", "write_gguf"]
 
 
 class FakeClock:
@@ -20,3 +22,29 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def write_gguf(path: Path, arch: str = "llama", *, shape_keys: bool = True,
+               embed_rows: int = 16) -> Path:
+    """A tiny GGUF file: tiny-model metadata, a 16-token vocabulary, one embedding tensor."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    if shape_keys:
+        writer.add_context_length(64)
+        writer.add_embedding_length(8)
+        writer.add_block_count(1)
+        writer.add_feed_forward_length(16)
+        writer.add_head_count(2)
+        writer.add_head_count_kv(1)
+        writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(16)])
+    writer.add_tensor("token_embd.weight", np.zeros((embed_rows, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

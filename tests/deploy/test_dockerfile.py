@@ -107,6 +107,19 @@ def test_every_base_image_is_pinned_by_digest() -> None:
             stages.add(words[2])
 
 
+def test_the_image_prepares_its_model_at_build_time_and_reads_it_in_place() -> None:
+    """`pdserve prepare` converts the shipped model into a cache inside the image, and the
+    runtime environment names that cache as the seed: no start converts it again."""
+    steps = final_stage()
+    prepare = next(rest for keyword, rest in steps if keyword == "RUN" and "pdserve prepare" in rest)
+    seed_dir = re.search(r"PDSERVE_CACHE_ROOT=(\S+) pdserve prepare", prepare).group(1)
+    assert "--skip-kernel" in prepare and "/opt/pdserve/model" in prepare  # a baked-in model too
+    env = " ".join(rest for keyword, rest in steps if keyword == "ENV")
+    assert f"PDSERVE_CACHE_SEED={seed_dir}" in env
+    runs = [rest for keyword, rest in steps if keyword == "RUN"]
+    assert runs.index(prepare) > next(i for i, r in enumerate(runs) if "install.sh" in r)
+
+
 def test_image_runs_as_the_non_root_user_the_chart_expects() -> None:
     users = [rest for keyword, rest in final_stage() if keyword == "USER"]
     assert users, "the final stage sets no USER: it would run as root"

@@ -395,6 +395,29 @@ def test_workers_get_their_model_and_stores(profile: str, role: str, render) -> 
 
 
 @pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("role", WORKERS)
+def test_an_init_container_prepares_the_workers_model_and_kernel_in_its_cache(profile: str, role: str,
+                                                                               render, render_values) -> None:
+    """`pdserve prepare` runs first with the worker's model and device, in the worker's build
+    cache; `buildCache.prepare: false` leaves it out."""
+    m = render(profile)
+    pod = m.workload(role)["spec"]["template"]["spec"]
+    main = main_container(m.workload(role))
+    (init,) = pod["initContainers"]
+    argv = expand_args(init)
+    assert argv[0] == "prepare" and init["image"] == main["image"]
+    prepared = cli.build_parser().parse_args(argv)
+    _, s = cli_settings(main)
+    assert (prepared.model, prepared.device) == (s["model"], s.get("device", "cpu"))
+    assert container_env(init)["PDSERVE_CACHE_ROOT"] == container_env(main)["PDSERVE_CACHE_ROOT"]
+    mounts = lambda c: {vm["name"]: vm["mountPath"] for vm in c["volumeMounts"]}  # noqa: E731
+    assert mounts(init)["cache"] == mounts(main)["cache"]
+    assert mounts(init).get("model") == mounts(main).get("model")
+    off = render_values({"buildCache": {"prepare": False}}).workload(role)["spec"]["template"]["spec"]
+    assert "initContainers" not in off
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 def test_pdserve_variables_are_known_settings(profile: str, render) -> None:
     """A PDSERVE_* variable the CLI does not know would be ignored silently."""
     m = render(profile)
@@ -646,11 +669,19 @@ def test_kind_values_fit_one_two_cpu_eight_gib_node(render) -> None:
     for workload in m.of_kind("Deployment") + m.of_kind("StatefulSet"):
         pod = workload["spec"]["template"]["spec"]
         replicas = workload["spec"].get("replicas", 1)
+        # What the scheduler reserves for a pod: its containers' requests summed, or its
+        # largest init container's (init containers run one at a time, before the rest).
+        pod_cpu = pod_memory = 0.0
         for container in pod.get("containers", []) + pod.get("initContainers", []):
             requests = container.get("resources", {}).get("requests", {})
             assert "cpu" in requests and "memory" in requests, container["name"]
-            cpu += replicas * _quantity(requests["cpu"])
-            memory += replicas * _quantity(requests["memory"])
+        for group, combine in (("containers", sum), ("initContainers", max)):
+            requests = [c["resources"]["requests"] for c in pod.get(group, [])]
+            if requests:
+                pod_cpu = max(pod_cpu, combine(_quantity(r["cpu"]) for r in requests))
+                pod_memory = max(pod_memory, combine(_quantity(r["memory"]) for r in requests))
+        cpu += replicas * pod_cpu
+        memory += replicas * pod_memory
     # kind's own pods (kube-apiserver, etcd, coredns, ...) request about 0.95 CPU together.
     assert cpu <= 2 - 0.95, cpu
     assert memory <= 6 * 2**30, memory

@@ -68,6 +68,26 @@ def test_second_get_with_same_inputs_skips_the_build(cache, source):
     assert meta["inputs"]["values"] == {"dtype": "float32"} and meta["inputs"]["pdserve_version"]
 
 
+def test_a_seed_cache_is_read_in_place_and_never_written(tmp_path, source):
+    """An image's prepared cache (read-only) serves its records without a copy or a build;
+    what it lacks is built under the writable root as usual."""
+    inputs = BuildInputs.of(values={"dtype": "float32"}, files={"gguf": source})
+    build = CountingBuild()
+    prepared = BuildCache(tmp_path / "image", max_records=8, max_storage_gb=1.0).get_or_build(
+        "gguf-convert", inputs, build)
+    (tmp_path / "image").chmod(0o555)
+    try:
+        cache = BuildCache(tmp_path / "volume", max_records=8, max_storage_gb=1.0, seed=tmp_path / "image")
+        hit = cache.get_or_build("gguf-convert", inputs, build)
+        assert (hit.path, hit.built, build.runs) == (prepared.path, False, 1)
+        assert not (tmp_path / "volume").exists()
+        other = cache.get_or_build("gguf-convert", BuildInputs.of(values={"dtype": "bfloat16"},
+                                                                  files={"gguf": source}), build)
+        assert other.built and other.path.is_relative_to(tmp_path / "volume") and build.runs == 2
+    finally:
+        (tmp_path / "image").chmod(0o755)
+
+
 def test_changed_input_makes_a_new_record(cache, source, tmp_path):
     build = CountingBuild()
     inputs = BuildInputs.of(files={"gguf": source})

@@ -1,3 +1,4 @@
+from pdserve.deploy import cli
 from pdserve.deploy.cli import build_parser, resolve
 
 
@@ -138,3 +139,32 @@ def test_both_services_default_to_a_256_token_step_with_chunked_prefill():
     args = build_parser().parse_args(["decode", "--max-num-tokens", "2048"])
     explicit = WorkerSettings.from_settings("decode", resolve(args, environ={}))
     assert explicit.engine_config().scheduler.max_num_tokens == 2048
+
+
+def test_prepare_converts_once_and_says_what_a_start_now_costs(tmp_path, monkeypatch, capsys):
+    """`pdserve prepare` on a GGUF: the first run converts into the build cache, the second
+    finds it; both report the time. A model it cannot load is a clear failure (exit 1)."""
+    from support import write_gguf
+
+    from pdserve.engine import loader
+
+    monkeypatch.setenv("PDSERVE_CACHE_ROOT", str(tmp_path / "cache"))
+    runs = []  # the conversion itself (transformers' dequantisation) is the loader's tests' business
+    monkeypatch.setattr(loader, "_gguf_to_dir", lambda gguf, out: runs.append(out) or _tiny_dir(out))
+    gguf = write_gguf(tmp_path / "tiny-Q4_0.gguf")
+    assert cli.main(["prepare", "--model", str(gguf), "--skip-kernel"]) == 0
+    assert cli.main(["prepare", "--model", str(gguf), "--skip-kernel"]) == 0
+    out = capsys.readouterr().out
+    assert len(runs) == 1
+    assert "model tiny: converted in" in out and "model tiny: already prepared in" in out
+    assert "a start now spends" in out
+    assert cli.main(["prepare", "--model", str(tmp_path / "missing.gguf"), "--skip-kernel"]) == 1
+    assert "not found" in capsys.readouterr().out
+
+
+def _tiny_dir(out):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)

@@ -11,37 +11,12 @@ from pdserve.engine import default_model
 from pdserve.engine.build_cache import BuildCache
 from pdserve.common.errors import InvalidRequestError, ModelLoadError
 from pdserve.engine.loader import LoadedModel, load_model, read_gguf_summary
+from support import write_gguf
 
 
 @pytest.fixture
 def cache(tmp_path: Path) -> BuildCache:
     return BuildCache(tmp_path / "cache", max_records=4, max_storage_gb=2.0)
-
-
-def write_gguf(path: Path, arch: str = "llama", *, shape_keys: bool = True,
-               embed_rows: int = 16) -> Path:
-    """A tiny GGUF file: tiny-model metadata, a 16-token vocabulary, one embedding tensor."""
-    import gguf
-    import numpy as np
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("tiny")
-    if shape_keys:
-        writer.add_context_length(64)
-        writer.add_embedding_length(8)
-        writer.add_block_count(1)
-        writer.add_feed_forward_length(16)
-        writer.add_head_count(2)
-        writer.add_head_count_kv(1)
-        writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(16)])
-    writer.add_tensor("token_embd.weight", np.zeros((embed_rows, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def smollm2_gguf() -> Path:

@@ -43,6 +43,39 @@ spec:
       {{- include "pdserve.podMetadata" $meta | nindent 6 }}
     spec:
       {{- include "pdserve.podSpec" $meta | nindent 6 }}
+      {{- if $values.buildCache.prepare }}
+      # Before the worker starts: the model converted and, on CPU, the attention kernel built
+      # into the build cache (`pdserve prepare`). With buildCache.existingClaim that happens once
+      # per volume, later pods find both; the model the image ships was prepared at build time.
+      initContainers:
+        - name: prepare
+          image: {{ include "pdserve.image" $ctx | quote }}
+          imagePullPolicy: {{ $values.image.pullPolicy }}
+          command: ["pdserve"]
+          args:
+            - prepare
+            - {{ printf "--model=%s" $modelArg | quote }}
+            - {{ printf "--device=%s" $device | quote }}
+          env:
+            {{- include "pdserve.baseEnv" $ctx | nindent 12 }}
+            {{- with $cfg.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          resources:
+            {{- include "pdserve.resources" $cfg | nindent 12 }}
+          securityContext:
+            {{- toYaml $values.securityContext | nindent 12 }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+            - name: cache
+              mountPath: {{ $values.buildCache.mountPath }}
+            {{- if ne $model.source "image" }}
+            - name: model
+              mountPath: {{ $model.mountPath }}
+              readOnly: true
+            {{- end }}
+      {{- end }}
       containers:
         - name: {{ $role }}
           image: {{ include "pdserve.image" $ctx | quote }}
