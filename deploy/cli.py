@@ -121,7 +121,8 @@ def _add_up(sub) -> None:
     _add_shared_worker(up, "prefill")
     up.add_argument("--num-prefill", type=int, help=f"prefill services (default {up_defaults.NUM_PREFILL})")
     up.add_argument("--num-decode", type=int, help=f"decode services (default {up_defaults.NUM_DECODE})")
-    up.add_argument("--http-port", type=int, help=f"router HTTP port (default {ROUTER_HTTP_PORT})")
+    up.add_argument("--port", "--http-port", dest="http_port", type=int,
+                    help=f"router HTTP port, the OpenAI API (default {ROUTER_HTTP_PORT})")
     up.add_argument("--router-grpc-port", type=int, help=f"router gRPC port (default {ROUTER_GRPC_PORT})")
     up.add_argument("--router-registry-port", type=int,
                     help=f"router's worker registry port (default {ROUTER_REGISTRY_PORT})")
@@ -129,6 +130,7 @@ def _add_up(sub) -> None:
                     help="decode prefills every prompt itself (no prefill service)")
     up.add_argument("--ready-timeout-s", type=float,
                     help=f"how long to wait for all services (default {up_defaults.READY_TIMEOUT_S:g})")
+    _add_router_options(up.add_argument_group("router"))
 
 
 def _add_router(sub) -> None:
@@ -143,14 +145,23 @@ def _add_router(sub) -> None:
     f("grpc_port", "gRPC port of the client API (Generation)", type=int)
     f("registry_port", "gRPC port where workers register (internal; keep it off client networks)",
       type=int)
+    _add_router_options(router.add_argument_group("routing and limits"))
+    router.add_argument("--static-workers",
+                        help="comma list of role=host:port to use without registration (default none)")
+
+
+def _add_router_options(g) -> None:
+    """The router's client-facing and routing options; `up` takes them too and hands them on."""
+    f = lambda name, text, **kw: _router_flag(g, name, text, **kw)  # noqa: E731
     f("api_key", "require 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: flags show in ps)")
-    router.add_argument("--metrics-auth", action="store_true", default=None,
-                        help="/metrics requires the API key too (/health and /ready stay open)")
+    g.add_argument("--metrics-auth", action="store_true", default=None,
+                   help="/metrics requires the API key too (/health and /ready stay open)")
     f("tls_cert", "PEM certificate (chain) for HTTPS and gRPC TLS on the client ports")
     f("tls_key", "PEM private key of --tls-cert")
     f("max_queue", "requests in flight before 429", type=int)
     f("prefill_policy", "how to pick a prefill worker", choices=POLICIES)
-    f("decode_policy", "how to pick a decode worker", choices=POLICIES)
+    f("decode_policy", "how to pick a decode worker (prefix_aware: cache affinity while it pays "
+                       "and the pool stays balanced)", choices=POLICIES)
     f("local_prefill_threshold", "uncached prompt tokens at or under which decode prefills locally",
       type=int)
     f("prefill_queue_threshold", "a prefill worker's queue length at or over which decode "
@@ -161,8 +172,6 @@ def _add_router(sub) -> None:
                                "(workers send keep-alives at a quarter of it)", type=float)
     f("max_migrations", "times one request may move to another decode when its own dies or hangs "
                         "mid-stream (0: never)", type=int)
-    router.add_argument("--static-workers",
-                        help="comma list of role=host:port to use without registration (default none)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,6 +38,12 @@ WORKER_FLAGS = ("model", "served_model_name", "dtype", "device", "num_threads", 
                 "failure_policy", "log_level", "heartbeat_s")
 
 
+# router options `up` hands to its router when given (the router's own flags of the same name)
+ROUTER_FLAGS = ("metrics_auth", "tls_cert", "tls_key", "max_queue", "prefill_policy",
+                "decode_policy", "local_prefill_threshold", "prefill_queue_threshold", "max_body_bytes",
+                "worker_timeout_s", "stream_idle_timeout_s", "max_migrations")
+
+
 @dataclass
 class Child:
     name: str
@@ -45,6 +51,7 @@ class Child:
     proc: subprocess.Popen | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     lines: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment (secrets stay out of argv)
 
 
 def _flags(settings: dict[str, Any], names) -> list[str]:
@@ -71,10 +78,10 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     num_decode = int(settings.get("num_decode") or NUM_DECODE)
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
     router = [*py, "router", "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-              "--registry-port", str(registry_port), *security]
+              "--registry-port", str(registry_port), *security, *_flags(settings, ROUTER_FLAGS)]
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
-    children = [Child("router", router)]
+    children = [Child("router", router, env={"PDSERVE_API_KEY": settings["api_key"]} if settings.get("api_key") else {})]
     if settings.get("num_threads") is None:
         # several engines share this machine's cores: one torch thread each avoids thrashing
         settings = dict(settings, num_threads=1)
@@ -102,17 +109,33 @@ def _pump(child: Child) -> None:
         print(f"[{child.name}] {line}", flush=True)
 
 
-def _router_ready(http_port: int, host: str, num_workers: int) -> bool:
+def _router_ready(base_url: str, num_workers: int) -> bool:
     """The router answers /ready and has registered every worker we started."""
     try:
-        with urllib.request.urlopen(f"http://{host}:{http_port}/ready", timeout=2) as resp:
+        with _open(f"{base_url}/ready") as resp:
             if resp.status != 200:
                 return False
-        with urllib.request.urlopen(f"http://{host}:{http_port}/health", timeout=2) as resp:
+        with _open(f"{base_url}/health") as resp:
             body = json.loads(resp.read() or b"{}")
     except Exception:
         return False
     return int(body.get("decode_workers", 0)) + int(body.get("prefill_workers", 0)) >= num_workers
+
+
+def _open(url: str, headers: dict[str, str] | None = None):
+    """GET `url` from our own router: over TLS its certificate names the host clients use, not
+    necessarily this one, so this local check does not verify it."""
+    import ssl
+
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2, context=context)
+
+
+def base_url(settings: dict[str, Any], http_port: int) -> str:
+    host = settings.get("host") or "127.0.0.1"
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"{'https' if settings.get('tls_cert') else 'http'}://{host}:{http_port}"
 
 
 def _die_with_parent() -> None:
@@ -126,6 +149,26 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
 
 
+def _served_model(url: str, settings: dict[str, Any]) -> str:
+    """The model name clients must send: the router's /v1/models, else what was asked for."""
+    headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
+    try:
+        with _open(f"{url}/v1/models", headers) as resp:
+            return json.loads(resp.read())["data"][0]["id"]
+    except Exception:
+        return settings.get("served_model_name") or "SmolLM2-135M-Instruct"
+
+
+def banner(url: str, model: str, api_key: bool) -> str:
+    """What `up` prints once everything is ready: where, and a request that works as printed."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if api_key else ""
+    insecure = " -k" if url.startswith("https:") else ""
+    return (f"\npdserve is up: {url}/v1  (OpenAI API)\n"
+            f"  curl{insecure} {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+            "Ctrl-C stops every service.")
+
+
 def _interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
@@ -135,12 +178,13 @@ def start(settings: dict[str, Any]) -> tuple[list[Child], int]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for child in children:
         child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env, preexec_fn=_die_with_parent)
+                                      text=True, env={**env, **child.env}, preexec_fn=_die_with_parent)
         threading.Thread(target=_pump, args=(child,), daemon=True).start()
     return children, http_port
 
 
-def wait_ready(children: list[Child], http_port: int, host: str, timeout_s: float) -> None:
+def wait_ready(children: list[Child], url: str, timeout_s: float) -> None:
+    """Until every worker printed its ready line and the router at `url` registered them all."""
     deadline = time.monotonic() + timeout_s
     workers = [c for c in children if c.name != "router"]
     while time.monotonic() < deadline:
@@ -148,7 +192,7 @@ def wait_ready(children: list[Child], http_port: int, host: str, timeout_s: floa
             if child.proc.poll() is not None:
                 tail = "\n".join(child.lines[-20:])
                 raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{tail}")
-        if all(c.ready.is_set() for c in workers) and _router_ready(http_port, host, len(workers)):
+        if all(c.ready.is_set() for c in workers) and _router_ready(url, len(workers)):
             return
         time.sleep(0.5)
     missing = [c.name for c in children if not c.ready.is_set()]
@@ -189,7 +233,6 @@ def main(settings: dict[str, Any]) -> int:
 
 
 def _run(settings: dict[str, Any]) -> int:
-    host = settings.get("host") or "127.0.0.1"
     # SIGTERM and SIGINT stop everything at any moment, start-up included; SIGINT's handler is
     # set explicitly because a shell script starting `up` in the background ignores it
     signal.signal(signal.SIGTERM, _interrupt)
@@ -197,13 +240,9 @@ def _run(settings: dict[str, Any]) -> int:
     children, http_port = start(settings)
     stopping = threading.Event()
     try:
-        wait_ready(children, http_port, host, float(settings.get("ready_timeout_s") or READY_TIMEOUT_S))
-        url = f"http://{host}:{http_port}"
-        print(f"\npdserve is up: {url}/v1  (OpenAI API)\n"
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-              "-d '{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": "
-              "[{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'\n"
-              "Ctrl-C stops every service.", flush=True)
+        url = base_url(settings, http_port)
+        wait_ready(children, url, float(settings.get("ready_timeout_s") or READY_TIMEOUT_S))
+        print(banner(url, _served_model(url, settings), bool(settings.get("api_key"))), flush=True)
         while not stopping.is_set():
             for child in children:
                 if child.proc.poll() is not None:

@@ -57,7 +57,7 @@ class RoutePlanner:
              migrated: bool = False) -> RoutePlan:
         """UNAVAILABLE when no decode worker of the model is routable (minus `exclude`).
         A `migrated` request gets no prefill worker (its resumed tokens are prefilled too)."""
-        query = RouteQuery(tuple(block_hashes), session_key)
+        query = RouteQuery(tuple(block_hashes), session_key, num_prompt_tokens, block_size)
         decoders = [r for r in self._registry.routable(Role.DECODE, model_name) if r.worker_id not in exclude]
         if not decoders:
             raise ServiceError(ErrorKind.UNAVAILABLE, f"no decode worker is available for model {model_name!r}",

@@ -14,10 +14,16 @@ from pdserve.router.registry import WorkerRecord
 
 @dataclass(frozen=True, slots=True)
 class RouteQuery:
-    """What a policy may look at: the prompt's block hashes and the session key."""
+    """What a policy may look at: the prompt's block hashes, its length, the session key."""
 
     block_hashes: tuple[int, ...] = ()
     session_key: str = ""  # empty: no session
+    num_prompt_tokens: int = 0  # 0: as many as the full blocks hold
+    block_size: int = 16
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.num_prompt_tokens or len(self.block_hashes) * self.block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,20 +72,34 @@ class LeastLoaded(RoutingPolicy):
 
 
 class PrefixAware(RoutingPolicy):
-    """Longest run of the prompt's block hashes the worker reported cached; ties (and no
-    match at all) go to the least loaded."""
+    """Cache affinity where it pays and while the pool stays balanced.
+
+    The worker holding the longest run of the prompt's blocks wins when that run is worth
+    keeping (at least `min_match_blocks` blocks and `min_match_fraction` of the prompt: a
+    shared chat-template prefix is not) and its load is at most `max_load_gap` requests above
+    the least loaded worker's. Otherwise the least loaded wins (ties rotate), with the reason.
+    """
 
     name = "prefix_aware"
 
-    def __init__(self) -> None:
+    def __init__(self, min_match_blocks: int = 2, min_match_fraction: float = 0.5,
+                 max_load_gap: int = 4) -> None:
         self._least_loaded = LeastLoaded()
+        self.min_match_blocks = min_match_blocks
+        self.min_match_fraction = min_match_fraction
+        self.max_load_gap = max_load_gap
 
     def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
         matched = {r.worker_id: r.num_matched_blocks(query.block_hashes) for r in candidates}
         best = max(matched.values())
-        best_records = [r for r in candidates if matched[r.worker_id] == best]
-        record = self._least_loaded.pick(best_records, query)
-        return Choice(record, "prefix_match" if best > 0 else "no_prefix_match")
+        if best == 0:
+            return Choice(self._least_loaded.pick(candidates, query), "no_prefix_match")
+        if best < self.min_match_blocks or best * query.block_size < self.min_match_fraction * query.prompt_tokens:
+            return Choice(self._least_loaded.pick(candidates, query), "short_prefix_match")
+        record = self._least_loaded.pick([r for r in candidates if matched[r.worker_id] == best], query)
+        if record.load_score() - min(r.load_score() for r in candidates) > self.max_load_gap:
+            return Choice(self._least_loaded.pick(candidates, query), "load_imbalance")
+        return Choice(record, "prefix_match")
 
 
 class SessionAffinity(RoutingPolicy):

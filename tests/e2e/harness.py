@@ -98,7 +98,7 @@ def deploy(**settings) -> Deployment:
     secret_path = settings["cluster_secret_file"]
     children, port = up.start(settings)
     try:
-        up.wait_ready(children, port, "127.0.0.1", READY_TIMEOUT_S)
+        up.wait_ready(children, f"http://127.0.0.1:{port}", READY_TIMEOUT_S)
     except BaseException:
         up.stop(children)
         raise
@@ -131,7 +131,7 @@ def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[
                                       text=True, env=env, start_new_session=True)
         threading.Thread(target=up._pump, args=(child,), daemon=True).start()
     try:
-        up.wait_ready(children, http_port, "127.0.0.1", READY_TIMEOUT_S)
+        up.wait_ready(children, f"http://127.0.0.1:{http_port}", READY_TIMEOUT_S)
     except BaseException:
         up.stop(children)
         raise

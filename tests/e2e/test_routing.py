@@ -62,3 +62,19 @@ def test_round_robin_spreads_prefills(cluster):
             .model_extra["pdserve"]["routing"]["prefill_worker_id"] for i in range(4)]
     assert set(used) == {"prefill-0", "prefill-1"}, used
     cluster.assert_no_leaks()
+
+
+def test_chats_sharing_only_the_template_prefix_spread_over_both_decodes(cluster):
+    """Every chat shares the chat template's first block; that is not worth affinity, so 20
+    chats in a row split within 40/60 between the two decode services (prefix_aware is the
+    router's default policy, as under `pdserve up --num-decode 2`)."""
+    client = cluster.openai()
+    counts: dict[str, int] = {}
+    for i in range(20):
+        chat = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
+                                              messages=[{"role": "user", "content": f"Name a color, {i}."}])
+        routing = chat.model_extra["pdserve"]["routing"]
+        assert routing["decode_reason"] in ("no_prefix_match", "short_prefix_match"), routing
+        counts[routing["decode_worker_id"]] = counts.get(routing["decode_worker_id"], 0) + 1
+    assert sorted(counts) == ["decode-0", "decode-1"] and all(8 <= n <= 12 for n in counts.values()), counts
+    cluster.assert_no_leaks()

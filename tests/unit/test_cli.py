@@ -43,8 +43,8 @@ def test_up_takes_only_flags_it_uses():
 
     own = {"config", "host", "log_level", "num_prefill", "num_decode", "http_port", "router_grpc_port",
            "router_registry_port",
-           "local_prefill", "ready_timeout_s", *up.SECURITY_FLAGS}
-    assert _dests("up") - own == set(up.WORKER_FLAGS) - {"log_level"}
+           "local_prefill", "ready_timeout_s", "api_key", *up.SECURITY_FLAGS}
+    assert _dests("up") - own == (set(up.WORKER_FLAGS) | set(up.ROUTER_FLAGS)) - {"log_level"}
 
 
 def _help_defaults(command: str) -> dict[str, str]:
@@ -168,3 +168,34 @@ def _tiny_dir(out):
     config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1)
     transformers.LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+
+
+def test_up_hands_every_router_option_to_its_router_from_flags_or_yaml(tmp_path):
+    """Router options given to `up` (flags, --port, or YAML keys) reach the router it starts,
+    parsed by the router's own parser into the same values; the API key travels in the
+    environment, never in argv (visible to ps)."""
+    from pdserve.deploy import up
+
+    config = tmp_path / "up.yaml"
+    config.write_text("decode_policy: round_robin\nlocal_prefill_threshold: 0\nmax_migrations: 1\n")
+    args = build_parser().parse_args(["up", "--config", str(config), "--port", "8123", "--api-key", "k3y",
+                                      "--stream-idle-timeout-s", "12", "--metrics-auth"])
+    settings = resolve(args, environ={})
+    children, http_port = up.plan(dict(settings, cluster_secret_file="/s"))
+    router = children[0]
+    assert router.name == "router" and http_port == 8123
+    parsed = resolve(build_parser().parse_args(router.argv[3:]), environ={})
+    assert parsed["http_port"] == 8123 and parsed["decode_policy"] == "round_robin"
+    assert (parsed["local_prefill_threshold"], parsed["max_migrations"]) == (0, 1)
+    assert (parsed["stream_idle_timeout_s"], parsed["metrics_auth"]) == (12.0, True)
+    assert "k3y" not in " ".join(router.argv) and router.env == {"PDSERVE_API_KEY": "k3y"}
+    assert all("--decode-policy" not in c.argv for c in children[1:])  # workers get worker flags only
+
+
+def test_up_banner_names_the_served_model_and_the_key_it_needs():
+    from pdserve.deploy import up
+
+    text = up.banner("https://127.0.0.1:8443", "my-model", api_key=True)
+    assert '"model": "my-model"' in text and "curl -k https://127.0.0.1:8443/v1/chat/completions" in text
+    assert 'Authorization: Bearer $PDSERVE_API_KEY' in text
+    assert "Authorization" not in up.banner("http://127.0.0.1:8000", "m", api_key=False)

@@ -94,6 +94,24 @@ def test_prefix_aware_prefers_the_longest_cached_run_then_the_least_loaded(regis
     assert (choice.record.worker_id, choice.reason) == ("b", "no_prefix_match")
 
 
+def test_prefix_aware_keeps_affinity_only_where_it_pays_and_the_pool_stays_balanced(registry):
+    """A shared chat-template block is not worth affinity (the chats spread); a long shared
+    prefix is, until its worker is more than max_load_gap requests busier than the least loaded."""
+    policy = make_policy("prefix_aware")
+    registry.register(worker("a"), Load(), cached_hashes=[1, 2, 3, 4, 5, 6])
+    registry.register(worker("b"), Load())
+    template_only = RouteQuery((1, 70), num_prompt_tokens=40, block_size=16)  # 16 of 40 tokens cached on a
+    spread = [policy.choose(registry.routable(Role.DECODE, "m"), template_only) for _ in range(4)]
+    assert {c.reason for c in spread} == {"short_prefix_match"}
+    assert sorted(c.record.worker_id for c in spread) == ["a", "a", "b", "b"]
+    long_prefix = RouteQuery((1, 2, 3, 4, 5, 6, 80), num_prompt_tokens=120, block_size=16)
+    choice = policy.choose(registry.routable(Role.DECODE, "m"), long_prefix)
+    assert (choice.record.worker_id, choice.reason) == ("a", "prefix_match")
+    registry.heartbeat("a", Load(num_running=5), cached_hashes=[1, 2, 3, 4, 5, 6])
+    choice = policy.choose(registry.routable(Role.DECODE, "m"), long_prefix)
+    assert (choice.record.worker_id, choice.reason) == ("b", "load_imbalance")
+
+
 def test_session_affinity_is_sticky_and_consistent(registry):
     for name in "abcd":
         registry.register(worker(name), Load())
@@ -138,7 +156,7 @@ def test_planner_conditional_disaggregation_reasons(registry):
     registry.register(worker("p", Role.PREFILL), Load(num_queued=3))
     plan = planner.plan("r2", "m", 40, 4, list(range(1, 11)), "")  # 8 blocks cached: 8 uncached tokens
     assert (plan.prefill, plan.prefill_reason, plan.num_matched_tokens) == (None, "short_uncached_prompt", 32)
-    plan = planner.plan("r3", "m", 40, 4, [50, 51], "")
+    plan = planner.plan("r3", "m", 40, 4, list(range(50, 60)), "")
     assert plan.prefill.worker_id == "p" and plan.prefill_reason == "round_robin"
     assert plan.prefill_queue_length == 3 and plan.decode_reason == "no_prefix_match"
     assert decisions(metrics, "prefill", "round_robin", "short_uncached_prompt") == 1
@@ -146,7 +164,7 @@ def test_planner_conditional_disaggregation_reasons(registry):
     assert decisions(metrics, "decode", "prefix_aware", "prefix_match") == 1
     assert decisions(metrics, "decode", "prefix_aware", "no_prefix_match") == 2
     # The routed prompt is now expected in d's cache until its next report.
-    assert planner.plan("r4", "m", 8, 4, [50, 51], "").decode_reason == "prefix_match"
+    assert planner.plan("r4", "m", 40, 4, list(range(50, 60)), "").decode_reason == "prefix_match"
     # A prefill queue at the threshold: decode prefills locally, and says why.
     registry.heartbeat("p", Load(num_queued=4))
     plan = planner.plan("r5", "m", 40, 4, [60, 61], "")
