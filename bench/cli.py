@@ -4,6 +4,7 @@ Each benchmark module is imported only when chosen, so `bench serve` never impor
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from typing import Callable, Sequence
@@ -16,8 +17,19 @@ BENCHMARKS = {
     "experiment": "experiment",  # disaggregated vs colocated on this machine
     "kernels": "kernels",  # Triton kernels against their torch references
     "mixed-prefill": "mixed_prefill",  # prefill scheduling: a short prompt behind a long one
+    "constrained": "constrained",  # grammar engines' per-token cost and constrained decode throughput
     "abuse": "abuse",  # a router under oversized prompts: small-chat latency, status counts, RSS
 }
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows a flag's default where its help does not already say it, and never "None"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, "", argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: {action.default})"
 
 
 class BenchmarkUnavailable(Exception):

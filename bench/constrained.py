@@ -6,7 +6,7 @@
    constraint (tokens per second, best of `rounds`), and their ratio. The schema's summary
    is too long to close within max_tokens, so both runs generate the same number of tokens.
 
-Run: python -m pdserve.bench.constrained [--rounds 3] [--max-tokens 64]
+Run: pdserve bench constrained [--rounds 3] [--max-tokens 64]
 """
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def _throughput(llm, prompts, params) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="pdserve bench constrained", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from pdserve.bench.cli import HelpFormatter
 from pdserve.bench.comparison import SETUPS, write_analysis
 from pdserve.bench.launch import LaunchError, ServiceGroup, ServiceSpec, wait_ready
 from pdserve.bench.report import RunSummary, Slo, format_table, load_summaries
@@ -160,7 +161,7 @@ def run_setup(plan: SetupPlan, settings: ServeSettings, workload: SyntheticWorkl
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench experiment",
                                 description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--setups", default=",".join(SETUPS), help="which setups to run, comma separated")
     p.add_argument("--rates", default="0.1,0.2,0.4", help="request rates (req/s), comma separated")
     p.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from pdserve.bench.cli import HelpFormatter
 from pdserve.bench.report import (
     BenchRun,
     RequestResult,
@@ -249,7 +250,7 @@ def _float_list(text: str) -> tuple[float, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench serve",
                                 description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     g.add_argument("--model", help="model name in requests (default: the first of /models)")

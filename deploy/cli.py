@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 # Help texts quote the defaults of the typed settings each flag feeds (a test pins them);
 # these modules import neither torch nor grpc.
 from pdserve.bench import cli as bench_cli
+from pdserve.common.errors import PdserveError
 from pdserve.deploy import prepare
 from pdserve.deploy import up as up_defaults
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT, RouterConfig
@@ -194,46 +195,70 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Merge YAML < PDSERVE_* environment < flags into one dict of settings."""
+    """Merge YAML < PDSERVE_* environment < flags into one dict of settings. A YAML key or
+    value the command's flags would refuse exits with one line naming the file, the key and
+    (for a misspelt key) the closest one."""
     from pdserve.common import envs
 
     merged: dict[str, Any] = {}
-    if getattr(args, "config", None):
-        import yaml
-
-        with open(args.config) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise SystemExit(f"pdserve: {args.config}: expected a mapping of flag names")
-        merged.update({str(k).replace("-", "_"): v for k, v in data.items()})
     known = set(vars(args))
-    types = _flag_types(getattr(args, "command", None))
+    actions = _flag_actions(getattr(args, "command", None))
+    if getattr(args, "config", None):
+        merged.update(_read_config(args.config, known, actions))
     for key, value in envs.prefixed(environ).items():
         if key in known:
-            convert = types.get(key)
-            try:
-                merged[key] = convert(value) if convert else value
-            except ValueError:
-                raise SystemExit(f"pdserve: PDSERVE_{key.upper()}={value!r} is not a valid value") from None
+            merged[key] = _convert(actions.get(key), value, f"PDSERVE_{key.upper()}={value!r}")
     merged.update({k: v for k, v in vars(args).items() if v is not None})
-    unknown = sorted(set(merged) - known)
-    if unknown:
-        raise SystemExit(f"pdserve: unknown settings {unknown}")
     return merged
 
 
-def _flag_types(command: str | None) -> dict[str, Callable[[str], Any]]:
-    """dest -> converter for the flags of `command` (environment values arrive as text)."""
+def _read_config(path: str, known: set[str], actions: dict[str, argparse.Action]) -> dict[str, Any]:
+    import difflib
+
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"pdserve: {path}: {exc}".splitlines()[0]) from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"pdserve: {path}: expected a mapping of flag names to values")
+    out = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in known or key in ("command", "config"):
+            close = difflib.get_close_matches(key, sorted(known - {"command", "config"}), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SystemExit(f"pdserve: {path}: unknown setting {raw_key!r}{hint}")
+        out[key] = _convert(actions.get(key), value, f"{path}: {raw_key}: {value!r}")
+    return out
+
+
+def _convert(action: argparse.Action | None, value: Any, where: str) -> Any:
+    """`value` as the flag's own type and choices would take it; SystemExit naming `where`."""
+    if action is None:
+        return value
+    if action.const is True:  # a switch
+        if isinstance(value, bool):
+            return value
+        return str(value).strip().lower() in ("1", "true", "yes", "on")
+    try:
+        converted = action.type(value) if action.type is not None else value
+    except (TypeError, ValueError):
+        kind = {int: "an integer", float: "a number"}.get(action.type, "a valid value")
+        raise SystemExit(f"pdserve: {where} is not {kind}") from None
+    if action.choices and converted not in action.choices:
+        raise SystemExit(f"pdserve: {where} is not one of {', '.join(map(str, action.choices))}")
+    return converted
+
+
+def _flag_actions(command: str | None) -> dict[str, argparse.Action]:
+    """dest -> the argparse action of that flag of `command`."""
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     role = sub.choices.get(command) if command else None
-    out: dict[str, Callable[[str], Any]] = {}
-    for action in (role._actions if role else ()):
-        if action.type is not None:
-            out[action.dest] = action.type
-        elif action.const is True:
-            out[action.dest] = lambda v: v.strip().lower() in ("1", "true", "yes", "on")
-    return out
+    return {a.dest: a for a in (role._actions if role else ()) if a.dest != "help"}
 
 
 def _role_main(command: str) -> Callable[[dict[str, Any]], int]:
@@ -260,7 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "prepare":
         return prepare.main(args)
     settings = resolve(args)
-    return _role_main(args.command)(settings) or 0
+    try:
+        return _role_main(args.command)(settings) or 0
+    except PdserveError as exc:  # a setting it cannot take, a model it cannot load: one line
+        print(f"pdserve {args.command}: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

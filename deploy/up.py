@@ -24,6 +24,7 @@ from pdserve.common.auth import ClusterSecret
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
 
 GRACE_S = 10.0
+_OUTPUT = threading.Lock()
 # passed to every process, the router included
 SECURITY_FLAGS = ("cluster_secret_file", "insecure_internal", "internal_tls_cert", "internal_tls_key",
                   "internal_tls_ca")
@@ -106,7 +107,9 @@ def _pump(child: Child) -> None:
         del child.lines[:-200]
         if "ready on" in line or "Uvicorn running" in line or "router ready" in line:
             child.ready.set()
-        print(f"[{child.name}] {line}", flush=True)
+        with _OUTPUT:  # one write per line: two children's lines never run together
+            sys.stdout.write(f"[{child.name}] {line}\n")
+            sys.stdout.flush()
 
 
 def _router_ready(base_url: str, num_workers: int) -> bool:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from pdserve.common import envs
+from pdserve.common import envs, progress
 from pdserve.common.errors import InvalidRequestError, PdserveError
 
 log = logging.getLogger(__name__)
@@ -178,9 +178,17 @@ class BuildCache:
         except OSError as e:
             raise BuildCacheError(f"cannot use build cache root {self.root}: {e} "
                                   f"(set PDSERVE_CACHE_ROOT to a writable directory)") from e
+        lock = FileLock(self._lock_path(key), timeout=self.lock_timeout_s)
         try:
-            with FileLock(self._lock_path(key), timeout=self.lock_timeout_s):
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:  # another process builds it: say so while waiting
+                with progress.step(f"waiting for another process building {what}"):
+                    lock.acquire()
+            try:
                 built = self._build_locked(record, key, kind, summary, build, what)
+            finally:
+                lock.release()
         except Timeout as e:
             raise BuildCacheError(f"waited {self.lock_timeout_s:.0f} s for another process "
                                   f"building {what} ({key}); giving up") from e

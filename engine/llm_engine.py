@@ -39,6 +39,10 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens_computed: int  # prompt tokens run through the model, all requests
     num_generation_tokens: int
+    num_prefix_queries: int = 0  # prompt tokens of admitted requests
+    num_prefix_hits: int = 0  # of those, found in the prefix cache
+    num_steps: int = 0  # steps that ran a forward
+    step_seconds: float = 0.0  # their total time
 
 
 class LLMEngine:
@@ -84,8 +88,14 @@ class LLMEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self._num_prompt_computed = 0
         self._num_generated = 0
-        log.info("engine ready: model %s, %d KV blocks of %d tokens, max_model_len %d",
-                 self.model_name, self.kv.num_blocks - 1, self.kv.block_size, self.max_model_len)
+        self._num_steps = 0
+        self._step_seconds = 0.0
+        kv_tokens = (self.kv.num_blocks - 1) * self.kv.block_size
+        kv_gib = sum(t.numel() * t.element_size() for t in self.kv.kv_caches) / 2**30
+        log.info("engine ready: model %s (%s, %s), KV cache %.2f GiB = %d tokens in blocks of %d, "
+                 "max_model_len %d: room for %.1f requests at full length, more when shorter",
+                 self.model_name, self.config.dtype, self.device, kv_gib, kv_tokens, self.kv.block_size,
+                 self.max_model_len, kv_tokens / self.max_model_len)
 
     # -- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -194,6 +204,7 @@ class LLMEngine:
             # no forward this step, but the connector still gets its metadata (finish notices)
             self.connector.worker.start_load_kv(plan.connector_meta)
         if plan.chunks:
+            started = time.perf_counter()
             result = self.runner.execute(plan)
             for chunk in plan.chunks:
                 req = chunk.request
@@ -206,6 +217,8 @@ class LLMEngine:
                 reqs = [c.request for c in result.sampling_chunks]
                 tokens = sample(result.logits, reqs)
                 self._append_tokens([(r, t.token_id, t.logprob) for r, t in zip(reqs, tokens)])
+            self._num_steps += 1
+            self._step_seconds += time.perf_counter() - started
         outputs += self._pending
         self._pending = []
         finished, self._finished_this_step = self._finished_this_step, set()
@@ -273,7 +286,8 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(len(s.waiting), len(s.running), len(s.remote),
                            self.kv.get_num_free_blocks(), self.kv.get_max_resource_count(),
-                           s.num_preemptions, self._num_prompt_computed, self._num_generated)
+                           s.num_preemptions, self._num_prompt_computed, self._num_generated,
+                           s.num_prefix_queries, s.num_prefix_hits, self._num_steps, self._step_seconds)
 
     def assert_no_leaks(self) -> None:
         """Every KV block is back in the pool (call when nothing is in flight)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine import default_model
+from pdserve.common import progress
 from pdserve.engine.build_cache import BuildCache, BuildInputs
 from pdserve.engine.config import ModelConfig
 from pdserve.common.errors import InvalidRequestError, ModelLoadError
@@ -212,31 +213,33 @@ def _gguf_to_dir(gguf_path: Path, out: Path) -> None:
     """Dequantises the GGUF through transformers and writes a transformers directory."""
     import torch
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    log.info("converting %s to safetensors, once (about 30 s for the default model on 2 cores)",
-             gguf_path)
     folder, filename = str(gguf_path.parent), gguf_path.name
-    with tqdm(total=3, desc=f"pdserve: converting {filename}", unit="step") as bar:
-        with _unreadable_gguf(gguf_path):
-            model, info = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=filename, dtype=torch.float32, output_loading_info=True)
-        _check_complete(model, info, gguf_path)
-        bar.update()
-        with _unreadable_gguf(gguf_path):
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-        bar.update()
-        save_file(_unshared_state_dict(model), str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
-        config = model.config
-        if hasattr(config, "quantization_config"):  # the weights we write are plain float32
-            delattr(config, "quantization_config")
-        config.save_pretrained(out)
-        model.generation_config.save_pretrained(out)
-        # save_jinja_files=False: the chat template goes into tokenizer_config.json.
-        tokenizer.save_pretrained(out, save_jinja_files=False)
-        bar.update()
+    part = ["reading and dequantising the GGUF (1 of 3)"]
+    hf_logging.disable_progress_bar()  # our lines say it; transformers' bars arrive as dozens of lines
+    try:
+        with progress.step(f"converting {filename} to safetensors, once (about 30 s for the default "
+                           "model on 2 cores)", doing=lambda: part[0]):
+            with _unreadable_gguf(gguf_path):
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    folder, gguf_file=filename, dtype=torch.float32, output_loading_info=True)
+            _check_complete(model, info, gguf_path)
+            part[0] = "reading the tokenizer (2 of 3)"
+            with _unreadable_gguf(gguf_path):
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+            part[0] = "writing safetensors (3 of 3)"
+            save_file(_unshared_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+            config = model.config
+            if hasattr(config, "quantization_config"):  # the weights we write are plain float32
+                delattr(config, "quantization_config")
+            config.save_pretrained(out)
+            model.generation_config.save_pretrained(out)
+            # save_jinja_files=False: the chat template goes into tokenizer_config.json.
+            tokenizer.save_pretrained(out, save_jinja_files=False)
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager

@@ -65,6 +65,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, blocks held
         self.num_preemptions = 0
+        self.num_prefix_queries = 0  # prompt tokens of admitted requests (first admission)
+        self.num_prefix_hits = 0  # of those, found in the prefix cache
 
     # -- admission control --------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -200,6 +202,8 @@ class Scheduler:
             return False
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = hit_tokens
+            self.num_prefix_queries += request.num_prompt_tokens
+            self.num_prefix_hits += hit_tokens
         if num_external:
             self.connector.update_state_after_alloc(
                 creq, self.kv.blocks_of(request.request_id), num_external)

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from pdserve.common import envs
+from pdserve.common import envs, progress
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,17 @@ def _load() -> object:
         name = "pdserve_cpu_attention_" + _fingerprint(source, flags)
         build_dir = envs.cache_root() / "torch_extensions" / name
         build_dir.mkdir(parents=True, exist_ok=True)
-        log.info("loading native CPU attention %s (the first start compiles it, about a minute)", name)
-        return cpp_extension.load_inline(
-            name=name, cpp_sources=[source], functions=["paged_decode_attention"],
-            extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+
+        def load():
+            return cpp_extension.load_inline(
+                name=name, cpp_sources=[source], functions=["paged_decode_attention"],
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+
+        if (build_dir / f"{name}.so").exists():
+            log.info("loading native CPU attention %s (built before)", name)
+            return load()
+        with progress.step(f"compiling native CPU attention {name} for this CPU, once (about a minute)"):
+            return load()
     except Exception as e:  # compiler missing, ninja missing, read-only cache root, ...
         return e
 

@@ -23,6 +23,10 @@ class BackendUnavailable(RuntimeError):
     """A backend cannot be opened here (module or dependency missing, not configured)."""
 
 
+class NotConfigured(BackendUnavailable):
+    """A store in the chain without its location (no --redis-url, no --disk-store)."""
+
+
 def open_transport(name: str, config: KVTransferConfig) -> KVTransport:
     if name not in TRANSPORTS:
         raise ValueError(f"unknown transport {name!r}; known: {TRANSPORTS}")
@@ -43,8 +47,7 @@ def open_store(name: str, config: KVTransferConfig) -> BlockStore:
     if name not in STORES:
         raise ValueError(f"unknown store {name!r}; known: {STORES}")
     if not config.store_configured(name):
-        raise BackendUnavailable(
-            f"{name} store not configured (set {'redis_url' if name == 'redis' else 'disk_store'})")
+        raise NotConfigured(f"set {'--redis-url' if name == 'redis' else '--disk-store'}")
     if name == "redis":
         from pdserve.kvtransfer.backends.redis import RedisStore
 
@@ -80,7 +83,13 @@ def open_backends(config: KVTransferConfig) -> OpenedBackends:
             if name in TRANSPORTS:
                 opened.transports[name] = open_transport(name, config)
             else:
-                opened.stores[name] = open_store(name, config)
+                opened.stores[name] = store = open_store(name, config)
+                if not store.probe():  # configured, but nothing answers there (yet): say so now
+                    log.warning("kv backend %s is configured but does not answer: %s", name,
+                                store.health.last_error or "probe failed")
+        except NotConfigured as exc:  # left out on purpose: not worth a warning
+            opened.unavailable[name] = f"not configured: {exc}"
+            log.info("kv backend %s not configured (%s)", name, exc)
         except Exception as exc:  # one broken backend must not stop the worker: say why
             opened.unavailable[name] = f"unavailable here: {exc}"
             log.warning("kv backend %s unavailable: %s", name, exc)

@@ -57,8 +57,8 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class RouterApp:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(config.worker_timeout_s, config.max_cached_hashes_per_worker)
+        self.metrics = RouterMetrics(self.registry)
         self.catalog = ModelCatalog()
         tls = InternalTLS.load(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
         self.auth = InternalAuth.from_settings("router", config.host, config.cluster_secret_file,

@@ -47,7 +47,8 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
 
 def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
     return Load(load.num_queued, load.num_running, load.num_free_blocks, load.num_total_blocks,
-                tuple(KVBackendState(b.name, b.usable, b.detail) for b in load.kv_backends))
+                tuple(KVBackendState(b.name, b.usable, b.detail) for b in load.kv_backends),
+                load.counters if load.HasField("counters") else None)
 
 
 class Membership:

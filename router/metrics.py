@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
@@ -14,9 +15,11 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, workers: WorkerRegistry | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        if workers is not None:
+            r.register(WorkerEngineMetrics(workers))
         self.requests = Counter("pdserve_router_requests_total", "Requests by API and outcome",
                                 ("api", "outcome"), registry=r)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Arrival at the router to the first token",
@@ -78,3 +81,56 @@ class RouterMetrics:
             for backend in record.load.kv_backends:
                 self.kv_backends.labels(record.worker_id, backend.name).set(1 if backend.usable else 0)
         return generate_latest(self.registry)
+
+
+class WorkerEngineMetrics:
+    """Each live worker's engine and transfer numbers, from its last heartbeat, labelled by
+    worker: one /metrics shows the whole deployment. Names follow vLLM's where it has one
+    (`vllm:num_requests_running` -> `pdserve:num_requests_running`)."""
+
+    _LABELS = ("worker_id", "role", "model_name")
+
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self._workers = workers
+
+    def describe(self):
+        return []  # families are built per scrape
+
+    def collect(self):
+        g = lambda name, text: GaugeMetricFamily(name, text, labels=self._LABELS)  # noqa: E731
+        c = lambda name, text, extra=(): CounterMetricFamily(name, text, labels=(*self._LABELS, *extra))  # noqa: E731
+        running = g("pdserve:num_requests_running", "Requests running on the worker's engine")
+        waiting = g("pdserve:num_requests_waiting", "Requests waiting for admission or compute")
+        usage = g("pdserve:kv_cache_usage_perc", "Share of the KV cache in use (0-1)")
+        prompt = c("pdserve:prompt_tokens", "Prompt tokens run through the model")
+        generation = c("pdserve:generation_tokens", "Tokens generated")
+        queries = c("pdserve:prefix_cache_queries", "Prompt tokens of admitted requests")
+        hits = c("pdserve:prefix_cache_hits", "Prompt tokens the prefix cache held")
+        preemptions = c("pdserve:num_preemptions", "Requests preempted for KV space")
+        steps = c("pdserve:engine_steps", "Engine steps that ran a forward")
+        step_seconds = c("pdserve:engine_step_seconds", "Time in engine steps that ran a forward")
+        transfers = c("pdserve:kv_transfers", "KV transfers carried, by backend (sender side)", ("backend",))
+        transfer_bytes = c("pdserve:kv_transfer_bytes", "KV bytes carried, by backend", ("backend",))
+        transfer_seconds = c("pdserve:kv_transfer_seconds", "Time of the transfers carried, by backend", ("backend",))
+        failures = c("pdserve:kv_transfer_failures", "Transfer steps that failed, by backend", ("backend",))
+        families = (running, waiting, usage, prompt, generation, queries, hits, preemptions, steps, step_seconds,
+                    transfers, transfer_bytes, transfer_seconds, failures)
+        for record in self._workers.alive():
+            labels = (record.worker_id, record.worker.role.value, record.worker.model_name)
+            load = record.load
+            running.add_metric(labels, load.num_running)
+            waiting.add_metric(labels, load.num_queued)
+            if load.num_total_blocks:
+                usage.add_metric(labels, 1 - load.num_free_blocks / load.num_total_blocks)
+            n = load.counters
+            if n is None:
+                continue
+            for family, value in ((prompt, n.prompt_tokens_computed), (generation, n.generation_tokens),
+                                  (queries, n.prefix_cache_queries), (hits, n.prefix_cache_hits),
+                                  (preemptions, n.preemptions), (steps, n.steps), (step_seconds, n.step_seconds)):
+                family.add_metric(labels, value)
+            for t in n.transfers:
+                for family, value in ((transfers, t.transfers), (transfer_bytes, t.bytes),
+                                      (transfer_seconds, t.seconds), (failures, t.failures)):
+                    family.add_metric((*labels, t.backend), value)
+        yield from families

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.router.config import Role
@@ -53,6 +53,7 @@ class Load:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     kv_backends: tuple[KVBackendState, ...] = ()  # empty: not reported (every backend counts usable)
+    counters: Any = None  # common_pb2.EngineCounters of the last report, when it had them
 
 
 @dataclass(slots=True)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from pdserve.proto.pdserve.v1 import common_pb2
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -34,6 +36,8 @@ class WorkerMetrics:
         self.auth_refused = Counter("pdserve_auth_refused", "internal calls refused for want of a valid "
                                     "credential", ["reason"], registry=r)
         self.role = role
+        # backend -> [transfers, bytes, seconds, failures] since start, for load reports
+        self.transfer_totals: dict[str, list[float]] = {}
 
     def count_auth_refusal(self, reason: str) -> None:
         self.auth_refused.labels(reason=reason).inc()
@@ -54,9 +58,27 @@ class WorkerMetrics:
             self.transfer_tail_seconds.labels(backend=verdict.backend).observe(tail_ms / 1000)
         for step in verdict.fallbacks:
             self.transfer_failures.labels(backend=step.backend).inc()
+            self._totals(step.backend)[3] += 1
         if verdict.backend:
             self.transfer_bytes.labels(backend=verdict.backend).inc(verdict.num_bytes)
             self.transfer_seconds.labels(backend=verdict.backend).observe(verdict.duration_ms / 1000)
+            totals = self._totals(verdict.backend)
+            totals[0] += 1
+            totals[1] += verdict.num_bytes
+            totals[2] += verdict.duration_ms / 1000
+
+    def _totals(self, backend: str) -> list[float]:
+        return self.transfer_totals.setdefault(backend, [0, 0, 0.0, 0])
+
+    def counters(self, stats):
+        """The load report's `EngineCounters`: engine `stats` and this worker's transfers."""
+        return common_pb2.EngineCounters(
+            prompt_tokens_computed=stats.num_prompt_tokens_computed, generation_tokens=stats.num_generation_tokens,
+            prefix_cache_queries=stats.num_prefix_queries, prefix_cache_hits=stats.num_prefix_hits,
+            preemptions=stats.num_preemptions, steps=stats.num_steps, step_seconds=stats.step_seconds,
+            transfers=[common_pb2.TransferCounters(backend=b, transfers=int(t[0]), bytes=int(t[1]), seconds=t[2],
+                                                   failures=int(t[3]))
+                       for b, t in sorted(self.transfer_totals.items())])
 
     def serve(self, host: str, port: int) -> None:
         if port:

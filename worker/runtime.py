@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable, Protocol
 import grpc
 
 from pdserve.proto.pdserve.v1 import registry_pb2
+from pdserve.common import progress
 from pdserve.common.auth import ClusterSecret
 from pdserve.worker.auth import InternalAuth, InternalTLS, bind
 from pdserve.worker.convert import load_to_proto
@@ -106,7 +107,11 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     auth = InternalAuth.from_settings(role, settings.host, settings.cluster_secret_file,
                                       settings.insecure_internal, tls)
     connector = build.make_connector(settings, auth.secret)
-    engine = await asyncio.to_thread(LLMEngine, settings.engine_config(), connector=connector)
+    with progress.step(f"{role}: loading model {settings.model}"):
+        engine = await asyncio.to_thread(LLMEngine, settings.engine_config(), connector=connector)
+    states = connector.worker.backend_states()
+    log.info("%s: kv backends: %s", role, ", ".join(
+        f"{b.name} ok" if b.usable else f"{b.name} off ({b.detail})" for b in states) or "none")
     served = settings.served_model_name or engine.model_name
     loop = EngineLoop(engine)
     loop.start(asyncio.get_running_loop())
@@ -133,6 +138,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
         metrics.observe_engine(loop.last_stats)
         report = load_to_proto(loop)
         metrics.observe_backends(report.kv_backends)
+        report.counters.CopyFrom(metrics.counters(loop.last_stats))
         return report
 
     registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls)

@@ -72,3 +72,38 @@ def test_streaming_completions_through_every_backend(cluster, hf_reference):
         backends.add(transfer["backend"])
     assert backends == set(BACKENDS)
     cluster.assert_no_leaks()
+
+
+def test_the_routers_metrics_show_every_workers_engine_and_transfers(cluster):
+    """After the requests above, one scrape of the router shows each worker's engine numbers
+    and the prefill's transfers on every backend (from heartbeats, labelled by worker)."""
+    import re
+    import time
+
+    import httpx
+
+    def scrape() -> dict[tuple[str, str, str], float]:
+        text = httpx.get(cluster.base_url.replace("/v1", "/metrics"), timeout=10).text
+        out = {}
+        for name, labels, value in re.findall(r'^(pdserve:\w+)\{([^}]*)\} (\S+)$', text, re.M):
+            fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            out[(name, fields["worker_id"], fields.get("backend", ""))] = float(value)
+        return out
+
+    deadline = time.monotonic() + 15
+    while True:  # a heartbeat brings the latest counters
+        m = scrape()
+        sent = {b: m.get(("pdserve:kv_transfer_bytes_total", "prefill-0", b), 0) for b in BACKENDS}
+        if all(sent.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert all(v > 0 for v in sent.values()), sent
+    assert all(m[("pdserve:kv_transfers_total", "prefill-0", b)] >= 2 for b in BACKENDS)
+    assert m[("pdserve:prompt_tokens_total", "prefill-0", "")] > 0
+    for b in BACKENDS:
+        decode = f"decode-{b}"
+        assert m[("pdserve:generation_tokens_total", decode, "")] >= 24 + 16
+        assert m[("pdserve:engine_steps_total", decode, "")] > 0 and m[("pdserve:engine_step_seconds_total", decode, "")] > 0
+        assert m[("pdserve:num_requests_running", decode, "")] == 0
+        assert 0 <= m[("pdserve:kv_cache_usage_perc", decode, "")] < 1
+        assert m[("pdserve:prefix_cache_queries_total", decode, "")] > 0

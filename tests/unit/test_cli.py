@@ -199,3 +199,47 @@ def test_up_banner_names_the_served_model_and_the_key_it_needs():
     assert '"model": "my-model"' in text and "curl -k https://127.0.0.1:8443/v1/chat/completions" in text
     assert 'Authorization: Bearer $PDSERVE_API_KEY' in text
     assert "Authorization" not in up.banner("http://127.0.0.1:8000", "m", api_key=False)
+
+
+def test_a_bad_yaml_setting_is_one_line_naming_the_file_the_key_and_the_closest_key(tmp_path):
+    import pytest
+
+    cases = {"decode_polcy: round_robin\n": "unknown setting 'decode_polcy' (did you mean 'decode_policy'?)",
+             "max_batch_size: many\n": "max_batch_size: 'many' is not an integer",
+             "dtype: float8\n": "dtype: 'float8' is not one of float32, bfloat16, float16",
+             "- a list\n": "expected a mapping"}
+    for text, expected in cases.items():
+        path = tmp_path / "up.yaml"
+        path.write_text(text)
+        with pytest.raises(SystemExit) as caught:
+            resolve(build_parser().parse_args(["up", "--config", str(path)]), environ={})
+        message = str(caught.value.code)
+        assert message.startswith(f"pdserve: {path}: ") and expected in message and "\n" not in message
+    with pytest.raises(SystemExit, match="PDSERVE_MAX_BATCH_SIZE='x' is not an integer"):
+        resolve(build_parser().parse_args(["decode"]), environ={"PDSERVE_MAX_BATCH_SIZE": "x"})
+
+
+def test_a_model_that_cannot_load_is_one_line_and_exit_2(capsys):
+    assert cli.main(["decode", "--model", "/no/such/model", "--grpc-port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("pdserve decode: model '/no/such/model' not found")
+
+
+def test_help_is_honest_every_benchmark_listed_and_no_default_said_twice_or_as_none(capsys):
+    import re
+
+    import pytest
+
+    from pdserve.bench import cli as bench_cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    top = capsys.readouterr().out
+    assert all(name in top for name in bench_cli.BENCHMARKS) and "prepare" in top
+    for what in bench_cli.BENCHMARKS:
+        with pytest.raises(SystemExit):
+            bench_cli.load(what)(["--help"])
+        text = capsys.readouterr().out
+        assert "(default: None)" not in text, what
+        for option in re.split(r"\n  (?=-)", text):
+            assert len(re.findall(r"\(default", option)) <= 1, (what, option)

@@ -224,20 +224,56 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_queued", "num_running", "num_free_blocks", "num_total_blocks", "cached_block_hashes", "kv_backends")
+    __slots__ = ("num_queued", "num_running", "num_free_blocks", "num_total_blocks", "cached_block_hashes", "kv_backends", "counters")
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     num_queued: int
     num_running: int
     num_free_blocks: int
     num_total_blocks: int
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     kv_backends: _containers.RepeatedCompositeFieldContainer[KVBackendState]
-    def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., kv_backends: _Optional[_Iterable[_Union[KVBackendState, _Mapping]]] = ...) -> None: ...
+    counters: EngineCounters
+    def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., kv_backends: _Optional[_Iterable[_Union[KVBackendState, _Mapping]]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ...) -> None: ...
+
+class EngineCounters(_message.Message):
+    __slots__ = ("prompt_tokens_computed", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "steps", "step_seconds", "transfers")
+    PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens_computed: int
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    steps: int
+    step_seconds: float
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferCounters]
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., transfers: _Optional[_Iterable[_Union[TransferCounters, _Mapping]]] = ...) -> None: ...
+
+class TransferCounters(_message.Message):
+    __slots__ = ("backend", "transfers", "bytes", "seconds", "failures")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    transfers: int
+    bytes: int
+    seconds: float
+    failures: int
+    def __init__(self, backend: _Optional[str] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class KVBackendState(_message.Message):
     __slots__ = ("name", "usable", "detail")
