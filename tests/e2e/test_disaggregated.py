@@ -75,12 +75,17 @@ def test_streaming_completions_through_every_backend(cluster, hf_reference):
 
 
 def test_the_routers_metrics_show_every_workers_engine_and_transfers(cluster):
-    """After the requests above, one scrape of the router shows each worker's engine numbers
-    and the prefill's transfers on every backend (from heartbeats, labelled by worker)."""
+    """After one chat through each decode (each offering one backend), one scrape of the
+    router shows each worker's engine numbers and the prefill's transfers on every backend
+    (from heartbeats, labelled by worker)."""
     import re
     import time
 
     import httpx
+
+    client = cluster.openai()
+    for _ in BACKENDS:  # round robin: one per decode service, so one per backend
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
 
     def scrape() -> dict[tuple[str, str, str], float]:
         text = httpx.get(cluster.base_url.replace("/v1", "/metrics"), timeout=10).text
@@ -90,19 +95,21 @@ def test_the_routers_metrics_show_every_workers_engine_and_transfers(cluster):
             out[(name, fields["worker_id"], fields.get("backend", ""))] = float(value)
         return out
 
+    def complete(m) -> bool:
+        """Every worker's last heartbeat reflects the chats (they report independently)."""
+        return (all(m.get(("pdserve:kv_transfer_bytes_total", "prefill-0", b), 0) > 0 for b in BACKENDS)
+                and all(m.get(("pdserve:engine_steps_total", f"decode-{b}", ""), 0) > 0
+                        and m.get(("pdserve:num_requests_running", f"decode-{b}", "")) == 0 for b in BACKENDS))
+
     deadline = time.monotonic() + 15
-    while True:  # a heartbeat brings the latest counters
-        m = scrape()
-        sent = {b: m.get(("pdserve:kv_transfer_bytes_total", "prefill-0", b), 0) for b in BACKENDS}
-        if all(sent.values()) or time.monotonic() > deadline:
-            break
+    while not complete(m := scrape()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert all(v > 0 for v in sent.values()), sent
-    assert all(m[("pdserve:kv_transfers_total", "prefill-0", b)] >= 2 for b in BACKENDS)
+    assert all(m[("pdserve:kv_transfer_bytes_total", "prefill-0", b)] > 0 for b in BACKENDS), m
+    assert all(m[("pdserve:kv_transfers_total", "prefill-0", b)] >= 1 for b in BACKENDS)
     assert m[("pdserve:prompt_tokens_total", "prefill-0", "")] > 0
     for b in BACKENDS:
         decode = f"decode-{b}"
-        assert m[("pdserve:generation_tokens_total", decode, "")] >= 24 + 16
+        assert m[("pdserve:generation_tokens_total", decode, "")] > 0  # the prefill drew each first token
         assert m[("pdserve:engine_steps_total", decode, "")] > 0 and m[("pdserve:engine_step_seconds_total", decode, "")] > 0
         assert m[("pdserve:num_requests_running", decode, "")] == 0
         assert 0 <= m[("pdserve:kv_cache_usage_perc", decode, "")] < 1
