@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -194,20 +195,50 @@ async def warm_up(client: OpenAIStreamClient, workload: Workload, count: int) ->
 async def run_benchmark(endpoint: Endpoint, plan: LoadPlan, workload: Workload, slo: Slo,
                         progress: bool = False) -> tuple[str, list[BenchRun]]:
     """Every run of `plan` against `endpoint`; returns (model used, runs)."""
+    (model, runs), = await run_side_by_side([endpoint], plan, workload, slo, progress)
+    return model, runs
+
+
+async def run_side_by_side(endpoints: Sequence[Endpoint], plan: LoadPlan, workload: Workload, slo: Slo,
+                           progress: bool = False) -> list[tuple[str, list[BenchRun]]]:
+    """Every run of `plan` against each endpoint: at each load the same requests go to one
+    endpoint after the other, so both see the machine in the same state. Returns (model used,
+    runs) per endpoint, in order."""
     max_connections = max(64, int(max((x for x in plan.loads if math.isfinite(x)), default=0)),
                           plan.num_requests if plan.arrival != "closed" else 0)
-    async with OpenAIStreamClient(endpoint, max_connections=max_connections) as client:
-        model = await client.ensure_model()
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(OpenAIStreamClient(e, max_connections=max_connections))
+                   for e in endpoints]
+        models = [await client.ensure_model() for client in clients]
         if plan.warmup_requests:
-            failed = await warm_up(client, workload, plan.warmup_requests)
-            if failed:
-                print(f"bench serve: {failed}/{plan.warmup_requests} warm-up requests failed",
-                      file=sys.stderr)
-        runs = []
+            for client in clients:
+                failed = await warm_up(client, workload, plan.warmup_requests)
+                if failed:
+                    print(f"bench serve: {failed}/{plan.warmup_requests} warm-up requests failed "
+                          f"at {client.endpoint.base_url}", file=sys.stderr)
+        runs: list[list[BenchRun]] = [[] for _ in clients]
         for k, load in enumerate(plan.loads):
             requests = workload.requests(k * plan.num_requests, plan.num_requests)
-            runs.append(await run_load(client, plan, load, requests, slo, k, progress))
-        return model, runs
+            for client, out in zip(clients, runs):
+                out.append(await run_load(client, plan, load, requests, slo, k, progress))
+        return list(zip(models, runs))
+
+
+def format_ratios(label_a: str, a: Sequence[BenchRun], label_b: str, b: Sequence[BenchRun]) -> str:
+    """Per load: output throughput and goodput of `a` over `b` (> 1: `a` serves more), TTFT and
+    TPOT p50/p99 of `b` over `a` (> 1: `a` is faster)."""
+    def ratio(x: float | None, y: float | None) -> str:
+        return f"{x / y:.2f}x" if x and y else "-"
+
+    rows = [f"ratios, {label_a} vs {label_b} (> 1: {label_a} better)",
+            f"{'load':>14} {'out tok/s':>10} {'goodput':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"]
+    for ra, rb in zip(a, b):
+        sa, sb = ra.summary, rb.summary
+        rows.append(f"{sa.label:>14} {ratio(sa.output_throughput, sb.output_throughput):>10} "
+                    f"{ratio(sa.goodput, sb.goodput):>8} {ratio(sb.ttft.p50_ms, sa.ttft.p50_ms):>9} "
+                    f"{ratio(sb.ttft.p99_ms, sa.ttft.p99_ms):>9} {ratio(sb.tpot.p50_ms, sa.tpot.p50_ms):>9} "
+                    f"{ratio(sb.tpot.p99_ms, sa.tpot.p99_ms):>9}")
+    return "\n".join(rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos: true (pdserve, vLLM, SGLang) so outputs run to max_tokens")
     g.add_argument("--request-timeout-s", type=float, default=300.0)
+    g.add_argument("--compare-url", help="a second OpenAI-compatible server: the same requests go to it at "
+                                         "each load, right after --base-url, and the ratios are printed")
+    g.add_argument("--compare-model", help="model name there (default: the first of its /models)")
+    g.add_argument("--compare-api-key", help="its key (default: --api-key)")
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rates", type=_float_list,
                    help="open loop: req/s, comma separated, 'inf' = all at once (default 1)")
@@ -328,18 +363,27 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
         settings, workload = settings_from_args(args)
-        model, runs = asyncio.run(run_benchmark(settings.endpoint, settings.plan, workload,
-                                                settings.slo, progress=not args.no_progress))
+        endpoints = [settings.endpoint]
+        if args.compare_url:
+            endpoints.append(dataclasses.replace(settings.endpoint, base_url=args.compare_url,
+                                                 model=args.compare_model,
+                                                 api_key=args.compare_api_key or args.api_key))
+        results = asyncio.run(run_side_by_side(endpoints, settings.plan, workload, settings.slo,
+                                               progress=not args.no_progress))
     except BenchConfigError as e:
         print(f"pdserve bench serve: {e}", file=sys.stderr)
         return 2
-    settings = dataclasses.replace(settings, endpoint=dataclasses.replace(settings.endpoint, model=model))
-    print(f"model {model} at {settings.endpoint.base_url}; workload: {settings.workload}")
-    print(format_table([r.summary for r in runs]))
-    if args.out_dir:
-        for path in write_outputs(Path(args.out_dir), settings, runs, plots=not args.no_plots):
-            print(f"wrote {path}")
-    return 0 if any(r.summary.num_succeeded for r in runs) else 1
+    for k, ((model, runs), endpoint) in enumerate(zip(results, endpoints)):
+        shown = dataclasses.replace(settings, endpoint=dataclasses.replace(endpoint, model=model))
+        print(f"model {model} at {endpoint.base_url}; workload: {settings.workload}")
+        print(format_table([r.summary for r in runs]))
+        if args.out_dir:
+            out_dir = Path(args.out_dir) / ("compare" if k else "")
+            for path in write_outputs(out_dir, shown, runs, plots=not args.no_plots):
+                print(f"wrote {path}")
+    if len(results) == 2:
+        print(format_ratios(endpoints[0].base_url, results[0][1], endpoints[1].base_url, results[1][1]))
+    return 0 if all(any(r.summary.num_succeeded for r in runs) for _, runs in results) else 1
 
 
 if __name__ == "__main__":

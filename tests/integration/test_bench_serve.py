@@ -252,3 +252,42 @@ if __name__ == "__main__":  # the stand-in service of the experiment test
 
     uvicorn.run(make_app({}, api_key=None), host="127.0.0.1", port=port, log_level="warning")
     sys.exit(0)
+
+
+def test_compare_url_sends_the_same_requests_to_both_servers_and_prints_ratios(fake_server, tmp_path, capsys):
+    """`--compare-url`: the same workload, load by load, against a second server (its own
+    key and model from its /models), both tables and a ratio table, outputs for both."""
+    import uvicorn
+
+    base_url, sent = fake_server
+    other_sent: dict[str, tuple[int, int]] = {}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    other = uvicorn.Server(uvicorn.Config(make_app(other_sent, api_key="other-key"), host="127.0.0.1", port=port,
+                                          log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=other.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 15
+        while not other.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        out = tmp_path / "out"
+        rc = pdserve_main(["bench", "serve", "--base-url", base_url, "--api-key", API_KEY,
+                           "--compare-url", f"http://127.0.0.1:{port}/v1", "--compare-api-key", "other-key",
+                           "--concurrency", "2,4", "--num-requests", "6", "--input-len", "5-20",
+                           "--output-len", "3-6", "--out-dir", str(out), "--no-plots", "--no-progress"])
+    finally:
+        other.should_exit = True
+        thread.join(timeout=10)
+    assert rc == 0
+    assert sent == other_sent and len(sent) == 12  # the same 12 prompts, each answered alike
+    text = capsys.readouterr().out
+    assert f"at http://127.0.0.1:{port}/v1" in text and f"ratios, {base_url} vs http://127.0.0.1:{port}/v1" in text
+    ratio_rows = text.split("ratios,")[1].strip().splitlines()[2:]
+    assert [row.split()[0] for row in ratio_rows] == ["concurrency=2", "concurrency=4"]
+    assert all(row.split()[1].endswith("x") for row in ratio_rows)
+    for doc in (json.loads((out / "serve_results.json").read_text()),
+                json.loads((out / "compare" / "serve_results.json").read_text())):
+        assert [r["summary"]["num_succeeded"] for r in doc["runs"]] == [6, 6]
