@@ -18,7 +18,8 @@ BENCHMARKS = {
     "kernels": "kernels",  # Triton kernels against their torch references
     "mixed-prefill": "mixed_prefill",  # prefill scheduling: a short prompt behind a long one
     "constrained": "constrained",  # grammar engines' per-token cost and constrained decode throughput
-    "abuse": "abuse",  # a router under oversized prompts: small-chat latency, status counts, RSS
+    "abuse": "abuse",
+    "quantization": "quantization",  # --quantization int8 against fp32: agreement, perplexity, decode tok/s  # a router under oversized prompts: small-chat latency, status counts, RSS
 }
 
 

@@ -67,6 +67,9 @@ def _add_engine(p: argparse.ArgumentParser, role: str) -> None:
     f("model", "'default' (SmolLM2-135M-Instruct), a transformers dir, or a .gguf")
     f("served_model_name", "name clients use in requests (none: from the model)")
     f("dtype", "weights and KV cache dtype", choices=("float32", "bfloat16", "float16"))
+    f("quantization", "int8: weights in int8 with dynamic int8 GEMMs (CPU, float32; about 2x faster "
+                      "linears, slightly different text; prefill and decode must agree)",
+      choices=("none", "int8"))
     f("device", "cpu or cuda[:N]")
     f("num_threads", "torch intra-op threads (0: torch's choice)", type=int)
     f("block_size", "tokens per KV block", type=int)

@@ -161,7 +161,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     use_build_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    quantization: str = ""  # "" (weights as loaded) | "int8" (CPU, fp32: dynamic int8 GEMMs)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")
+        if self.quantization not in ("", "int8"):
+            raise InvalidRequestError(f"unsupported quantization {self.quantization!r} (none, int8)")
+        if self.quantization and (self.device != "cpu" or self.dtype != "float32"):
+            raise InvalidRequestError("--quantization int8 runs on CPU with float32 activations only")

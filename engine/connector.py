@@ -76,6 +76,7 @@ class KVCacheLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    weights: str = ""  # "" as loaded, or the quantization: KV computed from int8 weights differs
 
     @property
     def block_numel_per_layer(self) -> int:
@@ -85,9 +86,10 @@ class KVCacheLayout:
         """64-bit hash of everything but num_blocks: equal hashes mean interchangeable blocks."""
         from pdserve.common.block_hash import stable_hash64
 
+        weights = (f"weights={self.weights}",) if self.weights else ()  # unquantized hashes unchanged
         return stable_hash64(
             "kv-layout-v1", self.model_name, self.num_layers, self.block_size,
-            self.num_kv_heads, self.head_dim, self.dtype, "layout=[blocks,2,bs,kvh,hd]")
+            self.num_kv_heads, self.head_dim, self.dtype, "layout=[blocks,2,bs,kvh,hd]", *weights)
 
 
 @dataclass(frozen=True, slots=True)

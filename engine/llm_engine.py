@@ -59,7 +59,8 @@ class LLMEngine:
         self.model_config: ModelConfig = self.loaded.model_config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
-        self.model = CausalLM(self.model_config, self.loaded.load_state_dict(), self.device, dtype)
+        self.model = CausalLM(self.model_config, self.loaded.load_state_dict(), self.device, dtype,
+                              self.config.quantization)
         sched_cfg = self.config.scheduler
         self.max_model_len = min(sched_cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -72,7 +73,7 @@ class LLMEngine:
             model_name=self.model_name, num_layers=self.model_config.num_layers,
             num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim,
-            dtype=self.config.cache.dtype)
+            dtype=self.config.cache.dtype, weights=self.config.quantization)
         self.compat_hash = self.layout.compatibility_hash()
         self.connector = connector or Connector()
         self.connector.worker.register_kv_caches(self.kv.kv_caches, self.layout)

@@ -41,6 +41,7 @@ class WorkerSettings:
     model: str = "default"
     served_model_name: str = ""
     dtype: str = "float32"
+    quantization: str = "none"
     device: str = "cpu"
     num_threads: int = 0
     block_size: int = 16
@@ -104,6 +105,8 @@ class WorkerSettings:
         out = cls(**values)
         if out.failure_policy not in ("recompute", "fail"):
             raise SettingsError("--failure-policy must be recompute or fail")
+        if out.quantization not in ("none", "int8"):
+            raise SettingsError("--quantization must be none or int8")
         if out.prefix_store not in ("none", "disk", "redis"):
             raise SettingsError("--prefix-store must be disk, redis or none")
         where = {"disk": ("disk_store", "--disk-store"), "redis": ("redis_url", "--redis-url")}
@@ -120,6 +123,7 @@ class WorkerSettings:
 
         return EngineConfig(
             model=self.model, dtype=self.dtype, device=self.device,
+            quantization="" if self.quantization == "none" else self.quantization,
             num_threads=self.num_threads or None,
             cache=CacheConfig(block_size=self.block_size, max_tokens=self.max_kv_tokens or None,
                               free_memory_fraction=self.free_memory_fraction, dtype=self.dtype),

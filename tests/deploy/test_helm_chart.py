@@ -289,7 +289,8 @@ def test_schema_choices_match_the_cli(chart: helm.Chart) -> None:
 
     schema = chart.schema
     props = schema["properties"]
-    for dest, key in (("dtype", "dtype"), ("capacity_policy", "capacityPolicy"), ("chunking_policy", "chunkingPolicy")):
+    for dest, key in (("dtype", "dtype"), ("quantization", "quantization"), ("capacity_policy", "capacityPolicy"),
+                      ("chunking_policy", "chunkingPolicy")):
         assert set(props["engine"]["properties"][key]["enum"]) == choices("prefill", dest) == choices("decode", dest)
     assert set(props["decode"]["properties"]["failurePolicy"]["enum"]) == choices("decode", "failure_policy")
     policies = set(schema["$defs"]["policy"]["enum"])

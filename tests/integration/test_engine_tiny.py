@@ -466,3 +466,36 @@ def test_resumed_request_continues_exactly_where_it_stopped(llama_dir, params):
     with pytest.raises(InvalidRequestError, match="resumed"):
         llm.engine.add_request(PROMPTS[5], params, request_id="over", resumed=full)
     llm.engine.assert_no_leaks()
+
+
+# -- int8 (opt-in) --------------------------------------------------------------------------
+
+def test_int8_linears_stay_close_to_fp32_and_change_the_compatibility_hash(llama_dir, llama_ref):
+    """`quantization="int8"`: every linear but down_proj runs the dynamic int8 GEMM. Its
+    logits stay close to fp32's (tiny random model), generation runs and frees everything,
+    and the KV compatibility hash differs, so a fp32 peer refuses its blocks (and the
+    router refuses a mismatched worker of the same model)."""
+    import torch
+
+    from pdserve.common.errors import InvalidRequestError
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.models.linear import Linear
+
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64) * 0.1, torch.randn(8, 64)
+    exact, approx = torch.nn.functional.linear(x, w), Linear(w, quantize="int8")(x)
+    assert (approx - exact).abs().max() <= 0.03 * exact.abs().max()
+
+    fp32 = make_llm(llama_dir)
+    int8 = make_llm(llama_dir, quantization="int8")
+    layer = int8.engine.model.layers[0]
+    assert layer.qkv.weight is None and layer.down.weight is None  # packed copies replace them
+    assert layer.qkv._int8 is not None and layer.down._int8 is None
+    outs = int8.generate(PROMPTS, GREEDY)
+    assert all(len(o.token_ids) == NEW_TOKENS for o in outs)
+    agree = sum(a == b for a, b in zip(token_ids(outs), expected(llama_ref)))
+    assert agree >= len(PROMPTS) // 2, agree  # close numerics: most greedy answers unchanged here
+    assert int8.engine.compat_hash != fp32.engine.compat_hash
+    int8.engine.assert_no_leaks()
+    with pytest.raises(InvalidRequestError, match="CPU with float32"):
+        EngineConfig(quantization="int8", dtype="bfloat16")

@@ -103,6 +103,9 @@ spec:
             {{- with $engine.dtype }}
             - {{ printf "--dtype=%s" . | quote }}
             {{- end }}
+            {{- with $engine.quantization }}
+            - {{ printf "--quantization=%s" . | quote }}
+            {{- end }}
             {{- with $engine.blockSize }}
             - {{ printf "--block-size=%d" (int64 .) | quote }}
             {{- end }}
