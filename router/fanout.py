@@ -10,10 +10,10 @@ import asyncio
 import contextlib
 from typing import AsyncIterator, Callable
 
-from pdserve.common.errors import ServiceError
+from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router.openai_format import Collected, ResponseFormatter, sse, sum_usage
-from pdserve.router.openai_request import Choice, OpenAIRequest
+from pdserve.router.openai_request import MAX_CHOICES, Choice, OpenAIRequest
 
 Generate = Callable[[generation_pb2.GenerateRequest], AsyncIterator[generation_pb2.GenerateResponse]]
 MakeFormatter = Callable[[int], ResponseFormatter]  # choice index -> its formatter
@@ -114,3 +114,48 @@ async def sse_events(parsed: OpenAIRequest, num_choices: int, first: tuple[int, 
     finally:
         await stream.aclose()
     yield sse("[DONE]")
+
+
+# -- gRPC: GenerateRequest.n / best_of ----------------------------------------------------------
+
+def grpc_choices(request: generation_pb2.GenerateRequest) -> tuple[int, list[Choice]]:
+    """(n, the best_of generations to run) of a gRPC request, validated like HTTP's."""
+    n = request.n or 1
+    best_of = request.best_of or n
+    if best_of < n:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "best_of must be at least n", param="best_of")
+    if best_of > MAX_CHOICES:
+        raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"at most {MAX_CHOICES} generations per request",
+                           param="best_of" if request.best_of else "n")
+    parsed = OpenAIRequest(request, True, False, request.model, n, best_of)
+    choices = parsed.choices()
+    for k, choice in enumerate(choices):
+        choice.request.ClearField("n")
+        choice.request.ClearField("best_of")
+        if request.request_id:
+            choice.request.request_id = f"{request.request_id}-{k}"
+        if best_of > n:
+            choice.request.sampling.logprobs = True  # the ranking needs them
+    return n, choices
+
+
+async def grpc_stream(request: generation_pb2.GenerateRequest,
+                      generate: Generate) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    """The messages of a gRPC request of several choices, each tagged with its index: as they
+    come (best_of == n), or the kept n, each whole, once every generation has finished."""
+    n, choices = grpc_choices(request)
+    if len(choices) == n:
+        async for index, response in merged(choices, generate):
+            response.index = index
+            yield response
+        return
+    runs: list[list[generation_pb2.GenerateResponse]] = [[] for _ in choices]
+    async for index, response in merged(choices, generate):
+        runs[index].append(response)
+    runs.sort(key=lambda messages: sum(lp.logprob for m in messages for lp in m.logprobs), reverse=True)
+    for index, messages in enumerate(runs[:n]):
+        for response in messages:
+            response.index = index
+            if not request.sampling.logprobs:
+                del response.logprobs[:]
+            yield response

@@ -9,6 +9,7 @@ from pdserve.worker.auth import caller_id
 from pdserve.worker.grpc_errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
+from pdserve.router import fanout
 from pdserve.router.auth import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import RouterConfig
@@ -31,7 +32,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ServiceError as err:
             self._frontend.count_rejected("grpc", err)
             raise
-        async for response in self._frontend.generate(request, api="grpc"):
+        if request.n > 1 or request.best_of > 1:  # several choices, each its own generation
+            stream = fanout.grpc_stream(request, lambda one: self._frontend.generate(one, api="grpc"))
+        else:
+            stream = self._frontend.generate(request, api="grpc")
+        async for response in stream:
             yield response
 
     @grpc_errors

@@ -1178,3 +1178,35 @@ def test_bench_abuse_reports_oversized_prompts_refused_and_workers_kept(make_clu
     statuses = dict(part.rsplit(": ", 1) for part in out.split("gRPC: ")[1].splitlines()[0].split(", "))
     assert set(statuses) == {"http 413", "grpc RESOURCE_EXHAUSTED"}, out
     assert "before 1/0, during 1/0, after 1/0" in out, out
+
+
+def test_grpc_generate_with_n_and_best_of(make_cluster):
+    """gRPC `n`: each choice its own generation (seeds seed + k, ids request_id-k), their
+    messages interleaved and tagged with their index. `best_of` > n: every generation runs
+    with logprobs for the ranking, the kept n arrive whole, without logprobs unless asked.
+    Bad counts are INVALID_ARGUMENT."""
+    cluster = make_cluster()
+    decode = cluster.add("d0")
+    channel, stub = cluster.generation()
+    with channel:
+        request = generation_pb2.GenerateRequest(model=MODEL, prompt="hello", request_id="many", n=3,
+                                                 sampling=common_pb2.SamplingParams(max_tokens=8, seed=5))
+        responses = list(stub.Generate(request, timeout=WAIT_S))
+        by_index = {i: [r for r in responses if r.index == i] for i in range(3)}
+        assert all("".join(r.text for r in msgs) == "Hello, world!" for msgs in by_index.values())
+        assert all(msgs[-1].finish_reason == common_pb2.FINISH_REASON_STOP for msgs in by_index.values())
+        sent = decode.requests[-3:]
+        assert sorted(r.request_id for r in sent) == ["many-0", "many-1", "many-2"]
+        assert sorted(r.sampling.seed for r in sent) == [5, 6, 7]
+
+        best = generation_pb2.GenerateRequest(model=MODEL, prompt="hello", n=1, best_of=3,
+                                              sampling=common_pb2.SamplingParams(max_tokens=8))
+        responses = list(stub.Generate(best, timeout=WAIT_S))
+        assert {r.index for r in responses} == {0} and "".join(r.text for r in responses) == "Hello, world!"
+        assert all(r.sampling.logprobs for r in decode.requests[-3:])
+        assert not any(r.logprobs for r in responses)
+        for bad in (generation_pb2.GenerateRequest(model=MODEL, prompt="x", n=3, best_of=2),
+                    generation_pb2.GenerateRequest(model=MODEL, prompt="x", n=200)):
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(bad, timeout=WAIT_S))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
