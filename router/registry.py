@@ -66,6 +66,7 @@ class WorkerRecord:
     cached_hashes: set[int] = field(default_factory=set)
     suspect: bool = False
     num_routed_since_report: int = 0  # requests sent since the last load report
+    expected: dict[int, float] = field(default_factory=dict)  # hash -> when routed here (not yet reported)
 
     @property
     def worker_id(self) -> str:
@@ -92,7 +93,10 @@ class WorkerRecord:
 
 class WorkerRegistry:
     def __init__(self, worker_timeout_s: float, max_cached_hashes: int = 8192,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, expect_s: float = 5.0) -> None:
+        """`expect_s`: how long hashes routed to a worker count as cached there although its
+        reports do not list them yet (a report sent before the prompt ran must not erase them)."""
+        self._expect_s = expect_s
         self._timeout_s = worker_timeout_s
         self._max_cached_hashes = max_cached_hashes
         self._clock = clock
@@ -152,6 +156,8 @@ class WorkerRegistry:
             record.num_routed_since_report += 1
             if len(record.cached_hashes) + len(block_hashes) <= self._max_cached_hashes:
                 record.cached_hashes.update(block_hashes)
+                now = self._clock()
+                record.expected.update((h, now) for h in block_hashes)
 
     def is_alive(self, record: WorkerRecord) -> bool:
         return self._clock() - record.last_seen <= self._timeout_s
@@ -183,4 +189,10 @@ class WorkerRegistry:
             if len(hashes) >= self._max_cached_hashes:
                 break
             hashes.add(int(block_hash))
+        now = self._clock()
+        record.expected = {h: t for h, t in record.expected.items() if now - t <= self._expect_s and h not in hashes}
+        for block_hash in record.expected:  # routed here moments ago: the report may predate it
+            if len(hashes) >= self._max_cached_hashes:
+                break
+            hashes.add(block_hash)
         record.cached_hashes = hashes

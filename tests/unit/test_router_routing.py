@@ -62,6 +62,20 @@ def test_cached_hashes_are_a_capped_snapshot(registry):
     assert record.num_matched_blocks([9, 1]) == 0
 
 
+def test_a_report_sent_before_a_routed_prompt_ran_does_not_erase_it(registry, clock):
+    """Hashes routed to a worker count as cached there until its reports list them, or for
+    expect_s (5 s) if they never do: a heartbeat already on its way cannot undo the routing."""
+    registry.register(worker("a"), Load())
+    registry.note_routed("a", [7, 8])
+    registry.heartbeat("a", Load(), cached_hashes=[1])  # sent before the prompt ran
+    assert registry.get("a").num_matched_blocks([7, 8]) == 2
+    registry.heartbeat("a", Load(), cached_hashes=[1, 7])  # now reported: 7 is no longer just expected
+    assert registry.get("a").expected.keys() == {8}
+    clock.now += 6
+    registry.heartbeat("a", Load(), cached_hashes=[1, 7])  # 8 never came (evicted, failed): forgotten
+    assert registry.get("a").cached_hashes == {1, 7}
+
+
 def test_round_robin_cycles(registry):
     for name in "abc":
         registry.register(worker(name), Load())
