@@ -142,8 +142,8 @@ class RouterApp:
         server = grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor()])
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.frontend, self.catalog, self.api_key), server)
-        self._grpc_server, self.grpc_port = await _serve(server, self.config.host, self.config.grpc_port,
-                                                         _GENERATION, "gRPC", _tls_credentials(self.config))
+        self._grpc_server, self.grpc_port = await _serve(server, self.config.host, self.config.grpc_port, _GENERATION,
+                                                         "the client API (gRPC)", _tls_credentials(self.config))
         interceptors = self.auth.interceptors([_REGISTRY], self.metrics.count_auth_refusal)
         registry = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, MalformedRequestInterceptor()])
         registry_pb2_grpc.add_RegistryServicer_to_server(
@@ -157,7 +157,12 @@ class RouterApp:
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.config.host, self.config.http_port))
+        try:
+            sock.bind((self.config.host, self.config.http_port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(exc.errno, f"router: cannot listen for HTTP on {self.config.host}:{self.config.http_port}: "
+                                     f"{exc.strerror} (--http-port; `pdserve up --port`)") from None
         sock.listen(1024)
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
@@ -210,9 +215,12 @@ async def _serve(server: grpc.aio.Server, host: str, port: int, service: str, wh
     Returns (server, bound port)."""
     health = add_health_and_reflection(server, (service,))
     address = _join(host, port)
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind"
+        bound = 0
     if bound == 0:
-        raise OSError(f"router: cannot bind {what} to {host}:{port}")
+        raise OSError(f"router: cannot listen for {what} on {host}:{port}: the port is in use or not allowed")
     await server.start()
     await set_serving(health, (service,))
     return server, bound

@@ -98,9 +98,12 @@ def internal_channel(address: str, signer: CallSigner | None, tls: InternalTLS |
 
 def bind(server: grpc.aio.Server, address: str, tls: InternalTLS | None) -> int:
     """Listen on `address` (over mutual TLS when `tls`); the bound port, 0 when it failed."""
-    if tls is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.server_credentials())
+    try:
+        if tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError:  # grpc's "Failed to bind": the caller says which port and whose
+        return 0
 
 
 def caller_id(context: grpc.aio.ServicerContext) -> str:

@@ -30,7 +30,8 @@ def bind_server(settings: WorkerSettings, interceptors=(), tls: InternalTLS | No
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, MalformedRequestInterceptor()])
     port = bind(server, f"{settings.host}:{settings.grpc_port}", tls)
     if port == 0:
-        raise OSError(f"{settings.role}: cannot bind gRPC to {settings.host}:{settings.grpc_port}")
+        raise OSError(f"{settings.role}: cannot listen for gRPC on {settings.host}:{settings.grpc_port}: "
+                      "the port is in use or not allowed (--grpc-port; 0 picks a free one)")
     return server, port
 
 

@@ -58,3 +58,35 @@ def test_a_second_server_on_a_used_port_fails_to_bind():
             await first.stop(None)
 
     asyncio.run(scenario())
+
+
+def test_a_port_conflict_names_the_port_and_who_wanted_it():
+    """The router's HTTP, client gRPC and registry ports, and a worker's gRPC port: taken by
+    another process, each start fails with the address and the role, not a bare errno."""
+    import socket
+
+    from pdserve.router.app import RouterApp
+    from pdserve.router.config import RouterConfig
+    from pdserve.worker.runtime import bind_server
+    from pdserve.worker.settings import WorkerSettings
+
+    async def scenario() -> None:
+        holder = grpc.aio.server(options=SERVER_OPTIONS)
+        taken = holder.add_insecure_port("127.0.0.1:0")
+        await holder.start()
+        try:
+            for field, what in (("http_port", "HTTP"), ("grpc_port", "the client API"),
+                                ("registry_port", "the worker registry")):
+                ports = {"http_port": 0, "grpc_port": 0, "registry_port": 0, field: taken}
+                app = RouterApp(RouterConfig(host="127.0.0.1", log_level="WARNING", **ports))
+                with pytest.raises(OSError) as caught:
+                    await app.start()
+                await app.stop(0)
+                assert f"router: cannot listen for {what}" in str(caught.value), str(caught.value)
+                assert f"127.0.0.1:{taken}" in str(caught.value)
+            with pytest.raises(OSError, match=f"decode: cannot listen for gRPC on 127.0.0.1:{taken}"):
+                bind_server(WorkerSettings.from_settings("decode", {"grpc_port": taken}))
+        finally:
+            await holder.stop(None)
+
+    asyncio.run(scenario())
