@@ -19,7 +19,8 @@ import urllib.error
 import urllib.request
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` in MB (Linux /proc); 0 without a pid."""
     if not pid:
         return 0.0
     with open(f"/proc/{pid}/status") as f:
@@ -126,14 +127,14 @@ def main(argv: list[str]) -> int:
 
     alive_before = _health(base)
     _small_chat_latencies(base, args.model, 3, args.timeout_s)  # warm
-    rss_before = _rss_mb(args.router_pid)
+    rss_before = rss_mb(args.router_pid)
     alone = _small_chat_latencies(base, args.model, args.chats, args.timeout_s)
     with Load(base, args.grpc, args.model, args.clients, args.big_mb, args.grpc_mb, args.timeout_s) as load:
         sampler_stop = threading.Event()
 
         def sample_rss() -> None:
             while not sampler_stop.wait(0.2):
-                load.peak_rss = max(load.peak_rss, _rss_mb(args.router_pid))
+                load.peak_rss = max(load.peak_rss, rss_mb(args.router_pid))
 
         sampler = threading.Thread(target=sample_rss, daemon=True)
         sampler.start()
@@ -142,7 +143,7 @@ def main(argv: list[str]) -> int:
         sampler_stop.set()
         sampler.join()
     time.sleep(args.settle_s)  # what the router gives back once the load is gone
-    rss_after = _rss_mb(args.router_pid)
+    rss_after = rss_mb(args.router_pid)
     alive_after = _health(base)
 
     (p50a, p99a), (p50l, p99l) = _percentiles(alone), _percentiles(loaded)

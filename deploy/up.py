@@ -203,9 +203,12 @@ def wait_ready(children: list[Child], url: str, timeout_s: float) -> None:
 
 
 def stop(children: list[Child], grace_s: float = GRACE_S) -> None:
+    """SIGTERM every child, SIGKILL what is left after `grace_s`. A stopped child (SIGSTOP,
+    Ctrl-Z) is continued too, or it could not act on the SIGTERM."""
     for child in children:
         if child.proc and child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
+            child.proc.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     for child in children:
         if child.proc is None:

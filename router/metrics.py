@@ -42,9 +42,6 @@ class RouterMetrics:
                                   "Requests whose decode worker was lost mid-stream, by what followed "
                                   "(migrated to another decode, or ended: limit reached)", ("outcome",), registry=r)
         self.in_flight = Gauge("pdserve_router_in_flight_requests", "Requests admitted and not finished", registry=r)
-        self.kv_backends = Gauge("pdserve_router_kv_backend_usable", "1 while a live worker reports a KV "
-                                 "transfer backend usable, 0 while it skips it", ["worker_id", "backend"],
-                                 registry=self.registry)
         self.workers = Gauge("pdserve_router_workers", "Known workers by role and state", ("role", "state"), registry=r)
         self.auth_refused = Counter("pdserve_router_auth_refused_total",
                                     "Registry calls refused for want of a valid credential", ("reason",), registry=r)
@@ -76,10 +73,6 @@ class RouterMetrics:
             alive = registry_view.is_alive(record)
             state = "suspect" if record.suspect and alive else ("alive" if alive else "dead")
             self.workers.labels(record.worker.role.value, state).inc()
-        self.kv_backends.clear()
-        for record in registry_view.alive():
-            for backend in record.load.kv_backends:
-                self.kv_backends.labels(record.worker_id, backend.name).set(1 if backend.usable else 0)
         return generate_latest(self.registry)
 
 
@@ -113,11 +106,15 @@ class WorkerEngineMetrics:
         transfer_bytes = c("pdserve:kv_transfer_bytes", "KV bytes carried, by backend", ("backend",))
         transfer_seconds = c("pdserve:kv_transfer_seconds", "Time of the transfers carried, by backend", ("backend",))
         failures = c("pdserve:kv_transfer_failures", "Transfer steps that failed, by backend", ("backend",))
+        usable = GaugeMetricFamily("pdserve_router_kv_backend_usable", "1 while a live worker reports a KV "
+                                   "transfer backend usable, 0 while it skips it", labels=("worker_id", "backend"))
         families = (running, waiting, usage, prompt, generation, queries, hits, preemptions, steps, step_seconds,
-                    transfers, transfer_bytes, transfer_seconds, failures)
+                    transfers, transfer_bytes, transfer_seconds, failures, usable)
         for record in self._workers.alive():
             labels = (record.worker_id, record.worker.role.value, record.worker.model_name)
             load = record.load
+            for backend in load.kv_backends:
+                usable.add_metric((record.worker_id, backend.name), 1 if backend.usable else 0)
             running.add_metric(labels, load.num_running)
             waiting.add_metric(labels, load.num_queued)
             if load.num_total_blocks:

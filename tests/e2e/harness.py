@@ -107,6 +107,18 @@ def deploy(**settings) -> Deployment:
 
 
 
+def spawn(child) -> None:
+    """Start (or start again) one `up.Child` in its own session, its output pumped into
+    `child.lines` and its ready line setting `child.ready`."""
+    import subprocess
+    import threading
+
+    child.ready.clear()
+    child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    threading.Thread(target=up._pump, args=(child,), daemon=True).start()
+
+
 def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[str] = (),
                    common: list[str] = (), secret_path: str | None = None) -> Deployment:
     """A router plus the given workers, each (name, role, extra flags), as real processes.
@@ -122,14 +134,8 @@ def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[
             "--transfer-port", "0", "--num-threads", "1", "--heartbeat-s", "0.5", *secret, *common]
     for name, role, extra in workers:
         children.append(up.Child(name, [*py, role, *base, "--worker-id", name, *extra]))
-    import subprocess
-    import threading
-
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     for child in children:
-        child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env, start_new_session=True)
-        threading.Thread(target=up._pump, args=(child,), daemon=True).start()
+        spawn(child)
     try:
         up.wait_ready(children, f"http://127.0.0.1:{http_port}", READY_TIMEOUT_S)
     except BaseException:

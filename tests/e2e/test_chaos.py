@@ -9,13 +9,14 @@ import json
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 
 import httpx
 import pytest
-from harness import MODEL, deploy_workers
+from harness import MODEL, deploy_workers, spawn
+
+from pdserve.bench.abuse import rss_mb
 
 pytestmark = pytest.mark.slow
 
@@ -38,24 +39,7 @@ def cluster(tmp_path_factory):
     yield d
     from pdserve.deploy import up
 
-    for child in d.children:
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGCONT)
-    up.stop(d.children)
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
-def _restart(child) -> None:
-    from pdserve.deploy import up
-
-    child.ready.clear()
-    child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-    threading.Thread(target=up._pump, args=(child,), daemon=True).start()
+    up.stop(d.children)  # frozen workers are continued, so they stop too
 
 
 def _one_request(http: httpx.Client, url: str, prompt: int) -> tuple[str, str]:
@@ -122,10 +106,11 @@ def test_chaos_every_request_completes_exactly_or_fails_clearly(cluster, hf_refe
     clients = Clients(cluster.base_url)
     for t in clients.threads:
         t.start()
+    deadline = time.monotonic() + 120
     while len(clients.results) < NUM_CLIENTS // 4:  # warm: the router's memory at steady load
-        assert not clients.broken, clients.broken
+        assert not clients.broken and time.monotonic() < deadline, (len(clients.results), clients.broken)
         time.sleep(0.2)
-    rss_before = _rss_mb(router)
+    rss_before = rss_mb(router)
 
     workers = [c for c in cluster.children if c.name != "router"]
     frozen: dict[str, float] = {}  # name -> when to thaw
@@ -148,7 +133,7 @@ def test_chaos_every_request_completes_exactly_or_fails_clearly(cluster, hf_refe
                 if rng.random() < 0.5:
                     victim.proc.send_signal(signal.SIGKILL)
                     victim.proc.wait(10)
-                    _restart(victim)
+                    spawn(victim)
                     disruptions.append(f"kill {victim.name}")
                 else:
                     victim.proc.send_signal(signal.SIGSTOP)
@@ -167,7 +152,7 @@ def test_chaos_every_request_completes_exactly_or_fails_clearly(cluster, hf_refe
     errors = [text for _, kind, text in clients.results if kind == "error"]
     print(f"\nchaos: {len(disruptions)} disruptions ({', '.join(disruptions)}); "
           f"{len(ok)} completed, {len(errors)} clear errors, {len(clients.broken)} broken; "
-          f"router RSS {rss_before:.0f} -> {_rss_mb(router):.0f} MB; errors: {sorted(set(errors))[:5]}")
+          f"router RSS {rss_before:.0f} -> {rss_mb(router):.0f} MB; errors: {sorted(set(errors))[:5]}")
     assert not clients.broken, clients.broken[:5]
     assert len(disruptions) >= CHAOS_S / 8
     assert ok, "nothing completed"
@@ -178,4 +163,4 @@ def test_chaos_every_request_completes_exactly_or_fails_clearly(cluster, hf_refe
     assert not crashed, f"workers died on their own: {crashed}"
     _wait_routable(cluster, time.monotonic() + 180)
     cluster.assert_no_leaks(timeout_s=60)
-    assert _rss_mb(router) - rss_before < 150, (rss_before, _rss_mb(router))
+    assert rss_mb(router) - rss_before < 150, (rss_before, rss_mb(router))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -82,13 +83,12 @@ def make_app(sent: dict[str, tuple[int, int]], api_key: str | None = API_KEY) ->
     return app
 
 
-@pytest.fixture
-def fake_server(free_port):
+@contextlib.contextmanager
+def serving(app: FastAPI, port: int):
+    """`app` on 127.0.0.1:`port` in a thread, started and stopped with deadlines."""
     import uvicorn
 
-    sent: dict[str, tuple[int, int]] = {}
-    server = uvicorn.Server(uvicorn.Config(make_app(sent), host="127.0.0.1", port=free_port,
-                                           log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 15
@@ -96,10 +96,19 @@ def fake_server(free_port):
         assert thread.is_alive(), "fake server died"
         assert time.monotonic() < deadline, "fake server did not start"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{free_port}/v1", sent
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
     assert not thread.is_alive(), "fake server did not stop"
+
+
+@pytest.fixture
+def fake_server(free_port):
+    sent: dict[str, tuple[int, int]] = {}
+    with serving(make_app(sent), free_port) as base_url:
+        yield base_url, sent
 
 
 def check_consistent(doc: dict, sent: dict[str, tuple[int, int]], prompts: dict[int, str]) -> None:
@@ -257,30 +266,17 @@ if __name__ == "__main__":  # the stand-in service of the experiment test
 def test_compare_url_sends_the_same_requests_to_both_servers_and_prints_ratios(fake_server, tmp_path, capsys):
     """`--compare-url`: the same workload, load by load, against a second server (its own
     key and model from its /models), both tables and a ratio table, outputs for both."""
-    import uvicorn
-
     base_url, sent = fake_server
     other_sent: dict[str, tuple[int, int]] = {}
+    out = tmp_path / "out"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    other = uvicorn.Server(uvicorn.Config(make_app(other_sent, api_key="other-key"), host="127.0.0.1", port=port,
-                                          log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=other.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 15
-        while not other.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        out = tmp_path / "out"
+    with serving(make_app(other_sent, api_key="other-key"), port) as other_url:
         rc = pdserve_main(["bench", "serve", "--base-url", base_url, "--api-key", API_KEY,
-                           "--compare-url", f"http://127.0.0.1:{port}/v1", "--compare-api-key", "other-key",
+                           "--compare-url", other_url, "--compare-api-key", "other-key",
                            "--concurrency", "2,4", "--num-requests", "6", "--input-len", "5-20",
                            "--output-len", "3-6", "--out-dir", str(out), "--no-plots", "--no-progress"])
-    finally:
-        other.should_exit = True
-        thread.join(timeout=10)
     assert rc == 0
     assert sent == other_sent and len(sent) == 12  # the same 12 prompts, each answered alike
     text = capsys.readouterr().out
