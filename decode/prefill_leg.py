@@ -52,6 +52,7 @@ class LegResult:
     first_logprob: object | None = None
     aborted: bool = False  # ended by an abort: nothing to recompute
     tail_ms: float = 0.0  # the transfer after the prefill's forward, to the blocks verified here
+    prompt_logprobs: tuple = ()  # sampling.prompt_logprobs: computed by the prefill
 
 
 class NoReceiver:
@@ -151,7 +152,8 @@ class PrefillLeg:
             verdict.reason = verdict.reason or "transfer_failed"
             return LegResult(False, verdict, tail_ms=tail_ms)
         lp = logprob_from_proto(resp.first_token_logprob) if resp.HasField("first_token_logprob") else None
-        return LegResult(True, verdict, resp.first_token_id, lp, tail_ms=tail_ms)
+        return LegResult(True, verdict, resp.first_token_id, lp, tail_ms=tail_ms,
+                         prompt_logprobs=tuple(logprob_from_proto(e) for e in resp.prompt_logprobs))
 
     async def abort(self, request_id: str) -> None:
         """Cancel the leg of `request_id` if one runs: the RPC, then the reservation."""
@@ -202,7 +204,7 @@ class RemotePrefill:
         if result.ok:
             engine = self.loop.engine
             await self.loop.call(lambda: engine.finish_remote_prefill(
-                rid, result.first_token_id, result.first_logprob))
+                rid, result.first_token_id, result.first_logprob, result.prompt_logprobs))
             return result.verdict
         return await self._on_failure(rid, result.verdict)
 

@@ -108,6 +108,8 @@ class DecodeSessions:
             resp = decode_pb2.DecodeResponse(request_id=rid, token_ids=list(out.new_token_ids),
                                              text=out.new_text)
             resp.logprobs.extend(logprob_to_proto(lp, tok) for lp in out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                resp.prompt_logprobs.extend(logprob_to_proto(lp, tok) for lp in out.prompt_logprobs)
             if out.finished:
                 resp.finish_reason = FINISH.get(out.finish_reason, common_pb2.FINISH_REASON_STOP)
                 resp.usage.CopyFrom(common_pb2.Usage(

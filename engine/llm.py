@@ -101,12 +101,15 @@ class _Accumulator:
         self.tokens: list[int] = []
         self.text: list[str] = []
         self.logprobs: list = []
+        self.prompt_logprobs = None
         self.last: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.tokens += out.new_token_ids
         self.text.append(out.new_text)
         self.logprobs += out.new_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.last = out
 
     def completion(self, engine: LLMEngine) -> Completion:
@@ -115,4 +118,4 @@ class _Accumulator:
                           tuple(self.logprobs), last.finish_reason if last else None,
                           last.stop_reason if last else None,
                           last.num_cached_tokens if last else 0,
-                          last.num_external_tokens if last else 0)
+                          last.num_external_tokens if last else 0, self.prompt_logprobs)

@@ -175,11 +175,14 @@ class LLMEngine:
         return True
 
     def finish_remote_prefill(self, request_id: str, first_token_id: int,
-                              logprob: TokenLogprob | None = None) -> bool:
-        """Decode side: the prefill service filled the blocks and chose the first token."""
+                              logprob: TokenLogprob | None = None,
+                              prompt_logprobs: Sequence[TokenLogprob] = ()) -> bool:
+        """Decode side: the prefill service filled the blocks and chose the first token (and
+        computed the prompt's logprobs when the request wants them)."""
         request = self.scheduler.finish_remote(request_id)
         if request is None:
             return False
+        request.prompt_logprobs = list(prompt_logprobs)
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_external_tokens = request.num_prompt_tokens - max(0, request.num_cached_tokens)
         self.kv.update_resources(request)
@@ -214,6 +217,9 @@ class LLMEngine:
                                                      req.num_prompt_tokens - chunk.start)
                 req.num_computed_tokens = chunk.start + chunk.num_new_tokens
                 self.kv.update_resources(req)
+            for chunk, entries in result.prompt_logprobs:
+                known = chunk.request.prompt_logprobs  # a recomputed (preempted) prompt: kept
+                known += entries[len(known) - chunk.start:]
             if result.sampling_chunks:
                 reqs = [c.request for c in result.sampling_chunks]
                 tokens = sample(result.logits, reqs)
@@ -276,11 +282,15 @@ class LLMEngine:
         self._detok.pop(request.request_id, None)
 
     def _output(self, request: Request, tokens, text, logprobs) -> RequestOutput:
+        prompt_logprobs = None
+        if tokens and request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs, request.prompt_logprobs_sent = tuple(request.prompt_logprobs), True
         return RequestOutput(
             request.request_id, tuple(tokens), text, tuple(logprobs), request.is_finished,
             request.finish_reason, request.stop_reason, request.num_prompt_tokens,
             request.num_output_tokens, max(0, request.num_cached_tokens),
-            request.num_external_tokens, num_loaded_tokens=request.num_loaded_tokens)
+            request.num_external_tokens, num_loaded_tokens=request.num_loaded_tokens,
+            prompt_logprobs=prompt_logprobs)
 
     # -- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:

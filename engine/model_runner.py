@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -10,16 +10,22 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.connector import KVConnectorWorker, LayerSaveContext
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.models.llama import CausalLM
+from pdserve.engine.request import TokenLogprob
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.kernels import cpu_native
 
 log = logging.getLogger(__name__)
 
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits exist at once
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     sampling_chunks: list[ScheduledChunk]  # chunks whose last token's logits are below, in order
     logits: torch.Tensor  # [len(sampling_chunks), vocab] fp32
+    # chunks of requests that want prompt logprobs: (chunk, entries for positions chunk.start..)
+    prompt_logprobs: list[tuple[ScheduledChunk, list[TokenLogprob]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -39,12 +45,15 @@ class ModelRunner:
         input_ids, positions, slots = [], [], []
         logit_rows: list[int] = []
         sampling: list[ScheduledChunk] = []
+        prompt_rows: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first row)
         dec_tables, dec_lens, pre_tables, pre_lens, pre_starts = [], [], [], [], [0]
         num_decodes = 0
         for chunk in chunks:
             req = chunk.request
             block_ids = self.kv.blocks_of(req.request_id)
             end = chunk.start + chunk.num_new_tokens
+            if req.needs_prompt_logprobs and chunk.start < req.num_prompt_tokens - 1:
+                prompt_rows.append((chunk, len(input_ids)))
             for pos in range(chunk.start, end):
                 input_ids.append(req.token_id_at(pos))
                 positions.append(pos)
@@ -82,7 +91,29 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)])
         else:
             logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
-        return StepResult(sampling, logits)
+        return StepResult(sampling, logits, [(c, self._prompt_logprobs(hidden, c, row)) for c, row in prompt_rows])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, chunk: ScheduledChunk, first_row: int) -> list[TokenLogprob]:
+        """The logprob of each prompt token this chunk's positions predict (position p gives
+        token p + 1's), with the request's top alternatives; the logits of at most
+        PROMPT_LOGPROB_ROWS positions exist at a time."""
+        req = chunk.request
+        top_n = req.sampling_params.prompt_logprobs
+        stop = min(chunk.start + chunk.num_new_tokens, req.num_prompt_tokens - 1)
+        out: list[TokenLogprob] = []
+        for lo in range(chunk.start, stop, PROMPT_LOGPROB_ROWS):
+            hi = min(lo + PROMPT_LOGPROB_ROWS, stop)
+            rows = hidden[first_row + lo - chunk.start: first_row + hi - chunk.start]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            targets = req.prompt_token_ids[lo + 1: hi + 1]
+            chosen = logprobs.gather(1, self._tensor(targets, torch.int64)[:, None])[:, 0].tolist()
+            if top_n:
+                values, ids = torch.topk(logprobs, top_n)
+                tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            else:
+                tops = [()] * len(targets)
+            out += [TokenLogprob(t, lp, top) for t, lp, top in zip(targets, chosen, tops)]
+        return out
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

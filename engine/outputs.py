@@ -23,6 +23,9 @@ class RequestOutput:
     num_external_tokens: int  # prompt tokens loaded or received through a connector
     error: str | None = None
     num_loaded_tokens: int = 0  # of those, loaded from a connector's store (not received)
+    # sampling_params.prompt_logprobs, on the request's first delta with tokens: one entry per
+    # prompt token after the first
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,7 @@ class Completion:
     stop_reason: str | int | None
     num_cached_tokens: int
     num_external_tokens: int
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # see RequestOutput
 
     @property
     def num_computed_prompt_tokens(self) -> int:

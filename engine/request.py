@@ -20,6 +20,13 @@ class RequestStatus(enum.Enum):
     FINISHED_ERROR = "error"
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while the prompt's logprobs are wanted and not all computed: every prompt
+        position must then run through the model (no cached or received blocks)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    @property
     def is_finished(self) -> bool:
         return self in _FINISHED
 
@@ -47,6 +54,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # sampling_params.prompt_logprobs: entry i is prompt token i + 1's, given tokens 0..i
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # they went out with the first delta
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     num_external_tokens: int = 0  # prompt tokens a connector provided (loaded or received)
@@ -74,6 +84,13 @@ class Request:
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while the prompt's logprobs are wanted and not all computed: every prompt
+        position must then run through the model (no cached or received blocks)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

@@ -28,6 +28,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; transformers' rule over prompt and output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     constraint: Constraint | None = None  # a grammar the output must follow (constraints.py)
+    prompt_logprobs: int | None = None  # None: off; N >= 0: each prompt token's logprob + top N
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +47,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:

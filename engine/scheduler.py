@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.config import CapacityPolicy, ChunkingPolicy, SchedulerConfig
 from pdserve.engine.connector import ConnectorMetadata, ConnectorRequest, KVConnectorScheduler
 from pdserve.common.errors import CapacityError
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -169,10 +169,14 @@ class Scheduler:
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int,
                num_prefilling: int) -> bool:
-        hit = self.kv.find_prefix_hit(request)
+        # a prompt whose logprobs are wanted runs whole: neither the cache nor a load serves it
+        whole = request.needs_prompt_logprobs
+        hit = PrefixHit(()) if whole else self.kv.find_prefix_hit(request)
         hit_tokens = hit.num_blocks * self.kv.block_size
         creq = connector_view(request)
-        num_external = self.connector.get_num_new_matched_tokens(creq, hit_tokens)
+        num_external = self.connector.get_num_new_matched_tokens(creq, hit_tokens)  # it learns of the request
+        if whole:
+            num_external = 0
         wants_remote = request.remote_prefill and request.num_output_tokens == 0
         if self.config.capacity_policy != CapacityPolicy.MAX_UTILIZATION:
             final = min(request.num_tokens + request.sampling_params.max_tokens

@@ -106,8 +106,11 @@ class PrefillRunner:
             timings=prefill_pb2.PrefillTimings(compute_ms=compute_ms, transfer_ms=tail_ms),
             num_computed_tokens=out.num_prompt_tokens - out.num_cached_tokens - out.num_external_tokens,
             num_cached_tokens=out.num_cached_tokens + out.num_external_tokens)
+        tok = self.loop.engine.tokenizer
         if out.new_logprobs:
-            resp.first_token_logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0], self.loop.engine.tokenizer))
+            resp.first_token_logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0], tok))
+        if out.prompt_logprobs is not None:
+            resp.prompt_logprobs.extend(logprob_to_proto(lp, tok) for lp in out.prompt_logprobs)
         return resp
 
     async def abort(self, rid: str) -> bool:

@@ -49,7 +49,7 @@ def _best(parsed: OpenAIRequest, collected: list[Collected]) -> list[Collected]:
 
 
 async def whole(parsed: OpenAIRequest, choices: list[Choice], generate: Generate,
-                formatter: ResponseFormatter, echo: Callable[[Choice], str]) -> dict:
+                formatter: ResponseFormatter) -> dict:
     """Every choice to its end; ServiceError from the first that fails (the others are closed)."""
     tasks = [asyncio.ensure_future(_collect(generate(c.request))) for c in choices]
     try:
@@ -57,8 +57,6 @@ async def whole(parsed: OpenAIRequest, choices: list[Choice], generate: Generate
     finally:
         for task in tasks:
             task.cancel()
-    for choice, one in zip(choices, collected):
-        one.echo = echo(choice)
     return formatter.whole_many(_best(parsed, list(collected)), parsed.n)
 
 

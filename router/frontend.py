@@ -44,6 +44,7 @@ class PreparedRequest:
     block_hashes: tuple[int, ...]
     sampling: common_pb2.SamplingParams  # resolved
     session_key: str
+    echo_text: str | None = None  # GenerateRequest.echo: the prompt's text
 
 
 class Frontend:
@@ -103,7 +104,9 @@ class Frontend:
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.max_model_len,
                                     model.prompts.vocab_size)
         hashes = hash_prompt_blocks(prompt_ids, model.block_size, model.block_hash_salt)
-        return PreparedRequest(request_id, model, tuple(prompt_ids), tuple(hashes), sampling, request.session_id)
+        echo_text = await self._cpu.run(model.prompts.echo_text, request, prompt_ids) if request.echo else None
+        return PreparedRequest(request_id, model, tuple(prompt_ids), tuple(hashes), sampling, request.session_id,
+                               echo_text)
 
     async def _run(self, request: generation_pb2.GenerateRequest, request_id: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Prepare, open a Decode stream, relay it. When the decode worker is lost mid-stream
@@ -186,6 +189,7 @@ class Frontend:
             response = _generate_response(prepared.request_id, message)
             if message is first and not lost:  # the routing of the request's first stream
                 response.routing.CopyFrom(_routing_info(plan, len(prepared.prompt_token_ids)))
+                _add_prompt(response, prepared)
             if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 self._metrics.e2e.observe(now - arrival)
                 self._metrics.observe_finished(message)
@@ -193,21 +197,33 @@ class Frontend:
             message = await anext(stream, None)
 
 
+def _add_prompt(response: generation_pb2.GenerateResponse, prepared: PreparedRequest) -> None:
+    """echo and prompt logprobs: the request's first message names the prompt."""
+    if prepared.echo_text is not None or prepared.sampling.HasField("prompt_logprobs"):
+        response.prompt_token_ids.extend(prepared.prompt_token_ids)
+    if prepared.echo_text is not None:
+        response.prompt_text = prepared.echo_text
+
+
 def _decode_request(prepared: PreparedRequest, plan: RoutePlan, arrival_unix_ms: int,
                     resumed: list[int]) -> decode_pb2.DecodeRequest:
     prefill = decode_pb2.PrefillChoice(reason=plan.prefill_reason, queue_length=plan.prefill_queue_length)
     if plan.prefill is not None:
         prefill.worker_id, prefill.address = plan.prefill.worker_id, plan.prefill.address
-    return decode_pb2.DecodeRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                                    block_hashes=prepared.block_hashes, sampling=prepared.sampling,
-                                    prefill=prefill, arrival_unix_ms=arrival_unix_ms,
-                                    resumed_token_ids=resumed)
+    request = decode_pb2.DecodeRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+                                       block_hashes=prepared.block_hashes, sampling=prepared.sampling,
+                                       prefill=prefill, arrival_unix_ms=arrival_unix_ms,
+                                       resumed_token_ids=resumed)
+    if resumed:  # the client has the prompt's logprobs from the first decode
+        request.sampling.ClearField("prompt_logprobs")
+    return request
 
 
 def _generate_response(request_id: str, message: decode_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:
     response = generation_pb2.GenerateResponse(request_id=request_id, token_ids=message.token_ids,
                                                 text=message.text, logprobs=message.logprobs,
-                                                finish_reason=message.finish_reason)
+                                                finish_reason=message.finish_reason,
+                                                prompt_logprobs=message.prompt_logprobs)
     for name in ("usage", "transfer", "timings"):
         if message.HasField(name):
             getattr(response, name).CopyFrom(getattr(message, name))

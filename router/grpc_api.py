@@ -15,6 +15,7 @@ from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontend import Frontend
 from pdserve.router.membership import Membership, load_from_proto, worker_from_proto
+from pdserve.router.tools import apply_grpc_tools, grpc_tool_calls
 
 log = logging.getLogger("pdserve.router.grpc")
 
@@ -29,6 +30,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         try:
             self._auth.check_grpc(context)
+            tool_mode = apply_grpc_tools(request)
         except ServiceError as err:
             self._frontend.count_rejected("grpc", err)
             raise
@@ -36,7 +38,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             stream = fanout.grpc_stream(request, lambda one: self._frontend.generate(one, api="grpc"))
         else:
             stream = self._frontend.generate(request, api="grpc")
+        texts: dict[int, list[str]] = {}  # with tools: each choice's text, read as a call at its end
         async for response in stream:
+            if tool_mode.mode:
+                texts.setdefault(response.index, []).append(response.text)
+                if response.finish_reason:
+                    response.tool_calls.extend(grpc_tool_calls("".join(texts[response.index]), tool_mode))
             yield response
 
     @grpc_errors

@@ -160,13 +160,9 @@ class OpenAIHandlers:
         parsed.request.request_id = f"{prefix}-{uuid.uuid4().hex}"
         if parsed.best_of > 1 or len(parsed.prompts) > 1:
             return await self._fan_out(request, parsed, chat, api)
-        try:
-            echo = self._echo(parsed, parsed.request)
-        except ServiceError as err:
-            return error_response(err)
         responses = self._frontend.generate(parsed.request, api=api)
         formatter = ResponseFormatter(chat, parsed.model, parsed.request.request_id, parsed.request.sampling.logprobs,
-                                      self._token_text(parsed.model), tool_mode=parsed.tool_mode, echo=echo)
+                                      self._token_text(parsed.model), tool_mode=parsed.tool_mode)
         if parsed.stream:
             return await self._stream(request, responses, formatter, parsed)
         return await _until_disconnect(request.receive, self._collect(responses, formatter))
@@ -207,13 +203,9 @@ class OpenAIHandlers:
         def generate(one: generation_pb2.GenerateRequest):
             return self._frontend.generate(one, api=api)
 
-        def echo(choice) -> str:
-            return self._echo(parsed, choice.request)
-
         def formatter(index: int) -> ResponseFormatter:
-            text = echo(choices[index]) if parsed.stream else ""
             return ResponseFormatter(chat, parsed.model, rid, parsed.request.sampling.logprobs,
-                                     self._token_text(parsed.model), index, parsed.tool_mode, text)
+                                     self._token_text(parsed.model), index, parsed.tool_mode)
 
         if parsed.stream:
             stream = fanout.merged(choices, generate)
@@ -231,18 +223,10 @@ class OpenAIHandlers:
 
         async def answer() -> Response:
             try:
-                return JSONResponse(await fanout.whole(parsed, choices, generate, formatter(0), echo))
+                return JSONResponse(await fanout.whole(parsed, choices, generate, formatter(0)))
             except ServiceError as err:
                 return error_response(err)
         return await _until_disconnect(request.receive, answer())
-
-    def _echo(self, parsed: OpenAIRequest, one: generation_pb2.GenerateRequest) -> str:
-        """The prompt's text for `echo` ("" without it): as given, or its token ids decoded."""
-        if not parsed.echo:
-            return ""
-        if one.WhichOneof("input") == "prompt":
-            return one.prompt
-        return self._catalog.resolve(parsed.model).prompts.decode(list(one.token_ids.ids))
 
     def _token_text(self, model_name: str) -> Callable[[int], str]:
         def token_text(token_id: int) -> str:

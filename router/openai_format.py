@@ -87,6 +87,35 @@ def completion_logprobs(entries: list[common_pb2.TokenLogprob], token_text: Toke
             "text_offset": offsets}
 
 
+def echoed_logprobs(prompt: "EchoedPrompt", entries: list[common_pb2.TokenLogprob],
+                    token_text: TokenText) -> dict[str, Any]:
+    """Completions with echo and logprobs: the prompt's tokens first (the first has no logprob,
+    as in OpenAI's answer), then `entries`, whose offsets start after the prompt's text."""
+    prompt.listed = True
+    first = token_text(prompt.first_token_id)
+    ours = completion_logprobs(prompt.logprobs, token_text, len(first))
+    rest = completion_logprobs(entries, token_text, len(prompt.text))
+    return {"tokens": [first] + ours["tokens"] + rest["tokens"],
+            "token_logprobs": [None] + ours["token_logprobs"] + rest["token_logprobs"],
+            "top_logprobs": [None] + ours["top_logprobs"] + rest["top_logprobs"],
+            "text_offset": [0] + ours["text_offset"] + rest["text_offset"]}
+
+
+@dataclass(slots=True)
+class EchoedPrompt:
+    """What the first messages of an echoed request say of its prompt."""
+
+    text: str = ""
+    first_token_id: int | None = None  # None: the prompt was not sent back
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # tokens 1..
+    listed: bool = False  # streamed: its tokens went out in a chunk's logprobs
+
+    def add(self, response: generation_pb2.GenerateResponse) -> None:
+        if response.prompt_token_ids:
+            self.text, self.first_token_id = response.prompt_text, response.prompt_token_ids[0]
+        self.logprobs.extend(response.prompt_logprobs)
+
+
 @dataclass(slots=True)
 class Collected:
     """A whole stream gathered for a non-streaming answer."""
@@ -95,11 +124,12 @@ class Collected:
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     last: generation_pb2.GenerateResponse | None = None
     pdserve: dict[str, Any] = field(default_factory=dict)
-    echo: str | None = None  # completions with echo: the prompt's text
+    prompt: EchoedPrompt = field(default_factory=EchoedPrompt)
 
     def add(self, response: generation_pb2.GenerateResponse) -> None:
         self.text.append(response.text)
         self.logprobs.extend(response.logprobs)
+        self.prompt.add(response)
         self.pdserve.update(pdserve_json(response))
         self.last = response
 
@@ -108,11 +138,12 @@ class ResponseFormatter:
     """Builds the JSON of one request's answer: `chat` or text completion, whole or chunks."""
 
     def __init__(self, chat: bool, model: str, response_id: str, logprobs: bool, token_text: TokenText,
-                 index: int = 0, tool_mode: ToolMode = ToolMode(), echo: str = "") -> None:
+                 index: int = 0, tool_mode: ToolMode = ToolMode()) -> None:
         self._index = index  # the choice this formatter's chunks belong to
-        self._echo = echo  # completions with echo: the prompt's text, sent first
+        self._prompt = EchoedPrompt()  # completions with echo, streamed: what is known of it
         self._tool_mode = tool_mode
-        self._held: list[str] = []  # tool_choice required: the call's text, sent whole at the end
+        self._holding = bool(tool_mode.mode)  # streamed text held back while it may be a tool call
+        self._held: list[str] = []
         self._chat = chat
         self._model = model
         self._id = response_id
@@ -137,13 +168,11 @@ class ResponseFormatter:
 
     def _choice(self, collected: Collected, index: int) -> dict[str, Any]:
         last = collected.last
-        text = "".join(collected.text)
-        text = (self._echo if collected.echo is None else collected.echo) + text
+        text = collected.prompt.text + "".join(collected.text)
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(last) if last else None,
                                   "logprobs": None}
         if self._logprobs:
-            choice["logprobs"] = (chat_logprobs(collected.logprobs, self._token_text) if self._chat
-                                  else completion_logprobs(collected.logprobs, self._token_text, 0))
+            choice["logprobs"] = self._logprobs_json(collected.logprobs, collected.prompt, 0)
         if self._chat:
             choice["message"] = {"role": "assistant", "content": text}
             calls = tool_calls(text, self._tool_mode) if self._tool_mode.mode else None
@@ -164,10 +193,10 @@ class ResponseFormatter:
             if self._logprobs and response.logprobs:
                 choice["logprobs"] = chat_logprobs(list(response.logprobs), self._token_text)
         else:
-            choice["text"], self._echo = self._echo + response.text, ""
-            if self._logprobs and response.logprobs:
-                choice["logprobs"] = completion_logprobs(list(response.logprobs), self._token_text,
-                                                         self._text_offset)
+            choice["text"] = response.prompt_text + response.text
+            self._prompt.add(response)
+            if self._logprobs and (response.logprobs or response.prompt_logprobs):
+                choice["logprobs"] = self._logprobs_json(list(response.logprobs), self._prompt, self._text_offset)
             self._text_offset += len(choice["text"])
         out = self._envelope("chat.completion.chunk" if self._chat else "text_completion", [choice])
         if include_usage:
@@ -175,14 +204,27 @@ class ResponseFormatter:
         out["pdserve"] = pdserve_json(response)
         return out
 
+    def _logprobs_json(self, entries: list[common_pb2.TokenLogprob], prompt: EchoedPrompt,
+                       text_offset: int) -> dict[str, Any]:
+        if self._chat:
+            return chat_logprobs(entries, self._token_text)
+        if prompt.first_token_id is not None and not prompt.listed:
+            return echoed_logprobs(prompt, entries, self._token_text)
+        return completion_logprobs(entries, self._token_text, text_offset)
+
     def _delta(self, response: generation_pb2.GenerateResponse, choice: dict[str, Any]) -> dict[str, Any]:
-        """A chat chunk's delta; a required tool call is held back and sent whole when it ends."""
-        if self._tool_mode.mode != "required":
+        """A chat chunk's delta. With tools the text is held back while it may be a call
+        (always under "required"; under "auto" until it starts with anything but a JSON
+        object) and a call is sent whole when the answer ends."""
+        if not self._holding:
             return {"content": response.text}
         self._held.append(response.text)
+        text = "".join(self._held)
+        if self._tool_mode.mode == "auto" and text.strip() and not text.lstrip().startswith("{"):
+            self._holding, self._held = False, []  # plain text: streamed from here on
+            return {"content": text}
         if not response.finish_reason:
             return {}
-        text = "".join(self._held)
         calls = tool_calls(text, self._tool_mode)
         if not calls:
             return {"content": text}

@@ -39,7 +39,6 @@ class OpenAIRequest:
     best_of: int = 1  # >= n; the n with the highest total logprob are returned
     prompts: tuple[generation_pb2.GenerateRequest, ...] = ()  # completions: one request per prompt
     tool_mode: ToolMode = ToolMode()  # chat with tools: how the answer is read (tools.py)
-    echo: bool = False  # completions: the prompt's text comes before each choice's text
 
     def choices(self) -> list[Choice]:
         """The generations to run: best_of per prompt; a seeded request's k-th copy gets
@@ -212,9 +211,7 @@ def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
     model = _model(body)
     request = generation_pb2.GenerateRequest(model=model, session_id=body.str("user") or "")
     prompts = _prompts(raw.get("prompt"))
-    echo = bool(body.bool("echo"))
-    if echo and raw.get("logprobs") is not None:
-        raise _invalid("'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
+    request.echo = echo = bool(body.bool("echo"))
     body.unsupported("suffix", ("",))
     set_response_format(raw.get("response_format"), request.sampling)
     stream, include_usage = _common(body, request.sampling)
@@ -225,6 +222,8 @@ def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
     if logprobs is not None:
         request.sampling.logprobs = True
         request.sampling.top_logprobs = logprobs
+        if echo:  # the echoed prompt's tokens get logprobs too
+            request.sampling.prompt_logprobs = logprobs
     requests = []
     for prompt in prompts:
         one = generation_pb2.GenerateRequest()
@@ -234,7 +233,7 @@ def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
         else:
             one.token_ids.ids.extend(prompt)
         requests.append(one)
-    return OpenAIRequest(requests[0], stream, include_usage, model, n, best_of, tuple(requests), echo=echo)
+    return OpenAIRequest(requests[0], stream, include_usage, model, n, best_of, tuple(requests))
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:

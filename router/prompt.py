@@ -70,6 +70,16 @@ class PromptBuilder:
             raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the prompt is empty", param=param)
         return ids
 
+    def echo_text(self, request: generation_pb2.GenerateRequest, ids: Sequence[int]) -> str:
+        """The prompt's text as echoed: as given, a chat as its template rendered it, token
+        ids decoded."""
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            return request.prompt
+        if which == "chat":
+            return self.render_chat([(m.role, m.content) for m in request.chat.messages])
+        return self.decode(ids)
+
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

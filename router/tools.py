@@ -113,6 +113,33 @@ def apply_tools(raw: dict[str, Any], request: generation_pb2.GenerateRequest) ->
     return ToolMode(mode, tuple(f["name"] for f in allowed))
 
 
+def apply_grpc_tools(request: generation_pb2.GenerateRequest) -> ToolMode:
+    """`apply_tools` for a gRPC request's `tools` and `tool_choice` fields."""
+    if not request.tools:
+        return ToolMode()
+    if request.WhichOneof("input") != "chat":
+        raise _invalid("'tools' need a chat prompt", "tools")
+    tools = []
+    for tool in request.tools:
+        function: dict[str, Any] = {"name": tool.name, "description": tool.description}
+        if tool.parameters_json:
+            try:
+                function["parameters"] = json.loads(tool.parameters_json)
+            except ValueError:
+                raise _invalid(f"tool {tool.name!r}: parameters_json is not JSON", "tools") from None
+        tools.append({"type": "function", "function": function})
+    choice: Any = request.tool_choice or "auto"
+    if choice not in ("auto", "none", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    return apply_tools({"tools": tools, "tool_choice": choice}, request)
+
+
+def grpc_tool_calls(text: str, mode: ToolMode) -> list[generation_pb2.ToolCall]:
+    """The ToolCall messages of an answer (none when it is not a call of a known tool)."""
+    return [generation_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments_json=c["function"]["arguments"])
+            for c in tool_calls(text, mode) or ()]
+
+
 def tool_calls(text: str, mode: ToolMode) -> list[dict[str, Any]] | None:
     """The OpenAI tool_calls of an answer, or None when it is not a call of a known tool."""
     try:

@@ -65,6 +65,8 @@ def resolve_sampling(sampling: common_pb2.SamplingParams, num_prompt_tokens: int
         raise _invalid(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
     if sampling.top_logprobs and not sampling.logprobs:
         raise _invalid("top_logprobs needs logprobs", "top_logprobs")
+    if sampling.HasField("prompt_logprobs") and sampling.prompt_logprobs > MAX_TOP_LOGPROBS:
+        raise _invalid(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "prompt_logprobs")
     _check_penalties(sampling, resolved, vocab_size)
     return resolved
 

@@ -18,7 +18,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams):
         logprobs=(int(p.top_logprobs) if p.logprobs else None),
         presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty),
         repetition_penalty=float(p.repetition_penalty) if p.HasField("repetition_penalty") else 1.0,
-        logit_bias=tuple(sorted(p.logit_bias.items())), constraint=_constraint_from_proto(p.constraint))
+        logit_bias=tuple(sorted(p.logit_bias.items())), constraint=_constraint_from_proto(p.constraint),
+        prompt_logprobs=int(p.prompt_logprobs) if p.HasField("prompt_logprobs") else None)
 
 
 def _constraint_from_proto(c: common_pb2.Constraint):

@@ -9,16 +9,23 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # test modules import harness
 
 @pytest.fixture(scope="session")
-def hf_reference():
-    """(tokenizer, greedy(messages or prompt, max_tokens) -> text) from transformers itself."""
+def hf_model():
+    """(tokenizer, the default model in transformers, fp32)."""
     import torch
     import transformers
 
     from pdserve.engine.loader import load_model
 
     loaded = load_model("default")
-    model = transformers.AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32)
-    tok = loaded.tokenizer
+    return loaded.tokenizer, transformers.AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model):
+    """(tokenizer, greedy(messages or prompt, max_tokens) -> text) from transformers itself."""
+    import torch
+
+    tok, model = hf_model
     cache: dict = {}
 
     def greedy(prompt, max_tokens: int) -> str:

@@ -160,6 +160,24 @@ def test_tool_calls_are_well_formed_stream_and_not(cluster, tool_choice):
     cluster.assert_no_leaks()
 
 
+def test_auto_tool_choice_answers_the_same_streamed_and_whole(cluster):
+    """tool_choice auto, greedy: the streamed answer is what the whole one is — a call sent as
+    a call (no JSON leaks out as content), or the same text."""
+    client = cluster.openai()
+    messages = [{"role": "system", "content": "Session auto."}, *ASK_WEATHER]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                          tools=[WEATHER], tool_choice="auto")
+    text, calls, finish, _ = _stream_chat(client, messages=messages, max_tokens=60, temperature=0,
+                                          tools=[WEATHER], tool_choice="auto")
+    whole = chat.choices[0]
+    assert finish == whole.finish_reason
+    if whole.message.tool_calls:
+        assert text == "" and [c["name"] for c in calls] == [whole.message.tool_calls[0].function.name]
+    else:
+        assert calls == [] and text == whole.message.content
+    cluster.assert_no_leaks()
+
+
 def test_n_choices_through_the_deployment(cluster):
     client = cluster.openai()
     chat = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=12, temperature=1.0,
@@ -169,6 +187,31 @@ def test_n_choices_through_the_deployment(cluster):
     again = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=12, temperature=1.0,
                                            n=3, seed=21)
     assert [c.message.content for c in again.choices] == [c.message.content for c in chat.choices]
+    cluster.assert_no_leaks()
+
+
+def test_echo_with_logprobs_gives_transformers_prompt_logprobs_through_the_prefill(cluster, hf_model):
+    """The prompt's logprobs are computed by the prefill service (the request is transferred,
+    not prefilled on decode) and equal transformers' over the whole prompt, top 2 included."""
+    import torch
+
+    tok, model = hf_model
+    prompt = f"Echo. {STORY}"
+    out = cluster.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                              echo=True, logprobs=2)
+    assert out.model_extra["pdserve"]["transfer"]["outcome"] == "transferred"
+    ids = tok(prompt).input_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[:len(ids)]) == prompt
+    for pos in range(1, len(ids)):
+        assert lp.token_logprobs[pos] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-3)
+        want = [tok.decode([t]) for t in torch.topk(ref[pos - 1], 2).indices.tolist()]
+        assert sorted(lp.top_logprobs[pos]) == sorted(want)
+    assert len(lp.tokens) == len(ids) + out.usage.completion_tokens
     cluster.assert_no_leaks()
 
 

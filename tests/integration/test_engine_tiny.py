@@ -356,6 +356,29 @@ def test_logprobs_match_transformers(llama_dir, llama_ref):
     llm.engine.assert_no_leaks()
 
 
+def test_prompt_logprobs_match_transformers_chunked_and_past_the_prefix_cache(llama_dir, llama_ref):
+    """Each prompt token's logprob (and top 2) equals transformers' forward over the prompt,
+    whether the prompt runs in chunks and even when its blocks sit in the prefix cache (a
+    prompt whose logprobs are wanted is computed whole)."""
+    prompt = PROMPTS[7]  # 58 tokens: 4 chunks of 16 below
+    with torch.no_grad():
+        logits = llama_ref.model(torch.tensor([prompt])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    llm = make_llm(llama_dir, max_num_tokens=16)
+    llm.generate([prompt], GREEDY)  # its full blocks are now cached
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    (out,) = llm.generate([prompt], params)
+    assert out.num_cached_tokens == 0 and out.num_computed_prompt_tokens == len(prompt)
+    assert [e.token_id for e in out.prompt_logprobs] == prompt[1:]
+    for pos, entry in enumerate(out.prompt_logprobs):
+        assert entry.logprob == pytest.approx(float(ref[pos, prompt[pos + 1]]), abs=1e-4)
+        assert [t for t, _ in entry.top] == torch.topk(ref[pos], 2).indices.tolist()
+    assert list(out.token_ids) == llama_ref.greedy(prompt, 2)
+    (plain,) = llm.generate([prompt], GREEDY)  # without them the cache serves it again
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens == 48
+    llm.engine.assert_no_leaks()
+
+
 def test_stop_token_ids_and_min_tokens(llama_dir, llama_ref):
     llm = make_llm(llama_dir)
     prompt = PROMPTS[6]

@@ -189,6 +189,9 @@ class _FakeDecode(decode_pb2_grpc.DecodeServicer):
                         entry.top_logprobs.add(token_id=100 + i + k, logprob=-0.25 - k, token=f"t{k}")
                 if i == len(request.resumed_token_ids):
                     message.transfer.CopyFrom(verdict)
+                    if request.sampling.HasField("prompt_logprobs"):  # text left to the router
+                        for j, token in enumerate(request.prompt_token_ids[1:]):
+                            message.prompt_logprobs.add(token_id=token, logprob=-1.0 - j)
                 if i == n - 1:
                     message.finish_reason = (common_pb2.FINISH_REASON_LENGTH if n == request.sampling.max_tokens
                                              else common_pb2.FINISH_REASON_STOP)
@@ -411,6 +414,31 @@ def test_echo_puts_the_prompt_first(make_cluster):
     ids = TOKENIZER.encode("well then", add_special_tokens=False).ids
     listed = client.completions.create(model=MODEL, prompt=["a", ids], max_tokens=2, echo=True)
     assert [c.text for c in listed.choices] == ["aHello,", TOKENIZER.decode(ids, skip_special_tokens=False) + "Hello,"]
+
+
+def test_echo_with_logprobs_lists_the_prompt_tokens_first(make_cluster):
+    """OpenAI's echo + logprobs: the prompt's tokens come first in the logprobs (the first
+    with none), then the generated ones, offsets counted through the echoed text; streamed
+    the same. A migrated request would not ask its second decode for them again."""
+    cluster = make_cluster()
+    decode = cluster.add("d0")
+    client = cluster.openai()
+    whole = client.completions.create(model=MODEL, prompt="tell me a joke", max_tokens=2, echo=True, logprobs=0)
+    lp = whole.choices[0].logprobs
+    assert whole.choices[0].text == "tell me a jokeHello,"
+    assert lp.tokens == ["tell", "me", "a", "joke", "Hello", ","]
+    assert lp.token_logprobs == [None, -1.0, -2.0, -3.0, -0.25, -0.25]
+    assert lp.text_offset == [0, 4, 6, 7, 14, 19]
+    assert decode.requests[-1].sampling.prompt_logprobs == 0
+    chunks = list(client.completions.create(model=MODEL, prompt="tell me", max_tokens=2, echo=True, logprobs=1,
+                                            stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == "tell meHello" and first.logprobs.tokens == ["tell", "me", "Hello"]
+    assert first.logprobs.token_logprobs == [None, -1.0, -0.25] and first.logprobs.top_logprobs[0] is None
+    assert chunks[1].choices[0].logprobs.tokens == [","] and chunks[1].choices[0].logprobs.text_offset == [12]
+    plain = client.completions.create(model=MODEL, prompt="tell me", max_tokens=2, logprobs=0)
+    assert plain.choices[0].logprobs.tokens == ["Hello", ","]
+    assert not decode.requests[-1].sampling.HasField("prompt_logprobs")
 
 
 def test_tokenize_and_detokenize(make_cluster):
@@ -782,6 +810,74 @@ def test_a_stream_whose_decode_is_lost_migrates_and_continues(make_cluster, how)
     if how != "dies":
         assert time.monotonic() - started < WAIT_S / 2  # not held for the abort's or worker's WAIT_S
         wait_until(lambda: d0.aborts == [d0.requests[0].request_id], "the lost stream aborted on d0")
+
+
+def test_grpc_echo_and_prompt_logprobs_come_once_even_across_a_migration(make_cluster):
+    """gRPC echo: the first message names the prompt (a chat as templated) and its ids;
+    sampling.prompt_logprobs: the first message with tokens carries them. When the decode dies
+    mid-stream, the one the request migrates to is not asked for them again."""
+    cluster = make_cluster(decode_policy="round_robin")
+    d0 = cluster.add("d0", script=Script(fail_after=2, fail_code=grpc.StatusCode.UNAVAILABLE))
+    d1 = cluster.add("d1")
+    chat = generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content="tell me")])
+    request = generation_pb2.GenerateRequest(model=MODEL, chat=chat, echo=True,
+                                             sampling=common_pb2.SamplingParams(max_tokens=4, prompt_logprobs=2))
+    channel, stub = cluster.generation()
+    with channel:
+        responses = list(stub.Generate(request, timeout=WAIT_S))
+        prompt_ids = TOKENIZER.encode("<|im_start|>user\ntell me<|im_end|>\n<|im_start|>assistant\n",
+                                      add_special_tokens=False).ids
+        assert responses[0].prompt_text == "<|im_start|>user\ntell me<|im_end|>\n<|im_start|>assistant\n"
+        assert list(responses[0].prompt_token_ids) == prompt_ids
+        assert [e.token_id for e in responses[0].prompt_logprobs] == prompt_ids[1:]
+        assert [bool(r.prompt_token_ids or r.prompt_text or r.prompt_logprobs) for r in responses].count(True) == 1
+        assert "".join(r.text for r in responses) == "Hello, world!"
+        served = {d.requests[-1].request_id: d.requests[-1] for d in (d0, d1)}
+        assert d0.requests[-1].sampling.prompt_logprobs == 2
+        assert list(d1.requests[-1].resumed_token_ids) == [100, 101]
+        assert not d1.requests[-1].sampling.HasField("prompt_logprobs") and len(served) == 1
+        bad = generation_pb2.GenerateRequest(model=MODEL, prompt="x",
+                                             sampling=common_pb2.SamplingParams(prompt_logprobs=21))
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(bad, timeout=WAIT_S))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_grpc_tools_constrain_the_answer_and_report_the_call(make_cluster, monkeypatch):
+    """gRPC tools: listed for the model in a system message; "required" or a tool's name
+    constrains the answer to a call, "auto" does not; an answer that is a call comes back as
+    ToolCall on each choice's last message (its text streamed too); bad tools are
+    INVALID_ARGUMENT."""
+    monkeypatch.setitem(globals(), "MAX_MODEL_LEN", 512)  # room for the tool list (a word-level tokenizer)
+    cluster = make_cluster()
+    decode = cluster.add("d0", script=Script(pieces=('{"name": "get_weather", ', '"arguments": {"city": "Paris"}}')))
+    weather = generation_pb2.Tool(name="get_weather", description="The weather in a city.",
+                                  parameters_json=json.dumps({"type": "object", "properties": {"city": {"type": "string"}}}))
+    chat = generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content="tell me")])
+    channel, stub = cluster.generation()
+    with channel:
+        for choice, constrained in (("required", True), ("get_weather", True), ("", False)):
+            request = generation_pb2.GenerateRequest(model=MODEL, chat=chat, tools=[weather], tool_choice=choice, n=2,
+                                                     sampling=common_pb2.SamplingParams(max_tokens=8))
+            responses = list(stub.Generate(request, timeout=WAIT_S))
+            lasts = [r for r in responses if r.finish_reason]
+            assert sorted(r.index for r in lasts) == [0, 1]
+            for last in lasts:
+                (call,) = last.tool_calls
+                assert call.name == "get_weather" and json.loads(call.arguments_json) == {"city": "Paris"}
+                assert call.id.startswith("call_")
+            assert decode.requests[-1].sampling.HasField("constraint") == constrained
+        with_tools = len(decode.requests[-1].prompt_token_ids)
+        plain = generation_pb2.GenerateRequest(model=MODEL, chat=chat, sampling=common_pb2.SamplingParams(max_tokens=8))
+        assert not any(r.tool_calls for r in stub.Generate(plain, timeout=WAIT_S))
+        assert len(decode.requests[-1].prompt_token_ids) < with_tools  # the tool list is in the prompt
+        for bad in (generation_pb2.GenerateRequest(model=MODEL, prompt="x", tools=[weather]),
+                    generation_pb2.GenerateRequest(model=MODEL, chat=chat, tools=[weather], tool_choice="nope"),
+                    generation_pb2.GenerateRequest(model=MODEL, chat=chat, tools=[
+                        generation_pb2.Tool(name="f", parameters_json="{nope")])):
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(bad, timeout=WAIT_S))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_lost_stream_with_nowhere_to_go_ends_with_a_clear_error(make_cluster):

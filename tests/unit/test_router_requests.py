@@ -145,6 +145,34 @@ def test_tool_call_answers_are_formatted_as_tool_calls():
     assert last["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "f"
 
 
+def _stream(formatter: ResponseFormatter, pieces: list[str]) -> list[dict]:
+    """The chunks' (delta, finish_reason) of a streamed answer given as text pieces."""
+    out = []
+    for i, piece in enumerate(pieces):
+        finish = common_pb2.FINISH_REASON_STOP if i == len(pieces) - 1 else common_pb2.FINISH_REASON_UNSPECIFIED
+        chunk = formatter.chunk(generation_pb2.GenerateResponse(request_id="r", text=piece, finish_reason=finish),
+                                False)["choices"][0]
+        out.append((chunk["delta"], chunk["finish_reason"]))
+    return out
+
+
+def test_streamed_auto_tool_choice_sends_a_call_as_a_call_and_text_as_it_comes():
+    """tool_choice auto, streamed: an answer that starts as a JSON object is held back and
+    becomes a tool call when it is one (its text when not); any other answer streams as it
+    comes, from its first visible character on."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    mode = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [tool]}).tool_mode
+    call = _stream(ResponseFormatter(True, "m", "c", False, str, tool_mode=mode),
+                   [" ", '{"name": "f", ', '"arguments": {"a": 1}}'])
+    assert [d.get("content") for d, _ in call[:2]] == [None, None]
+    assert call[2][1] == "tool_calls" and call[2][0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    text = _stream(ResponseFormatter(True, "m", "c", False, str, tool_mode=mode), ["\n", "Paris", " is", " sunny"])
+    assert [d.get("content") for d, _ in text] == [None, "\nParis", " is", " sunny"]
+    assert text[-1][1] == "stop"
+    braces = _stream(ResponseFormatter(True, "m", "c", False, str, tool_mode=mode), ["{not", " json}"])
+    assert [d.get("content") for d, _ in braces] == [None, "{not json}"] and braces[-1][1] == "stop"
+
+
 def test_completion_body_maps_onto_generate_request():
     parsed = parse_completion({"model": "m", "prompt": ["hi"], "logprobs": 2})
     assert parsed.request.prompt == "hi" and parsed.request.sampling.max_tokens == 16
@@ -181,7 +209,6 @@ def test_completion_body_maps_onto_generate_request():
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "big"}}, "logit_bias"),
     (parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": "x"}, "presence_penalty"),
     (parse_completion, {"model": "m", "prompt": [1, -2]}, "prompt"),
-    (parse_completion, {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     (parse_completion, {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
     (parse_completion, {"model": "m", "prompt": "x", "max_tokens": 2**40}, "max_tokens"),
 ])

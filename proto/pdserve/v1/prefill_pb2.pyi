@@ -62,7 +62,7 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_token_logprob", "verdict", "timings", "num_computed_tokens", "num_cached_tokens", "skipped")
+    __slots__ = ("request_id", "first_token_id", "first_token_logprob", "verdict", "timings", "num_computed_tokens", "num_cached_tokens", "skipped", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class PrefillResponse(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_token_logprob: _common_pb2.TokenLogprob
@@ -79,4 +80,5 @@ class PrefillResponse(_message.Message):
     num_computed_tokens: int
     num_cached_tokens: int
     skipped: bool
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., verdict: _Optional[_Union[_common_pb2.TransferVerdict, _Mapping]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., verdict: _Optional[_Union[_common_pb2.TransferVerdict, _Mapping]] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., skipped: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
