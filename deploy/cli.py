@@ -113,6 +113,8 @@ def _add_shared_worker(p: argparse.ArgumentParser, role: str) -> None:
                       "decode loads matching blocks before asking for a prefill",
       choices=("none", "disk", "redis"))
     f("transfer_timeout_s", "deadline of one transfer step", type=float)
+    f("kv_probe_cooldown_s", "a KV backend that failed 3 times in a row is skipped this long, "
+                             "then the next transfer probes it", type=float)
     f("prefill_timeout_s", "decode: deadline of a remote prefill, from admission to the KV "
                            "landing: the prefill service's queue, compute and transfer; past it "
                            "decode follows --failure-policy", type=float)

@@ -35,7 +35,8 @@ READY_TIMEOUT_S = 300.0
 WORKER_FLAGS = ("model", "served_model_name", "dtype", "quantization", "device", "num_threads", "block_size",
                 "max_kv_tokens", "free_memory_fraction", "max_num_tokens", "max_batch_size",
                 "max_model_len", "capacity_policy", "chunking_policy", "kv_backends",
-                "redis_url", "disk_store", "disk_store_max_gb", "prefix_store", "transfer_timeout_s", "prefill_timeout_s",
+                "redis_url", "disk_store", "disk_store_max_gb", "prefix_store", "transfer_timeout_s", "kv_probe_cooldown_s",
+                "prefill_timeout_s",
                 "failure_policy", "log_level", "heartbeat_s")
 
 

@@ -34,6 +34,7 @@ def transfer_config(settings, secret: ClusterSecret | None = None) -> KVTransfer
         backends=settings.kv_backends, host=settings.host, transfer_port=settings.transfer_port,
         redis_url=settings.redis_url or None, disk_store=settings.disk_store or None,
         disk_store_max_gb=settings.disk_store_max_gb, step_timeout_s=settings.transfer_timeout_s,
+        probe_cooldown_s=settings.kv_probe_cooldown_s,
         prefix_cache=settings.prefix_store if settings.prefix_store != "none" else None,
         transfer_key=secret.key("transfer") if secret else None,
         store_key=secret.key("store") if secret else None)

@@ -65,6 +65,7 @@ class WorkerSettings:
     disk_store_max_gb: float = 10.0
     prefix_store: str = "none"  # "disk" | "redis": a persistent prefix cache in that store
     transfer_timeout_s: float = 10.0
+    kv_probe_cooldown_s: float = 5.0  # an unhealthy backend is skipped this long, then probed
     prefill_timeout_s: float = 60.0
     failure_policy: str = "recompute"
     max_queue: int = 64

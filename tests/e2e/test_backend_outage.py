@@ -13,6 +13,7 @@ from harness import MODEL, deploy_workers
 pytestmark = pytest.mark.slow
 
 FAILURE_THRESHOLD = 3  # kvtransfer.config: failures in a row that open the breaker
+COOLDOWN_S = 20  # long enough that health still says "degraded" after the slow requests below
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def outage(tmp_path_factory):
 
     redis = RedisServer(redis_server_binary(), tmp_path_factory.mktemp("redis"))
     redis.start()
-    flags = ["--kv-backends", "redis,recompute", "--redis-url", redis.url]
+    flags = ["--kv-backends", "redis,recompute", "--redis-url", redis.url, "--kv-probe-cooldown-s", str(COOLDOWN_S)]
     d = deploy_workers([("prefill-0", "prefill", flags), ("decode-0", "decode", flags)],
                        router_args=["--local-prefill-threshold", "0"])
     yield d, redis
@@ -77,7 +78,7 @@ def test_every_backend_down_no_prompt_computed_twice_and_the_probe_brings_it_bac
     assert 'pdserve_router_kv_backend_usable{backend="redis",worker_id="prefill-0"} 0.0' in metrics
 
     redis.start()  # same port: after the cool-down a request probes it and succeeds
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + COOLDOWN_S + 60
     while True:
         info = ask()
         if info["transfer"]["outcome"] == "transferred":

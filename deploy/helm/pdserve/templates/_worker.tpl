@@ -135,6 +135,9 @@ spec:
             {{- with $kv.timeoutS }}
             - {{ printf "--transfer-timeout-s=%v" . | quote }}
             {{- end }}
+            {{- with $kv.probeCooldownS }}
+            - {{ printf "--kv-probe-cooldown-s=%v" . | quote }}
+            {{- end }}
             {{- with $redisUrl }}
             - {{ printf "--redis-url=%s" . | quote }}
             {{- end }}
