@@ -42,16 +42,18 @@ def cluster(tmp_path_factory):
     up.stop(d.children)  # frozen workers are continued, so they stop too
 
 
-def _one_request(http: httpx.Client, url: str, prompt: int) -> tuple[str, str]:
-    """("ok", text) or ("error", message); anything else (a hang, a torn stream) raises."""
+def _one_request(http: httpx.Client, url: str, prompt: int) -> tuple[str, str, dict]:
+    """("ok", text, how) or ("error", message, how); anything else (a hang, a torn stream)
+    raises. `how`: the stream's pdserve fields merged (request id, routing, transfer verdict)
+    and its finish reason, to say which path a wrong answer took."""
     body = {"model": MODEL, "messages": PROMPTS[prompt], "max_tokens": MAX_TOKENS, "temperature": 0,
             "stream": True}
     with http.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             error = json.loads(response.read())["error"]
             assert error["message"], error
-            return "error", f"{response.status_code} {error['message']}"
-        text, done, error = "", False, None
+            return "error", f"{response.status_code} {error['message']}", {}
+        text, done, error, how = "", False, None, {}
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -65,15 +67,17 @@ def _one_request(http: httpx.Client, url: str, prompt: int) -> tuple[str, str]:
                 assert error, event
             elif event.get("choices"):
                 text += event["choices"][0]["delta"].get("content") or ""
+                how.update(event.get("pdserve") or {})
+                how["finish_reason"] = event["choices"][0].get("finish_reason") or how.get("finish_reason")
         assert done, "the stream ended without [DONE]"
-        return ("error", error) if error else ("ok", text)
+        return ("error", error, how) if error else ("ok", text, how)
 
 
 class Clients:
     def __init__(self, base_url: str) -> None:
         self.url = f"{base_url}/chat/completions"
         self.stop = threading.Event()
-        self.results: list[tuple[int, str, str]] = []  # (prompt, "ok"|"error", text or message)
+        self.results: list[tuple[int, str, str, dict]] = []  # (prompt, "ok"|"error", text or message, how)
         self.broken: list[str] = []  # hangs and torn streams: never allowed
         self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(NUM_CLIENTS)]
 
@@ -148,16 +152,16 @@ def test_chaos_every_request_completes_exactly_or_fails_clearly(cluster, hf_refe
         t.join(120)
     assert not any(t.is_alive() for t in clients.threads), "a client is still waiting: a request hangs"
 
-    ok = [(p, text) for p, kind, text in clients.results if kind == "ok"]
-    errors = [text for _, kind, text in clients.results if kind == "error"]
+    ok = [(p, text, how) for p, kind, text, how in clients.results if kind == "ok"]
+    errors = [text for _, kind, text, _ in clients.results if kind == "error"]
     print(f"\nchaos: {len(disruptions)} disruptions ({', '.join(disruptions)}); "
           f"{len(ok)} completed, {len(errors)} clear errors, {len(clients.broken)} broken; "
           f"router RSS {rss_before:.0f} -> {rss_mb(router):.0f} MB; errors: {sorted(set(errors))[:5]}")
     assert not clients.broken, clients.broken[:5]
     assert len(disruptions) >= CHAOS_S / 8
     assert ok, "nothing completed"
-    wrong = [(p, text) for p, text in ok if text != expected[p]]
-    assert not wrong, wrong[:5]
+    wrong = [(p, text, how) for p, text, how in ok if text != expected[p]]
+    assert not wrong, [f"prompt {p}: {text!r} != {expected[p]!r} via {how}" for p, text, how in wrong[:5]]
 
     crashed = [c.name for c in workers if c.proc.poll() is not None]  # killed ones were restarted
     assert not crashed, f"workers died on their own: {crashed}"
