@@ -264,11 +264,65 @@ def run(s: Settings, log: Callable[[str], None]) -> list[Row]:
                         lambda: ours.generate([long_prompt], 1),
                         (lambda: theirs.generate([long_prompt], 1)) if theirs else None, s.repeats))
     log(format_row(rows[-1]))
+    batch = min(s.concurrency)
+    step = decode_step(ours.llm, make_prompts(vocab, batch, s.prompt_len, next(seeds)))
+    rows.append(Row(f"decode step, batch {batch}", "ms", step.ms, None, False))
+    log(format_row(rows[-1]))
+    log(f"  one step: {step.num_ops} operator calls, {step.gemm_share:.0%} of its CPU time in GEMM "
+        f"({step.gemm_ms:.1f} ms), top: {step.top}")
     if s.profile:
         prompts = make_prompts(vocab, max(s.concurrency), s.prompt_len, next(seeds))
         log(profile_batch(lambda: ours.generate(prompts, min(s.new_tokens))))
     ours.close()
     return rows
+
+
+@dataclass(frozen=True, slots=True)
+class StepProfile:
+    ms: float  # mean wall time of a decode-only step
+    num_ops: int  # aten/quantized operator calls in one step (nested calls included)
+    gemm_ms: float  # self CPU time of the matrix multiplications in that step
+    gemm_share: float  # of the step's self CPU time
+    top: str  # the operators with the most self CPU time
+
+
+GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::mkldnn_linear", "aten::_mkl_linear",
+            "quantized::linear_dynamic", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
+            "aten::linear")
+
+
+def decode_step(llm, prompts: list[list[int]], steps: int = 16) -> StepProfile:
+    """Admit `prompts` together, prefill them, then time `steps` steps in which every one of
+    them decodes (nothing else runs), and profile one more."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    engine.kv.pool.reset_prefix_cache()
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in prompts]
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
+        engine.step()
+    engine.step()  # the last prefill's first token is sampled; from here every step decodes
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    events = [e for e in prof.key_averages() if "::" in e.key]
+    num_ops = sum(e.count for e in events if e.key.startswith(("aten::", "quantized::", "mkldnn::", "pdserve")))
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS)
+    ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
+    top = ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3:.1f} ms x{e.count}" for e in ranked)
+    for rid in ids:
+        llm.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return StepProfile(ms, num_ops, gemm / 1e3, gemm / total, top)
 
 
 def profile_batch(fn: Callable[[], object]) -> str:

@@ -1,4 +1,5 @@
-"""Native (C++) CPU decode attention, compiled on first use and cached.
+"""Native (C++) CPU kernels, compiled on first use and cached: decode attention, and the
+fused small steps of a decoder layer (`csrc/cpu_fused_layer.cpp`, see `kernels.fused`).
 
 `csrc/cpu_decode_attention.cpp` reads K/V in place through the block table; the torch path
 (`torch_paths.paged_decode_attention`) must first gather them into a padded batch, which at
@@ -27,7 +28,9 @@ from pdserve.common import envs, progress
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.cpp"
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                 for name in ("cpu_decode_attention.cpp", "cpu_fused_layer.cpp"))
+_FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rope_store_kv"]
 _MODES = ("auto", "native", "torch")
 
 
@@ -57,6 +60,12 @@ def decode_attention_op() -> Callable[..., torch.Tensor] | None:
     return module.paged_decode_attention
 
 
+def fused_layer_module() -> object | None:
+    """The extension's fused layer ops (`add_rms_norm`, `rope_store_kv`), or None where the
+    torch path must run (same rules as `decode_attention_op`)."""
+    return None if decode_attention_op() is None else _load()
+
+
 def backend_name() -> str:
     """What CPU decode attention runs in this process, 'native' or 'torch'. Builds the
     extension if needed, so a service calls it at start, not on its first request."""
@@ -70,7 +79,7 @@ def _load() -> object:
     try:
         from torch.utils import cpp_extension
 
-        source = _SOURCE.read_text()
+        source = source_text()
         flags = _flags()
         name = "pdserve_cpu_attention_" + _fingerprint(source, flags)
         build_dir = envs.cache_root() / "torch_extensions" / name
@@ -78,7 +87,7 @@ def _load() -> object:
 
         def load():
             return cpp_extension.load_inline(
-                name=name, cpp_sources=[source], functions=["paged_decode_attention"],
+                name=name, cpp_sources=[source], functions=_FUNCTIONS,
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
         if (build_dir / f"{name}.so").exists():
@@ -88,6 +97,11 @@ def _load() -> object:
             return load()
     except Exception as e:  # compiler missing, ninja missing, read-only cache root, ...
         return e
+
+
+def source_text() -> str:
+    """The C++ the extension is built from (its files, joined)."""
+    return "\n".join(path.read_text() for path in _SOURCES)
 
 
 def _flags() -> list[str]:

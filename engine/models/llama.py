@@ -18,14 +18,8 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.connector import KVConnectorWorker, LayerSaveContext
 from pdserve.common.errors import ModelLoadError
 from pdserve.engine.models.linear import Linear, can_prepack
-from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # same order of operations as transformers: normalise in fp32, scale in the input dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+from pdserve.engine.models.rope import RotaryEmbedding
+from pdserve.kernels.fused import add_rms_norm, rms_norm, rope_store_kv
 
 
 @dataclass(slots=True)
@@ -93,32 +87,38 @@ class CausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor], connector: KVConnectorWorker,
                 save_context: LayerSaveContext) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final hidden states [T, hidden]."""
+        """input_ids, positions: [T]. Returns the final hidden states [T, hidden].
+
+        Each residual add is fused with the RMSNorm after it (`add_rms_norm`), and the
+        rotary embedding with the KV-cache write (`rope_store_kv`)."""
         c = self.config
         T = input_ids.shape[0]
-        h = self.embed[input_ids]
+        h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
         cos, sin = self.rope.cos_sin(positions, self.dtype)
+        eps = c.rms_norm_eps
+        delta = None  # the previous layer's MLP output, not yet added to h
         for i, w in enumerate(self.layers):
             connector.wait_for_layer_load(i)
-            x = rms_norm(h, w.input_norm, c.rms_norm_eps)
+            x = add_rms_norm(h, delta, w.input_norm, eps)
             qkv = w.qkv(x)
-            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-            q = q.reshape(T, c.num_heads, c.head_dim)
-            k = k.reshape(T, c.num_kv_heads, c.head_dim)
-            v = v.reshape(T, c.num_kv_heads, c.head_dim)
             if w.q_norm is not None:
-                q = rms_norm(q, w.q_norm, c.rms_norm_eps)
-                k = rms_norm(k, w.k_norm, c.rms_norm_eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
-            kernels.store_kv(k.contiguous(), v.contiguous(), kv_caches[i], meta.slot_mapping)
-            attn = self._attention(q.contiguous(), kv_caches[i], meta)
-            h = h + w.o_proj(attn.reshape(T, self._q_size))
-            x = rms_norm(h, w.post_norm, c.rms_norm_eps)
+                qkv = self._norm_qk(qkv, w)
+            q = rope_store_kv(qkv, cos, sin, kv_caches[i], meta.slot_mapping, c.num_heads, c.num_kv_heads)
+            attn = self._attention(q, kv_caches[i], meta)
+            x = add_rms_norm(h, w.o_proj(attn.reshape(T, self._q_size)), w.post_norm, eps)
             gate, up = w.gate_up(x).chunk(2, dim=-1)
-            h = h + w.down(F.silu(gate) * up)
+            delta = w.down(F.silu(gate) * up)
             connector.save_kv_layer(i, kv_caches[i], save_context)
-        return rms_norm(h, self.norm, c.rms_norm_eps)
+        return add_rms_norm(h, delta, self.norm, eps)
+
+    def _norm_qk(self, qkv: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """Qwen3: RMSNorm over each head of q and k, before the rotary embedding."""
+        c = self.config
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+        q = rms_norm(q.reshape(T, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps)
+        k = rms_norm(k.reshape(T, c.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
+        return torch.cat([q.reshape(T, -1), k.reshape(T, -1), v], dim=-1)
 
     def _attention(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         nd = meta.num_decode_tokens

@@ -453,10 +453,12 @@ def test_offline_benchmark_smoke(llama_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "batch 3 x ~20 prompt, 4 new" in printed and "prefill, 64-token prompt" in printed
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 + 1 + 1  # two batch rows, TTFT, prefill
-    for row in rows:
+    assert len(rows) == 2 + 1 + 1 + 1  # two batch rows, TTFT, prefill, the decode step
+    for row in rows[:4]:
         assert row["ours"] > 0 and row["theirs"] > 0 and row["ratio"] > 0
         assert row["agreement"] in (None, 1.0)  # greedy tokens equal transformers'
+    assert rows[4]["name"] == "decode step, batch 2" and rows[4]["ours"] > 0
+    assert "operator calls" in printed and "in GEMM" in printed
     assert torch.get_num_threads() == 1
 
 

@@ -239,7 +239,7 @@ def test_native_build_is_reused_and_named_by_this_cpu():
     assert not isinstance(module, Exception), module
     assert cpu_native._load() is module
     assert module.__name__.startswith("pdserve_cpu_attention_")
-    assert module.__name__.endswith(cpu_native._fingerprint(cpu_native._SOURCE.read_text(), cpu_native._flags()))
+    assert module.__name__.endswith(cpu_native._fingerprint(cpu_native.source_text(), cpu_native._flags()))
 
 
 # --- argument checks -------------------------------------------------------------------
@@ -284,6 +284,55 @@ def test_prefill_rejects_inconsistent_query_start_loc(monkeypatch):
     with pytest.raises(kernels.KernelArgumentError):  # B + 1 entries expected
         kernels.paged_prefill_attention(query, batch.kv_cache, batch.block_tables,
                                         torch.tensor([0, 10], dtype=torch.int32), batch.context_lens, 0.1)
+
+
+# (num_heads, num_kv_heads, head_dim, block_size)
+FUSED_CASES = [(9, 3, 64, 16), (4, 2, 96, 8)]
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding as a complex product: (x1 + i x2) (cos + i sin), per head."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}bs{c[3]}")
+def test_rope_store_kv_matches_reference(path, case):
+    from pdserve.kernels import fused
+
+    num_heads, num_kv_heads, head_dim, block_size = case
+    tokens = 7
+    cache = torch.randn(5, 2, block_size, num_kv_heads, head_dim)
+    expected = cache.clone()
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+    angles = torch.randn(tokens, head_dim // 2) * 10
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    slots = torch.tensor([0, block_size + 3, -1, 5 * block_size - 1, 2 * block_size, -1, block_size - 1])
+    q = fused.rope_store_kv(qkv, cos, sin, cache, slots, num_heads, num_kv_heads)
+    heads = qkv.view(tokens, num_heads + 2 * num_kv_heads, head_dim)
+    reference.store_kv(_rotated(heads[:, num_heads:num_heads + num_kv_heads], cos, sin),
+                       heads[:, num_heads + num_kv_heads:], expected, slots)
+    close(q, _rotated(heads[:, :num_heads], cos, sin))
+    assert q.is_contiguous()
+    close(cache, expected)
+    if path != "triton_interp":  # Triton does not check slot ranges (see kv_store.store_kv)
+        with pytest.raises(kernels.KernelArgumentError):
+            fused.rope_store_kv(qkv, cos, sin, cache, slots + 5 * block_size, num_heads, num_kv_heads)
+
+
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_reference_and_updates_the_residual(path, with_delta):
+    from pdserve.kernels import fused
+
+    h = torch.randn(6, 576) * 3
+    delta = torch.randn(6, 576) if with_delta else None
+    weight = torch.randn(576)
+    summed = h + delta if with_delta else h.clone()
+    normed = fused.add_rms_norm(h, delta, weight, 1e-5)
+    close(h, summed)  # the residual stream, updated in place
+    close(normed, torch.nn.functional.rms_norm(summed, (576,), weight, 1e-5))
 
 
 def test_store_kv_rejects_bad_arguments(monkeypatch):
