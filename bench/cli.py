@@ -18,8 +18,9 @@ BENCHMARKS = {
     "kernels": "kernels",  # Triton kernels against their torch references
     "mixed-prefill": "mixed_prefill",  # prefill scheduling: a short prompt behind a long one
     "constrained": "constrained",  # grammar engines' per-token cost and constrained decode throughput
-    "abuse": "abuse",
-    "quantization": "quantization",  # --quantization int8 against fp32: agreement, perplexity, decode tok/s  # a router under oversized prompts: small-chat latency, status counts, RSS
+    "abuse": "abuse",  # a router under oversized prompts: small-chat latency, status counts, RSS
+    "quantization": "quantization",  # --quantization int8 against fp32: agreement, perplexity, decode tok/s
+    "layerwise": "layerwise",  # a long prompt's KV streamed layer by layer vs sent whole: the transfer's tail
 }
 
 

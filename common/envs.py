@@ -38,6 +38,9 @@ KNOWN = {
     "PDSERVE_UCX_ERROR_HANDLING": ("0", "1: UCX peer-failure detection on endpoints (excludes the "
                                         "shared-memory zero-copy path; deadlines catch dead peers)"),
     "PDSERVE_UCX_OPTIONS": ("", "extra UCX options for tuning, 'KEY=VALUE ...' (UCX_ prefix optional)"),
+    # kv transfer
+    "PDSERVE_KV_LAYERWISE": ("1", "1: a prefill streams each layer's KV of each prompt chunk as it is "
+                                  "computed (ucx/nccl); 0: the whole prompt is sent after its forward (A/B switch)"),
     # kv transfer, nccl backend
     "PDSERVE_NCCL_BACKEND": ("auto", "process groups of the nccl transport: gloo, nccl, or auto "
                                      "(nccl where CUDA is available, else gloo)"),

@@ -90,6 +90,7 @@ class LLMEngine:
         self._num_prompt_computed = 0
         self._num_generated = 0
         self._num_steps = 0
+        self.last_step_ran = False  # whether the last step ran a forward
         self._step_seconds = 0.0
         kv_tokens = (self.kv.num_blocks - 1) * self.kv.block_size
         kv_gib = sum(t.numel() * t.element_size() for t in self.kv.kv_caches) / 2**30
@@ -204,6 +205,7 @@ class LLMEngine:
         """Run one step. Returns (deltas, requests that now wait for a remote prefill)."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
+        self.last_step_ran = bool(plan.chunks)
         if not plan.chunks:
             # no forward this step, but the connector still gets its metadata (finish notices)
             self.connector.worker.start_load_kv(plan.connector_meta)

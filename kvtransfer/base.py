@@ -21,7 +21,7 @@ from pdserve.kvtransfer.wire import BlockHeader, WireLimits
 
 @dataclass(frozen=True, slots=True)
 class BlockMessage:
-    """One encoded message: header (64 B) + index (16 B per block) + payload (raw bytes).
+    """One encoded message: header (72 B) + index (16 B per block) + payload (raw bytes).
 
     `payload` is a contiguous buffer (bytes, memoryview, or a CPU/CUDA tensor viewed as
     uint8) laid out `[N, L, 2, BS, H, D]`, as `kernels.gather_blocks` produces it.

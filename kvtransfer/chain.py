@@ -61,13 +61,17 @@ class FallbackChain:
         self.health = {name: BackendHealth(name, health_policy, clock) for name in self.transports}
         self.health.update({name: store.health for name, store in self.stores.items()})
 
-    def send(self, job: SendJob) -> TransferVerdict:
+    def send(self, job: SendJob, broken: Fallback | None = None) -> TransferVerdict:
+        """Carry `job` through the first backend that can. `broken`: a stream through that
+        backend broke off (`send_part`); the chain goes on past it."""
         start = time.monotonic()
-        fallbacks: list[Fallback] = []
+        fallbacks: list[Fallback] = [broken] if broken else []
         order = job.order or self.order
         for name in order:
             if name == RECOMPUTE:
                 return self._verdict(job, start, Outcome.RECOMPUTED, RECOMPUTE, fallbacks)
+            if broken and name == broken.backend:
+                continue
             now = time.monotonic()
             skip = self._skip_reason(name, job.endpoints, job.deadline, now)
             if skip:
@@ -80,6 +84,28 @@ class FallbackChain:
             fallbacks.append(Fallback(name, error, time.monotonic() - now))
             log.warning("transfer %s: %s failed: %s", job.transfer_id.hex()[:12], name, error)
         return self._verdict(job, start, Outcome.FAILED, "", fallbacks)
+
+    def stream_backend(self, endpoints: Mapping[str, str], order: Sequence[str] = ()) -> str | None:
+        """The backend a layer-wise stream may go through now: the first of `order` that
+        could carry a transfer, when it is point-to-point (stores keep whole blocks)."""
+        now = time.monotonic()
+        for name in order or self.order:
+            if name == RECOMPUTE:
+                return None
+            if not self._skip_reason(name, endpoints, float("inf"), now):
+                return name if name in self.transports else None
+        return None
+
+    def send_part(self, name: str, endpoint: str, message: BlockMessage, deadline: float) -> None:
+        """One message of a stream through transport `name`, its health kept as for a whole
+        send. Raises like `KVTransport.send`."""
+        health = self.health[name]
+        try:
+            self.transports[name].send(endpoint, message, min(deadline, time.monotonic() + self.step_timeout_s))
+        except Exception as exc:
+            health.record_failure(f"{exc.__class__.__name__}: {exc}")
+            raise
+        health.record_success()
 
     def states(self) -> list[BackendState]:
         """Each backend of the chain as it stands now ("recompute" is not a backend)."""

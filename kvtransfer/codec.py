@@ -51,22 +51,25 @@ def as_bytes_view(buf: object) -> memoryview:
 
 
 def encode_message(limits: WireLimits, transfer_id: bytes, dst_block_ids: Sequence[int],
-                   block_hashes: Sequence[int], payload: object) -> BlockMessage:
-    """`payload`: the blocks `[N, L, 2, BS, H, D]` as bytes or a contiguous CPU tensor."""
+                   block_hashes: Sequence[int], payload: object, layers: range | None = None) -> BlockMessage:
+    """`payload`: the blocks `[N, S, 2, BS, H, D]` as bytes or a contiguous CPU tensor, for
+    the S layers of `layers` (default: all of them)."""
     index = encode_index(dst_block_ids, block_hashes)
     view = as_bytes_view(payload)
     header = encode_header(
         transfer_id=transfer_id, compat_hash=limits.compat_hash, dtype=limits.dtype,
         num_blocks=len(dst_block_ids), num_layers=limits.num_layers,
         block_size=limits.block_size, num_kv_heads=limits.num_kv_heads,
-        head_dim=limits.head_dim, index=index, payload=view)
+        head_dim=limits.head_dim, index=index, payload=view, layers=layers)
     return BlockMessage(transfer_id, header, index, payload)
 
 
 def layout_of(message: BlockMessage) -> WireLimits:
     """The layout a message we built ourselves declares (trusted: no checks)."""
     (_, _, dtype_code, _, compat, _, num_blocks, num_layers, block_size, num_kv_heads,
-     head_dim, _, _, _) = HEADER.unpack(message.header[:HEADER_SIZE])
+     head_dim, _, layer_count, _, _, _, _) = HEADER.unpack(message.header[:HEADER_SIZE])
+    if layer_count != num_layers:
+        raise ValueError(f"a message of {layer_count} of {num_layers} layers is not whole blocks")
     return WireLimits(compat, DTYPE_NAMES[dtype_code], num_layers, block_size, num_kv_heads,
                       head_dim, max_blocks=num_blocks)
 
@@ -124,8 +127,9 @@ def decode_record(data: bytes | memoryview, limits: WireLimits, key: int,
             raise UnauthenticatedRecord(f"record {key:#x} fails its MAC")
         view = body
     header = parse_header(view, limits)
-    if header.num_blocks != 1:
-        raise WireError(f"a store record holds one block, not {header.num_blocks}")
+    if header.num_blocks != 1 or not header.is_whole:
+        raise WireError(f"a store record holds one whole block, not {header.num_blocks} of "
+                        f"{len(header.layers)} layers")
     index_end = HEADER_SIZE + header.index_len
     if len(view) != index_end + header.payload_len:
         raise WireError(f"record is {len(view)} bytes, expected {index_end + header.payload_len}")

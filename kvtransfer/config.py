@@ -38,6 +38,7 @@ class KVTransferConfig:
     probe_cooldown_s: float = 5.0  # how long an unhealthy backend is skipped before a probe
     prefix_cache: str | None = None  # "disk" | "redis" | None
     load_timeout_s: float = 10.0  # deadline of a prefix-cache lookup + fetch
+    layerwise: bool = True  # a sender streams each layer of each prompt chunk (ucx/nccl)
     # From the cluster secret (None: no secret configured): peers of the ucx/nccl control
     # channels prove they hold `transfer_key`; store records carry a MAC under `store_key`.
     transfer_key: bytes | None = field(default=None, repr=False)

@@ -3,8 +3,10 @@
 * loads: scatters prefetched store payloads before the forward;
 * saves: after the forward, gathers newly completed full prompt blocks and stores them in
   the background;
-* sends (prefill side): when a request's prompt is complete, gathers its blocks and runs the
-  fallback chain in the background; the verdict goes to `verdicts`;
+* sends (prefill side): to a point-to-point receiver, layer by layer as the prompt computes
+  (`stream.LayerStream`: each layer's KV of the blocks a step completes, sent while the next
+  layer computes); otherwise, when a request's prompt is complete, gathers its blocks and
+  runs the fallback chain in the background. The verdict goes to `verdicts`;
 * receives (decode side): `prepare_receive` / `complete_receive` / `cancel_receive`, called
   by the decode service from any thread; transports deliver into `sink`.
 """
@@ -35,6 +37,7 @@ from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.receive import land_from_store
 from pdserve.kvtransfer.registry import OpenedBackends
 from pdserve.kvtransfer.sink import CacheSink, limits_for
+from pdserve.kvtransfer.stream import LayerStream, send_blocks
 from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict
 
 log = logging.getLogger("pdserve.kvtransfer.connector")
@@ -98,6 +101,9 @@ class PdConnectorWorker(KVConnectorWorker):
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv")
         self._connect_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect")
+        self._stream_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-stream")
+        self._streams: dict[str, LayerStream] = {}  # announced sends going out layer-wise
+        self._step_streams: list[LayerStream] = []  # those this step's forward feeds
         self._connected: set[tuple[str, str]] = set()  # (backend, endpoint) warmed or warming
         self._inflight: set[Future] = set()
         self._saves: dict[str, _SaveState] = {}
@@ -152,13 +158,24 @@ class PdConnectorWorker(KVConnectorWorker):
             with self._lock:
                 if send.request_id not in self._sending and send.request_id not in self._sent:
                     self._sends[send.request_id] = send
+            self._open_stream(send)
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         pass  # loads are scattered whole in start_load_kv, before the forward
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor,
                       context: LayerSaveContext) -> None:
-        self._context = context  # acted on once every layer is written (wait_for_save)
+        """Streams take this layer's slice now; saves and whole sends wait for the step's
+        end (wait_for_save)."""
+        self._context = context
+        if layer_idx == 0:
+            with self._lock:
+                self._step_streams = [stream for rid, stream in self._streams.items()
+                                      if rid in context.num_computed_by_request]
+            for stream in self._step_streams:
+                stream.plan_step(context, self.layout.block_size)
+        for stream in self._step_streams:
+            stream.add_layer(layer_idx, kv_layer, context, self.layout.num_layers)
 
     def wait_for_save(self) -> None:
         """Gather what completed this step (synchronously: the blocks may be reused after)
@@ -174,8 +191,14 @@ class PdConnectorWorker(KVConnectorWorker):
             ready = [self._sends.pop(rid) for rid, spec in list(self._sends.items())  # racing
                      if done.get(rid, 0) >= spec.num_prompt_tokens]  # abort_send sees it gone
             self._sending.update(spec.request_id for spec in ready)
+            streams = {spec.request_id: self._streams.pop(spec.request_id, None) for spec in ready}
+        self._step_streams = []
         for spec in ready:
-            self._start_send(spec, context.block_ids_by_request[spec.request_id], forward_end)
+            stream = streams[spec.request_id]
+            if stream is not None:
+                stream.finish(forward_end)  # the verdict follows the stream's tail
+            else:
+                self._start_send(spec, context.block_ids_by_request[spec.request_id], forward_end)
 
     def get_finished(self, finished_request_ids: set[str]) -> set[str]:
         """Sends done — reported on every call until the engine has seen the request finish.
@@ -212,6 +235,33 @@ class PdConnectorWorker(KVConnectorWorker):
         log.debug("prefix cache (%s): stored %d of %d blocks", self.prefix_store.name, stored, len(keys))
 
     # -- prefill side -------------------------------------------------------------------
+    def _open_stream(self, spec: SendSpec) -> None:
+        """Send `spec` layer-wise when a point-to-point backend leads the chain for it now
+        (else, or if the hand-off is refused, it goes whole after the forward)."""
+        rid, params = spec.request_id, spec.params
+        if not self.config.layerwise or self._closed:
+            return
+        if self._refuse_reason(params, send_blocks(spec.num_prompt_tokens, self.layout.block_size, params)):
+            return
+        backend = self.chain.stream_backend(dict(params.endpoints), params.backends)
+        if backend is None:
+            return
+        with self._lock:
+            if rid in self._streams or rid not in self._sends:
+                return
+            self._streams[rid] = LayerStream(
+                rid, params, self._send_keys(spec), spec.num_prompt_tokens, backend, self.chain,
+                self.limits, self.kv_caches, submit=lambda fn: self._submit(fn, pool=self._stream_pool),
+                on_verdict=self._finish_send)
+
+    def _send_keys(self, spec: SendSpec) -> tuple[int, ...]:
+        """The store key of each block sent: its content hash, or a short-lived key."""
+        params = spec.params
+        num_prompt_blocks = cdiv(spec.num_prompt_tokens, self.layout.block_size)
+        return tuple(spec.block_hashes[i] if i < len(spec.block_hashes)
+                     else ephemeral_key(params.transfer_id, i)
+                     for i in range(params.num_leading_blocks, num_prompt_blocks))
+
     def _start_send(self, spec: SendSpec, block_ids: Sequence[int], forward_end: float) -> None:
         """Gather now (the blocks are only ours during this step), send in the background.
         Whatever goes wrong ends in a verdict, so the request is always reported back."""
@@ -222,10 +272,7 @@ class PdConnectorWorker(KVConnectorWorker):
         try:
             if not problem:
                 blocks = gather_to_host(self.kv_caches, src)
-                keys = tuple(spec.block_hashes[i] if i < len(spec.block_hashes)
-                             else ephemeral_key(params.transfer_id, i)
-                             for i in range(params.num_leading_blocks, num_prompt_blocks))
-                self._submit(self._run_send, rid, params, keys, blocks, forward_end)
+                self._submit(self._run_send, rid, params, self._send_keys(spec), blocks, forward_end)
                 return
         except Exception as exc:  # e.g. closed: the engine must still get the request back
             problem = f"{exc.__class__.__name__}: {exc}"
@@ -275,6 +322,9 @@ class PdConnectorWorker(KVConnectorWorker):
         self._saves.pop(rid, None)
         with self._lock:
             spec = self._sends.pop(rid, None)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.cancel()
             if rid in self._sent:
                 if from_scheduler:
                     self._sent[rid] = True  # reported once more, then dropped
@@ -332,6 +382,9 @@ class PdConnectorWorker(KVConnectorWorker):
         pending send was dropped."""
         with self._lock:
             spec = self._sends.pop(request_id, None)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.cancel()  # no more layers go out; the receiver's reservation ends
         if spec is None:
             return False
         self._finish_send(request_id, TransferVerdict(spec.params.transfer_id.hex(),
@@ -408,8 +461,8 @@ class PdConnectorWorker(KVConnectorWorker):
         return receive is not None and self.sink.abort(receive.transfer_id)
 
     # -- lifecycle ----------------------------------------------------------------------
-    def _submit(self, fn, *args) -> None:
-        future = self._pool.submit(fn, *args)
+    def _submit(self, fn, *args, pool: ThreadPoolExecutor | None = None) -> None:
+        future = (pool or self._pool).submit(fn, *args)
         with self._lock:
             self._inflight.add(future)
         future.add_done_callback(self._done)
@@ -435,6 +488,7 @@ class PdConnectorWorker(KVConnectorWorker):
         self._closed = True
         self.flush(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stream_pool.shutdown(wait=False, cancel_futures=True)
         self._connect_pool.shutdown(wait=True, cancel_futures=True)
         if self.sink is not None:
             self.sink.close()

@@ -11,6 +11,7 @@ import struct
 import time
 from typing import Sequence
 
+from pdserve.common import envs
 from pdserve.common.auth import ClusterSecret, Mac
 from pdserve.common.errors import AuthError
 from pdserve.kvtransfer.config import KVTransferConfig
@@ -36,6 +37,7 @@ def transfer_config(settings, secret: ClusterSecret | None = None) -> KVTransfer
         disk_store_max_gb=settings.disk_store_max_gb, step_timeout_s=settings.transfer_timeout_s,
         probe_cooldown_s=settings.kv_probe_cooldown_s,
         prefix_cache=settings.prefix_store if settings.prefix_store != "none" else None,
+        layerwise=envs.get("PDSERVE_KV_LAYERWISE") != "0",
         transfer_key=secret.key("transfer") if secret else None,
         store_key=secret.key("store") if secret else None)
 
@@ -44,7 +46,8 @@ def verdict_to_proto(v: TransferVerdict) -> common_pb2.TransferVerdict:
     out = common_pb2.TransferVerdict(
         outcome=_OUTCOMES[v.outcome], backend=v.backend if v.backend != "recompute" else "",
         num_bytes=v.num_bytes, num_blocks=v.num_blocks, duration_ms=v.duration_s * 1000,
-        transfer_id=v.transfer_id, fetch_keys=list(v.fetch_keys),
+        transfer_id=v.transfer_id, fetch_keys=list(v.fetch_keys), num_messages=v.num_messages,
+        layer_send_ms=v.layer_send_s * 1000,
         fallbacks=[common_pb2.FallbackStep(backend=f.backend, reason=f.reason,
                                            duration_ms=f.duration_s * 1000) for f in v.fallbacks])
     if v.outcome != Outcome.TRANSFERRED:
@@ -59,7 +62,8 @@ def verdict_from_proto(p: common_pb2.TransferVerdict) -> TransferVerdict:
     return TransferVerdict(p.transfer_id, outcome, p.backend, p.num_blocks, p.num_bytes,
                            p.duration_ms / 1000,
                            tuple(Fallback(f.backend, f.reason, f.duration_ms / 1000) for f in p.fallbacks),
-                           tuple(p.fetch_keys))
+                           tuple(p.fetch_keys), num_messages=p.num_messages,
+                           layer_send_s=p.layer_send_ms / 1000)
 
 
 def params_to_handoff(tp: TransferParams, block_ids: Sequence[int], block_size: int,

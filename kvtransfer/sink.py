@@ -5,12 +5,15 @@ reserves destination blocks the engine already allocated. A message is accepted 
 
 * its header passes `WireLimits` (compatibility hash, layout, sizes),
 * its transfer id is pending: not unknown, not finished (duplicate), not aborted, not late,
-* every destination block it names is one of the transfer's reserved blocks not yet filled,
+* every destination block it names is one of the transfer's reserved blocks,
 * its checksum matches.
 
-A refused message leaves the transfer pending (another backend in the chain may still land
-it). The transfer completes when all its blocks are filled, or ends at its deadline or on
-`abort`. After `abort` returns, no write of that transfer can land: commits scatter under
+A message carries some layers of some blocks (a whole-block message all layers, a streamed
+one a layer of a prefill chunk). The transfer completes when every layer of every reserved
+block has landed — only then may the owner use the blocks — or ends at its deadline or on
+`abort`. A message may rewrite layers that already landed: after a stream broke halfway the
+fallback backend re-sends the blocks whole (the same bytes). A refused message leaves the
+transfer pending (another backend in the chain may still land it). After `abort` returns, no write of that transfer can land: commits scatter under
 the same lock. The sink never owns blocks; the engine frees them once the sink lets go.
 """
 from __future__ import annotations
@@ -46,9 +49,13 @@ class SinkEvent:
 class _Pending:
     tag: str
     block_ids: tuple[int, ...]
-    unfilled: set[int]
+    missing: dict[int, int]  # block id -> bit mask of the layers not landed yet (0: done)
     deadline: float
     num_bytes: int = 0
+
+    @property
+    def num_missing(self) -> int:
+        return sum(1 for mask in self.missing.values() if mask)
 
 
 def limits_for(layout: KVCacheLayout) -> WireLimits:
@@ -90,7 +97,8 @@ class CacheSink:
             busy = set(ids) & self._reserved_locked()
             if busy:
                 raise TransferError(f"blocks {sorted(busy)[:8]} are reserved by another transfer")
-            self._pending[transfer_id] = _Pending(tag, ids, set(ids), deadline)
+            every_layer = (1 << self.layout.num_layers) - 1
+            self._pending[transfer_id] = _Pending(tag, ids, dict.fromkeys(ids, every_layer), deadline)
 
     def abort(self, transfer_id: bytes) -> bool:
         """Forget a pending transfer; later writes to it are refused. True if it was pending."""
@@ -150,17 +158,21 @@ class CacheSink:
         try:
             view = as_bytes_view(payload)
             verify_payload(header, index, view)  # outside the lock: it does not touch the cache
-            buffer = buffer_from_bytes(view, header.num_blocks, self.kv_caches)
+            layers = header.layers
+            caches = self.kv_caches[layers.start:layers.stop]
+            buffer = buffer_from_bytes(view, header.num_blocks, caches)
         except WireError:
             self._refused()
             raise
+        landed = ~sum(1 << layer for layer in layers)
         with self._lock:
             block_ids = self._check_locked(header, index)
             pending = self._pending[header.transfer_id]
-            scatter_from_host(buffer, self.kv_caches, block_ids)
-            pending.unfilled.difference_update(block_ids)
+            scatter_from_host(buffer, caches, block_ids)
+            for b in block_ids:
+                pending.missing[b] &= landed
             pending.num_bytes += header.payload_len
-            if not pending.unfilled:
+            if not pending.num_missing:
                 del self._pending[header.transfer_id]
                 self._end_locked(header.transfer_id, "completed")
                 self._events.append(SinkEvent(pending.tag, header.transfer_id, True))
@@ -203,7 +215,7 @@ class CacheSink:
         except WireError:
             self.num_refused += 1
             raise
-        stray = [b for b in block_ids if b not in pending.unfilled]
+        stray = [b for b in block_ids if b not in pending.missing]
         if stray:
             self.num_refused += 1
             raise TransferError(f"blocks {stray[:8]} are not open for transfer {tid.hex()}")
@@ -213,7 +225,7 @@ class CacheSink:
         pending = self._pending.pop(tid)
         self._end_locked(tid, "expired")
         self._events.append(SinkEvent(pending.tag, tid, False, "deadline passed before the "
-                                      f"blocks arrived ({len(pending.unfilled)} missing)"))
+                                      f"blocks arrived ({pending.num_missing} incomplete)"))
 
     def _end_locked(self, tid: bytes, how: str) -> None:
         self._ended[tid] = how

@@ -49,7 +49,11 @@ def block_digests(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -
 def message_from_cache(kv_caches: Sequence[torch.Tensor], layout: KVCacheLayout,
                        transfer_id: bytes, src_block_ids: Sequence[int],
                        dst_block_ids: Sequence[int],
-                       block_hashes: Sequence[int] | None = None) -> BlockMessage:
+                       block_hashes: Sequence[int] | None = None,
+                       layers: range | None = None) -> BlockMessage:
+    """Blocks `src_block_ids` of `kv_caches` bound for `dst_block_ids`: every layer, or the
+    slice `layers` (a streamed message)."""
     hashes = list(block_hashes) if block_hashes is not None else [0] * len(src_block_ids)
-    payload = gather_to_host(kv_caches, src_block_ids)
-    return encode_message(limits_for(layout), transfer_id, dst_block_ids, hashes, payload)
+    chosen = kv_caches if layers is None else kv_caches[layers.start:layers.stop]
+    payload = gather_to_host(chosen, src_block_ids)
+    return encode_message(limits_for(layout), transfer_id, dst_block_ids, hashes, payload, layers)

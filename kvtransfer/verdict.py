@@ -50,6 +50,10 @@ class TransferVerdict:
     # Sender side: from the end of the prompt's forward to this verdict in hand (for ucx/nccl
     # that is after the receiver verified every block). 0: no send ran.
     tail_s: float = 0.0
+    # Sender side, a layer-wise stream: messages sent (one layer of one prefill step's blocks
+    # each) and the mean time of one. 0: the prompt went as one message.
+    num_messages: int = 0
+    layer_send_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -72,7 +76,9 @@ class TransferVerdict:
         head = (f"transfer {self.transfer_id[:12]} {self.outcome.value}"
                 + (f" via {self.backend}" if self.backend else "")
                 + f": {self.num_blocks} blocks, {self.num_bytes} B in {self.duration_s * 1e3:.1f} ms"
-                + (f" (tail {self.tail_s * 1e3:.1f} ms after the forward)" if self.tail_s else ""))
+                + (f" (tail {self.tail_s * 1e3:.1f} ms after the forward)" if self.tail_s else "")
+                + (f", streamed in {self.num_messages} layer messages of {self.layer_send_s * 1e3:.2f} ms"
+                   if self.num_messages else ""))
         if not self.fallbacks:
             return head
         tried = "; ".join(f"{f.backend}: {f.reason}" for f in self.fallbacks)

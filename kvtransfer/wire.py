@@ -2,24 +2,31 @@
 
     offset  size  field
     0       4     magic b"PDKV"
-    4       2     format version (1)
+    4       2     format version (2)
     6       1     dtype code (DTYPE_CODES)
     7       1     flags (reserved, 0)
     8       8     compatibility hash, int64 (KVCacheLayout.compatibility_hash)
     16      16    transfer id (16 raw bytes, a uuid)
     32      4     num_blocks N
-    36      2     num_layers L
+    36      2     num_layers L (of the model: the layout)
     38      2     block_size BS
     40      2     num_kv_heads H
     42      2     head_dim D
-    44      8     payload length in bytes = N * L * 2 * BS * H * D * itemsize
-    52      8     checksum: xxh64 of index section + payload
-    60      4     crc32 of bytes [0, 60)
-    -- 64 bytes; then the index section, N entries of 16 bytes:
+    44      2     first layer F of the slice this message carries
+    46      2     layers in the slice S (F + S <= L; a whole block: F = 0, S = L)
+    48      4     reserved, 0
+    52      8     payload length in bytes = N * S * 2 * BS * H * D * itemsize
+    60      8     checksum: xxh64 of index section + payload
+    68      4     crc32 of bytes [0, 68)
+    -- 72 bytes; then the index section, N entries of 16 bytes:
     +0      4     destination block id (uint32; 0xFFFFFFFF = none, content-addressed stores)
     +4      4     reserved, 0
     +8      8     block hash (int64; 0 = none)
-    -- then the payload: N blocks, block-major [N, L, 2, BS, H, D] (kernels.gather_blocks).
+    -- then the payload: N blocks, block-major [N, S, 2, BS, H, D] (kernels.gather_blocks).
+
+A message carries layers [F, F + S) of its blocks: a whole-block message all of them, a
+streamed one (layer-wise transfer, `connector_worker._Stream`) one layer of one prefill
+chunk's blocks. Store records are always whole blocks.
 
 All integers little-endian. Nothing here is pickled. Every field a peer sends is checked
 against `WireLimits` (what the receiver expects) BEFORE anything is allocated or indexed.
@@ -35,9 +42,10 @@ import xxhash
 from pdserve.common.errors import TransferError
 
 MAGIC = b"PDKV"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<4sHBBq16sIHHHHQQI")
-HEADER_SIZE = HEADER.size  # 64
+FORMAT_VERSION = 2
+HEADER = struct.Struct("<4sHBBq16sIHHHHHHIQQI")
+HEADER_SIZE = HEADER.size  # 72
+_CRC_AT = HEADER_SIZE - 4
 INDEX_ENTRY = struct.Struct("<IIq")
 INDEX_ENTRY_SIZE = INDEX_ENTRY.size  # 16
 NO_BLOCK = 0xFFFFFFFF
@@ -46,7 +54,7 @@ DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-assert HEADER_SIZE == 64 and INDEX_ENTRY_SIZE == 16
+assert HEADER_SIZE == 72 and INDEX_ENTRY_SIZE == 16
 
 
 class WireError(TransferError):
@@ -65,11 +73,22 @@ class BlockHeader:
     head_dim: int
     payload_len: int
     checksum: int
+    first_layer: int = 0
+    layer_count: int = 0  # 0: num_layers (a whole block)
+
+    @property
+    def layers(self) -> range:
+        """The layers this message carries."""
+        return range(self.first_layer, self.first_layer + (self.layer_count or self.num_layers))
+
+    @property
+    def is_whole(self) -> bool:
+        return len(self.layers) == self.num_layers
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block across all layers."""
-        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        """Bytes of one block across the layers this message carries."""
+        return (len(self.layers) * 2 * self.block_size * self.num_kv_heads * self.head_dim
                 * ITEMSIZE[self.dtype])
 
     @property
@@ -110,17 +129,26 @@ def encode_index(dst_block_ids, block_hashes) -> bytes:
 
 def encode_header(*, transfer_id: bytes, compat_hash: int, dtype: str, num_blocks: int,
                   num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                  index: bytes, payload: bytes | memoryview) -> bytes:
-    """The 64-byte header for `index` + `payload` (already laid out as documented above)."""
+                  index: bytes, payload: bytes | memoryview, layers: range | None = None) -> bytes:
+    """The header for `index` + `payload` (already laid out as documented above);
+    `layers`: the slice carried (default all `num_layers`)."""
     if len(transfer_id) != 16:
         raise ValueError("transfer_id must be 16 bytes")
-    expected = payload_nbytes(num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype)
+    layers = range(num_layers) if layers is None else layers
+    if not (len(layers) and 0 <= layers.start and layers.stop <= num_layers and layers.step == 1):
+        raise ValueError(f"layers {layers} is not a slice of {num_layers} layers")
+    expected = payload_nbytes(num_blocks, len(layers), block_size, num_kv_heads, head_dim, dtype)
     if len(payload) != expected or len(index) != num_blocks * INDEX_ENTRY_SIZE:
         raise ValueError(f"payload {len(payload)} B / index {len(index)} B do not match the shape")
     body = HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], 0, compat_hash, transfer_id,
                        num_blocks, num_layers, block_size, num_kv_heads, head_dim,
-                       len(payload), checksum(index, payload), 0)
-    return body[:60] + struct.pack("<I", zlib.crc32(body[:60]))
+                       layers.start, len(layers), 0, len(payload), checksum(index, payload), 0)
+    return body[:_CRC_AT] + struct.pack("<I", zlib.crc32(body[:_CRC_AT]))
+
+
+def declared_payload_len(header: bytes) -> int:
+    """The payload length a header we built ourselves declares (no checks)."""
+    return HEADER.unpack(header[:HEADER_SIZE])[14]
 
 
 def parse_header(data: bytes | memoryview, limits: WireLimits) -> BlockHeader:
@@ -129,15 +157,15 @@ def parse_header(data: bytes | memoryview, limits: WireLimits) -> BlockHeader:
         raise WireError(f"truncated header: {len(data)} of {HEADER_SIZE} bytes")
     raw = bytes(data[:HEADER_SIZE])
     (magic, version, dtype_code, flags, compat, transfer_id, num_blocks, num_layers, block_size,
-     num_kv_heads, head_dim, payload_len, csum, crc) = HEADER.unpack(raw)
+     num_kv_heads, head_dim, first_layer, layer_count, reserved, payload_len, csum, crc) = HEADER.unpack(raw)
     if magic != MAGIC:
         raise WireError("bad magic: not a pdserve KV message")
-    if zlib.crc32(raw[:60]) != crc:
+    if zlib.crc32(raw[:_CRC_AT]) != crc:
         raise WireError("header checksum mismatch")
     if version != FORMAT_VERSION:
         raise WireError(f"unsupported wire format version {version} (this side speaks {FORMAT_VERSION})")
-    if flags != 0:
-        raise WireError(f"unknown flags {flags:#x}")
+    if flags != 0 or reserved != 0:
+        raise WireError(f"unknown flags {flags:#x} / reserved bits {reserved:#x}")
     dtype = DTYPE_NAMES.get(dtype_code)
     if dtype is None:
         raise WireError(f"unknown dtype code {dtype_code}")
@@ -149,11 +177,13 @@ def parse_header(data: bytes | memoryview, limits: WireLimits) -> BlockHeader:
         raise WireError(f"layout mismatch: peer {got}, ours {want}")
     if not 0 < num_blocks <= limits.max_blocks:
         raise WireError(f"num_blocks {num_blocks} outside 1..{limits.max_blocks}")
-    expected = payload_nbytes(num_blocks, num_layers, block_size, num_kv_heads, head_dim, dtype)
+    if not (layer_count > 0 and first_layer + layer_count <= num_layers):
+        raise WireError(f"layers [{first_layer}, {first_layer + layer_count}) outside the model's {num_layers}")
+    expected = payload_nbytes(num_blocks, layer_count, block_size, num_kv_heads, head_dim, dtype)
     if payload_len != expected:
         raise WireError(f"payload length {payload_len} != {expected} implied by the shape")
     return BlockHeader(transfer_id, compat, dtype, num_blocks, num_layers, block_size,
-                       num_kv_heads, head_dim, payload_len, csum)
+                       num_kv_heads, head_dim, payload_len, csum, first_layer, layer_count)
 
 
 def parse_index(header: BlockHeader, index: bytes | memoryview,

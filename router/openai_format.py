@@ -37,7 +37,8 @@ def verdict_json(verdict: common_pb2.TransferVerdict) -> dict[str, Any]:
             "fallbacks": [{"backend": f.backend, "reason": f.reason, "duration_ms": f.duration_ms}
                           for f in verdict.fallbacks],
             "prefill_worker_id": verdict.prefill_worker_id, "prefill_status_code": verdict.prefill_status_code,
-            "transfer_id": verdict.transfer_id}
+            "transfer_id": verdict.transfer_id, "messages": verdict.num_messages,
+            "layer_send_ms": verdict.layer_send_ms}
 
 
 def routing_json(routing: generation_pb2.RoutingInfo) -> dict[str, Any]:

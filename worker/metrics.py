@@ -24,6 +24,9 @@ class WorkerMetrics:
             "pdserve_transfer_tail_seconds", "end of the prompt's forward to the transfer's verdict "
             "(the transfer time not overlapped with compute)", ["backend"],
             buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_layer_send_seconds = Histogram(
+            "pdserve_transfer_layer_send_seconds", "a layer-wise stream's mean time to send one "
+            "message (one layer of one prefill step's blocks)", ["backend"], buckets=LATENCY_BUCKETS, registry=r)
         self.transfer_failures = Counter("pdserve_transfer_failures", "failed transfer steps",
                                          ["backend"], registry=r)
         self.kv_blocks_free = Gauge("pdserve_kv_blocks_free", "free KV blocks", registry=r)
@@ -56,6 +59,8 @@ class WorkerMetrics:
         """A transfer verdict; `tail_ms` (sender side): end of the prompt's forward to it."""
         if verdict.backend and tail_ms > 0:
             self.transfer_tail_seconds.labels(backend=verdict.backend).observe(tail_ms / 1000)
+        if verdict.backend and verdict.num_messages:
+            self.transfer_layer_send_seconds.labels(backend=verdict.backend).observe(verdict.layer_send_ms / 1000)
         for step in verdict.fallbacks:
             self.transfer_failures.labels(backend=step.backend).inc()
             self._totals(step.backend)[3] += 1

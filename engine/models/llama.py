@@ -104,11 +104,11 @@ class CausalLM:
             if w.q_norm is not None:
                 qkv = self._norm_qk(qkv, w)
             q = rope_store_kv(qkv, cos, sin, kv_caches[i], meta.slot_mapping, c.num_heads, c.num_kv_heads)
+            connector.save_kv_layer(i, kv_caches[i], save_context)  # its KV is final: it may leave
             attn = self._attention(q, kv_caches[i], meta)
             x = add_rms_norm(h, w.o_proj(attn.reshape(T, self._q_size)), w.post_norm, eps)
             gate, up = w.gate_up(x).chunk(2, dim=-1)
             delta = w.down(F.silu(gate) * up)
-            connector.save_kv_layer(i, kv_caches[i], save_context)
         return add_rms_norm(h, delta, self.norm, eps)
 
     def _norm_qk(self, qkv: torch.Tensor, w: LayerWeights) -> torch.Tensor:

@@ -13,7 +13,7 @@ After the transport's own hello, every message on a connection is (all integers
 little-endian)::
 
     S -> R  request  REQUEST (16 B): magic b"PDRQ", seq, budget ms, index length
-                     + wire header (64 B) + index (16 B per block)
+                     + wire header (72 B) + index (16 B per block)
     R -> S  reply    REPLY (4 B): ok, reserved 0, reason length; + reason (UTF-8, <= 1 KiB)
     S -> R  payload  on the transport's channel, only after an accepting reply
     R -> S  reply    the verdict: ok, or refused + reason
@@ -36,7 +36,7 @@ import time
 from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.wire import (
-    HEADER, HEADER_SIZE, INDEX_ENTRY_SIZE, BlockHeader, WireLimits, parse_header,
+    HEADER_SIZE, INDEX_ENTRY_SIZE, BlockHeader, WireLimits, declared_payload_len, parse_header,
 )
 
 REQUEST = struct.Struct("<4sIII")  # magic, seq, budget ms, index length
@@ -147,7 +147,7 @@ def check_payload_len(message: BlockMessage) -> None:
     """The payload must be as long as our own header says (the sender trusts its own header)."""
     if len(message.header) != HEADER_SIZE:
         raise TransferError(f"header is {len(message.header)} bytes, not {HEADER_SIZE}")
-    declared = HEADER.unpack(message.header)[11]
+    declared = declared_payload_len(message.header)
     if message.payload_nbytes != declared:
         raise TransferError(f"payload is {message.payload_nbytes} bytes, its header says {declared}")
 

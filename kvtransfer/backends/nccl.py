@@ -10,7 +10,7 @@ group is never initialised and any number of pairs can coexist in one process.
 
 One message on a pair, sequence n::
 
-    S -> R  TCP  request: prefix (16 B) + header (64 B) + index (16 B per block)
+    S -> R  TCP  request: prefix (16 B) + header (72 B) + index (16 B per block)
     R            sink.check(header, index)
     R -> S  TCP  reply: accept, or refuse + reason
     S -> R  PG   payload: uint8 tensor send/recv (tag n) into sink.staging(header)

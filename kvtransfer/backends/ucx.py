@@ -2,7 +2,7 @@
 
 One message, sender S to receiver R::
 
-    S -> R  TCP  request: prefix (16 B) + header (64 B) + index (16 B per block)
+    S -> R  TCP  request: prefix (16 B) + header (72 B) + index (16 B per block)
     R            sink.check(header, index); post a UCX receive into sink.staging(header)
     R -> S  TCP  reply: accept, or refuse + reason
     S -> R  UCX  payload, tag (connection id << 32 | seq), straight into the staging buffer

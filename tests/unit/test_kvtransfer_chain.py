@@ -16,7 +16,7 @@ from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.sink import limits_for
 from pdserve.kvtransfer.testing import tiny_layout
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
-from pdserve.kvtransfer.wire import payload_nbytes
+from pdserve.kvtransfer.wire import HEADER_SIZE, payload_nbytes
 from support import FakeClock
 
 LAYOUT = tiny_layout(num_blocks=16)
@@ -58,7 +58,7 @@ def test_first_healthy_backend_carries_the_transfer():
     chain = FallbackChain(("ucx", "nccl", RECOMPUTE), transports={"ucx": ucx, "nccl": nccl})
     verdict = chain.send(job())
     assert (verdict.outcome, verdict.backend, verdict.fallbacks) == (Outcome.TRANSFERRED, "ucx", ())
-    assert verdict.num_blocks == 2 and verdict.num_bytes == 64 + 32 + NBYTES
+    assert verdict.num_blocks == 2 and verdict.num_bytes == HEADER_SIZE + 32 + NBYTES
     assert nccl.sent == [] and ucx.sent[0][0] == "u:1"
     assert verdict.fetch_keys == ()  # point-to-point: nothing to fetch
 

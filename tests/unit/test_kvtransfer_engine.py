@@ -42,7 +42,7 @@ def run_until(llm, done, timeout_s: float = 60.0):
     return outputs
 
 
-def disaggregated(prefill, decode, prompt, rid):
+def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None):
     """One request, decode-first hand-off. Returns (tokens, sender verdict, receiver verdict)."""
     d_engine, p_engine = decode.engine, prefill.engine
     tid = new_transfer_id()
@@ -56,7 +56,9 @@ def disaggregated(prefill, decode, prompt, rid):
         rid, d_engine.remote_block_ids(rid), len(prompt), num_leading, time.time() + 30, tid)
 
     p_engine.add_request(prompt, FIRST_TOKEN, request_id=f"p-{rid}", transfer_params=params)
-    outs = run_until(prefill, lambda: not p_engine.has_unfinished())
+    outs = prefill.step()
+    after_first_step()
+    outs += run_until(prefill, lambda: not p_engine.has_unfinished())
     first = [t for o in outs if o.request_id == f"p-{rid}" for t in o.new_token_ids]
     sent = p_engine.connector.sends.wait_verdict(f"p-{rid}", 10)
     received = d_engine.connector.receives.complete_receive(rid, sent)
@@ -86,7 +88,10 @@ def test_disaggregated_greedy_equals_local(tiny_model_factory, tmp_path, backend
         for i, prompt in enumerate(prompts):
             tokens, sent, received = disaggregated(prefill, decode, prompt, f"r{i}")
             assert sent.ok and sent.backend == backend and received.ok, received.describe()
-            assert sent.tail_s >= sent.duration_s > 0  # the tail: gather + send + verdict
+            if backend == "disk":  # a store gets the prompt whole: gather + put + verdict
+                assert sent.tail_s >= sent.duration_s > 0 and sent.num_messages == 0
+            else:  # point to point: a message per layer (or the layers queued behind one)
+                assert 1 <= sent.num_messages <= 2 and 0 < sent.tail_s and sent.layer_send_s > 0
             expected = local.generate(prompt, GREEDY)[0].token_ids
             assert tuple(tokens) == expected
         # the second prompt's first 2 blocks were a prefix hit on the decode side: not sent
@@ -119,3 +124,88 @@ def test_failed_transfer_is_recomputed_by_the_decode_side(tiny_model_factory, tm
     finally:
         prefill.engine.connector.worker.close()
         decode.engine.connector.worker.close()
+
+
+def _p2p_params():
+    return [p for p in _params() if p != "disk"]
+
+
+@pytest.mark.parametrize("backend", _p2p_params())
+def test_layer_wise_stream_across_prefill_chunks(tiny_model_factory, tmp_path, backend):
+    """A prompt prefilled in 12-token steps goes out as it computes: a step before the last
+    sends the blocks it completed in one message, the last step its blocks layer by layer
+    (the last, partial block with it); the decode accepts them only whole, and decodes what
+    a local engine would."""
+    model_dir = tiny_model_factory("llama")
+    config = KVTransferConfig(backends=(backend, RECOMPUTE))
+    prefill = LLM(str(model_dir), connector=build_connector(config, listen=False),
+                  num_blocks=64, block_size=BLOCK, max_num_tokens=12)
+    decode = LLM(str(model_dir), connector=build_connector(config), num_blocks=64, block_size=BLOCK)
+    local = LLM(str(model_dir), num_blocks=64, block_size=BLOCK)
+    prompt = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(5)).tolist()
+    num_layers = prefill.engine.model_config.num_layers
+    try:
+        tokens, sent, received = disaggregated(prefill, decode, prompt, "chunked")
+        assert sent.ok and received.ok, received.describe()
+        # steps end at tokens 12, 24, 36, 45: blocks complete after steps 2 (block 0), 3 (1)
+        # and 4 (2, the partial block, sent a layer at a time unless the sender lags)
+        assert sent.num_blocks == 3 and 2 + 1 <= sent.num_messages <= 2 + num_layers
+        assert tuple(tokens) == local.generate(prompt, GREEDY)[0].token_ids
+        for llm in (prefill, decode):
+            llm.engine.assert_no_leaks()
+        assert decode.engine.connector.worker.sink.reserved_block_ids == set()
+    finally:
+        prefill.engine.connector.worker.close()
+        decode.engine.connector.worker.close()
+
+
+@pytest.mark.parametrize("backend", _p2p_params())
+def test_a_stream_that_breaks_falls_back_to_the_next_backend_whole(tiny_model_factory, tmp_path, backend):
+    """The receiver's transport goes away after the first prefill step: the stream breaks, and
+    the whole prompt goes through the disk store instead (built from the parts the stream
+    kept); the decode lands it over the layers that had arrived, and decodes as a local
+    engine would."""
+    model_dir = tiny_model_factory("llama")
+    config = KVTransferConfig(backends=(backend, "disk", RECOMPUTE), disk_store=str(tmp_path / "store"),
+                              step_timeout_s=5)
+    prefill = LLM(str(model_dir), connector=build_connector(config, listen=False),
+                  num_blocks=64, block_size=BLOCK, max_num_tokens=20)
+    decode = LLM(str(model_dir), connector=build_connector(config), num_blocks=64, block_size=BLOCK)
+    local = LLM(str(model_dir), num_blocks=64, block_size=BLOCK)
+    prompt = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(6)).tolist()
+
+    def cut_the_link():
+        assert prefill.engine.connector.worker.flush(10)  # the first step's layers landed
+        decode.engine.connector.worker.backends.transports[backend].close()
+
+    try:
+        tokens, sent, received = disaggregated(prefill, decode, prompt, "broken", cut_the_link)
+        assert sent.ok and sent.backend == "disk" and received.ok, received.describe()
+        assert [f.backend for f in sent.fallbacks] == [backend]
+        assert "stream broke at layers [0, 2) of blocks [1, 2)" in sent.fallbacks[0].reason
+        assert tuple(tokens) == local.generate(prompt, GREEDY)[0].token_ids
+        for llm in (prefill, decode):
+            llm.engine.assert_no_leaks()
+        assert decode.engine.connector.worker.sink.reserved_block_ids == set()
+    finally:
+        prefill.engine.connector.worker.close()
+        decode.engine.connector.worker.close()
+
+
+@pytest.mark.parametrize("backend", _p2p_params()[:1])
+def test_layerwise_benchmark_smoke(tiny_model_factory, backend, capsys):
+    """`pdserve bench layerwise` end to end on the tiny model (a smoke test, not a timing)."""
+    from pdserve.bench import layerwise
+
+    threads = torch.get_num_threads()
+    try:
+        rc = layerwise.main(["--model", str(tiny_model_factory("llama")), "--prompt-len", "45",
+                             "--step-tokens", "12", "--repeats", "2", "--backends", backend])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    streamed = next(line.split() for line in lines if line.startswith(backend) and "layerwise" in line)
+    whole = next(line.split() for line in lines if line.startswith(backend) and " whole " in line)
+    assert 3 <= int(streamed[6]) <= 4 and float(streamed[4]) > 0  # 2 steps whole, the last per layer
+    assert whole[4] == "-" and int(whole[6]) == 0

@@ -48,11 +48,33 @@ def test_transfer_may_arrive_in_several_messages(sink, clock):
     sink.expect(tid, [5, 6, 8], deadline=clock.now + 5)
     sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [1], [6])))
     assert not sink.is_complete(tid) and sink.take_events() == []
-    with pytest.raises(TransferError, match="not open"):  # block 6 is filled already
-        sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [2], [6])))
     sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [2, 3], [5, 8])))
     assert sink.is_complete(tid)
     assert block_digests(sink.kv_caches, [6, 5, 8]) == block_digests(SOURCE, [1, 2, 3])
+
+
+def test_a_layer_wise_transfer_completes_only_with_every_layer_of_every_block(sink, clock):
+    """Streamed messages carry one layer of some blocks each; the blocks are the owner's only
+    when every layer of every one has landed. A whole-block message may rewrite what a broken
+    stream already landed (the fallback re-sends the blocks whole)."""
+    tid = new_transfer_id()
+    sink.expect(tid, [5, 6, 8], deadline=clock.now + 5, tag="streamed")
+    for layer in range(LAYOUT.num_layers):
+        sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [1, 2], [5, 6], layers=range(layer, layer + 1))))
+    sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [1], [5])))  # a rewrite
+    for layer in range(LAYOUT.num_layers):
+        assert not sink.is_complete(tid) and sink.take_events() == []
+        sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [3], [8], layers=range(layer, layer + 1))))
+    assert sink.is_complete(tid) and [e.tag for e in sink.take_events()] == ["streamed"]
+    assert block_digests(sink.kv_caches, [5, 6, 8]) == block_digests(SOURCE, [1, 2, 3])
+
+    partial = new_transfer_id()
+    sink.expect(partial, [9], deadline=clock.now + 5, tag="half")
+    sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, partial, [4], [9], layers=range(0, 1))))
+    clock.now += 10
+    sink.expire_overdue()
+    events = sink.take_events()
+    assert [(e.tag, e.ok) for e in events] == [("half", False)] and "1 incomplete" in events[0].reason
 
 
 def test_unknown_duplicate_and_aborted_ids_are_refused(sink, clock):

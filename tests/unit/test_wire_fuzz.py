@@ -17,7 +17,7 @@ from pdserve.kvtransfer.codec import decode_message, decode_record, new_transfer
 from pdserve.kvtransfer.sink import CacheSink, limits_for
 from pdserve.kvtransfer.testing import make_caches, message_from_cache, tiny_layout
 from pdserve.kvtransfer.wire import (
-    FORMAT_VERSION, HEADER, INDEX_ENTRY, MAGIC, WireError, parse_header, parse_index,
+    FORMAT_VERSION, HEADER, HEADER_SIZE, INDEX_ENTRY, MAGIC, WireError, parse_header, parse_index,
 )
 
 LAYOUT = tiny_layout(num_blocks=16, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
@@ -41,9 +41,10 @@ def header_with(**fields) -> bytes:
                   compat=LIMITS.compat_hash, transfer_id=bytes(16), num_blocks=1,
                   num_layers=LIMITS.num_layers, block_size=LIMITS.block_size,
                   num_kv_heads=LIMITS.num_kv_heads, head_dim=LIMITS.head_dim,
+                  first_layer=0, layer_count=LIMITS.num_layers, reserved=0,
                   payload_len=0, checksum=0)
     values.update(fields)
-    body = HEADER.pack(*values.values(), 0)[:60]
+    body = HEADER.pack(*values.values(), 0)[:HEADER_SIZE - 4]
     return body + struct.pack("<I", zlib.crc32(body))
 
 
@@ -80,6 +81,16 @@ def test_mutated_headers_pass_only_when_consistent(version, dtype, flags, compat
                        num_blocks=num_blocks, num_layers=num_layers, block_size=block_size,
                        num_kv_heads=heads, head_dim=head_dim, payload_len=payload_len)
     parse_or_refuse(data)
+
+
+@FUZZ
+@given(first_layer=u16, layer_count=u16, reserved=u32, num_blocks=st.integers(0, 20), payload_len=u64)
+def test_layer_slices_pass_only_inside_the_model(first_layer, layer_count, reserved, num_blocks, payload_len):
+    header = parse_or_refuse(header_with(first_layer=first_layer, layer_count=layer_count,
+                                         reserved=reserved, num_blocks=num_blocks, payload_len=payload_len))
+    if header is not None:
+        assert reserved == 0 and 0 < layer_count and first_layer + layer_count <= LIMITS.num_layers
+        assert list(header.layers) == list(range(first_layer, first_layer + layer_count))
 
 
 @FUZZ

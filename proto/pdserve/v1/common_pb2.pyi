@@ -127,7 +127,7 @@ class FallbackStep(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., reason: _Optional[str] = ..., duration_ms: _Optional[float] = ...) -> None: ...
 
 class TransferVerdict(_message.Message):
-    __slots__ = ("outcome", "reason", "backend", "num_bytes", "num_blocks", "duration_ms", "fallbacks", "prefill_worker_id", "prefill_status_code", "transfer_id", "fetch_keys")
+    __slots__ = ("outcome", "reason", "backend", "num_bytes", "num_blocks", "duration_ms", "fallbacks", "prefill_worker_id", "prefill_status_code", "transfer_id", "fetch_keys", "num_messages", "layer_send_ms")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,8 @@ class TransferVerdict(_message.Message):
     PREFILL_STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     FETCH_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SEND_MS_FIELD_NUMBER: _ClassVar[int]
     outcome: TransferOutcome
     reason: str
     backend: str
@@ -150,7 +152,9 @@ class TransferVerdict(_message.Message):
     prefill_status_code: str
     transfer_id: str
     fetch_keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, outcome: _Optional[_Union[TransferOutcome, str]] = ..., reason: _Optional[str] = ..., backend: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., duration_ms: _Optional[float] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackStep, _Mapping]]] = ..., prefill_worker_id: _Optional[str] = ..., prefill_status_code: _Optional[str] = ..., transfer_id: _Optional[str] = ..., fetch_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_messages: int
+    layer_send_ms: float
+    def __init__(self, outcome: _Optional[_Union[TransferOutcome, str]] = ..., reason: _Optional[str] = ..., backend: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., duration_ms: _Optional[float] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackStep, _Mapping]]] = ..., prefill_worker_id: _Optional[str] = ..., prefill_status_code: _Optional[str] = ..., transfer_id: _Optional[str] = ..., fetch_keys: _Optional[_Iterable[int]] = ..., num_messages: _Optional[int] = ..., layer_send_ms: _Optional[float] = ...) -> None: ...
 
 class RequestTimings(_message.Message):
     __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "first_decode_ms")

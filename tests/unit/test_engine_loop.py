@@ -1,0 +1,45 @@
+"""EngineLoop: the thread that runs an engine for asyncio services."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pdserve.engine import engine_loop
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def test_a_request_parked_on_a_remote_prefill_does_not_spin_the_engine_thread(tiny_model_factory):
+    """While every request waits on something outside the engine, the thread sleeps between
+    steps: a spinning one held a core and the GIL through each remote prefill."""
+    engine = LLM(str(tiny_model_factory("llama")), num_blocks=32, block_size=16).engine
+    stamps: list[float] = []
+    step = engine.step
+
+    def counted():
+        stamps.append(time.monotonic())
+        return step()
+
+    engine.step = counted
+
+    async def scenario() -> float:
+        loop = EngineLoop(engine)
+        loop.start(asyncio.get_running_loop())
+        try:
+            stream = await loop.add_request(list(range(3, 40)), SamplingParams(max_tokens=2),
+                                            request_id="parked", remote_prefill=True)
+            assert await asyncio.wait_for(stream.remote_ready, 10)  # blocks held, waiting
+            first = len(stamps)
+            deadline = time.monotonic() + 10
+            while len(stamps) < first + 21:
+                assert time.monotonic() < deadline, "the engine thread stopped stepping"
+                await asyncio.sleep(0.001)
+            assert await loop.abort("parked")
+            return stamps[first + 20] - stamps[first]
+        finally:
+            loop.stop()
+
+    twenty_steps = asyncio.run(scenario())
+    assert twenty_steps >= 20 * engine_loop.PARKED_WAIT_S * 0.9
+    engine.assert_no_leaks()
