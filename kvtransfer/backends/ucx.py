@@ -33,6 +33,7 @@ by default because the control connection and the deadlines already detect a dea
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import importlib.util
@@ -67,6 +68,7 @@ WELCOME = struct.Struct("<4sHHII")  # magic, version, flags (0), connection id, 
 HELLO_MAGIC = b"PDUX"
 MAX_ADDRESS = 1 << 16  # a UCX worker address is a few hundred bytes; refuse absurd ones
 ABORT_PERIOD_NS = 500_000_000  # how long aborting a UCX endpoint may wait for UCX
+QUARANTINE_S = 30.0  # how long a buffer of an abandoned UCX operation is kept alive
 _GRACE_S = 1.0  # the calling thread waits this much past the deadline for the loop to answer
 
 
@@ -230,6 +232,30 @@ def _nbytes(buffer: object) -> int:
     return buffer.nbytes
 
 
+class _Quarantine:
+    """Buffers of UCX operations given up on (deadline, hang-up), kept alive a while.
+
+    Cancelling the asyncio side of a UCX send or receive does not retire the UCX request at
+    once: until UCX cancels it (the endpoint's abort, a later progress), it may still read
+    or write the buffer. Freed, that memory goes back to Python and torch; a late write
+    into it corrupted whatever took it next (a decode died of it under the chaos test).
+    """
+
+    def __init__(self) -> None:
+        self._held: collections.deque[tuple[float, object]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def hold(self, *buffers: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._held.append((now + QUARANTINE_S, buffers))
+            while self._held and self._held[0][0] < now:
+                self._held.popleft()
+
+
+_QUARANTINE = _Quarantine()
+
+
 # -- sender side ---------------------------------------------------------------------------------
 class _Link:
     """One sender -> receiver connection: TCP control stream + UCX endpoint."""
@@ -271,7 +297,11 @@ class _Link:
         await self.writer.drain()
         _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, "ucx"), self.endpoint)
         payload = _ucx_buffer(message.payload, writable=False)
-        await self.ep.send(payload, tag=(self.conn_id << 32) | seq, force_tag=True)
+        try:
+            await self.ep.send(payload, tag=(self.conn_id << 32) | seq, force_tag=True)
+        except BaseException:  # cancelled or failed: UCX may still read the payload a while
+            _QUARANTINE.hold(payload, message.payload)
+            raise
         _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, "ucx"), self.endpoint)
 
     def abort(self) -> None:
@@ -363,7 +393,15 @@ class _Receiver:
         receive = asyncio.ensure_future(ep.recv(buffer, tag=(conn_id << 32) | seq, force_tag=True))
         writer.write(_p2p.reply(True))
         await writer.drain()
-        if not await self._await_payload(receive, reader, budget_s):
+        try:
+            arrived = await self._await_payload(receive, reader, budget_s)
+        except BaseException:  # cancelled (closing) or a UCX error
+            arrived = False
+            raise
+        finally:
+            if not arrived:
+                _QUARANTINE.hold(buffer, staging)  # the receive may still land in it
+        if not arrived:
             return False
         try:
             await self._call_sink(self.sink.commit, header, index, staging)
