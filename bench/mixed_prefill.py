@@ -13,7 +13,8 @@ import argparse
 import time
 
 CONFIGS = (("FIRST_COME_FIRST_SERVED", 2048), ("EQUAL_PROGRESS", 2048), ("EQUAL_PROGRESS", 512),
-           ("EQUAL_PROGRESS", 256), ("EQUAL_PROGRESS", 128), ("EQUAL_PROGRESS", 64))
+           ("EQUAL_PROGRESS", 256), ("EQUAL_PROGRESS", 128), ("EQUAL_PROGRESS", 64),
+           ("SHORTEST_FIRST", 512), ("SHORTEST_FIRST", 256))
 
 
 def _ttfts(engine, prompts: dict[str, list[int]], timeout_s: float) -> dict[str, float]:

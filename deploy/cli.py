@@ -81,7 +81,7 @@ def _add_engine(p: argparse.ArgumentParser, role: str) -> None:
     f("capacity_policy", "admission under KV pressure",
       choices=("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"))
     f("chunking_policy", "how prompts share a step's token budget",
-      choices=("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS"))
+      choices=("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS", "SHORTEST_FIRST"))
 
 
 def _add_worker(p: argparse.ArgumentParser, role: str) -> None:

@@ -13,6 +13,7 @@ cache is full:
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -53,6 +54,10 @@ def connector_view(request: Request) -> ConnectorRequest:
     return ConnectorRequest(request.request_id, tuple(request.prompt_token_ids),
                             tuple(request.block_hashes), request.transfer_params)
 
+# SHORTEST_FIRST: a step that carries the shortest prompt left holds at most this many times
+# its tokens (`pdserve bench mixed-prefill`: a 40-token chat behind a 2,000-token prompt)
+SHORTEST_FIRST_STEP = 1.5
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
@@ -67,6 +72,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_queries = 0  # prompt tokens of admitted requests (first admission)
         self.num_prefix_hits = 0  # of those, found in the prefix cache
+        self._reserve = 0  # SHORTEST_FIRST: step tokens running prompts leave to a shorter waiting one
 
     # -- admission control --------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -93,6 +99,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_tokens
+        self._reserve = 0
+        if self.config.chunking_policy == ChunkingPolicy.SHORTEST_FIRST:
+            budget = self._shortest_first(budget)
         had_running = bool(self.running) or bool(self.remote)
         budget = self._schedule_running(out, budget)
         if not (self.config.capacity_policy == CapacityPolicy.STATIC_BATCH and had_running):
@@ -104,6 +113,29 @@ class Scheduler:
         out.connector_meta = self.connector.build_connector_meta()
         return out
 
+    def _shortest_first(self, budget: int) -> int:
+        """SHORTEST_FIRST: order the waiting prompts shortest first, and cap the step's
+        prompt tokens at 1.5x the shortest prompt left (a prompt of 40 tokens behind one
+        of 2,000 runs in a 60-token step, not a 256-token one). A running prompt leaves
+        room for a shorter waiting one (`_reserve`). Returns the step's budget."""
+        def left(request: Request) -> int:
+            return request.num_tokens - request.num_computed_tokens
+
+        local = [r for r in self.waiting if not (r.remote_prefill and r.num_output_tokens == 0)]
+        if len(local) > 1:
+            order = sorted(self.waiting, key=left)  # stable: FIFO among equals
+            self.waiting.clear()
+            self.waiting.extend(order)
+        prefilling = [left(r) for r in self.running if left(r) > 1]
+        candidates = prefilling + [left(r) for r in local]
+        if len(candidates) < 2:
+            return budget
+        shortest = min(candidates)
+        if local and min(left(r) for r in local) < min(prefilling, default=1 << 62):
+            self._reserve = shortest  # the shortest is still waiting: running prompts leave it room
+        num_decodes = sum(1 for r in self.running if left(r) == 1)
+        return min(budget, num_decodes + max(self.kv.block_size, math.ceil(SHORTEST_FIRST_STEP * shortest)))
+
     def _chunk_cap(self, num_prefilling: int, budget: int) -> int:
         if not self.config.enable_chunked_prefill:
             return 1 << 30
@@ -114,11 +146,13 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if self.config.chunking_policy == ChunkingPolicy.SHORTEST_FIRST:
+            prefills.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)
         for request in decodes + prefills:
             if request not in self.running:  # preempted earlier in this loop
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
-            n = min(remaining, budget, self._chunk_cap(len(prefills) + len(self.waiting), budget)) \
+            n = min(remaining, budget - self._reserve, self._chunk_cap(len(prefills) + len(self.waiting), budget)) \
                 if remaining > 1 else 1
             if n > budget or n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
                 continue

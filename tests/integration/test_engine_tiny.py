@@ -120,10 +120,11 @@ def test_chunked_prefill_equals_unchunked(llama_dir, llama_ref):
 def test_equal_progress_equals_first_come_first_served(llama_dir, llama_ref):
     fcfs = make_llm(llama_dir, max_num_tokens=32, chunking_policy="FIRST_COME_FIRST_SERVED")
     equal = make_llm(llama_dir, max_num_tokens=32, chunking_policy="EQUAL_PROGRESS")
+    shortest = make_llm(llama_dir, max_num_tokens=32, chunking_policy="SHORTEST_FIRST")
     a, b = token_ids(fcfs.generate(PROMPTS, GREEDY)), token_ids(equal.generate(PROMPTS, GREEDY))
-    assert a == b == expected(llama_ref)
-    fcfs.engine.assert_no_leaks()
-    equal.engine.assert_no_leaks()
+    assert a == b == token_ids(shortest.generate(PROMPTS, GREEDY)) == expected(llama_ref)
+    for llm in (fcfs, equal, shortest):
+        llm.engine.assert_no_leaks()
 
 
 def test_static_batch(llama_dir, llama_ref):

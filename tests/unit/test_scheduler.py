@@ -113,6 +113,30 @@ def test_equal_progress_shares_the_budget():
     d.run()
 
 
+def test_shortest_first_runs_a_short_prompt_in_a_step_sized_for_it():
+    """A 40-token prompt that arrives with, or behind, a 2,000-token one runs first, in a
+    step of at most 60 prompt tokens; the long one gets what is left, then whole steps."""
+    d = Driver(max_num_tokens=256, chunking_policy=ChunkingPolicy.SHORTEST_FIRST,
+               max_model_len=4096, num_blocks=300)
+    d.add("long", 2000, max_tokens=1)
+    d.add("short", 40, max_tokens=1, first_token=3000)
+    assert shape(d.step()) == {"short": 40, "long": 20}
+    assert [r.request_id for r in d.finished] == ["short"]
+    assert shape(d.step()) == {"long": 256}
+    d.add("late", 40, max_tokens=1, first_token=3100)  # arrives while the long one runs
+    assert shape(d.step()) == {"late": 40, "long": 20}
+    d.run()
+    assert d.kv.get_num_free_blocks() == d.kv.get_max_resource_count()
+
+
+def test_shortest_first_shares_nothing_among_equals():
+    d = Driver(max_num_tokens=32, chunking_policy=ChunkingPolicy.SHORTEST_FIRST)
+    for i in range(3):
+        d.add(f"r{i}", 40, first_token=100 * i + 1)
+    assert shape(d.step()) == {"r0": 32}  # the cap (60) is above the budget: first come first
+    d.run()
+
+
 def test_max_batch_size_caps_running_requests():
     d = Driver(max_batch_size=2)
     for i in range(3):
