@@ -49,7 +49,8 @@ def run_config(model: str, policy: str, budget: int, long_ids, short_ids, thread
     _ttfts(engine, {"warm": short_ids}, timeout_s)
     solo, behind, long = [], [], []
     for i in range(repeats):
-        solo.append(_ttfts(engine, {f"s{i}": short_ids}, timeout_s)[f"s{i}"])
+        # fresh tokens every time: the warm-up's prefix-cache hit would flatter the solo run
+        solo.append(_ttfts(engine, {f"s{i}": [(t + 500 + i) % 1000 + 10 for t in short_ids]}, timeout_s)[f"s{i}"])
         # distinct first tokens: no prefix-cache hit from the previous round
         mixed = _ttfts(engine, {f"l{i}": [(t + i) % 1000 + 10 for t in long_ids],
                                 f"b{i}": [(t + i) % 1000 + 10 for t in short_ids]}, timeout_s)

@@ -56,7 +56,7 @@ def connector_view(request: Request) -> ConnectorRequest:
 
 # SHORTEST_FIRST: a step that carries the shortest prompt left holds at most this many times
 # its tokens (`pdserve bench mixed-prefill`: a 40-token chat behind a 2,000-token prompt)
-SHORTEST_FIRST_STEP = 1.5
+SHORTEST_FIRST_STEP = 1.25
 
 
 class Scheduler:
@@ -115,8 +115,8 @@ class Scheduler:
 
     def _shortest_first(self, budget: int) -> int:
         """SHORTEST_FIRST: order the waiting prompts shortest first, and cap the step's
-        prompt tokens at 1.5x the shortest prompt left (a prompt of 40 tokens behind one
-        of 2,000 runs in a 60-token step, not a 256-token one). A running prompt leaves
+        prompt tokens at 1.25x the shortest prompt left (a prompt of 40 tokens behind one
+        of 2,000 runs in a 50-token step, not a 256-token one). A running prompt leaves
         room for a shorter waiting one (`_reserve`). Returns the step's budget."""
         def left(request: Request) -> int:
             return request.num_tokens - request.num_computed_tokens
