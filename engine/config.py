@@ -17,8 +17,9 @@ class CapacityPolicy(str, enum.Enum):
 class ChunkingPolicy(str, enum.Enum):
     FIRST_COME_FIRST_SERVED = "FIRST_COME_FIRST_SERVED"  # finish the oldest prompt first
     EQUAL_PROGRESS = "EQUAL_PROGRESS"  # share the token budget evenly among prompts
-    # The shortest prompt first, and a step that carries one no larger than 1.25x it: a short
-    # prompt behind a long one is not slowed by it (the long one gets what is left).
+    # A prompt ahead of those with at least twice its tokens left, in a step no larger than
+    # 1.25x it: a short prompt behind a long one is not slowed by it (the long one gets what
+    # is left); similar prompts keep their order.
     SHORTEST_FIRST = "SHORTEST_FIRST"
 
 

@@ -114,24 +114,31 @@ class Scheduler:
         return out
 
     def _shortest_first(self, budget: int) -> int:
-        """SHORTEST_FIRST: order the waiting prompts shortest first, and cap the step's
-        prompt tokens at 1.25x the shortest prompt left (a prompt of 40 tokens behind one
-        of 2,000 runs in a 50-token step, not a 256-token one). A running prompt leaves
-        room for a shorter waiting one (`_reserve`). Returns the step's budget."""
+        """SHORTEST_FIRST: a prompt goes ahead of those with at least twice its tokens left
+        (prompts are ranked by the power of two of their remaining tokens; within a rank,
+        first come first served, so a steady flow of similar prompts cannot starve one), and
+        while prompts of different ranks wait, a step holds at most 1.25x the shortest one's
+        tokens: a 40-token prompt behind a 2,000-token one runs in a 50-token step, not a
+        256-token one. A running prompt leaves a shorter waiting one room (`_reserve`).
+        Returns the step's budget."""
         def left(request: Request) -> int:
             return request.num_tokens - request.num_computed_tokens
 
+        def rank(request: Request) -> int:
+            return left(request).bit_length()
+
         local = [r for r in self.waiting if not (r.remote_prefill and r.num_output_tokens == 0)]
         if len(local) > 1:
-            order = sorted(self.waiting, key=left)  # stable: FIFO among equals
+            order = sorted(self.waiting, key=rank)  # stable: FIFO within a rank
             self.waiting.clear()
             self.waiting.extend(order)
-        prefilling = [left(r) for r in self.running if left(r) > 1]
-        candidates = prefilling + [left(r) for r in local]
-        if len(candidates) < 2:
-            return budget
-        shortest = min(candidates)
-        if local and min(left(r) for r in local) < min(prefilling, default=1 << 62):
+        prefilling = [r for r in self.running if left(r) > 1]
+        candidates = prefilling + local
+        if len({rank(r) for r in candidates}) < 2:
+            return budget  # nothing much shorter than the rest: plain steps
+        top = min(rank(r) for r in candidates)
+        shortest = min(left(r) for r in candidates if rank(r) == top)
+        if any(rank(r) == top for r in local) and all(rank(r) > top for r in prefilling):
             self._reserve = shortest  # the shortest is still waiting: running prompts leave it room
         num_decodes = sum(1 for r in self.running if left(r) == 1)
         return min(budget, num_decodes + max(self.kv.block_size, math.ceil(SHORTEST_FIRST_STEP * shortest)))
@@ -147,7 +154,7 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         if self.config.chunking_policy == ChunkingPolicy.SHORTEST_FIRST:
-            prefills.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)
+            prefills.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens).bit_length())
         for request in decodes + prefills:
             if request not in self.running:  # preempted earlier in this loop
                 continue

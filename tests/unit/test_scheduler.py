@@ -129,11 +129,16 @@ def test_shortest_first_runs_a_short_prompt_in_a_step_sized_for_it():
     assert d.kv.get_num_free_blocks() == d.kv.get_max_resource_count()
 
 
-def test_shortest_first_shares_nothing_among_equals():
-    d = Driver(max_num_tokens=32, chunking_policy=ChunkingPolicy.SHORTEST_FIRST)
-    for i in range(3):
-        d.add(f"r{i}", 40, first_token=100 * i + 1)
-    assert shape(d.step()) == {"r0": 32}  # the cap (50) is above the budget: first come first
+def test_shortest_first_keeps_the_order_of_similar_prompts():
+    """Prompts within 2x of each other keep their order and full steps: a steady flow of
+    slightly shorter prompts cannot starve an earlier one."""
+    d = Driver(max_num_tokens=32, chunking_policy=ChunkingPolicy.SHORTEST_FIRST, num_blocks=64)
+    d.add("r0", 40, first_token=1)
+    d.add("r1", 36, first_token=101)  # shorter, but not 2x shorter: behind r0
+    d.add("r2", 33, first_token=201)
+    assert shape(d.step()) == {"r0": 32}
+    assert shape(d.step()) == {"r0": 8, "r1": 2}  # r0's last 8 are much shorter: sized for them
+    assert shape(d.step()) == {"r0": 1, "r1": 31}  # r0 decodes; r1 before r2, though r2 is shorter
     d.run()
 
 
