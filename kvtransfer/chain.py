@@ -97,11 +97,15 @@ class FallbackChain:
         return None
 
     def send_part(self, name: str, endpoint: str, message: BlockMessage, deadline: float) -> None:
-        """One message of a stream through transport `name`, its health kept as for a whole
-        send. Raises like `KVTransport.send`."""
+        """One message through transport `name` (a whole transfer, or one message of a
+        stream) under the step deadline, its outcome kept in the backend's health. Raises
+        like `KVTransport.send`."""
         health = self.health[name]
         try:
             self.transports[name].send(endpoint, message, min(deadline, time.monotonic() + self.step_timeout_s))
+        except TimeoutError as exc:
+            health.record_failure(f"timed out: {exc}")
+            raise
         except Exception as exc:
             health.record_failure(f"{exc.__class__.__name__}: {exc}")
             raise
@@ -150,16 +154,12 @@ class FallbackChain:
     def _attempt(self, name: str, job: SendJob, deadline: float) -> str | None:
         """Run one step. None on success, else why it failed."""
         if name in self.transports:
-            health = self.health[name]
             try:
-                self.transports[name].send(job.endpoints[name], job.message, deadline)
+                self.send_part(name, job.endpoints[name], job.message, deadline)
             except TimeoutError as exc:
-                health.record_failure(f"timed out: {exc}")
                 return f"timed out after {self.step_timeout_s:g}s step deadline: {exc}"
             except Exception as exc:  # a backend's bug must not end the chain
-                health.record_failure(f"{exc.__class__.__name__}: {exc}")
                 return f"{exc.__class__.__name__}: {exc}"
-            health.record_success()
             return None
         store = self.stores[name]
         stored = store.put(job.store_keys, job.message)  # records its own health

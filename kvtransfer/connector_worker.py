@@ -37,7 +37,7 @@ from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.receive import land_from_store
 from pdserve.kvtransfer.registry import OpenedBackends
 from pdserve.kvtransfer.sink import CacheSink, limits_for
-from pdserve.kvtransfer.stream import LayerStream, send_blocks
+from pdserve.kvtransfer.stream import LayerStream
 from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict
 
 log = logging.getLogger("pdserve.kvtransfer.connector")
@@ -173,9 +173,9 @@ class PdConnectorWorker(KVConnectorWorker):
                 self._step_streams = [stream for rid, stream in self._streams.items()
                                       if rid in context.num_computed_by_request]
             for stream in self._step_streams:
-                stream.plan_step(context, self.layout.block_size)
+                stream.plan_step(context)
         for stream in self._step_streams:
-            stream.add_layer(layer_idx, kv_layer, context, self.layout.num_layers)
+            stream.add_layer(layer_idx, kv_layer)
 
     def wait_for_save(self) -> None:
         """Gather what completed this step (synchronously: the blocks may be reused after)
@@ -241,7 +241,8 @@ class PdConnectorWorker(KVConnectorWorker):
         rid, params = spec.request_id, spec.params
         if not self.config.layerwise or self._closed:
             return
-        if self._refuse_reason(params, send_blocks(spec.num_prompt_tokens, self.layout.block_size, params)):
+        keys = self._send_keys(spec)
+        if self._refuse_reason(params, len(keys)):
             return
         backend = self.chain.stream_backend(dict(params.endpoints), params.backends)
         if backend is None:
@@ -250,7 +251,7 @@ class PdConnectorWorker(KVConnectorWorker):
             if rid in self._streams or rid not in self._sends:
                 return
             self._streams[rid] = LayerStream(
-                rid, params, self._send_keys(spec), spec.num_prompt_tokens, backend, self.chain,
+                rid, params, keys, spec.num_prompt_tokens, backend, self.chain,
                 self.limits, self.kv_caches, submit=lambda fn: self._submit(fn, pool=self._stream_pool),
                 on_verdict=self._finish_send)
 

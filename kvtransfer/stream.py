@@ -37,7 +37,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from pdserve.common.util import cdiv
 from pdserve.engine.connector import LayerSaveContext
 from pdserve.kvtransfer.blocks import gather_to_host
 from pdserve.kvtransfer.chain import FallbackChain, SendJob
@@ -86,7 +85,7 @@ class LayerStream:
         self._on_verdict = on_verdict
         self.num_blocks = len(params.dst_block_ids)
         self._next_block = 0  # blocks before it are covered by earlier steps
-        self._step: tuple[LayerSaveContext, int, int, torch.Tensor, bool] | None = None
+        self._step: tuple[int, int, torch.Tensor, bool] | None = None  # first, stop, src, final
         self._lock = threading.Lock()
         self._queue: deque[_Part] = deque()
         self._parts: list[_Part] = []
@@ -101,29 +100,28 @@ class LayerStream:
         self._final_s = 0.0
 
     # -- the engine's thread -------------------------------------------------------------
-    def plan_step(self, context: LayerSaveContext, block_size: int) -> None:
+    def plan_step(self, context: LayerSaveContext) -> None:
         """Which blocks this step sends: those it completes (the last, partial one when the
         prompt ends in it). Blocks a prefix cache or store supplied go with the first step."""
         done = context.num_computed_by_request.get(self.request_id, 0)
         lead = self.params.num_leading_blocks
         final = done >= self.num_prompt_tokens
-        stop = self.num_blocks if final else min(done // block_size - lead, self.num_blocks)
+        stop = self.num_blocks if final else min(done // self._limits.block_size - lead, self.num_blocks)
         first = self._next_block
         self._step = None
         if stop <= first:
             return
         block_ids = context.block_ids_by_request[self.request_id]
         src = block_ids[lead + first:lead + stop]
-        self._step = (context, first, stop, torch.as_tensor(src, dtype=torch.int64), final)
+        self._step = (first, stop, torch.as_tensor(src, dtype=torch.int64), final)
 
-    def add_layer(self, layer: int, kv_layer: torch.Tensor, context: LayerSaveContext,
-                  num_layers: int) -> None:
+    def add_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Layer `layer` of this step is in the cache: in the last step, queue its slice of
         the step's blocks; in an earlier one, queue every layer of them after the last."""
-        step = self._step
-        if step is None or step[0] is not context:
+        if self._step is None:
             return
-        _, first, stop, src, final = step
+        first, stop, src, final = self._step
+        num_layers = self._limits.num_layers
         if final:
             part = self._take(first, layer, kv_layer, src)
         elif layer == num_layers - 1:
@@ -278,8 +276,3 @@ def assemble(parts: Sequence[_Part], num_blocks: int, num_layers: int) -> torch.
         raise ValueError(f"the parts cover {int(covered.sum())} of {covered.numel()} block layers")
     return whole
 
-
-def send_blocks(num_prompt_tokens: int, block_size: int, params: TransferParams) -> int:
-    """How many blocks the prefill sends for this hand-off (the prompt's, past the
-    receiver's leading hit)."""
-    return cdiv(num_prompt_tokens, block_size) - params.num_leading_blocks

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from pdserve.engine import engine_loop
@@ -15,15 +16,20 @@ def test_a_request_parked_on_a_remote_prefill_does_not_spin_the_engine_thread(ti
     steps: a spinning one held a core and the GIL through each remote prefill."""
     engine = LLM(str(tiny_model_factory("llama")), num_blocks=32, block_size=16).engine
     stamps: list[float] = []
+    enough = threading.Event()  # 21 steps stamped after `first`
+    first = None
     step = engine.step
 
     def counted():
         stamps.append(time.monotonic())
+        if first is not None and len(stamps) >= first + 21:
+            enough.set()
         return step()
 
     engine.step = counted
 
     async def scenario() -> float:
+        nonlocal first
         loop = EngineLoop(engine)
         loop.start(asyncio.get_running_loop())
         try:
@@ -31,10 +37,7 @@ def test_a_request_parked_on_a_remote_prefill_does_not_spin_the_engine_thread(ti
                                             request_id="parked", remote_prefill=True)
             assert await asyncio.wait_for(stream.remote_ready, 10)  # blocks held, waiting
             first = len(stamps)
-            deadline = time.monotonic() + 10
-            while len(stamps) < first + 21:
-                assert time.monotonic() < deadline, "the engine thread stopped stepping"
-                await asyncio.sleep(0.001)
+            assert await asyncio.to_thread(enough.wait, 10), "the engine thread stopped stepping"
             assert await loop.abort("parked")
             return stamps[first + 20] - stamps[first]
         finally:

@@ -7,6 +7,7 @@ tokens must equal a plain local engine's, and every block must be back in both p
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -40,6 +41,26 @@ def run_until(llm, done, timeout_s: float = 60.0):
         assert time.monotonic() < deadline, "engine did not finish in time"
         outputs += llm.step()
     return outputs
+
+
+@contextlib.contextmanager
+def engines(model_dir, config: KVTransferConfig, **prefill_overrides):
+    """(prefill, decode, local): two engines joined by `config`'s chain and a plain one;
+    the connectors are closed on the way out."""
+    prefill = LLM(str(model_dir), connector=build_connector(config, listen=False),
+                  num_blocks=64, block_size=BLOCK, **prefill_overrides)
+    decode = LLM(str(model_dir), connector=build_connector(config), num_blocks=64, block_size=BLOCK)
+    try:
+        yield prefill, decode, LLM(str(model_dir), num_blocks=64, block_size=BLOCK)
+    finally:
+        prefill.engine.connector.worker.close()
+        decode.engine.connector.worker.close()
+
+
+def assert_all_blocks_back(prefill, decode) -> None:
+    for llm in (prefill, decode):
+        llm.engine.assert_no_leaks()
+    assert decode.engine.connector.worker.sink.reserved_block_ids == set()
 
 
 def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None):
@@ -76,15 +97,10 @@ def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None):
 def test_disaggregated_greedy_equals_local(tiny_model_factory, tmp_path, backend):
     model_dir = tiny_model_factory("llama")
     config = KVTransferConfig(backends=(backend, RECOMPUTE), disk_store=str(tmp_path / "store"))
-    prefill = LLM(str(model_dir), connector=build_connector(config, listen=False),
-                  num_blocks=64, block_size=BLOCK)
-    decode = LLM(str(model_dir), connector=build_connector(config), num_blocks=64,
-                 block_size=BLOCK)
-    local = LLM(str(model_dir), num_blocks=64, block_size=BLOCK)
     g = torch.Generator().manual_seed(4)  # a seed whose greedy continuation varies
     base = torch.randint(3, 256, (40,), generator=g).tolist()
     prompts = [base, base[:33] + [7, 8, 9, 10, 11]]  # the second shares 2 blocks with the first
-    try:
+    with engines(model_dir, config) as (prefill, decode, local):
         for i, prompt in enumerate(prompts):
             tokens, sent, received = disaggregated(prefill, decode, prompt, f"r{i}")
             assert sent.ok and sent.backend == backend and received.ok, received.describe()
@@ -96,12 +112,7 @@ def test_disaggregated_greedy_equals_local(tiny_model_factory, tmp_path, backend
             assert tuple(tokens) == expected
         # the second prompt's first 2 blocks were a prefix hit on the decode side: not sent
         assert sent.num_blocks == 1
-        for llm in (prefill, decode):
-            llm.engine.assert_no_leaks()
-        assert decode.engine.connector.worker.sink.reserved_block_ids == set()
-    finally:
-        prefill.engine.connector.worker.close()
-        decode.engine.connector.worker.close()
+        assert_all_blocks_back(prefill, decode)
 
 
 def test_failed_transfer_is_recomputed_by_the_decode_side(tiny_model_factory, tmp_path):
@@ -138,25 +149,16 @@ def test_layer_wise_stream_across_prefill_chunks(tiny_model_factory, tmp_path, b
     a local engine would."""
     model_dir = tiny_model_factory("llama")
     config = KVTransferConfig(backends=(backend, RECOMPUTE))
-    prefill = LLM(str(model_dir), connector=build_connector(config, listen=False),
-                  num_blocks=64, block_size=BLOCK, max_num_tokens=12)
-    decode = LLM(str(model_dir), connector=build_connector(config), num_blocks=64, block_size=BLOCK)
-    local = LLM(str(model_dir), num_blocks=64, block_size=BLOCK)
     prompt = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(5)).tolist()
-    num_layers = prefill.engine.model_config.num_layers
-    try:
+    with engines(model_dir, config, max_num_tokens=12) as (prefill, decode, local):
+        num_layers = prefill.engine.model_config.num_layers
         tokens, sent, received = disaggregated(prefill, decode, prompt, "chunked")
         assert sent.ok and received.ok, received.describe()
         # steps end at tokens 12, 24, 36, 45: blocks complete after steps 2 (block 0), 3 (1)
         # and 4 (2, the partial block, sent a layer at a time unless the sender lags)
         assert sent.num_blocks == 3 and 2 + 1 <= sent.num_messages <= 2 + num_layers
         assert tuple(tokens) == local.generate(prompt, GREEDY)[0].token_ids
-        for llm in (prefill, decode):
-            llm.engine.assert_no_leaks()
-        assert decode.engine.connector.worker.sink.reserved_block_ids == set()
-    finally:
-        prefill.engine.connector.worker.close()
-        decode.engine.connector.worker.close()
+        assert_all_blocks_back(prefill, decode)
 
 
 @pytest.mark.parametrize("backend", _p2p_params())
@@ -168,28 +170,18 @@ def test_a_stream_that_breaks_falls_back_to_the_next_backend_whole(tiny_model_fa
     model_dir = tiny_model_factory("llama")
     config = KVTransferConfig(backends=(backend, "disk", RECOMPUTE), disk_store=str(tmp_path / "store"),
                               step_timeout_s=5)
-    prefill = LLM(str(model_dir), connector=build_connector(config, listen=False),
-                  num_blocks=64, block_size=BLOCK, max_num_tokens=20)
-    decode = LLM(str(model_dir), connector=build_connector(config), num_blocks=64, block_size=BLOCK)
-    local = LLM(str(model_dir), num_blocks=64, block_size=BLOCK)
     prompt = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(6)).tolist()
+    with engines(model_dir, config, max_num_tokens=20) as (prefill, decode, local):
+        def cut_the_link():
+            assert prefill.engine.connector.worker.flush(10)  # the first step's layers landed
+            decode.engine.connector.worker.backends.transports[backend].close()
 
-    def cut_the_link():
-        assert prefill.engine.connector.worker.flush(10)  # the first step's layers landed
-        decode.engine.connector.worker.backends.transports[backend].close()
-
-    try:
         tokens, sent, received = disaggregated(prefill, decode, prompt, "broken", cut_the_link)
         assert sent.ok and sent.backend == "disk" and received.ok, received.describe()
         assert [f.backend for f in sent.fallbacks] == [backend]
         assert "stream broke at layers [0, 2) of blocks [1, 2)" in sent.fallbacks[0].reason
         assert tuple(tokens) == local.generate(prompt, GREEDY)[0].token_ids
-        for llm in (prefill, decode):
-            llm.engine.assert_no_leaks()
-        assert decode.engine.connector.worker.sink.reserved_block_ids == set()
-    finally:
-        prefill.engine.connector.worker.close()
-        decode.engine.connector.worker.close()
+        assert_all_blocks_back(prefill, decode)
 
 
 @pytest.mark.parametrize("backend", _p2p_params()[:1])

@@ -28,6 +28,7 @@ class RecordingChain:
     def __init__(self, sink: CacheSink, fail_from: int | None = None) -> None:
         self.sink = sink
         self.release = threading.Event()
+        self.changed = threading.Condition()  # notified with each message and verdict
         self.layers: list[tuple[int, int, int]] = []  # (first dst block, first layer, layers)
         self.fail_from = fail_from
         self.whole: list = []
@@ -36,12 +37,15 @@ class RecordingChain:
         if not self.layers:
             assert self.release.wait(10)
         header = parse_header(message.header, self.sink.limits)
-        if self.fail_from is not None and len(self.layers) >= self.fail_from:
-            self.layers.append((-1, header.first_layer, len(header.layers)))
+        failing = self.fail_from is not None and len(self.layers) >= self.fail_from
+        if not failing:
+            self.sink.check(header, message.index)
+            self.sink.commit(header, message.index, message.payload)
+        with self.changed:
+            self.layers.append((-1 if failing else message.index[0], header.first_layer, len(header.layers)))
+            self.changed.notify_all()
+        if failing:
             raise ConnectionError("peer gone")
-        self.layers.append((message.index[0], header.first_layer, len(header.layers)))
-        self.sink.check(header, message.index)
-        self.sink.commit(header, message.index, message.payload)
 
     def send(self, job, broken=None):
         self.whole.append((job, broken))
@@ -62,22 +66,25 @@ def stream_of(chain, source, dst, num_tokens, pool, verdicts):
     params = TransferParams(new_transfer_id(), dst, 0, time.time() + 30, limits_for(LAYOUT).compat_hash,
                             (("ucx", "127.0.0.1:1"),), ("ucx", "disk"))
     chain.sink.expect(params.transfer_id, dst, time.monotonic() + 30, tag="r")
+
+    def on_verdict(rid, verdict):
+        with chain.changed:
+            verdicts.append(verdict)
+            chain.changed.notify_all()
+
     return LayerStream("r", params, list(range(len(dst))), num_tokens, "ucx", chain, limits_for(LAYOUT),
-                       source, submit=pool.submit, on_verdict=lambda rid, v: verdicts.append(v)), params
+                       source, submit=pool.submit, on_verdict=on_verdict), params
 
 
 def run_step(stream, source, src_blocks, done_tokens):
-    context = LayerSaveContext({"r": tuple(src_blocks)}, {"r": done_tokens})
-    stream.plan_step(context, BS)
+    stream.plan_step(LayerSaveContext({"r": tuple(src_blocks)}, {"r": done_tokens}))
     for layer, cache in enumerate(source):
-        stream.add_layer(layer, cache, context, LAYOUT.num_layers)
+        stream.add_layer(layer, cache)
 
 
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+def wait_for(chain, predicate, timeout_s=10.0):
+    with chain.changed:
+        assert chain.changed.wait_for(predicate, timeout_s)
 
 
 def test_steps_before_the_last_go_whole_and_a_lagging_sender_coalesces_the_last_steps_layers(pool):
@@ -89,7 +96,7 @@ def test_steps_before_the_last_go_whole_and_a_lagging_sender_coalesces_the_last_
     run_step(stream, source, [1, 2, 3], 10)  # the last step: blocks 1, 2 a layer at a time
     stream.finish(time.monotonic())
     chain.release.set()  # the first message was held: the last step's layers queued behind it
-    wait_for(lambda: verdicts)
+    wait_for(chain, lambda: verdicts)
     assert verdicts[0].ok and verdicts[0].num_messages == len(chain.layers)
     first_dst = [entry[0] for entry in chain.layers]
     assert chain.layers[0][1:] == (0, 4)  # step one: layers [0, 4) of block 0
@@ -106,11 +113,11 @@ def test_a_broken_stream_sends_the_whole_prompt_from_its_parts(pool):
     verdicts: list = []
     stream, params = stream_of(chain, source, [4, 5, 6], 12, pool, verdicts)
     run_step(stream, source, [7, 8, 9], 4)
-    wait_for(lambda: len(chain.layers) == 1)
+    wait_for(chain, lambda: len(chain.layers) == 1)
     run_step(stream, source, [7, 8, 9], 8)  # its message fails: the stream breaks
     run_step(stream, source, [7, 8, 9], 12)  # the last step: kept, not sent
     stream.finish(time.monotonic())
-    wait_for(lambda: verdicts)
+    wait_for(chain, lambda: verdicts)
     assert len(chain.layers) == 2 and chain.layers[1][0] == -1
     (job, broken), = chain.whole
     assert broken.backend == "ucx" and "peer gone" in broken.reason
@@ -128,5 +135,5 @@ def test_cancel_ends_the_stream_without_a_verdict(pool):
     run_step(stream, source, [3, 4], 8)  # nothing more is queued
     stream.finish(time.monotonic())
     chain.release.set()
-    wait_for(lambda: not stream._draining)
+    pool.shutdown(wait=True)  # every send the stream started has ended
     assert verdicts == [] and len(chain.layers) <= 1
