@@ -53,6 +53,15 @@ class LegResult:
     aborted: bool = False  # ended by an abort: nothing to recompute
     tail_ms: float = 0.0  # the transfer after the prefill's forward, to the blocks verified here
     prompt_logprobs: tuple = ()  # sampling.prompt_logprobs: computed by the prefill
+    num_cached_tokens: int = 0  # prompt tokens the prefill found cached (its prefix cache, its store)
+
+
+@dataclass(slots=True)
+class RemoteOutcome:
+    """How a remote prefill ended, as `RemotePrefill.run` returns it."""
+
+    verdict: common_pb2.TransferVerdict
+    num_cached_tokens: int = 0  # prompt tokens the prefill did not compute (cached or loaded there)
 
 
 class NoReceiver:
@@ -153,7 +162,8 @@ class PrefillLeg:
             return LegResult(False, verdict, tail_ms=tail_ms)
         lp = logprob_from_proto(resp.first_token_logprob) if resp.HasField("first_token_logprob") else None
         return LegResult(True, verdict, resp.first_token_id, lp, tail_ms=tail_ms,
-                         prompt_logprobs=tuple(logprob_from_proto(e) for e in resp.prompt_logprobs))
+                         prompt_logprobs=tuple(logprob_from_proto(e) for e in resp.prompt_logprobs),
+                         num_cached_tokens=resp.num_cached_tokens)
 
     async def abort(self, request_id: str) -> None:
         """Cancel the leg of `request_id` if one runs: the RPC, then the reservation."""
@@ -185,13 +195,14 @@ class RemotePrefill:
         return self.leg.can_receive
 
     async def run(self, rid: str, request, stream, timings: common_pb2.RequestTimings,
-                  t_arrival: float) -> common_pb2.TransferVerdict:
+                  t_arrival: float) -> RemoteOutcome:
         try:
             ready = await asyncio.wait_for(stream.remote_ready, self.timeout_s)
         except asyncio.TimeoutError:
             raise DeadlinePassedError(f"not admitted within {self.timeout_s:g} s") from None
         if ready is None:  # aborted while waiting for admission: the stream carries the end
-            return common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_FAILED, reason="aborted")
+            return RemoteOutcome(common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_FAILED,
+                                                            reason="aborted"))
         block_ids, num_cached = ready
         t_admitted = time.monotonic()
         timings.queue_ms = (t_admitted - t_arrival) * 1000
@@ -200,13 +211,13 @@ class RemotePrefill:
         timings.prefill_ms = (time.monotonic() - t_admitted) * 1000
         timings.transfer_ms = result.tail_ms  # the transfer's tail: not overlapped with compute
         if result.aborted:
-            return result.verdict  # the engine ends the stream with finish_reason abort
+            return RemoteOutcome(result.verdict)  # the engine ends the stream with finish_reason abort
         if result.ok:
             engine = self.loop.engine
             await self.loop.call(lambda: engine.finish_remote_prefill(
                 rid, result.first_token_id, result.first_logprob, result.prompt_logprobs))
-            return result.verdict
-        return await self._on_failure(rid, result.verdict)
+            return RemoteOutcome(result.verdict, result.num_cached_tokens)
+        return RemoteOutcome(await self._on_failure(rid, result.verdict))
 
     async def _on_failure(self, rid: str, verdict: common_pb2.TransferVerdict) -> common_pb2.TransferVerdict:
         if self.failure_policy == "recompute":

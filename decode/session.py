@@ -11,7 +11,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from pdserve.common.errors import DeadlinePassedError
 from pdserve.decode.placement import Placement, place
-from pdserve.decode.prefill_leg import RemotePrefill
+from pdserve.decode.prefill_leg import RemoteOutcome, RemotePrefill
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
@@ -71,18 +71,20 @@ class DecodeSessions:
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
         timings = common_pb2.RequestTimings()
-        verdict = common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_LOCAL,
-                                             reason=placement.reason)
+        outcome = RemoteOutcome(common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_LOCAL,
+                                                           reason=placement.reason))
         try:
             if placement.remote:
-                verdict = await self.remote.run(rid, request, stream, timings, t_arrival)
+                outcome = await self.remote.run(rid, request, stream, timings, t_arrival)
+            verdict = outcome.verdict
             self.metrics.prefill_decisions.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome),
                                                   reason=verdict.reason.split(":")[0]).inc()
-            async for response in self._stream(stream, rid):
-                if not timings.first_decode_ms:
+            first = True
+            async for out, response in self._stream(stream, rid, outcome.num_cached_tokens):
+                if first and (out.new_token_ids or out.finished):
+                    first = False
                     response.transfer.CopyFrom(verdict)
-                    timings.first_decode_ms = max(0.001, (time.monotonic() - t_arrival) * 1000
-                                                  - timings.queue_ms - timings.prefill_ms)
+                    self._time_first_token(timings, out, t_arrival, placement.remote)
                 if response.finish_reason:
                     response.transfer.CopyFrom(verdict)
                     response.timings.CopyFrom(timings)
@@ -96,7 +98,29 @@ class DecodeSessions:
             await self.abort(rid)
             raise
 
-    async def _stream(self, stream, rid: str) -> AsyncIterator[decode_pb2.DecodeResponse]:
+    def _time_first_token(self, timings: common_pb2.RequestTimings, out, t_arrival: float,
+                          remote: bool) -> None:
+        """The TTFT phases, on the first delta. A remote prefill set queue (admission), prefill
+        (the leg) and transfer (its tail) already; a local one is timed by the engine: queue
+        until its first chunk was scheduled, prefill until its first token was sampled. First
+        decode is the rest, up to this delta."""
+        now = time.monotonic()
+        if remote:
+            timings.first_decode_ms = max(0.001, (now - t_arrival) * 1000 - timings.queue_ms - timings.prefill_ms)
+        else:
+            scheduled = out.first_scheduled_time or t_arrival
+            sampled = out.first_token_time or now
+            timings.queue_ms = max(0.0, scheduled - t_arrival) * 1000
+            timings.prefill_ms = max(0.0, sampled - scheduled) * 1000
+            timings.first_decode_ms = max(0.001, (now - sampled) * 1000)
+        for phase, ms in (("queue", timings.queue_ms), ("prefill", timings.prefill_ms),
+                          ("transfer", timings.transfer_ms), ("first_decode", timings.first_decode_ms)):
+            self.metrics.ttft_phase.labels(phase).observe(ms / 1000)
+
+    async def _stream(self, stream, rid: str, num_cached_elsewhere: int):
+        """(engine output, its proto message) per delta. `num_cached_elsewhere`: prompt tokens
+        the prefill service found cached; usage counts a prompt token as cached when either
+        side had it (both caches hold prefixes, so that is the larger of the two)."""
         tok = self.loop.engine.tokenizer
         while True:
             try:
@@ -112,12 +136,13 @@ class DecodeSessions:
                 resp.prompt_logprobs.extend(logprob_to_proto(lp, tok) for lp in out.prompt_logprobs)
             if out.finished:
                 resp.finish_reason = FINISH.get(out.finish_reason, common_pb2.FINISH_REASON_STOP)
+                cached = max(out.num_cached_tokens + out.num_loaded_tokens, num_cached_elsewhere)
                 resp.usage.CopyFrom(common_pb2.Usage(
                     prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                    cached_prompt_tokens=out.num_cached_tokens + out.num_loaded_tokens))
-                yield resp
+                    cached_prompt_tokens=min(cached, out.num_prompt_tokens)))
+                yield out, resp
                 return
-            yield resp
+            yield out, resp
 
     async def abort(self, rid: str) -> bool:
         """End `rid` wherever it is: cancel its prefill leg, free its blocks."""

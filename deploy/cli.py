@@ -16,6 +16,7 @@ from pdserve.bench import cli as bench_cli
 from pdserve.common.errors import PdserveError
 from pdserve.deploy import prepare
 from pdserve.deploy import up as up_defaults
+from pdserve.deploy.supervisor import RestartPolicy
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT, RouterConfig
 from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,
                                      WorkerSettings)
@@ -136,6 +137,9 @@ def _add_up(sub) -> None:
                     help="decode prefills every prompt itself (no prefill service)")
     up.add_argument("--ready-timeout-s", type=float,
                     help=f"how long to wait for all services (default {up_defaults.READY_TIMEOUT_S:g})")
+    up.add_argument("--max-restarts", type=int,
+                    help="a service that exits is restarted; one that exits more often than this within "
+                         f"{RestartPolicy().window_s:g} s stops `up` (default {RestartPolicy().max_restarts})")
     _add_router_options(up.add_argument_group("router"))
 
 

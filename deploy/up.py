@@ -2,12 +2,15 @@
 
 Each role runs as its own process (`python -m pdserve.deploy.cli <role> ...`), exactly as in
 a cluster. Workers pick free ports and register with the router. `up` waits until every
-service is ready (or fails fast if one dies), prints the URL and a curl line, and on Ctrl-C
-(or SIGTERM) stops every process: SIGTERM, then SIGKILL after a grace period.
+service is ready (restarting one that dies, see `supervisor`), prints the URL and a curl line, keeps every
+process running (a worker or router that exits is restarted with back-off; one that keeps
+failing stops `up` with a line that says which and why), and on Ctrl-C (or SIGTERM) stops
+every process: SIGTERM, then SIGKILL after a grace period or a second Ctrl-C.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from pdserve.common.auth import ClusterSecret
+from pdserve.deploy.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
 
 GRACE_S = 10.0
@@ -173,52 +177,66 @@ def banner(url: str, model: str, api_key: bool) -> str:
             "Ctrl-C stops every service.")
 
 
-def _interrupt(*_: Any) -> None:
-    raise KeyboardInterrupt
+def spawn(child: Child) -> None:
+    """Start (or start again) `child`'s process, its output pumped into `child.lines`."""
+    child.ready.clear()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **child.env)
+    child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=env, preexec_fn=_die_with_parent)
+    threading.Thread(target=_pump, args=(child,), daemon=True).start()
 
 
 def start(settings: dict[str, Any]) -> tuple[list[Child], int]:
     children, http_port = plan(settings)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     for child in children:
-        child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env={**env, **child.env}, preexec_fn=_die_with_parent)
-        threading.Thread(target=_pump, args=(child,), daemon=True).start()
+        spawn(child)
     return children, http_port
 
 
-def wait_ready(children: list[Child], url: str, timeout_s: float) -> None:
-    """Until every worker printed its ready line and the router at `url` registered them all."""
+def wait_ready(children: list[Child], url: str, timeout_s: float, supervisor: Supervisor | None = None,
+               stopping: threading.Event | None = None) -> None:
+    """Until every worker printed its ready line and the router at `url` registered them all.
+    A child that exits meanwhile is restarted by `supervisor`, or (without one) fails the start."""
     deadline = time.monotonic() + timeout_s
     workers = [c for c in children if c.name != "router"]
-    while time.monotonic() < deadline:
-        for child in children:
-            if child.proc.poll() is not None:
-                tail = "\n".join(child.lines[-20:])
-                raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{tail}")
+    while time.monotonic() < deadline and not (stopping and stopping.is_set()):
+        if supervisor is not None:
+            supervisor.check()
+        else:
+            for child in children:
+                if child.proc.poll() is not None:
+                    tail = "\n".join(child.lines[-20:])
+                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{tail}")
         if all(c.ready.is_set() for c in workers) and _router_ready(url, len(workers)):
             return
-        time.sleep(0.5)
+        if stopping is not None:
+            stopping.wait(0.5)
+        else:
+            time.sleep(0.5)
+    if stopping is not None and stopping.is_set():
+        return
     missing = [c.name for c in children if not c.ready.is_set()]
     raise TimeoutError(f"services not ready after {timeout_s:.0f} s: {missing or 'router registry'}")
 
 
-def stop(children: list[Child], grace_s: float = GRACE_S) -> None:
-    """SIGTERM every child, SIGKILL what is left after `grace_s`. A stopped child (SIGSTOP,
-    Ctrl-Z) is continued too, or it could not act on the SIGTERM."""
-    for child in children:
-        if child.proc and child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-            child.proc.send_signal(signal.SIGCONT)
+def stop(children: list[Child], grace_s: float = GRACE_S, hurry: threading.Event | None = None) -> None:
+    """SIGTERM every child, SIGKILL what is left after `grace_s` (or as soon as `hurry` is
+    set: a second Ctrl-C). A stopped child (SIGSTOP, Ctrl-Z) is continued too, or it could not
+    act on the SIGTERM."""
+    live = [c for c in children if c.proc is not None and c.proc.poll() is None]
+    for child in live:
+        child.proc.send_signal(signal.SIGTERM)
+        child.proc.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + grace_s
-    for child in children:
-        if child.proc is None:
-            continue
-        try:
-            child.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(child.proc.pid, signal.SIGKILL)
-            child.proc.wait(5)
+    while live and time.monotonic() < deadline and not (hurry and hurry.is_set()):
+        live = [c for c in live if c.proc.poll() is None]
+        if live:
+            (hurry.wait if hurry is not None else time.sleep)(0.05)
+    for child in live:
+        if child.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
+        child.proc.wait(5)
 
 
 @contextlib.contextmanager
@@ -240,29 +258,39 @@ def main(settings: dict[str, Any]) -> int:
 
 
 def _run(settings: dict[str, Any]) -> int:
-    # SIGTERM and SIGINT stop everything at any moment, start-up included; SIGINT's handler is
-    # set explicitly because a shell script starting `up` in the background ignores it
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGTERM and SIGINT stop everything at any moment, start-up included (SIGINT's handler is
+    # set explicitly because a shell script starting `up` in the background ignores it); a
+    # second one while stopping kills what is left at once. Neither raises: no traceback.
+    stopping, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        (hurry if stopping.is_set() else stopping).set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     children, http_port = start(settings)
-    stopping = threading.Event()
+    policy = RestartPolicy()
+    if settings.get("max_restarts") is not None:
+        policy = dataclasses.replace(policy, max_restarts=int(settings["max_restarts"]))
+    supervisor = Supervisor(children, spawn, _say, policy)
     try:
         url = base_url(settings, http_port)
-        wait_ready(children, url, float(settings.get("ready_timeout_s") or READY_TIMEOUT_S))
-        print(banner(url, _served_model(url, settings), bool(settings.get("api_key"))), flush=True)
+        wait_ready(children, url, float(settings.get("ready_timeout_s") or READY_TIMEOUT_S), supervisor, stopping)
+        if not stopping.is_set():
+            print(banner(url, _served_model(url, settings), bool(settings.get("api_key"))), flush=True)
         while not stopping.is_set():
-            for child in children:
-                if child.proc.poll() is not None:
-                    print(f"pdserve up: {child.name} exited with {child.proc.returncode}; stopping",
-                          flush=True)
-                    return 1
+            supervisor.check()
             stopping.wait(0.5)
         return 0
-    except KeyboardInterrupt:
-        return 0
-    except (RuntimeError, TimeoutError) as exc:
+    except (GaveUp, RuntimeError, TimeoutError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        stop(children)
+        stopping.set()
+        stop(children, hurry=hurry)
         print("pdserve up: stopped", flush=True)
+
+
+def _say(line: str) -> None:
+    with _OUTPUT:
+        print(f"pdserve up: {line}", flush=True)

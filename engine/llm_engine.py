@@ -292,7 +292,8 @@ class LLMEngine:
             request.finish_reason, request.stop_reason, request.num_prompt_tokens,
             request.num_output_tokens, max(0, request.num_cached_tokens),
             request.num_external_tokens, num_loaded_tokens=request.num_loaded_tokens,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time)
 
     # -- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:

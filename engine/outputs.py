@@ -26,6 +26,10 @@ class RequestOutput:
     # sampling_params.prompt_logprobs, on the request's first delta with tokens: one entry per
     # prompt token after the first
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # time.monotonic() when the request's first chunk was scheduled and when its first token
+    # was sampled here (None until then): the queue and prefill phases of a local prefill
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ cache is full:
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -106,10 +107,10 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not (self.config.capacity_policy == CapacityPolicy.STATIC_BATCH and had_running):
             self._schedule_waiting(out, budget)
+        now = time.monotonic()
         for chunk in out.chunks:
             if chunk.request.first_scheduled_time is None:
-                import time
-                chunk.request.first_scheduled_time = time.monotonic()
+                chunk.request.first_scheduled_time = now
         out.connector_meta = self.connector.build_connector_meta()
         return out
 

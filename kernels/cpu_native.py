@@ -7,7 +7,8 @@ SmolLM2's shape and batch 32 costs most of its time. The extension is built by t
 builder (needs a C++ compiler and ninja) into `<PDSERVE_CACHE_ROOT>/torch_extensions/<name>`,
 where the name hashes the source, the torch version and this CPU's instruction-set flags,
 so a cache directory shared between machines never hands one a binary built for another.
-Several processes starting at once build it once: torch's builder holds a lock file.
+Several processes starting at once build it once: the first takes `<build dir>.lock` and
+compiles, the others wait on it (saying so) and load what it built.
 
 `PDSERVE_CPU_ATTENTION` picks the path: ``auto`` (native when it builds, else the torch
 path with one warning naming the reason), ``native`` (a failed build is an error), or
@@ -32,6 +33,7 @@ _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                  for name in ("cpu_decode_attention.cpp", "cpu_fused_layer.cpp"))
 _FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rope_store_kv"]
 _MODES = ("auto", "native", "torch")
+BUILD_LOCK_TIMEOUT_S = 900.0  # the longest wait on another process's compile
 
 
 class NativeBuildError(RuntimeError):
@@ -77,26 +79,48 @@ def _load() -> object:
     """The loaded extension module, or the exception that stopped the build (kept, so a
     failing build is tried once per process, not once per layer)."""
     try:
-        from torch.utils import cpp_extension
-
         source = source_text()
         flags = _flags()
         name = "pdserve_cpu_attention_" + _fingerprint(source, flags)
         build_dir = envs.cache_root() / "torch_extensions" / name
         build_dir.mkdir(parents=True, exist_ok=True)
+        return _build_once(name, build_dir, lambda: _compile(name, build_dir, source, flags))
+    except Exception as e:  # compiler missing, ninja missing, read-only cache root, ...
+        return e
 
-        def load():
-            return cpp_extension.load_inline(
-                name=name, cpp_sources=[source], functions=_FUNCTIONS,
-                extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
-        if (build_dir / f"{name}.so").exists():
-            log.info("loading native CPU attention %s (built before)", name)
+def _compile(name: str, build_dir: Path, source: str, flags: list[str]) -> object:
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load_inline(
+        name=name, cpp_sources=[source], functions=_FUNCTIONS,
+        extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+
+
+def _build_once(name: str, build_dir: Path, load: Callable[[], object]) -> object:
+    """`load()` the extension, compiling it first if no process has: the first process to take
+    `<build_dir>.lock` compiles, the others say they wait and then load what it built (as the
+    build cache does for a model), so a machine compiles each kernel build once."""
+    from filelock import FileLock, Timeout
+
+    built = build_dir / f"{name}.so"
+    if built.exists():
+        log.info("loading native CPU attention %s (built before)", name)
+        return load()
+    lock = FileLock(f"{build_dir}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        with progress.step(f"waiting for another process compiling native CPU attention {name}"):
+            lock.acquire(timeout=BUILD_LOCK_TIMEOUT_S)
+    try:
+        if built.exists():
+            log.info("loading native CPU attention %s (built by another process)", name)
             return load()
         with progress.step(f"compiling native CPU attention {name} for this CPU, once (about a minute)"):
             return load()
-    except Exception as e:  # compiler missing, ninja missing, read-only cache root, ...
-        return e
+    finally:
+        lock.release()
 
 
 def source_text() -> str:

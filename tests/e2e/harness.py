@@ -61,6 +61,22 @@ class Deployment:
 
         return OpenAI(base_url=self.base_url, api_key="unused", timeout=120, max_retries=0)
 
+    def metric(self, sample: str) -> float:
+        """One sample of the router's /metrics, by its exact name and labels (0 when absent)."""
+        import httpx
+
+        text = httpx.get(self.base_url.replace("/v1", "/metrics"), timeout=10).text
+        return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith(sample + " ")), 0.0)
+
+    def assert_ttft_phases(self, timings: dict, transfer: bool) -> None:
+        """A response's TTFT phases are all there: the prefill took time, a transfer only when
+        one ran, and the router's phase histogram counted each phase."""
+        assert timings["prefill_ms"] > 0 and timings["first_decode_ms"] > 0 and timings["queue_ms"] >= 0, timings
+        assert (timings["transfer_ms"] > 0) == transfer, timings
+        for phase in ("queue", "prefill", "transfer", "first_decode"):
+            assert self.metric(f'pdserve_router_ttft_phase_seconds_count{{phase="{phase}"}}') >= 1
+
     def assert_no_leaks(self, timeout_s: float = 20.0) -> None:
         """Every KV block back in every worker's pool (polled: frees land asynchronously)."""
         from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc

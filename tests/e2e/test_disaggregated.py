@@ -51,6 +51,7 @@ def test_every_backend_carries_the_kv_and_text_matches_transformers(cluster, hf_
         assert f"decode-{transfer['backend']}" == decode
         assert transfer["blocks"] >= 2 and transfer["bytes"] > 0
         assert chat.choices[0].message.content == greedy(CHAT, 24), decode
+        cluster.assert_ttft_phases(info["timings"], transfer=True)
         seen[transfer["backend"]] = True
     assert sorted(seen) == sorted(BACKENDS)
     cluster.assert_no_leaks()

@@ -38,6 +38,7 @@ def test_chat_and_completions_match_transformers(local, hf_reference):
     assert chat.usage.completion_tokens <= 24
     transfer = chat.model_extra["pdserve"]["transfer"]
     assert transfer["outcome"] == "local"
+    local.assert_ttft_phases(chat.model_extra["pdserve"]["timings"], transfer=False)
 
     streamed = _stream_text(client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True))

@@ -62,3 +62,67 @@ def test_text_is_identical_after_a_restart_and_the_prompt_is_loaded_not_computed
     assert usage1.prompt_tokens_details.cached_tokens == num_full * BLOCK
     assert transfer1["outcome"] == "transferred"
     assert transfer1["blocks"] == num_blocks - num_full  # only the tail crossed
+
+
+LONG_PROMPT = " ".join(f"Entry {i}: the keeper logged the wind, the tide and the lamp's oil." for i in range(24))
+
+
+def _cached_counter(deployment) -> float:
+    import httpx
+
+    metrics = httpx.get(deployment.base_url.replace("/v1", "/metrics"), timeout=10).text
+    line = next(l for l in metrics.splitlines() if l.startswith('pdserve_router_prompt_tokens_total{kind="cached"}'))
+    return float(line.split()[-1])
+
+
+def _grpc_usage(deployment, prompt: str):
+    import grpc
+
+    from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    request = generation_pb2.GenerateRequest(model=MODEL, prompt=prompt,
+                                             sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0))
+    with grpc.insecure_channel(f"127.0.0.1:{deployment.grpc_port}") as channel:
+        last = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120))[-1]
+    return last.usage
+
+
+def test_prompt_tokens_the_prefill_loads_from_its_store_count_as_cached(tmp_path):
+    """Only the prefill service uses the store: after a restart it loads the long prompt's
+    blocks instead of computing them, and usage (HTTP, gRPC) and the router's cached-token
+    counter say so."""
+    from pdserve.deploy import up
+    from pdserve.kvtransfer.registry import is_importable
+
+    backend = "ucx" if is_importable("ucx")[0] else "disk"
+    store, secret = str(tmp_path / "kv"), secret_file()
+    common = ["--kv-backends", backend, "--disk-store", store, "--failure-policy", "fail"]
+
+    def start_prefill_store():
+        return deploy_workers([("prefill-0", "prefill", [*common, "--prefix-store", "disk"]),
+                               ("decode-0", "decode", common)],
+                              router_args=["--local-prefill-threshold", "0"], secret_path=secret)
+
+    first = start_prefill_store()
+    try:
+        out = first.openai().completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4, temperature=0)
+        assert out.usage.prompt_tokens_details.cached_tokens == 0  # the store started empty
+        first.assert_no_leaks()
+    finally:
+        up.stop(first.children)
+    num_prompt = out.usage.prompt_tokens
+    assert num_prompt > 200
+
+    second = start_prefill_store()
+    try:
+        http = second.openai().completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4, temperature=0)
+        assert http.model_extra["pdserve"]["transfer"]["outcome"] == "transferred"
+        assert http.choices[0].text == out.choices[0].text
+        assert http.usage.prompt_tokens_details.cached_tokens >= 0.9 * num_prompt
+        via_grpc = _grpc_usage(second, LONG_PROMPT)
+        assert via_grpc.cached_prompt_tokens >= 0.9 * num_prompt
+        assert _cached_counter(second) == (http.usage.prompt_tokens_details.cached_tokens
+                                           + via_grpc.cached_prompt_tokens)
+        second.assert_no_leaks()
+    finally:
+        up.stop(second.children)

@@ -43,7 +43,7 @@ def test_up_takes_only_flags_it_uses():
 
     own = {"config", "host", "log_level", "num_prefill", "num_decode", "http_port", "router_grpc_port",
            "router_registry_port",
-           "local_prefill", "ready_timeout_s", "api_key", *up.SECURITY_FLAGS}
+           "local_prefill", "ready_timeout_s", "max_restarts", "api_key", *up.SECURITY_FLAGS}
     assert _dests("up") - own == (set(up.WORKER_FLAGS) | set(up.ROUTER_FLAGS)) - {"log_level"}
 
 
