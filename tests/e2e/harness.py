@@ -158,3 +158,84 @@ def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[
         up.stop(children)
         raise
     return Deployment(children, http_port, grpc_port, secret_path)
+
+
+def children_of(pid: int) -> list[int]:
+    """Live (not zombie) child processes of `pid`, from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+class UpProcess:
+    """`pdserve up` as a user starts it, in its own process, on free ports; its output lines
+    are collected as they come."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+        import queue
+        import subprocess
+        import threading
+
+        self.ports = [pick_free_port() for _ in range(3)]
+        argv = [sys.executable, "-m", "pdserve.deploy.cli", "up", "--port", str(self.ports[0]),
+                "--router-grpc-port", str(self.ports[1]), "--router-registry-port", str(self.ports[2]), *flags]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [self._queue.put(line) for line in self.proc.stdout], daemon=True).start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[0]}/v1"
+
+    def openai(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key="unused", timeout=120, max_retries=0)
+
+    def wait_for(self, text: str, timeout_s: float = READY_TIMEOUT_S, since: int = 0) -> int:
+        """Index of the first line from `since` on that contains `text` (waiting for it)."""
+        import queue
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for i in range(since, len(self.lines)):
+                if text in self.lines[i]:
+                    return i
+            since = len(self.lines)
+            try:
+                self.lines.append(self._queue.get(timeout=max(0.01, min(1.0, deadline - time.monotonic()))))
+            except queue.Empty:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no line with {text!r} in {timeout_s:.0f} s:\n" + "".join(self.lines[-30:]))
+            if self.proc.poll() is not None and self._queue.empty():
+                raise AssertionError(f"pdserve up exited ({self.proc.returncode}) before {text!r}:\n"
+                                     + "".join(self.lines[-30:]))
+
+    def pid_of(self, worker_id: str) -> int:
+        for pid in children_of(self.proc.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f"\0--worker-id\0{worker_id}\0".encode() in f.read():
+                    return pid
+        raise AssertionError(f"pdserve up runs no {worker_id}")
+
+    def stop(self, timeout_s: float = 30.0) -> str:
+        """SIGINT (Ctrl-C), wait for it to end; its whole output."""
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout_s)
+        while not self._queue.empty():
+            self.lines.append(self._queue.get())
+        return "".join(self.lines)

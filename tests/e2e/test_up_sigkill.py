@@ -12,24 +12,10 @@ import threading
 import time
 
 import pytest
-from harness import READY_TIMEOUT_S, pick_free_port
+from harness import READY_TIMEOUT_S, children_of, pick_free_port
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
 
 
 def _gone(pid: int) -> bool:
@@ -66,7 +52,7 @@ def test_sigkill_of_pdserve_up_leaves_no_process_behind(tmp_path):
             if "pdserve is up" in line:
                 break
             assert launcher.poll() is None, f"pdserve up exited: {line}"
-        children = _children(launcher.pid)
+        children = children_of(launcher.pid)
         assert len(children) == 3, children  # router, prefill-0, decode-0
         assert not any(_free(p) for p in ports)
     finally:
