@@ -75,7 +75,9 @@ def _add_engine(p: argparse.ArgumentParser, role: str) -> None:
     f("num_threads", "torch intra-op threads (0: torch's choice)", type=int)
     f("block_size", "tokens per KV block", type=int)
     f("max_kv_tokens", "KV cache size in tokens (0: from --free-memory-fraction)", type=int)
-    f("free_memory_fraction", "share of free memory for the KV cache", type=float)
+    f("free_memory_fraction", "share of the memory free once the weights are loaded that the KV cache "
+      "takes (GPU: free device memory; CPU: the OS's available memory); `up` divides it among the "
+      "workers it starts", type=float)
     f("max_num_tokens", "tokens per engine step", type=int)
     f("max_batch_size", "sequences per engine step", type=int)
     f("max_model_len", "context length limit (0: the model's)", type=int)

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 from pdserve.common.auth import ClusterSecret
 from pdserve.deploy.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
+from pdserve.worker.settings import WorkerSettings
 
 GRACE_S = 10.0
 _OUTPUT = threading.Lock()
@@ -91,6 +92,10 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     if settings.get("num_threads") is None:
         # several engines share this machine's cores: one torch thread each avoids thrashing
         settings = dict(settings, num_threads=1)
+    if settings.get("free_memory_fraction") is None:
+        # ... and its memory: each KV cache takes an even share of the default fraction
+        share = WorkerSettings("decode").free_memory_fraction / (num_prefill + num_decode)
+        settings = dict(settings, free_memory_fraction=round(share, 4))
     worker_common = ["--host", host, "--router", f"{host}:{registry_port}", "--grpc-port", "0",
                      *security, *_flags(settings, WORKER_FLAGS)]
     if local:

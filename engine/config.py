@@ -110,7 +110,8 @@ class CacheConfig:
 
     Per layer the cache is one tensor `[num_blocks, 2, block_size, num_kv_heads, head_dim]`
     (index 0 on dim 1 = K, 1 = V). Sizing: the smaller of `max_tokens` and
-    `free_memory_fraction` of the memory that is free after the weights.
+    `free_memory_fraction` of the memory that is free after the weights (on CPU: the OS's
+    available memory).
     """
 
     block_size: int = 16
@@ -120,7 +121,6 @@ class CacheConfig:
     attention_window: int | None = None  # keep only the last W tokens' blocks
     enable_prefix_caching: bool = True
     dtype: str = "float32"
-    cpu_memory_budget_gb: float = 4.0  # what "free memory" means on CPU, before the fraction
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):

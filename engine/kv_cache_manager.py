@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.util import cdiv
+from pdserve.common.util import available_memory_bytes, cdiv
 from pdserve.engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from pdserve.engine.config import CacheConfig, ModelConfig
 from pdserve.engine.request import Request
@@ -38,7 +38,9 @@ class PrefixHit:
 
 def size_num_blocks(model: ModelConfig, cache: CacheConfig, device: torch.device,
                     bytes_free: int | None = None) -> int:
-    """Blocks to allocate: the smaller of `max_tokens` and `free_memory_fraction` of free memory."""
+    """Blocks to allocate: the smaller of `max_tokens` and `free_memory_fraction` of the memory
+    free now, the weights loaded (CUDA: the device's free memory; CPU: what the OS reports
+    available)."""
     if cache.num_blocks is not None:
         return cache.num_blocks + 1  # + the null block
     itemsize = torch.empty((), dtype=DTYPES[cache.dtype]).element_size()
@@ -47,7 +49,7 @@ def size_num_blocks(model: ModelConfig, cache: CacheConfig, device: torch.device
         if device.type == "cuda":
             bytes_free, _ = torch.cuda.mem_get_info(device)
         else:
-            bytes_free = int(cache.cpu_memory_budget_gb * 2**30)
+            bytes_free = available_memory_bytes()
     by_memory = int(bytes_free * cache.free_memory_fraction) // block_bytes
     by_tokens = cdiv(cache.max_tokens, cache.block_size) if cache.max_tokens else by_memory
     num = min(by_memory, by_tokens)

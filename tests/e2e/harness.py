@@ -147,7 +147,8 @@ def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[
                                     "--grpc-port", str(grpc_port), "--registry-port", str(registry_port),
                                     *secret, *router_args])]
     base = ["--host", "127.0.0.1", "--router", f"127.0.0.1:{registry_port}", "--grpc-port", "0",
-            "--transfer-port", "0", "--num-threads", "1", "--heartbeat-s", "0.5", *secret, *common]
+            "--transfer-port", "0", "--num-threads", "1", "--heartbeat-s", "0.5",
+            "--free-memory-fraction", "0.15", *secret, *common]  # a share of the OS's available memory each
     for name, role, extra in workers:
         children.append(up.Child(name, [*py, role, *base, "--worker-id", name, *extra]))
     for child in children:

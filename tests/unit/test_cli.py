@@ -192,6 +192,19 @@ def test_up_hands_every_router_option_to_its_router_from_flags_or_yaml(tmp_path)
     assert all("--decode-policy" not in c.argv for c in children[1:])  # workers get worker flags only
 
 
+def test_up_shares_the_kv_memory_fraction_among_its_workers():
+    from pdserve.deploy import up
+
+    def fractions(*argv):
+        children, _ = up.plan(dict(resolve(build_parser().parse_args(["up", *argv]), environ={}),
+                                   cluster_secret_file="/s"))
+        return [resolve(build_parser().parse_args(c.argv[3:]), environ={})["free_memory_fraction"]
+                for c in children[1:]]
+
+    assert fractions("--num-decode", "2") == [0.3, 0.3, 0.3]  # 0.9 of what is available, in 3
+    assert fractions("--free-memory-fraction", "0.5") == [0.5, 0.5]  # given: as given
+
+
 def test_up_banner_names_the_served_model_and_the_key_it_needs():
     from pdserve.deploy import up
 

@@ -57,6 +57,18 @@ def test_sizing_smaller_of_max_tokens_and_memory():
         size_num_blocks(MODEL, only_memory, CPU, bytes_free=block_bytes - 1)
 
 
+def test_cpu_sizing_takes_a_share_of_the_memory_the_os_reports_available(monkeypatch):
+    from pdserve.common.util import available_memory_bytes
+    from pdserve.engine import kv_cache_manager
+
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    assert 0 < available_memory_bytes() <= total
+    block_bytes = MODEL.num_layers * 2 * BS * MODEL.num_kv_heads * MODEL.head_dim * 4
+    monkeypatch.setattr(kv_cache_manager, "available_memory_bytes", lambda: 300 * block_bytes)
+    assert size_num_blocks(MODEL, CacheConfig(block_size=BS, free_memory_fraction=0.1), CPU) == 30 + 1
+
+
 def test_cache_config_rejects_bad_values():
     with pytest.raises(InvalidRequestError, match="block_size"):
         CacheConfig(block_size=3)
