@@ -19,27 +19,42 @@ from pdserve.common.errors import InvalidRequestError
 MAX_SCHEMA_CHARS = 64 * 1024
 
 
+KINDS = ("json_object", "json_schema", "llguidance")
+
+
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """What the output must be: `json_object` (any JSON object) or `json_schema` (JSON
-    valid against `schema`, the schema's JSON text)."""
+    """What the output must be: `json_object` (any JSON object), `json_schema` (JSON valid
+    against `schema`, the schema's JSON text, as standard JSON Schema reads it: objects open
+    unless they say otherwise) or `llguidance` (`schema` is an llguidance grammar, the text
+    llguidance's grammar_from_* produce, JSON or Lark: the router's compiled form of every kind)."""
 
     kind: str
     schema: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json_object", "json_schema"):
+        if self.kind not in KINDS:
             raise InvalidRequestError(f"unknown constraint {self.kind!r}")
+        limit = MAX_SCHEMA_CHARS * (2 if self.kind == "llguidance" else 1)  # the grammar wraps a schema
+        if len(self.schema) > limit:
+            raise InvalidRequestError(f"the {self.kind} constraint is over {limit} characters")
         if self.kind == "json_schema":
-            if len(self.schema) > MAX_SCHEMA_CHARS:
-                raise InvalidRequestError(f"the JSON schema is over {MAX_SCHEMA_CHARS} characters")
             try:
                 json.loads(self.schema)
             except ValueError as exc:
-                raise InvalidRequestError(f"the JSON schema is not JSON: {exc}") from None
+                raise InvalidRequestError(f"the {self.kind} constraint is not JSON: {exc}") from None
 
-    def schema_json(self) -> str:
-        return self.schema if self.kind == "json_schema" else '{"type": "object"}'
+    def grammar(self) -> str:
+        """The llguidance grammar of this constraint (compact JSON for the JSON kinds)."""
+        import llguidance
+
+        if self.kind == "llguidance":
+            return self.schema
+        schema = self.schema if self.kind == "json_schema" else '{"type": "object"}'
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        except Exception as exc:  # noqa: BLE001 - the library's message names the schema's fault
+            raise InvalidRequestError(f"unsupported JSON schema: {exc}") from None
 
 
 class NoGrammar:
@@ -96,12 +111,9 @@ class GrammarCompiler:
         if self._ll_tokenizer is None:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
                 self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_ids or None)
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                constraint.schema_json(), defaults={"whitespace_flexible": False})
-        except Exception as exc:  # noqa: BLE001 - the library's message names the schema's fault
-            raise InvalidRequestError(f"unsupported JSON schema: {exc}") from None
+        grammar = constraint.grammar()
         error = llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
         if error and not error.startswith("WARNING"):
-            raise InvalidRequestError(f"unsupported JSON schema: {error}")
+            what = "grammar" if constraint.kind == "llguidance" else "JSON schema"
+            raise InvalidRequestError(f"unsupported {what}: {error}")
         return GrammarMatcher(llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0), self._vocab_size)

@@ -37,6 +37,7 @@ from pdserve.router.http_api import build_http_app
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
+from pdserve.router.guided import GuidedOptions
 from pdserve.router.policies import make_policy
 from pdserve.router.registry import WorkerRegistry
 
@@ -73,7 +74,8 @@ class RouterApp:
         self.decode = DecodeClient(self.channels, self.registry, self.tasks, config.stream_idle_timeout_s,
                                    config.rpc_timeout_s)
         self.frontend = Frontend(self.catalog, planner, self.decode, self.in_flight, self.metrics,
-                                 max_migrations=config.max_migrations)
+                                 max_migrations=config.max_migrations,
+                                 guided=GuidedOptions(config.lenient_json_schema))
         self.membership = Membership(config, self.registry, self.catalog, self.channels)
         self.api_key = ApiKeyCheck(config.api_key)
         self.http_port = 0

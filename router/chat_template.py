@@ -6,6 +6,10 @@ filter that does not escape HTML, `raise_exception`, `strftime_now`, and the tem
 variables `messages`, `tools`, `documents`, `add_generation_prompt` plus every special
 token of the tokenizer (`bos_token`, `eos_token`, ...). A template that raises (e.g. roles
 that do not alternate) is the caller's error.
+
+`takes_tools` and `renders_tool_calls` say whether the template reads the `tools` variable
+and messages' `tool_calls` (Qwen's, Llama 3's do; SmolLM2's does not): the prompt builder
+falls back to text for what the template would drop.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -69,17 +74,24 @@ class ChatTemplate:
 
     def __init__(self, source: str, special_tokens: Mapping[str, str],
                  additional_special_tokens: Sequence[str] = ()) -> None:
+        env = _make_environment()
         try:
-            self._template = _make_environment().from_string(source)
+            self._template = env.from_string(source)
+            variables = jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from None
+        self.takes_tools = "tools" in variables
+        self.renders_tool_calls = "tool_calls" in source
         self._variables: dict[str, Any] = dict(special_tokens)
         if additional_special_tokens:
             self._variables["additional_special_tokens"] = list(additional_special_tokens)
 
-    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """`tools`: OpenAI-shaped tool dicts for the template's `tools` variable (None: none)."""
         try:
-            return self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self._variables)
+            return self._template.render(messages=[dict(m) for m in messages], tools=list(tools) if tools else None,
+                                         documents=None, add_generation_prompt=add_generation_prompt,
+                                         **self._variables)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from None

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 ROUTER_HTTP_PORT = 8000
 ROUTER_GRPC_PORT = 50050  # clients: Generation (API key)
 ROUTER_REGISTRY_PORT = 50051  # workers only: Registry (cluster credentials)
-POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
+POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity", "power_of_two")
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 
 
@@ -62,6 +62,7 @@ class RouterConfig:
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S  # what the router asks workers for
     static_workers: tuple[StaticWorker, ...] = ()
     log_level: str = "INFO"
+    lenient_json_schema: bool = False  # object schemas without additionalProperties stay open
     # Not CLI flags (tests shorten them):
     rpc_timeout_s: float = 10.0  # ModelInfo, Load, Abort calls to workers
     retry_after_s: int = 1  # Retry-After of a 429
@@ -189,4 +190,5 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "heartbeat_interval_s": _to_float,
     "static_workers": parse_static_workers,
     "log_level": _to_str,
+    "lenient_json_schema": _to_bool,
 }

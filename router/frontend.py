@@ -26,6 +26,7 @@ from pdserve.router.cpu_pool import CpuPool
 from pdserve.router.admission import InFlight
 from pdserve.router.catalog import ModelCatalog, ServedModel
 from pdserve.router.dispatch import DecodeClient, DecodeWorkerLost
+from pdserve.router.guided import GuidedOptions, compile_constraint
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlan, RoutePlanner
 from pdserve.router.validation import check_prompt_fits, resolve_sampling
@@ -50,8 +51,9 @@ class PreparedRequest:
 class Frontend:
     def __init__(self, catalog: ModelCatalog, planner: RoutePlanner, decode: DecodeClient,
                  in_flight: InFlight, metrics: RouterMetrics, cpu: CpuPool | None = None,
-                 max_migrations: int = 2) -> None:
+                 max_migrations: int = 2, guided: GuidedOptions = GuidedOptions()) -> None:
         self._catalog = catalog
+        self._guided = guided
         self._max_migrations = max_migrations
         self._cpu = cpu or CpuPool()
         self._planner = planner
@@ -103,6 +105,7 @@ class Frontend:
         check_prompt_fits(len(prompt_ids), model.max_model_len, param)
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.max_model_len,
                                     model.prompts.vocab_size)
+        await self._cpu.run(compile_constraint, sampling, self._guided)  # checked before any worker is asked
         hashes = hash_prompt_blocks(prompt_ids, model.block_size, model.block_hash_salt)
         echo_text = await self._cpu.run(model.prompts.echo_text, request, prompt_ids) if request.echo else None
         return PreparedRequest(request_id, model, tuple(prompt_ids), tuple(hashes), sampling, request.session_id,

@@ -15,7 +15,7 @@ from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontend import Frontend
 from pdserve.router.membership import Membership, load_from_proto, worker_from_proto
-from pdserve.router.tools import apply_grpc_tools, grpc_tool_calls
+from pdserve.router.tools import apply_tools, grpc_tool_calls
 
 log = logging.getLogger("pdserve.router.grpc")
 
@@ -30,7 +30,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         try:
             self._auth.check_grpc(context)
-            tool_mode = apply_grpc_tools(request)
+            tool_mode = apply_tools(request)
         except ServiceError as err:
             self._frontend.count_rejected("grpc", err)
             raise

@@ -31,7 +31,7 @@ from pdserve.router.frontend import Frontend
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_format import Collected, ResponseFormatter, sse
 from pdserve.router.planner import can_carry
-from pdserve.router.openai_request import OpenAIRequest, parse_chat, parse_completion
+from pdserve.router.openai_request import IgnoredFieldLog, OpenAIRequest, parse_chat, parse_completion
 from pdserve.router.registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router.http")
@@ -117,6 +117,7 @@ class OpenAIHandlers:
         self._catalog = catalog
         self._max_body_bytes = config.max_body_bytes
         self._auth = auth
+        self._ignored = IgnoredFieldLog()
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, chat=False)
@@ -156,13 +157,15 @@ class OpenAIHandlers:
         except ServiceError as err:
             self._frontend.count_rejected(api, err)
             return error_response(err)
+        self._ignored.note(parsed.ignored_fields, request.url.path)
         prefix = "chatcmpl" if chat else "cmpl"
         parsed.request.request_id = f"{prefix}-{uuid.uuid4().hex}"
         if parsed.best_of > 1 or len(parsed.prompts) > 1:
             return await self._fan_out(request, parsed, chat, api)
         responses = self._frontend.generate(parsed.request, api=api)
         formatter = ResponseFormatter(chat, parsed.model, parsed.request.request_id, parsed.request.sampling.logprobs,
-                                      self._token_text(parsed.model), tool_mode=parsed.tool_mode)
+                                      self._token_text(parsed.model), tool_mode=parsed.tool_mode,
+                                      ignored_fields=parsed.ignored_fields, prompt_logprobs=parsed.prompt_logprobs)
         if parsed.stream:
             return await self._stream(request, responses, formatter, parsed)
         return await _until_disconnect(request.receive, self._collect(responses, formatter))
@@ -205,7 +208,8 @@ class OpenAIHandlers:
 
         def formatter(index: int) -> ResponseFormatter:
             return ResponseFormatter(chat, parsed.model, rid, parsed.request.sampling.logprobs,
-                                     self._token_text(parsed.model), index, parsed.tool_mode)
+                                     self._token_text(parsed.model), index, parsed.tool_mode,
+                                     parsed.ignored_fields, parsed.prompt_logprobs)
 
         if parsed.stream:
             stream = fanout.merged(choices, generate)

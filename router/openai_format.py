@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
-from pdserve.router.tools import ToolMode, tool_calls
+from pdserve.router.tools import ToolMode, may_be_calls, stream_deltas, tool_calls
 
 FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                   common_pb2.FINISH_REASON_ABORT: "abort"}
@@ -102,6 +102,18 @@ def echoed_logprobs(prompt: "EchoedPrompt", entries: list[common_pb2.TokenLogpro
             "text_offset": [0] + ours["text_offset"] + rest["text_offset"]}
 
 
+def vllm_prompt_logprobs(entries: list[common_pb2.TokenLogprob], token_text: TokenText) -> list[Any]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a map of
+    token id -> {logprob, decoded_token} holding the token itself and its top alternatives."""
+    out: list[Any] = [None]
+    for e in entries:
+        position = {str(t.token_id): {"logprob": t.logprob, "decoded_token": t.token or token_text(t.token_id)}
+                    for t in e.top_logprobs}
+        position[str(e.token_id)] = {"logprob": e.logprob, "decoded_token": e.token or token_text(e.token_id)}
+        out.append(position)
+    return out
+
+
 @dataclass(slots=True)
 class EchoedPrompt:
     """What the first messages of an echoed request say of its prompt."""
@@ -139,8 +151,11 @@ class ResponseFormatter:
     """Builds the JSON of one request's answer: `chat` or text completion, whole or chunks."""
 
     def __init__(self, chat: bool, model: str, response_id: str, logprobs: bool, token_text: TokenText,
-                 index: int = 0, tool_mode: ToolMode = ToolMode()) -> None:
+                 index: int = 0, tool_mode: ToolMode = ToolMode(), ignored_fields: tuple[str, ...] = (),
+                 prompt_logprobs: bool = False) -> None:
         self._index = index  # the choice this formatter's chunks belong to
+        self._ignored_fields = list(ignored_fields)  # said on the whole answer and the first chunk
+        self._prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs parameter was given
         self._prompt = EchoedPrompt()  # completions with echo, streamed: what is known of it
         self._tool_mode = tool_mode
         self._holding = bool(tool_mode.mode)  # streamed text held back while it may be a tool call
@@ -165,6 +180,11 @@ class ResponseFormatter:
         lasts = [c.last for c in choices]
         out["usage"] = None if None in lasts else usage_json(sum_usage(lasts, num_prompt_copies))
         out["pdserve"] = choices[0].pdserve if len(choices) == 1 else [c.pdserve for c in choices]
+        if self._ignored_fields:
+            for extra in out["pdserve"] if isinstance(out["pdserve"], list) else [out["pdserve"]]:
+                extra["ignored_fields"] = self._ignored_fields
+        if self._prompt_logprobs and self._chat:  # vLLM: on the response for chat, per choice otherwise
+            out["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt.logprobs, self._token_text)
         return out
 
     def _choice(self, collected: Collected, index: int) -> dict[str, Any]:
@@ -179,9 +199,11 @@ class ResponseFormatter:
             calls = tool_calls(text, self._tool_mode) if self._tool_mode.mode else None
             if calls:
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-                choice["finish_reason"] = "tool_calls"
+                choice["finish_reason"] = self._tool_mode.call_finish_reason
         else:
             choice["text"] = text
+            if self._prompt_logprobs:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(collected.prompt.logprobs, self._token_text)
         return choice
 
     def chunk(self, response: generation_pb2.GenerateResponse, include_usage: bool) -> dict[str, Any]:
@@ -203,6 +225,8 @@ class ResponseFormatter:
         if include_usage:
             out["usage"] = None
         out["pdserve"] = pdserve_json(response)
+        if self._ignored_fields:
+            out["pdserve"]["ignored_fields"], self._ignored_fields = self._ignored_fields, []
         return out
 
     def _logprobs_json(self, entries: list[common_pb2.TokenLogprob], prompt: EchoedPrompt,
@@ -214,14 +238,15 @@ class ResponseFormatter:
         return completion_logprobs(entries, self._token_text, text_offset)
 
     def _delta(self, response: generation_pb2.GenerateResponse, choice: dict[str, Any]) -> dict[str, Any]:
-        """A chat chunk's delta. With tools the text is held back while it may be a call
+        """A chat chunk's delta. With tools the text is held back while it may be calls
         (always under "required"; under "auto" until it starts with anything but a JSON
-        object) and a call is sent whole when the answer ends."""
+        object or list or a <tool_call> tag) and the calls are sent whole, each with its
+        index, when the answer ends."""
         if not self._holding:
             return {"content": response.text}
         self._held.append(response.text)
         text = "".join(self._held)
-        if self._tool_mode.mode == "auto" and text.strip() and not text.lstrip().startswith("{"):
+        if self._tool_mode.mode == "auto" and text.strip() and not may_be_calls(text):
             self._holding, self._held = False, []  # plain text: streamed from here on
             return {"content": text}
         if not response.finish_reason:
@@ -229,8 +254,8 @@ class ResponseFormatter:
         calls = tool_calls(text, self._tool_mode)
         if not calls:
             return {"content": text}
-        choice["finish_reason"] = "tool_calls"
-        return {"tool_calls": [{"index": 0, **calls[0]}]}
+        choice["finish_reason"] = self._tool_mode.call_finish_reason
+        return {"tool_calls": stream_deltas(calls)}
 
     def usage_chunk(self, usage: common_pb2.Usage) -> dict[str, Any]:
         """The extra last chunk of stream_options.include_usage: no choices, the usage."""

@@ -2,23 +2,39 @@
 
 Only the JSON shape is checked here (types, choice counts, unsupported options, ranges the
 proto cannot hold); value rules shared with gRPC (temperature, top_p, max_tokens against
-the context...) live in `validation.py`. Unknown fields are ignored, as OpenAI clients
-send extras.
+the context...) live in `validation.py`. Unknown top-level fields are ignored, as vLLM
+ignores them (OpenAI clients send extras), but each request lists them
+(`OpenAIRequest.ignored_fields`: the response's `pdserve.ignored_fields`) and `IgnoredFieldLog`
+logs each name once, so a misspelt option is visible.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
-from pdserve.router.tools import ToolMode, apply_tools, set_response_format
+from pdserve.router.guided import read_guided
+from pdserve.router.tools import ToolMode, apply_tools, history_tool_calls, read_tools, set_response_format
+
+log = logging.getLogger("pdserve.router.http")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 _UINT32_MAX = 2**32 - 1
 _INT64 = (-(2**63), 2**63 - 1)
 MAX_CHOICES = 128  # n * number of prompts: one request fans out into at most this many
+MAX_PROMPT_LOGPROBS = 20
+_COMMON_FIELDS = frozenset((
+    "model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+    "min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "n", "best_of", "max_tokens", "logprobs", "user", "response_format", "prompt_logprobs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "guided_json_object", "guided_whitespace_pattern",
+    "structured_outputs"))
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                "parallel_tool_calls"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +55,8 @@ class OpenAIRequest:
     best_of: int = 1  # >= n; the n with the highest total logprob are returned
     prompts: tuple[generation_pb2.GenerateRequest, ...] = ()  # completions: one request per prompt
     tool_mode: ToolMode = ToolMode()  # chat with tools: how the answer is read (tools.py)
+    ignored_fields: tuple[str, ...] = ()  # top-level fields this server does not act on, sorted
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs was asked for (answered in its shape)
 
     def choices(self) -> list[Choice]:
         """The generations to run: best_of per prompt; a seeded request's k-th copy gets
@@ -56,6 +74,26 @@ class OpenAIRequest:
 
 def _invalid(message: str, param: str) -> ServiceError:
     return ServiceError(ErrorKind.INVALID_ARGUMENT, message, param=param)
+
+
+class IgnoredFieldLog:
+    """Logs each ignored field name once (per router process), with the endpoint that got it."""
+
+    MAX_NAMES = 1024  # a client inventing names cannot grow this without bound
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def note(self, fields: tuple[str, ...], endpoint: str) -> None:
+        for name in fields:
+            if name not in self._seen and len(self._seen) < self.MAX_NAMES:
+                self._seen.add(name)
+                log.warning("%s: ignoring unknown request field %r (listed in pdserve.ignored_fields)",
+                            endpoint, name[:100])
+
+
+def _ignored(raw: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:
+    return tuple(sorted(k for k in raw if k not in known))[:64]
 
 
 class _Body:
@@ -148,6 +186,9 @@ def _common(body: _Body, sampling: common_pb2.SamplingParams) -> tuple[bool, boo
         raise _invalid("'stream_options' must be an object", "stream_options")
     if options is not None and not stream:
         raise _invalid("'stream_options' is only allowed with stream=true", "stream_options")
+    prompt_logprobs = body.int("prompt_logprobs", 0, MAX_PROMPT_LOGPROBS)
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     return stream, bool(options and options.get("include_usage"))
 
 
@@ -214,6 +255,7 @@ def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
     request.echo = echo = bool(body.bool("echo"))
     body.unsupported("suffix", ("",))
     set_response_format(raw.get("response_format"), request.sampling)
+    read_guided(raw, request.sampling)
     stream, include_usage = _common(body, request.sampling)
     n, best_of = _num_choices(body, stream, len(prompts))
     max_tokens = _max_tokens(body, "max_tokens")
@@ -222,7 +264,7 @@ def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
     if logprobs is not None:
         request.sampling.logprobs = True
         request.sampling.top_logprobs = logprobs
-        if echo:  # the echoed prompt's tokens get logprobs too
+        if echo and not request.sampling.HasField("prompt_logprobs"):  # the echoed prompt's tokens too
             request.sampling.prompt_logprobs = logprobs
     requests = []
     for prompt in prompts:
@@ -233,7 +275,8 @@ def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
         else:
             one.token_ids.ids.extend(prompt)
         requests.append(one)
-    return OpenAIRequest(requests[0], stream, include_usage, model, n, best_of, tuple(requests))
+    return OpenAIRequest(requests[0], stream, include_usage, model, n, best_of, tuple(requests),
+                         ignored_fields=_ignored(raw, COMPLETION_FIELDS), prompt_logprobs=body.has("prompt_logprobs"))
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -263,11 +306,11 @@ def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
     messages = raw.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty list", "messages")
-    for message in messages:
-        role, content = _chat_message(message)
-        request.chat.messages.add(role=role, content=content)
+    request.chat.messages.extend(chat_messages(messages))
     set_response_format(raw.get("response_format"), request.sampling)
-    tool_mode = apply_tools(raw, request)
+    read_guided(raw, request.sampling)
+    read_tools(raw, request)
+    tool_mode = apply_tools(request)
     stream, include_usage = _common(body, request.sampling)
     n, best_of = _num_choices(body, stream, 1)
     max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
@@ -277,20 +320,32 @@ def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
     top_logprobs = body.int("top_logprobs", 0, 20)
     if top_logprobs:
         request.sampling.top_logprobs = top_logprobs
-    return OpenAIRequest(request, stream, include_usage, model, n, best_of, tool_mode=tool_mode)
+    return OpenAIRequest(request, stream, include_usage, model, n, best_of, tool_mode=tool_mode,
+                         ignored_fields=_ignored(raw, CHAT_FIELDS), prompt_logprobs=body.has("prompt_logprobs"))
 
 
-def chat_messages(value: Any) -> list[tuple[str, str]]:
-    """(role, text) of an OpenAI `messages` list."""
+def chat_messages(value: Any) -> list[generation_pb2.ChatMessage]:
+    """The ChatMessages of an OpenAI `messages` list (tool calls and tool results kept)."""
     if not isinstance(value, list) or not value:
         raise _invalid("'messages' must be a non-empty list", "messages")
     return [_chat_message(m) for m in value]
 
 
-def _chat_message(message: Any) -> tuple[str, str]:
+def _chat_message(message: Any) -> generation_pb2.ChatMessage:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise _invalid("each message must be an object with a string 'role'", "messages")
-    content = message.get("content")
+    out = generation_pb2.ChatMessage(role=message["role"], content=_content(message.get("content")))
+    if message.get("tool_calls") is not None:
+        out.tool_calls.extend(history_tool_calls(message["tool_calls"]))
+    for name in ("tool_call_id", "name"):
+        value = message.get(name)
+        if value is not None and not isinstance(value, str):
+            raise _invalid(f"a message's '{name}' must be a string", "messages")
+        setattr(out, name, value or "")
+    return out
+
+
+def _content(content: Any) -> str:
     if content is None:
         content = ""
     elif isinstance(content, list):  # content parts: text only
@@ -302,4 +357,4 @@ def _chat_message(message: Any) -> tuple[str, str]:
         content = "\n".join(texts)
     elif not isinstance(content, str):
         raise _invalid("message 'content' must be a string or a list of text parts", "messages")
-    return message["role"], content
+    return content

@@ -5,6 +5,7 @@ Each pool (prefill, decode) has its own policy object, made by name with `make_p
 from __future__ import annotations
 
 import abc
+import random
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
@@ -120,8 +121,26 @@ class SessionAffinity(RoutingPolicy):
         return Choice(record, "session_hash")
 
 
+class PowerOfTwo(RoutingPolicy):
+    """Power of two choices: two different candidates drawn at random, the less loaded one
+    wins (a tie: the first drawn). Load-aware at the cost of two lookups, and no herd: routers
+    whose load views lag do not all pile onto the one least loaded worker."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
+        if len(candidates) == 1:
+            return Choice(candidates[0], "only_worker")
+        first, second = self._rng.sample(range(len(candidates)), 2)
+        a, b = candidates[first], candidates[second]
+        return Choice(b if b.load_score() < a.load_score() else a, "power_of_two")
+
+
 POLICIES: dict[str, type[RoutingPolicy]] = {
-    cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAware, SessionAffinity)
+    cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAware, SessionAffinity, PowerOfTwo)
 }
 
 

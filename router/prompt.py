@@ -6,16 +6,21 @@ prompts are rendered with add_generation_prompt=True and tokenized without addin
 tokens, which is exactly transformers' `apply_chat_template(messages,
 add_generation_prompt=True)`; text prompts are tokenized the way `tokenizer(text)` does
 (special tokens added by the tokenizer's post-processor, e.g. a BOS).
+
+A chat's tools go to the template's own `tools` argument when it reads one, else into a
+system message (tools.tool_note); assistant `tool_calls` and `tool` results stay in the
+history, as message fields when the template renders them, else as the calls' JSON text.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from tokenizers import Tokenizer
 
 from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.router.tools import calls_as_text, listed_tools, template_tool_calls, tool_note
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # A prompt is refused before any tokenizing when its raw text is longer than this many
@@ -61,7 +66,7 @@ class PromptBuilder:
             param = "prompt"
             check_token_ids(ids, self._vocab_size, param)
         elif which == "chat":
-            ids = self.encode_chat([(m.role, m.content) for m in request.chat.messages])
+            ids = self.encode_chat(request.chat.messages, listed_tools(request), not request.single_tool_call)
             param = "messages"
         else:
             raise ServiceError(ErrorKind.INVALID_ARGUMENT, "one of prompt, token_ids or messages is required",
@@ -77,7 +82,7 @@ class PromptBuilder:
         if which == "prompt":
             return request.prompt
         if which == "chat":
-            return self.render_chat([(m.role, m.content) for m in request.chat.messages])
+            return self.render_chat(request.chat.messages, listed_tools(request), not request.single_tool_call)
         return self.decode(ids)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -91,27 +96,56 @@ class PromptBuilder:
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         return [self._tokenizer.id_to_token(i) or "" for i in ids]
 
-    def render_chat(self, messages: Sequence[tuple[str, str]]) -> str:
+    def render_chat(self, messages: Sequence[generation_pb2.ChatMessage],
+                    tools: Sequence[dict[str, Any]] = (), several_calls: bool = True) -> str:
+        """The chat as the template renders it, with `tools` (OpenAI-shaped) given to it."""
         if not messages:
             raise ServiceError(ErrorKind.INVALID_ARGUMENT, "messages must not be empty", param="messages")
-        for role, _ in messages:
-            if role not in CHAT_ROLES:
+        for m in messages:
+            if m.role not in CHAT_ROLES:
                 raise ServiceError(ErrorKind.INVALID_ARGUMENT,
-                                   f"unknown message role {role!r} ({', '.join(CHAT_ROLES)})", param="messages")
-        if self._template is None:
+                                   f"unknown message role {m.role!r} ({', '.join(CHAT_ROLES)})", param="messages")
+        template = self._template
+        if template is None:
             raise ServiceError(ErrorKind.INVALID_ARGUMENT,
                                "this model has no chat template; use /v1/completions", param="messages")
+        turns = [_turn(m, template.renders_tool_calls) for m in messages]
+        if tools and not template.takes_tools:
+            _add_system_note(turns, tool_note(list(tools), several_calls))
         try:
-            return self._template.render([{"role": r, "content": c} for r, c in messages])
+            return template.render(turns, tools=tools if template.takes_tools else None)
         except ChatTemplateError as exc:
             raise ServiceError(ErrorKind.INVALID_ARGUMENT, str(exc), param="messages") from None
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        return self._tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+    def encode_chat(self, messages: Sequence[generation_pb2.ChatMessage],
+                    tools: Sequence[dict[str, Any]] = (), several_calls: bool = True) -> list[int]:
+        return self._tokenizer.encode(self.render_chat(messages, tools, several_calls), add_special_tokens=False).ids
 
     def token_text(self, token_id: int) -> str:
         """One token's text, decoded alone (for logprobs when decode sent none)."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _turn(message: generation_pb2.ChatMessage, renders_tool_calls: bool) -> dict[str, Any]:
+    """One message as the template sees it; calls the template would drop become text."""
+    turn: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls and renders_tool_calls:
+        turn["tool_calls"] = template_tool_calls(message.tool_calls)
+    elif message.tool_calls:
+        calls = calls_as_text(message.tool_calls)
+        turn["content"] = f"{message.content}\n{calls}" if message.content else calls
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.name:
+        turn["name"] = message.name
+    return turn
+
+
+def _add_system_note(turns: list[dict[str, Any]], note: str) -> None:
+    if turns[0]["role"] == "system":
+        turns[0]["content"] = f"{turns[0]['content']}\n\n{note}"
+    else:
+        turns.insert(0, {"role": "system", "content": note})
 
 
 def check_raw_size(request: generation_pb2.GenerateRequest, max_model_len: int) -> None:
@@ -123,6 +157,9 @@ def check_raw_size(request: generation_pb2.GenerateRequest, max_model_len: int) 
                                f"this model's context is {max_model_len}", param="prompt", code="context_length_exceeded")
         return
     texts = [request.prompt] if which == "prompt" else [m.content for m in request.chat.messages]
+    if which == "chat":
+        texts += [c.arguments_json for m in request.chat.messages for c in m.tool_calls]
+        texts += [t.parameters_json + t.description for t in request.tools]
     param = "messages" if which == "chat" else "prompt"
     limit = max_model_len * MAX_CHARS_PER_TOKEN
     if sum(len(t) for t in texts) > limit:

@@ -30,6 +30,12 @@ def _constraint_from_proto(c: common_pb2.Constraint):
         return Constraint("json_object")
     if kind == "json_schema":
         return Constraint("json_schema", c.json_schema)
+    if kind == "llguidance":
+        return Constraint("llguidance", c.llguidance)
+    if kind is not None:  # regex, choice, grammar: the router compiles them into llguidance
+        from pdserve.common.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"a {kind} constraint must be compiled by the router (send llguidance)")
     return None
 
 

@@ -473,7 +473,10 @@ def test_grpc_generate_carries_penalties_bias_and_constraint_to_decode(make_clus
         list(stub.Generate(request, timeout=WAIT_S))
         sent = decode.requests[-1].sampling
         assert (sent.presence_penalty, sent.frequency_penalty, dict(sent.logit_bias)) == (0.5, 0.25, {7: -3.0})
-        assert sent.repetition_penalty == 1.0 and sent.constraint.json_schema == '{"type": "object"}'
+        assert sent.repetition_penalty == 1.0 and sent.constraint.WhichOneof("kind") == "llguidance"
+        (grammar,) = json.loads(sent.constraint.llguidance)["grammars"]  # compiled, the object closed
+        assert grammar["json_schema"] == {"type": "object", "additionalProperties": False,
+                                          "x-guidance": {"whitespace_flexible": False}}
         bad = generation_pb2.GenerateRequest(model=MODEL, prompt="hello", sampling=common_pb2.SamplingParams(
             max_tokens=8, logit_bias={10**6: 1.0}))
         with pytest.raises(grpc.RpcError) as caught:

@@ -57,7 +57,7 @@ def test_chat_ids_equal_transformers_apply_chat_template(smollm, messages):
     request = generation_pb2.GenerateRequest(chat=generation_pb2.ChatMessages(
         messages=[generation_pb2.ChatMessage(**m) for m in messages]))
     assert builder.build(request, 8192) == list(expected)
-    assert builder.render_chat([(m["role"], m["content"]) for m in messages]) == tokenizer.apply_chat_template(
+    assert builder.render_chat(request.chat.messages) == tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False)
 
 
@@ -104,7 +104,7 @@ def test_template_errors_and_sandbox_are_invalid_argument():
                                         tokenizer_json=Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).to_str().encode(),
                                         chat_template="{{ raise_exception('no system role') }}")
     with pytest.raises(ServiceError) as caught:
-        PromptBuilder.from_model_info(info).encode_chat([("system", "x")])
+        PromptBuilder.from_model_info(info).encode_chat([generation_pb2.ChatMessage(role="system", content="x")])
     assert caught.value.kind is ErrorKind.INVALID_ARGUMENT and "no system role" in caught.value.message
 
 

@@ -114,9 +114,14 @@ def test_response_format_and_tools_become_constraints():
     tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
     required = parse_chat({"model": "m", "messages": user, "tools": [tool], "tool_choice": "required"})
     assert required.tool_mode.mode == "required" and required.tool_mode.names == ("f",)
-    call = json.loads(required.request.sampling.constraint.json_schema)
-    assert call["properties"] == {"name": {"const": "f"}, "arguments": schema}
-    assert required.request.chat.messages[0].role == "system" and '"f"' in required.request.chat.messages[0].content
+    calls = json.loads(required.request.sampling.constraint.json_schema)  # required: a list of calls
+    assert calls["type"] == "array" and calls["minItems"] == 1
+    assert calls["items"]["properties"] == {"name": {"const": "f"}, "arguments": schema}
+    assert [t.name for t in required.request.tools] == ["f"]  # the prompt builder lists them
+    named = parse_chat({"model": "m", "messages": user, "tools": [tool],
+                        "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert named.tool_mode.named and json.loads(named.request.sampling.constraint.json_schema)["properties"][
+        "name"] == {"const": "f"}
     auto = parse_chat({"model": "m", "messages": user, "tools": [tool]})
     assert auto.tool_mode.mode == "auto" and not auto.request.sampling.HasField("constraint")
     assert parse_chat({"model": "m", "messages": user, "tools": [tool], "tool_choice": "none"}).tool_mode.mode == ""

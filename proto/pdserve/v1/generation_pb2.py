@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\t \x01(\r\x12\x0c\n\x04\x65\x63ho\x18\n \x01(\x08\x12\x1f\n\x05tools\x18\x0b \x03(\x0b\x32\x10.pdserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x0c \x01(\tB\x07\n\x05input\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xaf\x01\n\x0bRoutingInfo\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x15\n\rdecode_reason\x18\x02 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x03 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12!\n\x19num_matched_prefix_tokens\x18\x06 \x01(\r\"\xe7\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x08transfer\x18\x07 \x01(\x0b\x32\x1b.pdserve.v1.TransferVerdict\x12(\n\x07routing\x18\x08 \x01(\x0b\x32\x17.pdserve.v1.RoutingInfo\x12+\n\x07timings\x18\t \x01(\x0b\x32\x1a.pdserve.v1.RequestTimings\x12\r\n\x05index\x18\n \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\r\x12\x13\n\x0bprompt_text\x18\x0c \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12(\n\ntool_calls\x18\x0e \x03(\x0b\x32\x14.pdserve.v1.ToolCall2\xdd\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe0\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\r\x12\x0f\n\x07\x62\x65st_of\x18\t \x01(\r\x12\x0c\n\x04\x65\x63ho\x18\n \x01(\x08\x12\x1f\n\x05tools\x18\x0b \x03(\x0b\x32\x10.pdserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x0c \x01(\t\x12\x18\n\x10single_tool_call\x18\r \x01(\x08\x42\x07\n\x05input\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xaf\x01\n\x0bRoutingInfo\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x15\n\rdecode_reason\x18\x02 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x03 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12!\n\x19num_matched_prefix_tokens\x18\x06 \x01(\r\"\xe7\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x08transfer\x18\x07 \x01(\x0b\x32\x1b.pdserve.v1.TransferVerdict\x12(\n\x07routing\x18\x08 \x01(\x0b\x32\x17.pdserve.v1.RoutingInfo\x12+\n\x07timings\x18\t \x01(\x0b\x32\x1a.pdserve.v1.RequestTimings\x12\r\n\x05index\x18\n \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\r\x12\x13\n\x0bprompt_text\x18\x0c \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12(\n\ntool_calls\x18\x0e \x03(\x0b\x32\x14.pdserve.v1.ToolCall2\xdd\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generation_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=68
-  _globals['_CHATMESSAGE']._serialized_end=112
-  _globals['_CHATMESSAGES']._serialized_start=114
-  _globals['_CHATMESSAGES']._serialized_end=171
-  _globals['_TOKENIDS']._serialized_start=173
-  _globals['_TOKENIDS']._serialized_end=196
-  _globals['_GENERATEREQUEST']._serialized_start=199
-  _globals['_GENERATEREQUEST']._serialized_end=525
-  _globals['_TOOL']._serialized_start=527
-  _globals['_TOOL']._serialized_end=593
-  _globals['_TOOLCALL']._serialized_start=595
-  _globals['_TOOLCALL']._serialized_end=655
-  _globals['_ROUTINGINFO']._serialized_start=658
-  _globals['_ROUTINGINFO']._serialized_end=833
-  _globals['_GENERATERESPONSE']._serialized_start=836
-  _globals['_GENERATERESPONSE']._serialized_end=1323
-  _globals['_GENERATION']._serialized_start=1326
-  _globals['_GENERATION']._serialized_end=1547
+  _globals['_CHATMESSAGE']._serialized_end=190
+  _globals['_CHATMESSAGES']._serialized_start=192
+  _globals['_CHATMESSAGES']._serialized_end=249
+  _globals['_TOKENIDS']._serialized_start=251
+  _globals['_TOKENIDS']._serialized_end=274
+  _globals['_GENERATEREQUEST']._serialized_start=277
+  _globals['_GENERATEREQUEST']._serialized_end=629
+  _globals['_TOOL']._serialized_start=631
+  _globals['_TOOL']._serialized_end=697
+  _globals['_TOOLCALL']._serialized_start=699
+  _globals['_TOOLCALL']._serialized_end=759
+  _globals['_ROUTINGINFO']._serialized_start=762
+  _globals['_ROUTINGINFO']._serialized_end=937
+  _globals['_GENERATERESPONSE']._serialized_start=940
+  _globals['_GENERATERESPONSE']._serialized_end=1427
+  _globals['_GENERATION']._serialized_start=1430
+  _globals['_GENERATION']._serialized_end=1651
 # @@protoc_insertion_point(module_scope)
