@@ -77,27 +77,40 @@ class Deployment:
         for phase in ("queue", "prefill", "transfer", "first_decode"):
             assert self.metric(f'pdserve_router_ttft_phase_seconds_count{{phase="{phase}"}}') >= 1
 
-    def assert_no_leaks(self, timeout_s: float = 20.0) -> None:
-        """Every KV block back in every worker's pool (polled: frees land asynchronously)."""
+    def load(self, name: str):
+        """Worker `name`'s Load report (queued, running, free and total KV blocks), asked now."""
         from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
+        role = "decode" if name.startswith("decode") else "prefill"
+        stub_cls = decode_pb2_grpc.DecodeStub if role == "decode" else prefill_pb2_grpc.PrefillStub
+        with grpc.insecure_channel(self.worker_addresses(role)[name]) as channel:
+            method = f"/pdserve.v1.{role.capitalize()}/Load"
+            return stub_cls(channel).Load(common_pb2.LoadRequest(), timeout=5, metadata=self.credentials(method))
+
+    def wait_until(self, condition, what: str, timeout_s: float = 60.0) -> None:
+        """Poll `condition()` until it holds; fail naming `what` after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        for role, stub_cls in (("decode", decode_pb2_grpc.DecodeStub), ("prefill", prefill_pb2_grpc.PrefillStub)):
-            for name, address in self.worker_addresses(role).items():
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+            time.sleep(0.02)
+
+    def assert_no_leaks(self, timeout_s: float = 20.0) -> None:
+        """Every KV block back in every worker's pool (polled: frees land asynchronously)."""
+        deadline = time.monotonic() + timeout_s
+        for role in ("decode", "prefill"):
+            for name in self.worker_addresses(role):
                 if self.child(name).proc.poll() is not None:
                     continue
-                with grpc.insecure_channel(address) as channel:
-                    stub = stub_cls(channel)
-                    method = f"/pdserve.v1.{role.capitalize()}/Load"
-                    while True:
-                        load = stub.Load(common_pb2.LoadRequest(), timeout=5, metadata=self.credentials(method))
-                        if load.num_free_blocks == load.num_total_blocks and load.num_running == 0:
-                            break
-                        if time.monotonic() > deadline:
-                            raise AssertionError(
-                                f"{name}: {load.num_total_blocks - load.num_free_blocks} KV blocks "
-                                f"still held, {load.num_running} running")
-                        time.sleep(0.2)
+                while True:
+                    load = self.load(name)
+                    if load.num_free_blocks == load.num_total_blocks and load.num_running == 0:
+                        break
+                    if time.monotonic() > deadline:
+                        raise AssertionError(
+                            f"{name}: {load.num_total_blocks - load.num_free_blocks} KV blocks "
+                            f"still held, {load.num_running} running")
+                    time.sleep(0.2)
 
 
 def secret_file() -> str:

@@ -100,12 +100,17 @@ def test_client_disconnect_mid_stream_frees_every_block(cluster):
         cluster.assert_no_leaks()
 
 
-@pytest.mark.parametrize("delay_s", [0.0, 0.2, 0.6, 1.5, 3.0])
-def test_abort_at_any_phase_frees_every_block(cluster, delay_s):
-    """Abort RPC after `delay_s`: during routing/admission, prefill, transfer, or decode."""
+def _busy(load, num_requests: int = 1) -> bool:
+    return load.num_queued + load.num_running >= num_requests
+
+
+@pytest.mark.parametrize("phase", ["arrival", "prefill", "first_token", "decode"])
+def test_abort_at_any_phase_frees_every_block(cluster, phase):
+    """Abort RPC once the request reached `phase`: at once (routing, admission), while the
+    prefill service works on it, right after its first token, or well into decoding."""
     from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-    rid = f"abort-{delay_s}"
+    rid = f"abort-{phase}"
     with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = generation_pb2.GenerateRequest(
@@ -113,10 +118,16 @@ def test_abort_at_any_phase_frees_every_block(cluster, delay_s):
             sampling=common_pb2.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
         call = stub.Generate(request, timeout=120)
         got = []
-        reader = threading.Thread(target=lambda: got.extend(_drain(call)), daemon=True)
+        reader = threading.Thread(target=_drain, args=(call, got), daemon=True)
         reader.start()
-        time.sleep(delay_s)
-        # the id may not be registered yet at t=0: Abort answers found=False; ask again
+        num_tokens = lambda: sum(len(r.token_ids) for r in list(got))  # noqa: E731
+        if phase == "prefill":
+            cluster.wait_until(lambda: _busy(cluster.load("prefill-0")), "the prefill service has it")
+        elif phase == "first_token":
+            cluster.wait_until(lambda: num_tokens() >= 1, "a first token")
+        elif phase == "decode":
+            cluster.wait_until(lambda: num_tokens() >= 20, "20 tokens")
+        # the id may not be registered yet on arrival: Abort answers found=False; ask again
         deadline = time.monotonic() + 10
         while not stub.Abort(common_pb2.AbortRequest(request_id=rid, reason="test"), timeout=10).found:
             if not reader.is_alive() or time.monotonic() > deadline:
@@ -129,14 +140,13 @@ def test_abort_at_any_phase_frees_every_block(cluster, delay_s):
     cluster.assert_no_leaks()
 
 
-def _drain(call):
-    out = []
+def _drain(call, out: list) -> None:
+    """Read the stream into `out` as it comes (the test polls it)."""
     try:
         for response in call:
             out.append(response)
     except grpc.RpcError:
         pass
-    return out
 
 
 def test_prefill_killed_mid_request(cluster, hf_reference):
@@ -158,8 +168,8 @@ def test_prefill_killed_mid_request(cluster, hf_reference):
     threads = [threading.Thread(target=ask) for _ in range(2)]  # one per decode (round robin)
     for t in threads:
         t.start()
-        time.sleep(0.05)
-    time.sleep(0.4)
+    cluster.wait_until(lambda: _busy(cluster.load("prefill-0"), 2), "the prefill service working on both")
+    assert not results
     cluster.child("prefill-0").proc.send_signal(signal.SIGKILL)
     for t in threads:
         t.join(120)

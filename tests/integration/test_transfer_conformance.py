@@ -272,10 +272,17 @@ def test_duplicate_transfer_id_is_refused(link):
 def test_receiver_deadline_releases_blocks(link):
     message = link.message([13], [41])
     link.expect(message, [41], within_s=0.3)
-    time.sleep(0.5)
-    state = link.peer.ok("state")
+    events: list = []
+    deadline = time.monotonic() + 10
+    while True:  # the peer expires the expectation once its deadline has passed
+        state = link.peer.ok("state")
+        events += [e["ok"] for e in state["events"] if e["transfer_id"] == message.transfer_id.hex()]
+        if events:
+            break
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
     assert state["pending"] == [] and state["reserved"] == []
-    assert [e["ok"] for e in state["events"] if e["transfer_id"] == message.transfer_id.hex()] == [False]
+    assert events == [False]
     keys = fresh_keys(1)
     with pytest.raises((TransferError, TimeoutError)):  # a late write is refused
         link.deliver(message, [41], keys)

@@ -105,7 +105,10 @@ def test_redis_then_disk_then_recompute(setup):
 
     # Redis comes back: after the cool-down a probe succeeds and it carries transfers again.
     redis.start()
-    time.sleep(COOLDOWN_S + 0.1)
+    deadline = time.monotonic() + COOLDOWN_S + 10
+    while not chain.health["redis"].can_try():  # the cool-down ends: the next send probes it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     verdict, final, landed = transfer(chain, worker, "r4", 3)
     assert verdict.backend == "redis" and final.ok and landed, verdict.describe()
 

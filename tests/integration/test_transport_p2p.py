@@ -58,13 +58,18 @@ class TensorSink:
         self.cache = torch.zeros(NUM_BLOCKS, BLOCK_NBYTES, dtype=torch.uint8)
         self.done: set[bytes] = set()
         self.stall_s = 0.0
+        self.num_stalled = 0  # checks sleeping through a stall now
 
     @property
     def limits(self) -> WireLimits:
         return limits()
 
     def check(self, header, index) -> None:
-        time.sleep(self.stall_s)
+        self.num_stalled += 1
+        try:
+            time.sleep(self.stall_s)  # plays a receiver that does not answer
+        finally:
+            self.num_stalled -= 1
         parse_index(header, index, NUM_BLOCKS)
         if header.transfer_id in self.done:
             raise TransferError(f"duplicate transfer id {header.transfer_id.hex()}")
@@ -130,7 +135,7 @@ def peer_main(backend: str) -> None:
             return {"ports": [r.store_port for r in transport._receivers]}
         if cmd["cmd"] == "stall":
             sink.stall_s = cmd["seconds"]
-            return {}
+            return {"num_stalled": sink.num_stalled}
         if cmd["cmd"] == "close":
             transport.close()
             transport.close()
@@ -274,8 +279,10 @@ def test_stalled_receiver_hits_the_deadline_then_recovers(link):
     with pytest.raises(TimeoutError):
         link.send(make_message([13], seed=7), deadline_s=1.0)
     assert time.monotonic() - start < 1.0 + SLACK_S
-    link.peer.call("stall", seconds=0.0)
-    time.sleep(max(0.0, start + stall_s + 0.5 - time.monotonic()))  # the stuck check returns
+    deadline = time.monotonic() + stall_s + 10
+    while link.peer.call("stall", seconds=0.0)["num_stalled"]:  # until the stuck check returns
+        assert time.monotonic() < deadline, "the stalled check never returned"
+        time.sleep(0.05)
     message = make_message([14, 15], seed=8)
     link.send(message)  # a fresh connection / pair
     assert link.digests([14, 15]) == payload_digests(message)
