@@ -17,14 +17,15 @@ from pdserve.common.errors import PdserveError
 from pdserve.deploy import prepare
 from pdserve.deploy import up as up_defaults
 from pdserve.deploy.supervisor import RestartPolicy
-from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT, RouterConfig
+from pdserve.router.config import (POLICY_NAMES, ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT,
+                                   RouterConfig)
 from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,
                                      WorkerSettings)
 
 TRANSFER_PORT = DECODE_TRANSFER_PORT
 BACKENDS = ("ucx", "nccl", "redis", "disk")
 BENCHMARKS = tuple(bench_cli.BENCHMARKS)  # the one list, in bench/cli.py
-POLICIES = ("round_robin", "least_loaded", "prefix_aware", "session_affinity")
+POLICIES = POLICY_NAMES  # the one list, in router/config.py
 
 
 def _shown(value: Any) -> str:
@@ -98,6 +99,9 @@ def _add_worker(p: argparse.ArgumentParser, role: str) -> None:
     f("worker_id", "stable id in the registry (none: <role>-host:port)")
     f("transfer_port", "decode: UCX listener port; the NCCL/gloo store listens on the next port "
                        "(0 picks free ones)", type=int)
+    f("attention_window", "keep only the last N tokens' KV blocks: attention sees that window "
+                          "(0: none beyond the model's own sliding window; prefill and decode must agree)",
+      type=int)
     _add_shared_worker(p, role)
 
 
@@ -158,6 +162,10 @@ def _add_router(sub) -> None:
     f("registry_port", "gRPC port where workers register (internal; keep it off client networks)",
       type=int)
     _add_router_options(router.add_argument_group("routing and limits"))
+    router.add_argument("--lenient-json-schema", action="store_true", default=None,
+                        help="JSON schemas (response_format, guided_json, tools) as JSON Schema reads them: "
+                             "an object without additionalProperties takes any other key (default: closed, "
+                             "as xgrammar and vLLM's users expect)")
     router.add_argument("--static-workers",
                         help="comma list of role=host:port to use without registration (default none)")
 

@@ -51,6 +51,7 @@ class WorkerSettings:
     max_num_tokens: int = 2048
     max_batch_size: int = 64
     max_model_len: int = 0
+    attention_window: int = 0  # keep only the last W tokens' KV blocks (0: none beyond the model's own)
     capacity_policy: str = "GUARANTEED_NO_EVICT"
     chunking_policy: str = "FIRST_COME_FIRST_SERVED"
     host: str = "127.0.0.1"
@@ -107,6 +108,8 @@ class WorkerSettings:
         out = cls(**values)
         if out.failure_policy not in ("recompute", "fail"):
             raise SettingsError("--failure-policy must be recompute or fail")
+        if out.attention_window < 0:
+            raise SettingsError("--attention-window must be >= 0 (0: none)")
         if out.quantization not in ("none", "int8"):
             raise SettingsError("--quantization must be none or int8")
         if out.prefix_store not in ("none", "disk", "redis"):
@@ -128,7 +131,8 @@ class WorkerSettings:
             quantization="" if self.quantization == "none" else self.quantization,
             num_threads=self.num_threads or None,
             cache=CacheConfig(block_size=self.block_size, max_tokens=self.max_kv_tokens or None,
-                              free_memory_fraction=self.free_memory_fraction, dtype=self.dtype),
+                              free_memory_fraction=self.free_memory_fraction, dtype=self.dtype,
+                              attention_window=self.attention_window or None),
             scheduler=SchedulerConfig(
                 capacity_policy=self.capacity_policy, chunking_policy=self.chunking_policy,
                 max_num_tokens=self.max_num_tokens, max_batch_size=self.max_batch_size,

@@ -124,6 +124,9 @@ spec:
             {{- with $engine.maxBatchSize }}
             - {{ printf "--max-batch-size=%d" (int64 .) | quote }}
             {{- end }}
+            {{- with $engine.attentionWindow }}
+            - {{ printf "--attention-window=%d" (int64 .) | quote }}
+            {{- end }}
             {{- with $engine.capacityPolicy }}
             - {{ printf "--capacity-policy=%s" . | quote }}
             {{- end }}
