@@ -164,9 +164,9 @@ def _grammar(constraint: common_pb2.Constraint, kind: str, options: GuidedOption
 
     if constraint.whitespace_pattern and kind not in ("json_object", "json_schema"):
         raise _invalid("a whitespace pattern applies to JSON constraints only", "guided_whitespace_pattern")
-    spec = constraint.choice.choices if kind == "choice" else getattr(constraint, kind)
-    if kind != "json_object" and sum(len(s) for s in ([spec] if isinstance(spec, str) else spec)) > MAX_SPEC_CHARS:
-        raise _invalid(f"the {kind} constraint is over {MAX_SPEC_CHARS} characters", kind)
+    spec = list(constraint.choice.choices) if kind == "choice" else getattr(constraint, kind)
+    if kind != "json_object":
+        _check_size(kind, [spec] if isinstance(spec, str) else spec)
     try:
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
@@ -185,6 +185,14 @@ def _grammar(constraint: common_pb2.Constraint, kind: str, options: GuidedOption
         raise
     except Exception as exc:  # noqa: BLE001 - the library's message names the fault
         raise _invalid(f"unsupported {kind}: {exc}", kind) from None
+
+
+def _check_size(kind: str, parts: list[str]) -> None:
+    if not parts or not all(parts) or (kind == "choice" and len(parts) > MAX_CHOICES):
+        raise _invalid(f"the {kind} constraint must not be empty (a choice: 1 to {MAX_CHOICES} non-empty "
+                       "strings)", kind)
+    if sum(len(p) for p in parts) > MAX_SPEC_CHARS:
+        raise _invalid(f"the {kind} constraint is over {MAX_SPEC_CHARS} characters", kind)
 
 
 def _check(grammar: str, kind: str) -> None:

@@ -233,3 +233,36 @@ def test_http_prompt_logprobs(cluster, hf_model):
     assert chat.model_extra["prompt_logprobs"][0] is None
     assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
     cluster.assert_no_leaks()
+
+
+def test_grpc_constraints(cluster):
+    """The same forms on gRPC: Constraint regex / choice / grammar / json_schema on
+    GenerateRequest.sampling (json_schema closed as on HTTP); a malformed one is INVALID_ARGUMENT."""
+    import grpc
+    import jsonschema
+
+    from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    chat = generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(**m) for m in ASK])
+
+    def generate(constraint: common_pb2.Constraint, **kwargs) -> tuple[str, int]:
+        sampling = common_pb2.SamplingParams(max_tokens=40, temperature=0, constraint=constraint)
+        request = generation_pb2.GenerateRequest(model=MODEL, chat=chat, sampling=sampling, **kwargs)
+        with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+            responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120))
+        return "".join(r.text for r in responses), responses[-1].finish_reason
+
+    text, finish = generate(common_pb2.Constraint(regex=r"(sunny|rainy), [0-9]{1,2} degrees"))
+    assert finish == common_pb2.FINISH_REASON_STOP and re.fullmatch(r"(sunny|rainy), [0-9]{1,2} degrees", text)
+    text, _ = generate(common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=["sunny", "rainy"])))
+    assert text in ("sunny", "rainy")
+    text, _ = generate(common_pb2.Constraint(grammar=LARK))
+    assert _lark_parses(text), text
+    text, _ = generate(common_pb2.Constraint(json_schema=json.dumps(CITY)))
+    jsonschema.validate(json.loads(text), {**CITY, "additionalProperties": False})
+    for bad in (common_pb2.Constraint(regex="a(b"), common_pb2.Constraint(grammar="start: nowhere"),
+                common_pb2.Constraint(choice=common_pb2.ChoiceList())):
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(bad)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    cluster.assert_no_leaks()
