@@ -35,7 +35,7 @@ class Constraint:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidRequestError(f"unknown constraint {self.kind!r}")
-        limit = MAX_SCHEMA_CHARS * (2 if self.kind == "llguidance" else 1)  # the grammar wraps a schema
+        limit = MAX_SCHEMA_CHARS * (4 if self.kind == "llguidance" else 1)  # a grammar wraps a closed schema
         if len(self.schema) > limit:
             raise InvalidRequestError(f"the {self.kind} constraint is over {limit} characters")
         if self.kind == "json_schema":

@@ -266,3 +266,22 @@ def test_grpc_constraints(cluster):
             generate(bad)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     cluster.assert_no_leaks()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_auto_answer_that_is_calls_finishes_with_tool_calls(cluster, stream):
+    """tool_choice auto: the model writes freely; after three questions each answered with a
+    call (the history) it answers the fourth with a call, which comes back as tool_calls (no
+    JSON leaks out as content), finish "tool_calls"."""
+    def call(city: str) -> dict:
+        return {"role": "assistant", "content": "", "tool_calls": [{"id": f"call_{city}", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+    shots = [turn for city in ("Oslo", "Lima", "Rome") for turn in ({"role": "user", "content": f"Weather in {city}?"},
+                                                                     call(city))]
+    client = cluster.openai()
+    text, calls, finish, _ = _chat(client, stream, messages=[*shots, {"role": "user", "content": "Weather in Paris?"}],
+                                   max_tokens=60, temperature=0, tools=[WEATHER], tool_choice="auto")
+    assert (text, finish) == ("", "tool_calls") and [c["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    cluster.assert_no_leaks()
