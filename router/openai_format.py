@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
+from pdserve.router.tool_stream import CallStream
 from pdserve.router.tools import ToolMode, may_be_calls, stream_deltas, tool_calls
 
 FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -158,8 +159,9 @@ class ResponseFormatter:
         self._prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs parameter was given
         self._prompt = EchoedPrompt()  # completions with echo, streamed: what is known of it
         self._tool_mode = tool_mode
-        self._holding = bool(tool_mode.mode)  # streamed text held back while it may be a tool call
+        self._holding = tool_mode.mode == "auto"  # streamed text held back while it may be a tool call
         self._held: list[str] = []
+        self._calls = CallStream() if tool_mode.mode == "required" else None  # constrained: streamed as it comes
         self._chat = chat
         self._model = model
         self._id = response_id
@@ -238,15 +240,20 @@ class ResponseFormatter:
         return completion_logprobs(entries, self._token_text, text_offset)
 
     def _delta(self, response: generation_pb2.GenerateResponse, choice: dict[str, Any]) -> dict[str, Any]:
-        """A chat chunk's delta. With tools the text is held back while it may be calls
-        (always under "required"; under "auto" until it starts with anything but a JSON
-        object or list or a <tool_call> tag) and the calls are sent whole, each with its
-        index, when the answer ends."""
+        """A chat chunk's delta. A constrained call (tool_choice required or named) streams as
+        tool_call deltas while it is written (tool_stream). Under "auto" the text is held back
+        while it may be calls (until it starts with anything but a JSON object or list or a
+        <tool_call> tag) and calls are sent whole, each with its index, when the answer ends."""
+        if self._calls is not None:
+            deltas = self._calls.feed(response.text)
+            if response.finish_reason and self._calls.num_calls and choice["finish_reason"] == "stop":
+                choice["finish_reason"] = self._tool_mode.call_finish_reason
+            return {"tool_calls": deltas} if deltas else {}
         if not self._holding:
             return {"content": response.text}
         self._held.append(response.text)
         text = "".join(self._held)
-        if self._tool_mode.mode == "auto" and text.strip() and not may_be_calls(text):
+        if text.strip() and not may_be_calls(text):
             self._holding, self._held = False, []  # plain text: streamed from here on
             return {"content": text}
         if not response.finish_reason:

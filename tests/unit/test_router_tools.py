@@ -163,3 +163,36 @@ def test_streamed_calls_come_as_indexed_deltas():
         "role": "assistant"}  # a tag may be starting
     assert text.chunk(generation_pb2.GenerateResponse(request_id="r", text="s are"), False)[
         "choices"][0]["delta"] == {"content": "<tools are"}
+
+
+@pytest.mark.parametrize("piece_size", [1, 3, 1000])
+def test_constrained_calls_stream_their_arguments_as_they_are_written(piece_size):
+    """tool_choice required: a name delta as soon as a call's head is whole, then argument
+    fragments (nested objects, lists and escaped quotes included) that concatenate to each
+    call's arguments; finish_reason tool_calls (stop for a named function)."""
+    args = [{"city": 'Pa}ris \\"x\\" ]', "days": [1, {"n": 2}]}, {"city": "Rome"}]
+    text = json.dumps([{"name": "get_weather", "arguments": a} for a in args], separators=(",", ":"))
+    for choice, finish in (("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}}, "stop")):
+        one = text if choice == "required" else text[1:text.index(',{"name"')]
+        streamer = ResponseFormatter(True, "m", "c", False, str, tool_mode=_mode(choice))
+        pieces = [one[i:i + piece_size] for i in range(0, len(one), piece_size)]
+        calls: dict[int, dict] = {}
+        chunks = []
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            chunk = streamer.chunk(generation_pb2.GenerateResponse(
+                request_id="r", text=piece, finish_reason=common_pb2.FINISH_REASON_STOP if last else 0), False)
+            chunks.append(chunk["choices"][0])
+            assert "content" not in chunk["choices"][0]["delta"]
+            for delta in chunk["choices"][0]["delta"].get("tool_calls", []):
+                entry = calls.setdefault(delta["index"], {"id": "", "name": "", "arguments": ""})
+                entry["id"] += delta.get("id", "")
+                entry["name"] += delta["function"].get("name", "")
+                entry["arguments"] += delta["function"]["arguments"]
+        want = args if choice == "required" else args[:1]
+        assert [json.loads(c["arguments"]) for c in calls.values()] == want
+        assert {c["name"] for c in calls.values()} == {"get_weather"} and len({c["id"] for c in calls.values()}) == len(want)
+        assert chunks[-1]["finish_reason"] == finish
+        if piece_size == 1:  # the name went out before the arguments were whole
+            first = next(i for i, c in enumerate(chunks) if c["delta"].get("tool_calls"))
+            assert first < len(one) // 2
