@@ -148,3 +148,16 @@ def test_tool_call_grammar_accepts_only_calls_that_validate(compiler):
     one = Constraint("llguidance", single.request.sampling.constraint.llguidance)
     assert _accepts(compiler, one, '{"name":"get_weather","arguments":{"city":"Paris"}}')
     assert not _accepts(compiler, one, two)
+
+
+def test_each_ignored_field_is_logged_once(caplog):
+    from pdserve.router.openai_request import IgnoredFieldLog
+
+    log = IgnoredFieldLog()
+    with caplog.at_level("WARNING", logger="pdserve.router.http"):
+        for _ in range(3):
+            log.note(("guided_regexx", "min_p"), "/v1/chat/completions")
+        log.note(("min_p", "top_a"), "/v1/completions")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and sum("'min_p'" in line for line in lines) == 1
+    assert all("pdserve.ignored_fields" in line for line in lines)
