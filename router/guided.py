@@ -37,6 +37,7 @@ GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_
                  "guided_grammar": "grammar"}
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
                     "json_object": "json_object"}
+STRUCTURED_FIELDS = frozenset(_STRUCTURED_KEYS) | {"whitespace_pattern"}  # the structured_outputs keys read
 
 
 @dataclass(frozen=True, slots=True)

@@ -224,6 +224,9 @@ class ResponseFormatter:
                 choice["logprobs"] = self._logprobs_json(list(response.logprobs), self._prompt, self._text_offset)
             self._text_offset += len(choice["text"])
         out = self._envelope("chat.completion.chunk" if self._chat else "text_completion", [choice])
+        if self._prompt_logprobs and response.prompt_logprobs:  # the first message carries them all
+            (out if self._chat else choice)["prompt_logprobs"] = vllm_prompt_logprobs(
+                list(response.prompt_logprobs), self._token_text)
         if include_usage:
             out["usage"] = None
         out["pdserve"] = pdserve_json(response)

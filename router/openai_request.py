@@ -16,7 +16,7 @@ from typing import Any
 
 from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
-from pdserve.router.guided import read_guided
+from pdserve.router.guided import STRUCTURED_FIELDS, read_guided
 from pdserve.router.tools import ToolMode, apply_tools, history_tool_calls, read_tools, set_response_format
 
 log = logging.getLogger("pdserve.router.http")
@@ -93,7 +93,13 @@ class IgnoredFieldLog:
 
 
 def _ignored(raw: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:
-    return tuple(sorted(k for k in raw if k not in known))[:64]
+    """Top-level fields not in `known`, and keys of `structured_outputs` this server does not read
+    (as "structured_outputs.<key>"), sorted."""
+    names = [k for k in raw if k not in known]
+    structured = raw.get("structured_outputs")
+    if isinstance(structured, dict):
+        names += [f"structured_outputs.{k}" for k in structured if k not in STRUCTURED_FIELDS]
+    return tuple(sorted(names))[:64]
 
 
 class _Body:

@@ -228,6 +228,9 @@ def test_http_prompt_logprobs(cluster, hf_model):
     for pos in range(1, len(ids)):
         assert got[pos][str(ids[pos])]["logprob"] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-3)
         assert str(int(torch.argmax(ref[pos - 1]))) in got[pos]
+    streamed = [c.choices[0].model_extra.get("prompt_logprobs") for c in cluster.openai().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True, extra_body={"prompt_logprobs": 1})]
+    assert streamed[0] == got and not any(streamed[1:])  # whole, on the first chunk
     chat = cluster.openai().chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, temperature=0,
                                                     extra_body={"prompt_logprobs": 0})
     assert chat.model_extra["prompt_logprobs"][0] is None

@@ -119,9 +119,9 @@ def test_http_bodies_carry_the_forms_and_list_unknown_fields():
     assert list(chat.request.sampling.constraint.choice.choices) == ["a", "b"]
     assert chat.ignored_fields == ("guided_regexx",) and chat.request.sampling.prompt_logprobs == 2
     completion = parse_completion({"model": "m", "prompt": "p", "guided_grammar": "start: \"x\"",
-                                   "structured_outputs": {}, "foo": 1, "bar": None})
+                                   "structured_outputs": {"disable_fallback": True}, "foo": 1, "bar": None})
     assert completion.request.sampling.constraint.grammar == 'start: "x"'
-    assert completion.ignored_fields == ("bar", "foo")
+    assert completion.ignored_fields == ("bar", "foo", "structured_outputs.disable_fallback")
     with pytest.raises(ServiceError):
         parse_chat({"model": "m", "messages": user, "guided_json": CITY,
                     "response_format": {"type": "json_object"}})
