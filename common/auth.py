@@ -1,5 +1,5 @@
 """The cluster secret and everything derived from it (DESIGN §7). No grpc here: the gRPC
-interceptors that carry call credentials live in `pdserve.worker.auth`.
+interceptors that carry call credentials live in `pdserve.rpc.credentials`.
 
 One secret per deployment, read from a file (`--cluster-secret-file`), never from a
 command line. Each use gets its own key, derived as HMAC-SHA256(secret, "pdserve-v1/<use>"):

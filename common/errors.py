@@ -3,7 +3,7 @@
 Code below the edges raises a typed error (`InvalidRequestError`, `CapacityError`, ...).
 Edges convert any exception with `to_service_error` and speak the wire from the table:
 an HTTP status and OpenAI error JSON at the router's HTTP front, a gRPC status code
-(by name: this module imports no grpc; `pdserve.worker.grpc_errors` turns names into
+(by name: this module imports no grpc; `pdserve.rpc.errors` turns names into
 `grpc.StatusCode`) on every gRPC server, and a label for request-outcome metrics.
 
     raise ServiceError(ErrorKind.INVALID_ARGUMENT, "temperature must be in [0, 2]", param="temperature")

@@ -17,9 +17,10 @@ from typing import Protocol, Sequence
 import grpc
 
 from pdserve.common.errors import DeadlinePassedError, UpstreamFailedError
-from pdserve.worker.auth import InternalAuth, internal_channel
+from pdserve.rpc.channels import WorkerChannels
+from pdserve.rpc.credentials import InternalAuth
 from pdserve.worker.convert import logprob_from_proto
-from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.decode.prefill_leg")
 
@@ -89,26 +90,18 @@ class PrefillLeg:
         """With `auth` enabled, every Prefill call carries this decode's credential and every
         hand-off its signature."""
         self.receiver = receiver
-        self._signer = auth.signer(worker_id)
-        self._tls = auth.tls
+        self._channels = WorkerChannels(auth.signer(worker_id), auth.tls)
         self._handoff_mac = auth.handoff_mac()
         self.worker_id = worker_id
         self.compat_hash = compat_hash
         self.block_size = block_size
         self.timeout_s = timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
         self._inflight: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
 
     @property
     def can_receive(self) -> bool:
         return bool(self.receiver.endpoints())
-
-    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = internal_channel(address, self._signer, self._tls)
-        return prefill_pb2_grpc.PrefillStub(channel)
 
     async def run(self, request_id: str, prompt_ids: list[int], block_hashes: list[int],
                   sampling: common_pb2.SamplingParams, choice, block_ids: Sequence[int],
@@ -123,7 +116,7 @@ class PrefillLeg:
             sign_handoff(handoff, self._handoff_mac)
         verdict = common_pb2.TransferVerdict(prefill_worker_id=choice.worker_id,
                                              transfer_id=handoff.transfer_id)
-        call = self._stub(choice.address).Prefill(
+        call = self._channels.prefill(choice.address).Prefill(
             prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                        block_hashes=block_hashes, sampling=sampling, handoff=handoff),
             timeout=self.timeout_s)
@@ -174,8 +167,7 @@ class PrefillLeg:
         self.receiver.cancel(request_id)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
 
 
 class RemotePrefill:

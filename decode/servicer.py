@@ -1,11 +1,11 @@
 """The Decode gRPC service: convert, delegate to `DecodeSessions`, convert back. Errors are
-mapped by `grpc_errors` from the one table."""
+mapped by `rpc.errors.grpc_errors` from the one table."""
 from __future__ import annotations
 
 from pdserve.decode.session import DecodeSessions, keep_alive
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from pdserve.worker.convert import load_to_proto, model_info
-from pdserve.worker.grpc_errors import grpc_errors
+from pdserve.rpc.errors import grpc_errors
 
 
 class DecodeService(decode_pb2_grpc.DecodeServicer):

@@ -22,13 +22,13 @@ import grpc
 import uvicorn
 
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
-from pdserve.worker.auth import InternalAuth, InternalTLS
-from pdserve.worker.serving import (MAX_MESSAGE_BYTES, NO_PORT_SHARING, SERVER_OPTIONS, MalformedRequestInterceptor,
+from pdserve.rpc.credentials import InternalAuth, InternalTLS
+from pdserve.rpc.server import (MAX_MESSAGE_BYTES, NO_PORT_SHARING, SERVER_OPTIONS, MalformedRequestInterceptor,
                                     add_health_and_reflection, service_name, set_serving)
 from pdserve.router.admission import InFlight
-from pdserve.router.auth import ApiKeyCheck
+from pdserve.router.api_key import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
-from pdserve.router.channels import WorkerChannels
+from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import BackgroundTasks, DecodeClient
 from pdserve.router.frontend import Frontend

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 
 from pdserve.common.errors import AuthError, ErrorKind, ServiceError
-from pdserve.worker.auth import caller_id
-from pdserve.worker.grpc_errors import grpc_errors
+from pdserve.rpc.credentials import caller_id
+from pdserve.rpc.errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
 from pdserve.router import fanout
-from pdserve.router.auth import ApiKeyCheck
+from pdserve.router.api_key import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontend import Frontend

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from pdserve.common.errors import ErrorKind, ServiceError, to_service_error
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router import fanout, tokenize_api
-from pdserve.router.auth import ApiKeyCheck
+from pdserve.router.api_key import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
 from pdserve.router.frontend import Frontend

@@ -16,7 +16,7 @@ import grpc
 from pdserve.common.errors import ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2
 from pdserve.router.catalog import ModelCatalog
-from pdserve.router.channels import WorkerChannels
+from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import Role, RouterConfig, StaticWorker
 from pdserve.router.registry import KVBackendState, Load, Worker, WorkerRegistry
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.common.auth import CallSigner
-from pdserve.worker.auth import InternalTLS
+from pdserve.rpc.credentials import InternalTLS
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.worker.registry_client import RegistryClient
 from pdserve.worker.settings import WorkerSettings

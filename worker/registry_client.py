@@ -26,7 +26,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from pdserve.common.auth import CallSigner
-from pdserve.worker.auth import InternalTLS, internal_channel
+from pdserve.rpc.credentials import InternalTLS, internal_channel
 
 log = logging.getLogger("pdserve.registry_client")
 

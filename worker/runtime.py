@@ -14,10 +14,10 @@ import grpc
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.common import progress
 from pdserve.common.auth import ClusterSecret
-from pdserve.worker.auth import InternalAuth, InternalTLS, bind
+from pdserve.rpc.credentials import InternalAuth, InternalTLS, bind
 from pdserve.worker.convert import load_to_proto
 from pdserve.worker.registrar import Registrar
-from pdserve.worker.serving import (SERVER_OPTIONS, MalformedRequestInterceptor, add_health_and_reflection,
+from pdserve.rpc.server import (SERVER_OPTIONS, MalformedRequestInterceptor, add_health_and_reflection,
                                     set_serving)
 from pdserve.worker.settings import WorkerSettings
 

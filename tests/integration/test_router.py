@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pdserve.common.block_hash import hash_prompt_blocks
 from pdserve.common.auth import CREDENTIAL_HEADER, CallSigner, CallVerifier, ClusterSecret
-from pdserve.worker.auth import INTERNAL_SERVER_NAME, InternalTLS, bind
+from pdserve.rpc.credentials import INTERNAL_SERVER_NAME, InternalTLS, bind
 from pdserve.worker.registry_client import RegistryClient
 from pdserve.proto.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, generation_pb2,
                                       generation_pb2_grpc, prefill_pb2_grpc, registry_pb2,

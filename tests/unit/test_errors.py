@@ -9,7 +9,7 @@ import pytest
 from pdserve.common import errors
 from pdserve.common.errors import ErrorKind, ServiceError, to_service_error, wire
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2_grpc
-from pdserve.worker.grpc_errors import grpc_errors
+from pdserve.rpc.errors import grpc_errors
 
 
 def test_error_table_speaks_grpc_http_and_openai():

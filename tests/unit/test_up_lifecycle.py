@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from pdserve.worker.serving import SERVER_OPTIONS
+from pdserve.rpc.server import SERVER_OPTIONS
 
 LAUNCHER = """
 import subprocess, sys, time

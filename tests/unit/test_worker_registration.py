@@ -19,9 +19,9 @@ from pdserve.worker.runtime import start_server
 from pdserve.worker.settings import WorkerSettings
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from pdserve.worker.registry_client import RegistryClient
-from pdserve.worker.serving import service_name, set_serving
+from pdserve.rpc.server import service_name, set_serving
 from pdserve.router.catalog import ModelCatalog
-from pdserve.router.channels import WorkerChannels
+from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_api import RegistryServicer
 from pdserve.router.membership import Membership

@@ -1,15 +1,16 @@
-"""gRPC channels from the router to workers, one per address, reused across requests."""
+"""gRPC channels to workers (the router's to decodes and prefills, a decode's to prefills), one
+per address, reused across requests."""
 from __future__ import annotations
 
 import grpc
 
 from pdserve.proto.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.common.auth import CallSigner
-from pdserve.worker.auth import InternalTLS, internal_channel
+from pdserve.rpc.credentials import InternalTLS, internal_channel
 
 
 class WorkerChannels:
-    """With a signer, every call to a worker carries the router's credential (over mutual TLS
+    """With a signer, every call to a worker carries the caller's credential (over mutual TLS
     when `tls`)."""
 
     def __init__(self, signer: CallSigner | None = None, tls: InternalTLS | None = None) -> None:

@@ -18,7 +18,7 @@ import grpc
 from pdserve.common.auth import (CREDENTIAL_HEADER, AuthError, CallSigner, CallVerifier,
                                  ClusterSecret, ClusterSecretError, Mac, caller_of, is_loopback,
                                  require_secret_off_loopback)
-from pdserve.worker.serving import CHANNEL_OPTIONS
+from pdserve.rpc.server import CHANNEL_OPTIONS
 
 log = logging.getLogger("pdserve.auth")
 
