@@ -52,7 +52,7 @@ class Pair:
     def __init__(self, loaded, backend: str, layerwise: bool, args) -> None:
         from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
         from pdserve.engine.llm_engine import LLMEngine
-        from pdserve.kvtransfer import KVTransferConfig, build_connector
+        from pdserve.kvtransfer import KVTransferConfig, connector_factory
         from pdserve.kvtransfer.verdict import RECOMPUTE
 
         transfer = KVTransferConfig(backends=(backend, RECOMPUTE), layerwise=layerwise)
@@ -61,8 +61,8 @@ class Pair:
                               scheduler=SchedulerConfig(chunking_policy="EQUAL_PROGRESS",
                                                         max_num_tokens=args.step_tokens))
         self.config = config
-        self.prefill = LLMEngine(config, connector=build_connector(transfer, listen=False), loaded=loaded)
-        self.decode = LLMEngine(config, connector=build_connector(transfer), loaded=loaded)
+        self.prefill = LLMEngine(config, connector=connector_factory(transfer, listen=False), loaded=loaded)
+        self.decode = LLMEngine(config, connector=connector_factory(transfer), loaded=loaded)
         self.timeout_s = args.timeout_s
 
     def hand_off(self, prompt: list[int], rid: str):

@@ -9,21 +9,18 @@ from pdserve.worker.settings import WorkerSettings
 
 
 class DecodeBuild:
-    """How `run_worker` builds a decode service: its connector, then its gRPC service, whose
-    KV receiver drives transfers through that connector's `receives`."""
-
-    def __init__(self) -> None:
-        self.connector = None  # the PdConnector built for the engine (None: local prefill only)
+    """How `run_worker` builds a decode service: its connector (none for local prefill only
+    without a prefix store), then its gRPC service, whose KV receiver drives transfers through
+    that connector's `receives`."""
 
     def make_connector(self, settings: WorkerSettings, secret=None):
         from pdserve.engine.connector import Connector
 
         if not settings.backends and settings.prefix_store == "none":
-            return Connector()  # local prefill only, no prefix store
-        from pdserve.kvtransfer.service import make_connector_for_decode
+            return Connector()
+        from pdserve.worker.transfer import make_connector
 
-        self.connector = make_connector_for_decode(settings, secret)
-        return self.connector
+        return make_connector(settings, secret, listen=True)
 
     async def make_service(self, runtime):
         from pdserve.decode.prefill_leg import PrefillLeg, RemotePrefill
@@ -32,7 +29,7 @@ class DecodeBuild:
         from pdserve.proto.pdserve.v1 import decode_pb2, decode_pb2_grpc
 
         settings = runtime.settings
-        receiver = make_receiver(runtime, self.connector)
+        receiver = make_receiver(runtime)
         leg = PrefillLeg(receiver, worker_id=runtime.worker_id,
                          compat_hash=runtime.engine.compat_hash,
                          block_size=runtime.engine.kv.block_size,
@@ -51,15 +48,17 @@ class DecodeBuild:
         return add, [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name], close
 
 
-def make_receiver(runtime, connector):
+def make_receiver(runtime):
     """Decode's KV receiver for the configured backends (none configured: local prefill only)."""
     from pdserve.decode.prefill_leg import NoReceiver
+    from pdserve.kvtransfer.connector import PdConnector
 
-    if connector is None or not runtime.settings.backends:
+    connector = runtime.engine.connector
+    if not isinstance(connector, PdConnector) or not runtime.settings.backends:
         return NoReceiver()
-    from pdserve.kvtransfer.service import Receiver
+    from pdserve.worker.transfer import Receiver
 
-    return Receiver(connector.receives, runtime.settings)
+    return Receiver(connector, runtime.settings)
 
 
 def main(settings: dict[str, Any]) -> int:

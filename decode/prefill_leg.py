@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, Sequence
 
 import grpc
@@ -20,13 +20,14 @@ from pdserve.common.errors import DeadlinePassedError, UpstreamFailedError
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.rpc.credentials import InternalAuth
 from pdserve.worker.convert import logprob_from_proto
+from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome, TransferVerdict
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.decode.prefill_leg")
 
 
 class KVReceiver(Protocol):
-    """Decode's side of the transfer layer (kvtransfer.service.Receiver)."""
+    """Decode's side of the transfer layer (worker.transfer.Receiver)."""
 
     backends: tuple[str, ...]
 
@@ -37,7 +38,7 @@ class KVReceiver(Protocol):
                 num_cached_tokens: int, timeout_s: float):
         """Reserve the uncached prompt blocks for one transfer; returns its TransferParams."""
 
-    def complete(self, request_id: str, verdict: common_pb2.TransferVerdict) -> common_pb2.TransferVerdict:
+    def complete(self, request_id: str, verdict: TransferVerdict) -> TransferVerdict:
         """Settle with prefill's verdict (fetching from a store if one carried the blocks);
         outcome TRANSFERRED only if every block is in place and verified."""
 
@@ -48,7 +49,7 @@ class KVReceiver(Protocol):
 @dataclass(slots=True)
 class LegResult:
     ok: bool
-    verdict: common_pb2.TransferVerdict
+    verdict: TransferVerdict
     first_token_id: int = 0
     first_logprob: object | None = None
     aborted: bool = False  # ended by an abort: nothing to recompute
@@ -61,7 +62,7 @@ class LegResult:
 class RemoteOutcome:
     """How a remote prefill ended, as `RemotePrefill.run` returns it."""
 
-    verdict: common_pb2.TransferVerdict
+    verdict: TransferVerdict
     num_cached_tokens: int = 0  # prompt tokens the prefill did not compute (cached or loaded there)
 
 
@@ -106,7 +107,7 @@ class PrefillLeg:
     async def run(self, request_id: str, prompt_ids: list[int], block_hashes: list[int],
                   sampling: common_pb2.SamplingParams, choice, block_ids: Sequence[int],
                   num_cached_tokens: int) -> LegResult:
-        from pdserve.kvtransfer.service import params_to_handoff, sign_handoff
+        from pdserve.worker.transfer import params_to_handoff, sign_handoff, verdict_from_proto
 
         start = time.monotonic()
         tp = self.receiver.prepare(request_id, block_ids, len(prompt_ids), num_cached_tokens,
@@ -114,8 +115,7 @@ class PrefillLeg:
         handoff = params_to_handoff(tp, block_ids, self.block_size, self.worker_id)
         if self._handoff_mac is not None:
             sign_handoff(handoff, self._handoff_mac)
-        verdict = common_pb2.TransferVerdict(prefill_worker_id=choice.worker_id,
-                                             transfer_id=handoff.transfer_id)
+        failed = TransferVerdict(handoff.transfer_id, Outcome.FAILED, "", peer=choice.worker_id)
         call = self._channels.prefill(choice.address).Prefill(
             prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                        block_hashes=block_hashes, sampling=sampling, handoff=handoff),
@@ -128,33 +128,25 @@ class PrefillLeg:
             if request_id not in self._aborted:
                 raise  # our own caller was cancelled
             self._aborted.discard(request_id)
-            verdict.outcome = common_pb2.TRANSFER_OUTCOME_FAILED
-            verdict.reason = "aborted"
-            return LegResult(False, verdict, aborted=True)
+            return LegResult(False, replace(failed, reason="aborted"), aborted=True)
         except grpc.aio.AioRpcError as exc:
             self.receiver.cancel(request_id)
-            verdict.outcome = common_pb2.TRANSFER_OUTCOME_FAILED
-            verdict.prefill_status_code = exc.code().name
-            verdict.reason = f"prefill_unavailable: {exc.code().name} {exc.details() or ''}".strip()
-            verdict.duration_ms = (time.monotonic() - start) * 1000
-            return LegResult(False, verdict)
+            return LegResult(False, replace(
+                failed, peer_status=exc.code().name, duration_s=time.monotonic() - start,
+                reason=f"prefill_unavailable: {exc.code().name} {exc.details() or ''}".strip()))
         finally:
             self._inflight.pop(request_id, None)
+        sent = replace(verdict_from_proto(resp.verdict), peer=choice.worker_id)
         if resp.skipped:  # no KV backend could carry the blocks: the prefill computed nothing
             self.receiver.cancel(request_id)
-            verdict.MergeFrom(resp.verdict)
-            verdict.duration_ms = (time.monotonic() - start) * 1000
-            return LegResult(False, verdict)
+            return LegResult(False, replace(sent, outcome=Outcome.FAILED, duration_s=time.monotonic() - start))
         settle_start = time.monotonic()
-        final = await asyncio.to_thread(self.receiver.complete, request_id, resp.verdict)
+        final = await asyncio.to_thread(self.receiver.complete, request_id, sent)
         tail_ms = resp.timings.transfer_ms + (time.monotonic() - settle_start) * 1000
-        verdict.MergeFrom(final)
-        verdict.prefill_worker_id = choice.worker_id
-        if final.outcome != common_pb2.TRANSFER_OUTCOME_TRANSFERRED:
-            verdict.reason = verdict.reason or "transfer_failed"
-            return LegResult(False, verdict, tail_ms=tail_ms)
+        if not final.ok:
+            return LegResult(False, final, tail_ms=tail_ms)
         lp = logprob_from_proto(resp.first_token_logprob) if resp.HasField("first_token_logprob") else None
-        return LegResult(True, verdict, resp.first_token_id, lp, tail_ms=tail_ms,
+        return LegResult(True, final, resp.first_token_id, lp, tail_ms=tail_ms,
                          prompt_logprobs=tuple(logprob_from_proto(e) for e in resp.prompt_logprobs),
                          num_cached_tokens=resp.num_cached_tokens)
 
@@ -193,8 +185,7 @@ class RemotePrefill:
         except asyncio.TimeoutError:
             raise DeadlinePassedError(f"not admitted within {self.timeout_s:g} s") from None
         if ready is None:  # aborted while waiting for admission: the stream carries the end
-            return RemoteOutcome(common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_FAILED,
-                                                            reason="aborted"))
+            return RemoteOutcome(TransferVerdict("", Outcome.ABORTED, "", reason="aborted"))
         block_ids, num_cached = ready
         t_admitted = time.monotonic()
         timings.queue_ms = (t_admitted - t_arrival) * 1000
@@ -211,13 +202,18 @@ class RemotePrefill:
             return RemoteOutcome(result.verdict, result.num_cached_tokens)
         return RemoteOutcome(await self._on_failure(rid, result.verdict))
 
-    async def _on_failure(self, rid: str, verdict: common_pb2.TransferVerdict) -> common_pb2.TransferVerdict:
+    async def _on_failure(self, rid: str, verdict: TransferVerdict) -> TransferVerdict:
+        """The request's outcome after a failed leg, decided here and only here."""
+        reason = verdict.reason or _failure_reason(verdict)
         if self.failure_policy == "recompute":
-            verdict.outcome = common_pb2.TRANSFER_OUTCOME_RECOMPUTED
-            log.warning("request %s: prefill leg failed (%s); recomputing here", rid, verdict.reason)
+            log.warning("request %s: prefill leg failed (%s); recomputing here", rid, reason)
             engine = self.loop.engine
             await self.loop.call(lambda: engine.recompute_remote_prefill(rid))
-            return verdict
-        verdict.outcome = common_pb2.TRANSFER_OUTCOME_FAILED
-        log.warning("request %s: prefill leg failed (%s); failing it", rid, verdict.reason)
-        raise UpstreamFailedError(f"prefill failed and failure policy is 'fail': {verdict.reason}")
+            return replace(verdict, outcome=Outcome.RECOMPUTED, backend=RECOMPUTE, reason=reason)
+        log.warning("request %s: prefill leg failed (%s); failing it", rid, reason)
+        raise UpstreamFailedError(f"prefill failed and failure policy is 'fail': {reason}")
+
+
+def _failure_reason(verdict: TransferVerdict) -> str:
+    last = verdict.fallbacks[-1].reason if verdict.fallbacks else verdict.outcome.value
+    return f"transfer_failed: {last}"

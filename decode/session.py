@@ -13,8 +13,10 @@ from pdserve.common.errors import DeadlinePassedError
 from pdserve.decode.placement import Placement, place
 from pdserve.decode.prefill_leg import RemoteOutcome, RemotePrefill
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.kvtransfer.verdict import Outcome, TransferVerdict
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
+from pdserve.worker.transfer import verdict_to_proto
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ABORT}
@@ -71,12 +73,11 @@ class DecodeSessions:
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
         timings = common_pb2.RequestTimings()
-        outcome = RemoteOutcome(common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_LOCAL,
-                                                           reason=placement.reason))
+        outcome = RemoteOutcome(TransferVerdict("", Outcome.LOCAL, "", reason=placement.reason))
         try:
             if placement.remote:
                 outcome = await self.remote.run(rid, request, stream, timings, t_arrival)
-            verdict = outcome.verdict
+            verdict = verdict_to_proto(outcome.verdict)  # the request's verdict leaves this process
             self.metrics.prefill_decisions.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome),
                                                   reason=verdict.reason.split(":")[0]).inc()
             first = True

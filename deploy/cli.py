@@ -86,6 +86,9 @@ def _add_engine(p: argparse.ArgumentParser, role: str) -> None:
       choices=("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"))
     f("chunking_policy", "how prompts share a step's token budget",
       choices=("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS", "SHORTEST_FIRST"))
+    f("attention_window", "keep only the last N tokens' KV blocks: attention sees that window "
+                          "(0: none beyond the model's own sliding window; prefill and decode must agree)",
+      type=int)
 
 
 def _add_worker(p: argparse.ArgumentParser, role: str) -> None:
@@ -99,9 +102,6 @@ def _add_worker(p: argparse.ArgumentParser, role: str) -> None:
     f("worker_id", "stable id in the registry (none: <role>-host:port)")
     f("transfer_port", "decode: UCX listener port; the NCCL/gloo store listens on the next port "
                        "(0 picks free ones)", type=int)
-    f("attention_window", "keep only the last N tokens' KV blocks: attention sees that window "
-                          "(0: none beyond the model's own sliding window; prefill and decode must agree)",
-      type=int)
     _add_shared_worker(p, role)
 
 
@@ -162,10 +162,6 @@ def _add_router(sub) -> None:
     f("registry_port", "gRPC port where workers register (internal; keep it off client networks)",
       type=int)
     _add_router_options(router.add_argument_group("routing and limits"))
-    router.add_argument("--lenient-json-schema", action="store_true", default=None,
-                        help="JSON schemas (response_format, guided_json, tools) as JSON Schema reads them: "
-                             "an object without additionalProperties takes any other key (default: closed, "
-                             "as xgrammar and vLLM's users expect)")
     router.add_argument("--static-workers",
                         help="comma list of role=host:port to use without registration (default none)")
 
@@ -192,6 +188,29 @@ def _add_router_options(g) -> None:
                                "(workers send keep-alives at a quarter of it)", type=float)
     f("max_migrations", "times one request may move to another decode when its own dies or hangs "
                         "mid-stream (0: never)", type=int)
+    g.add_argument("--lenient-json-schema", action="store_true", default=None,
+                   help="JSON schemas (response_format, guided_json, tools) as JSON Schema reads them: "
+                        "an object without additionalProperties takes any other key (default: closed, "
+                        "as xgrammar and vLLM's users expect)")
+
+
+def _dests(add: Callable[[argparse.ArgumentParser], None]) -> tuple[str, ...]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add(parser)
+    return tuple(a.dest for a in parser._actions)
+
+
+def worker_pass_through() -> tuple[str, ...]:
+    """The settings `up` hands to every worker it starts: exactly the flags it shares with
+    them (`_add_shared_worker`), and the log level. Adding a flag there adds it here."""
+    return (*_dests(lambda p: _add_shared_worker(p, "prefill")), "log_level")
+
+
+def router_pass_through() -> tuple[str, ...]:
+    """The router options `up` takes and hands to its router (`_add_router_options`) as
+    flags; the API key goes in the environment instead (argv shows in ps)."""
+    return tuple(d for d in _dests(lambda p: _add_router_options(p.add_argument_group("router")))
+                 if d != "api_key")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,21 +36,6 @@ SECURITY_FLAGS = ("cluster_secret_file", "insecure_internal", "internal_tls_cert
 NUM_PREFILL = 1
 NUM_DECODE = 1
 READY_TIMEOUT_S = 300.0
-# flags passed through to every worker when given
-WORKER_FLAGS = ("model", "served_model_name", "dtype", "quantization", "device", "num_threads", "block_size",
-                "max_kv_tokens", "free_memory_fraction", "max_num_tokens", "max_batch_size",
-                "max_model_len", "capacity_policy", "chunking_policy", "kv_backends",
-                "redis_url", "disk_store", "disk_store_max_gb", "prefix_store", "transfer_timeout_s", "kv_probe_cooldown_s",
-                "prefill_timeout_s",
-                "failure_policy", "log_level", "heartbeat_s")
-
-
-# router options `up` hands to its router when given (the router's own flags of the same name)
-ROUTER_FLAGS = ("metrics_auth", "tls_cert", "tls_key", "max_queue", "prefill_policy",
-                "decode_policy", "local_prefill_threshold", "prefill_queue_threshold", "max_body_bytes",
-                "worker_timeout_s", "stream_idle_timeout_s", "max_migrations")
-
-
 @dataclass
 class Child:
     name: str
@@ -75,6 +60,8 @@ def _flags(settings: dict[str, Any], names) -> list[str]:
 def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     """The processes of this deployment. `settings["cluster_secret_file"]` is the secret
     every child authenticates internal calls with (`main` makes one when none is given)."""
+    from pdserve.deploy.cli import router_pass_through, worker_pass_through  # the flags' one table
+
     host = settings.get("host") or "127.0.0.1"
     http_port = int(settings.get("http_port") or ROUTER_HTTP_PORT)
     grpc_port = int(settings.get("router_grpc_port") or ROUTER_GRPC_PORT)
@@ -85,7 +72,7 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     num_decode = int(settings.get("num_decode") or NUM_DECODE)
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
     router = [*py, "router", "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-              "--registry-port", str(registry_port), *security, *_flags(settings, ROUTER_FLAGS)]
+              "--registry-port", str(registry_port), *security, *_flags(settings, router_pass_through())]
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
     children = [Child("router", router, env={"PDSERVE_API_KEY": settings["api_key"]} if settings.get("api_key") else {})]
@@ -97,7 +84,7 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
         share = WorkerSettings("decode").free_memory_fraction / (num_prefill + num_decode)
         settings = dict(settings, free_memory_fraction=round(share, 4))
     worker_common = ["--host", host, "--router", f"{host}:{registry_port}", "--grpc-port", "0",
-                     *security, *_flags(settings, WORKER_FLAGS)]
+                     *security, *_flags(settings, worker_pass_through())]
     if local:
         worker_common += ["--kv-backends", ""]
     for i in range(num_prefill):

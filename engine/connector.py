@@ -15,8 +15,11 @@ The engine calls, per step, in this order::
     worker:    start_load_kv(meta)                   (before the forward)
     worker:    wait_for_layer_load(i); save_kv_layer(i, ...)   (per layer, in the forward)
     worker:    wait_for_save()                        (after the forward)
-    worker:    get_finished(finished_ids)             (after the step)
+    worker:    get_finished(finished_ids)             (after every step: each end is told here, once)
     scheduler: request_finished                        (when a request ends, any way)
+
+A step that runs no forward still hands the worker its metadata when there is any: the
+store loads of a request that waits for a remote prefill land then.
 
 Loads through the connector are synchronous: what `get_num_new_matched_tokens` offers is
 in hand when it returns (fetched and verified) and lands in `start_load_kv`, so a request
@@ -38,14 +41,17 @@ it and the decode service drives it:
 
 The connector's `get_finished` therefore reports sends only: nothing else frees blocks.
 
-`NoopConnector` is the "no connector" object; the engine never checks for None.
+The engine builds its connector once the cache is sized: it is given a `ConnectorFactory`
+and calls it with the cache's `KVCacheLayout`, so both halves know the layout from the start
+(a ready `Connector` is taken as it is). `Connector()` (the no-op pair) is the "no connector"
+object; the engine never checks for None.
 Backends live in `pdserve.kvtransfer`; the engine never imports that package.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +83,7 @@ class KVCacheLayout:
     head_dim: int
     dtype: str
     weights: str = ""  # "" as loaded, or the quantization: KV computed from int8 weights differs
+    attention_window: int = 0  # 0: full attention; a window changes every layer's KV after the first
 
     @property
     def block_numel_per_layer(self) -> int:
@@ -86,10 +93,12 @@ class KVCacheLayout:
         """64-bit hash of everything but num_blocks: equal hashes mean interchangeable blocks."""
         from pdserve.common.block_hash import stable_hash64
 
-        weights = (f"weights={self.weights}",) if self.weights else ()  # unquantized hashes unchanged
+        # an unquantized, full-attention layout hashes as it always did
+        weights = (f"weights={self.weights}",) if self.weights else ()
+        window = (f"window={self.attention_window}",) if self.attention_window else ()
         return stable_hash64(
             "kv-layout-v1", self.model_name, self.num_layers, self.block_size,
-            self.num_kv_heads, self.head_dim, self.dtype, "layout=[blocks,2,bs,kvh,hd]", *weights)
+            self.num_kv_heads, self.head_dim, self.dtype, "layout=[blocks,2,bs,kvh,hd]", *weights, *window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +115,8 @@ class ConnectorRequest:
 class ConnectorMetadata:
     """What the worker half must do this step. Backends subclass it with typed fields."""
 
+    # the requests it carries work for; in a step without a forward the engine hands the
+    # worker its metadata only when this names some
     request_ids: list[str] = field(default_factory=list)
 
 
@@ -133,7 +144,8 @@ class KVConnectorScheduler(abc.ABC):
     @abc.abstractmethod
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
-        """Blocks are allocated for `request`; remember what to load/receive into them."""
+        """Blocks are allocated for `request` (after every allocation, `num_external_tokens`
+        possibly 0): remember what to load into them, or send from them, this step."""
 
     @abc.abstractmethod
     def build_connector_meta(self) -> ConnectorMetadata:
@@ -172,8 +184,9 @@ class KVConnectorWorker(abc.ABC):
     @abc.abstractmethod
     def get_finished(self, finished_request_ids: set[str]) -> set[str]:
         """Ids whose sends are done. `finished_request_ids`: those the engine ended this
-        step. Every id `request_finished` kept (True) must come back here eventually, send
-        done or failed; the engine frees its blocks then. Called after every step."""
+        step (the worker half learns of a request's end here, and only here). Every id
+        `request_finished` kept (True) must come back here eventually, send done or failed;
+        the engine frees its blocks then. Called after every step."""
 
     def backend_states(self) -> Sequence[BackendState]:
         """Each transfer backend's state now (thread-safe, cheap: read at every load report);
@@ -221,3 +234,6 @@ class Connector:
 
     scheduler: KVConnectorScheduler = field(default_factory=NoopConnectorScheduler)
     worker: KVConnectorWorker = field(default_factory=NoopConnectorWorker)
+
+
+ConnectorFactory = Callable[[KVCacheLayout], Connector]  # called with the engine's cache layout

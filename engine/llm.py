@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Iterator, Sequence
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.connector import Connector
+from pdserve.engine.connector import Connector, ConnectorFactory
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import Completion, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -18,7 +18,7 @@ class LLM:
     """Runs the engine in the caller's thread until the given prompts are done."""
 
     def __init__(self, model: str = "default", *, config: EngineConfig | None = None,
-                 connector: Connector | None = None, loaded=None, **overrides) -> None:
+                 connector: Connector | ConnectorFactory | None = None, loaded=None, **overrides) -> None:
         config = config or EngineConfig(model=model)
         if config.model != model and model != "default":
             config = replace(config, model=model)

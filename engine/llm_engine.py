@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.connector import Connector, KVCacheLayout
+from pdserve.engine.connector import Connector, ConnectorFactory, KVCacheLayout
 from pdserve.engine.constraints import GrammarCompiler
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.common.errors import InvalidRequestError, PromptTooLongError
@@ -46,8 +46,9 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, connector: Connector | None = None,
-                 loaded=None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *,
+                 connector: Connector | ConnectorFactory | None = None, loaded=None) -> None:
+        """`connector`: a ready pair, or a factory the engine calls with its cache layout."""
         from pdserve.engine.loader import load_model
 
         self.config = config or EngineConfig()
@@ -73,9 +74,12 @@ class LLMEngine:
             model_name=self.model_name, num_layers=self.model_config.num_layers,
             num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim,
-            dtype=self.config.cache.dtype, weights=self.config.quantization)
+            dtype=self.config.cache.dtype, weights=self.config.quantization,
+            attention_window=cache_cfg.attention_window or 0)
         self.compat_hash = self.layout.compatibility_hash()
-        self.connector = connector or Connector()
+        if connector is None:
+            connector = Connector()
+        self.connector = connector if isinstance(connector, Connector) else connector(self.layout)
         self.connector.worker.register_kv_caches(self.kv.kv_caches, self.layout)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.connector.scheduler, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
@@ -206,8 +210,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         self.last_step_ran = bool(plan.chunks)
-        if not plan.chunks:
-            # no forward this step, but the connector still gets its metadata (finish notices)
+        if not plan.chunks and plan.connector_meta.request_ids:
+            # no forward this step, but loads for a request that waits for a remote prefill
             self.connector.worker.start_load_kv(plan.connector_meta)
         if plan.chunks:
             started = time.perf_counter()

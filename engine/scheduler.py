@@ -250,9 +250,8 @@ class Scheduler:
             request.num_cached_tokens = hit_tokens
             self.num_prefix_queries += request.num_prompt_tokens
             self.num_prefix_hits += hit_tokens
+        self.connector.update_state_after_alloc(creq, self.kv.blocks_of(request.request_id), num_external)
         if num_external:
-            self.connector.update_state_after_alloc(
-                creq, self.kv.blocks_of(request.request_id), num_external)
             request.num_external_tokens = request.num_loaded_tokens = num_external
         if wants_remote:  # loads land before the step ends; the prefill fills the rest
             request.num_computed_tokens = computed

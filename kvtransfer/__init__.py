@@ -5,7 +5,8 @@
     sink.py             CacheSink: checks messages, scatters them into the paged cache
     chain.py            fallback chain over the backends, with health; verdict.py: its outcome
     registry.py         backends by name, imported lazily; config.py: KVTransferConfig
-    connector.py        the engine's connector halves (prefix cache + disaggregated hand-off)
+    connector/          the engine's connector: its two halves and the rooms for prefix-store
+                        loads/saves, prefill sends and decode receives
     params.py           TransferParams: the hand-off a decode service gives a prefill service
 
 Importing this package is cheap: backends and torch load only when used.
@@ -15,11 +16,11 @@ from pdserve.kvtransfer.params import ReceiveParams, TransferParams
 from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict
 
 __all__ = ["KVTransferConfig", "ReceiveParams", "TransferParams", "Fallback", "Outcome",
-           "TransferVerdict", "build_connector"]
+           "TransferVerdict", "connector_factory"]
 
 
-def build_connector(config: KVTransferConfig, *, listen: bool = True):
-    """The engine's `Connector` pair for `config` (see connector.build_connector)."""
-    from pdserve.kvtransfer.connector import build_connector as build
+def connector_factory(config: KVTransferConfig, *, listen: bool = True):
+    """What an engine is built with for `config` (see connector.connector_factory)."""
+    from pdserve.kvtransfer.connector import connector_factory as factory
 
-    return build(config, listen=listen)
+    return factory(config, listen=listen)

@@ -2,7 +2,8 @@
 
 The engine sees the connector only through its two ABC halves (`engine.connector`); the
 services see the transfer side through these two, and never through the connector's
-internals. `PdConnectorWorker` implements both; `build_connector` returns them typed.
+internals. The connector's rooms implement them: `PrefillSends` and `DecodeReceives`
+(`PdConnector.sends`, `PdConnector.receives`).
 """
 from __future__ import annotations
 

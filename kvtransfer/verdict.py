@@ -15,6 +15,7 @@ class Outcome(str, enum.Enum):
     RECOMPUTED = "recomputed"  # no backend could move them: the receiver computes the prompt
     FAILED = "failed"  # nothing worked and recompute is not in the chain
     ABORTED = "aborted"  # the request ended before the transfer did
+    LOCAL = "local"  # no transfer was asked for: the decode prefilled the prompt itself
 
 
 RECOMPUTE = "recompute"  # the pseudo-backend that ends a chain
@@ -54,6 +55,12 @@ class TransferVerdict:
     # each) and the mean time of one. 0: the prompt went as one message.
     num_messages: int = 0
     layer_send_s: float = 0.0
+    # Receiver side, the request's verdict: why this outcome ("" for a transfer that landed;
+    # "short_uncached_prompt", "prefill_unavailable: ...", "transfer_failed: ...", ...), the
+    # peer that sent (a prefill worker id) and, when calling it failed, its status code
+    reason: str = ""
+    peer: str = ""
+    peer_status: str = ""
 
     @property
     def ok(self) -> bool:

@@ -9,24 +9,21 @@ from pdserve.worker.settings import WorkerSettings
 
 
 class PrefillBuild:
-    """How `run_worker` builds a prefill service: the sender's connector goes into the
-    engine, then the service sends through that same sender."""
-
-    def __init__(self) -> None:
-        self.sender = None
+    """How `run_worker` builds a prefill service: a sending connector goes into the engine,
+    then the service sends through its `sends`."""
 
     def make_connector(self, settings: WorkerSettings, secret=None):
-        from pdserve.kvtransfer.service import make_sender
+        from pdserve.worker.transfer import make_connector
 
-        self.sender = make_sender(settings, secret)
-        return self.sender.connector
+        return make_connector(settings, secret, listen=False)
 
     async def make_service(self, runtime):
         from pdserve.prefill.runner import PrefillRunner
         from pdserve.prefill.servicer import PrefillService
         from pdserve.proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+        from pdserve.worker.transfer import Sender
 
-        sender = self.sender
+        sender = Sender(runtime.engine.connector, runtime.engine.kv.block_size)
         runner = PrefillRunner(runtime.loop, sender, runtime.metrics, max_queue=runtime.settings.max_queue,
                                handoff_mac=runtime.auth.handoff_mac())
         service = PrefillService(runner, runtime.served_name)

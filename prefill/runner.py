@@ -11,7 +11,7 @@ from typing import Protocol
 from pdserve.common.auth import Mac
 from pdserve.common.errors import DeadlinePassedError, IncompatiblePeerError, OverloadedError
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.kvtransfer.service import check_handoff_signature
+from pdserve.worker.transfer import check_handoff_signature
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
 

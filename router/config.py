@@ -5,9 +5,12 @@ validates everything here, so the rest of the router sees typed values only.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+
+from pdserve.common.values import coerce
 
 # Default ports of the router's listeners (0 picks a free port).
 ROUTER_HTTP_PORT = 8000
@@ -104,48 +107,18 @@ class RouterConfig:
         """Build from `pdserve router` settings (flags, PDSERVE_* strings, YAML values).
         Unknown keys (other roles' flags, e.g. from `pdserve up`) are ignored."""
         kwargs: dict[str, Any] = {}
-        for key, convert in _CONVERTERS.items():
-            value = settings.get(key)
-            if value is None:
+        for field in dataclasses.fields(cls):
+            value = settings.get(field.name)
+            if value is None or not field.init:
                 continue
+            convert = _CONVERTERS.get(field.name) or (lambda v, d=field.default: coerce(v, d))
             try:
-                kwargs[key] = convert(value)
+                kwargs[field.name] = convert(value)
             except (TypeError, ValueError) as exc:
-                raise ConfigError(f"bad value for {key}: {value!r} ({exc})") from None
+                raise ConfigError(f"bad value for {field.name}: {value!r} ({exc})") from None
         if "worker_timeout_s" in kwargs and "heartbeat_interval_s" not in kwargs:
             kwargs["heartbeat_interval_s"] = min(DEFAULT_HEARTBEAT_INTERVAL_S, kwargs["worker_timeout_s"] / 3)
         return cls(**kwargs)
-
-
-def _to_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError("expected an integer")
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError("expected an integer")
-        return int(value)
-    return int(str(value).strip())
-
-
-def _to_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _to_float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError("expected a number")
-    return float(str(value).strip()) if isinstance(value, str) else float(value)
-
-
-def _to_str(value: Any) -> str:
-    return str(value).strip()
 
 
 def parse_static_workers(value: Any) -> tuple[StaticWorker, ...]:
@@ -163,32 +136,6 @@ def parse_static_workers(value: Any) -> tuple[StaticWorker, ...]:
     return tuple(workers)
 
 
-_CONVERTERS: dict[str, Callable[[Any], Any]] = {
-    "host": _to_str,
-    "http_port": _to_int,
-    "grpc_port": _to_int,
-    "registry_port": _to_int,
-    "cluster_secret_file": _to_str,
-    "insecure_internal": _to_bool,
-    "metrics_port": _to_int,
-    "api_key": _to_str,
-    "metrics_auth": _to_bool,
-    "tls_cert": _to_str,
-    "tls_key": _to_str,
-    "internal_tls_cert": _to_str,
-    "internal_tls_key": _to_str,
-    "internal_tls_ca": _to_str,
-    "max_queue": _to_int,
-    "prefill_policy": _to_str,
-    "decode_policy": _to_str,
-    "local_prefill_threshold": _to_int,
-    "prefill_queue_threshold": _to_int,
-    "max_body_bytes": _to_int,
-    "worker_timeout_s": _to_float,
-    "stream_idle_timeout_s": _to_float,
-    "max_migrations": _to_int,
-    "heartbeat_interval_s": _to_float,
+_CONVERTERS: dict[str, Callable[[Any], Any]] = {  # settings no default's type describes
     "static_workers": parse_static_workers,
-    "log_level": _to_str,
-    "lenient_json_schema": _to_bool,
 }

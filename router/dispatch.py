@@ -102,6 +102,7 @@ class DecodeClient:
         call = self._channels.decode(worker.address).Decode(request)
         handle = _OpenStream(worker.worker_id)
         self._open.add(handle)
+        self._registry.note_stream(worker.worker_id, +1)
         finished = False  # the last message arrived
         ended_by_worker = False  # the worker closed the call (error status or early EOF)
         try:
@@ -127,6 +128,7 @@ class DecodeClient:
                 yield message
         finally:
             self._open.discard(handle)
+            self._registry.note_stream(worker.worker_id, -1)
             if not finished and not ended_by_worker:
                 # Left early (consumer gone, cancelled, worker lost): cancel the call and,
                 # in case the cancellation is lost, abort the request explicitly.

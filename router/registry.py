@@ -66,6 +66,7 @@ class WorkerRecord:
     cached_hashes: set[int] = field(default_factory=set)
     suspect: bool = False
     num_routed_since_report: int = 0  # requests sent since the last load report
+    num_streams: int = 0  # this router's Decode streams open to it now
     expected: dict[int, float] = field(default_factory=dict)  # hash -> when routed here (not yet reported)
 
     @property
@@ -73,8 +74,9 @@ class WorkerRecord:
         return self.worker.worker_id
 
     def load_score(self) -> int:
-        """Work queued or running, counting what this router sent since the last report."""
-        return self.load.num_queued + self.load.num_running + self.num_routed_since_report
+        """Work queued or running, counting what this router sent since the last report; at
+        least the streams this router has open to it (a report may predate their arrival)."""
+        return max(self.load.num_queued + self.load.num_running + self.num_routed_since_report, self.num_streams)
 
     def usable_backends(self) -> set[str]:
         """The KV backends this worker speaks that its last report calls usable."""
@@ -158,6 +160,12 @@ class WorkerRegistry:
                 record.cached_hashes.update(block_hashes)
                 now = self._clock()
                 record.expected.update((h, now) for h in block_hashes)
+
+    def note_stream(self, worker_id: str, delta: int) -> None:
+        """A Decode stream to the worker opened (+1) or ended (-1)."""
+        record = self._records.get(worker_id)
+        if record is not None:
+            record.num_streams = max(0, record.num_streams + delta)
 
     def is_alive(self, record: WorkerRecord) -> bool:
         return self._clock() - record.last_seen <= self._timeout_s

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests import `support`
+sys.path.insert(0, str(Path(__file__).parent))  # tests import `support`, `kvcaches`
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # and the examples they run
 
 # Keep torch to the machine's 2 cores and tests reproducible.
 os.environ.setdefault("OMP_NUM_THREADS", "2")

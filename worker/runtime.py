@@ -87,8 +87,9 @@ class ServiceBuild(Protocol):
     gRPC service (once the engine loop runs)."""
 
     def make_connector(self, settings: WorkerSettings, secret: ClusterSecret | None) -> Any:
-        """The engine's connector (`pdserve.engine.connector.Connector`); the transfer layer
-        derives its keys from `secret`."""
+        """What the engine's connector is built from: a `Connector`, or a factory the engine
+        calls with its cache layout (`pdserve.engine.connector`); the transfer layer derives
+        its keys from `secret`. The service finds the built one as `runtime.engine.connector`."""
 
     async def make_service(self, runtime: "WorkerRuntime") -> tuple[Callable[[Any], None], list[str],
                                                                   Callable[[], Awaitable[None]]]:
@@ -110,7 +111,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     connector = build.make_connector(settings, auth.secret)
     with progress.step(f"{role}: loading model {settings.model}"):
         engine = await asyncio.to_thread(LLMEngine, settings.engine_config(), connector=connector)
-    states = connector.worker.backend_states()
+    states = engine.connector.worker.backend_states()
     log.info("%s: kv backends: %s", role, ", ".join(
         f"{b.name} ok" if b.usable else f"{b.name} off ({b.detail})" for b in states) or "none")
     served = settings.served_model_name or engine.model_name

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.values import coerce
 
 # Default ports of each role's listeners (0 for a port picks a free one).
 PREFILL_GRPC_PORT = 50060
@@ -102,7 +103,7 @@ class WorkerSettings:
                 continue
             raw = settings[f.name]
             try:
-                values[f.name] = _coerce(raw, type(getattr(cls, f.name)) if hasattr(cls, f.name) else str, f.default)
+                values[f.name] = coerce(raw, f.default)
             except (TypeError, ValueError):
                 raise SettingsError(f"--{f.name.replace('_', '-')}: cannot use {raw!r}") from None
         out = cls(**values)
@@ -123,6 +124,22 @@ class WorkerSettings:
     def backends(self) -> tuple[str, ...]:
         return tuple(b.strip() for b in self.kv_backends.split(",") if b.strip())
 
+    def transfer_config(self, secret=None):
+        """The transfer layer's config (`KVTransferConfig`); its keys derive from the cluster
+        `secret` (`common.auth.ClusterSecret`) when there is one."""
+        from pdserve.common import envs
+        from pdserve.kvtransfer.config import KVTransferConfig
+
+        return KVTransferConfig.from_settings(
+            backends=self.kv_backends, host=self.host, transfer_port=self.transfer_port,
+            redis_url=self.redis_url or None, disk_store=self.disk_store or None,
+            disk_store_max_gb=self.disk_store_max_gb, step_timeout_s=self.transfer_timeout_s,
+            probe_cooldown_s=self.kv_probe_cooldown_s,
+            prefix_cache=self.prefix_store if self.prefix_store != "none" else None,
+            layerwise=envs.get("PDSERVE_KV_LAYERWISE") != "0",
+            transfer_key=secret.key("transfer") if secret else None,
+            store_key=secret.key("store") if secret else None)
+
     def engine_config(self):
         from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -137,15 +154,5 @@ class WorkerSettings:
                 capacity_policy=self.capacity_policy, chunking_policy=self.chunking_policy,
                 max_num_tokens=self.max_num_tokens, max_batch_size=self.max_batch_size,
                 max_model_len=self.max_model_len or None))
-
-
-def _coerce(raw: Any, kind: type, default: Any) -> Any:
-    if isinstance(default, bool):
-        return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(raw)
-    if isinstance(default, float):
-        return float(raw)
-    return str(raw)
 
 

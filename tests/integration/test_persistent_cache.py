@@ -14,7 +14,7 @@ import torch
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
-from pdserve.kvtransfer import KVTransferConfig, build_connector
+from pdserve.kvtransfer import KVTransferConfig, connector_factory
 from pdserve.kvtransfer.verdict import RECOMPUTE
 
 BLOCK = 16
@@ -30,8 +30,8 @@ def prompts(seed: int = 5) -> list[list[int]]:
 def run_instance(model_dir, store_dir):
     config = KVTransferConfig(backends=("disk", RECOMPUTE), disk_store=str(store_dir),
                               prefix_cache="disk")
-    connector = build_connector(config, listen=False)
-    llm = LLM(str(model_dir), connector=connector, num_blocks=64, block_size=BLOCK)
+    llm = LLM(str(model_dir), connector=connector_factory(config, listen=False), num_blocks=64, block_size=BLOCK)
+    connector = llm.engine.connector
     try:
         completions = llm.generate(prompts(), GREEDY)
         assert connector.worker.flush(30), "background stores did not finish"

@@ -485,7 +485,7 @@ def test_grpc_generate_carries_penalties_bias_and_constraint_to_decode(make_clus
 
 
 def test_grpc_generate_streams_the_same_and_example_client(make_cluster):
-    from pdserve.router.example_client import stream_chat
+    from grpc_client import stream_chat
 
     cluster = make_cluster()
     cluster.add("d0")
@@ -587,7 +587,7 @@ def test_bad_http_input_gets_openai_error(make_cluster, case):
 
 
 def test_malformed_and_oversized_grpc_requests_are_invalid_argument(make_cluster):
-    from pdserve.router.example_client import stream_chat
+    from grpc_client import stream_chat
 
     cluster = make_cluster()
     decode = cluster.add("d0")

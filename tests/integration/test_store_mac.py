@@ -11,7 +11,7 @@ import pytest
 from pdserve.kvtransfer.backends.disk import DiskStore
 from pdserve.kvtransfer.codec import encode_message
 from pdserve.kvtransfer.sink import limits_for
-from pdserve.kvtransfer.testing import tiny_layout
+from kvcaches import tiny_layout
 from pdserve.kvtransfer.wire import payload_nbytes
 
 LAYOUT = tiny_layout(num_blocks=16)

@@ -32,7 +32,7 @@ from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.codec import as_bytes_view, new_transfer_id, split_records
 from pdserve.kvtransfer.config import STORES, KVTransferConfig
-from pdserve.kvtransfer.testing import block_digests, make_caches, message_from_cache, tiny_layout
+from kvcaches import block_digests, make_caches, message_from_cache, tiny_layout
 
 PEER = Path(__file__).with_name("transfer_peer.py")
 LAYOUT_ARGS = dict(num_blocks=64, num_layers=4, block_size=16, num_kv_heads=2, head_dim=64)

@@ -23,7 +23,7 @@ from pdserve.kvtransfer.connector import build_connector
 from pdserve.kvtransfer.blocks import gather_to_host
 from pdserve.kvtransfer.registry import open_backends
 from pdserve.kvtransfer.sink import limits_for
-from pdserve.kvtransfer.testing import block_digests, make_caches, tiny_layout
+from kvcaches import block_digests, make_caches, tiny_layout
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
 
 LAYOUT = tiny_layout(num_blocks=32, num_layers=2, block_size=16, num_kv_heads=2, head_dim=32)
@@ -46,7 +46,7 @@ def setup(redis_server, tmp_path):
     chain = FallbackChain(config.backends, transports=sender.transports, stores=sender.stores,
                           unavailable=sender.unavailable, step_timeout_s=config.step_timeout_s,
                           health_policy=config.health_policy)
-    receiver = build_connector(config, listen=False)
+    receiver = build_connector(config, LAYOUT, listen=False)
     receiver.worker.register_kv_caches(make_caches(LAYOUT), LAYOUT)
     yield chain, receiver.receives, disk_dir, redis_server
     chain.close()
@@ -71,7 +71,7 @@ def transfer(chain, worker, request_id: str, round_: int):
     verdict = chain.send(SendJob(params.transfer_id, message, keys, params.endpoint_map,
                                  params.backends, params.monotonic_deadline()))
     final = worker.complete_receive(request_id, verdict)
-    landed = block_digests(worker.kv_caches, dst) == block_digests(SOURCE, src)
+    landed = block_digests(worker.sink.kv_caches, dst) == block_digests(SOURCE, src)
     return verdict, final, landed
 
 

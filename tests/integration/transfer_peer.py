@@ -8,9 +8,13 @@ Nothing is pickled across the process boundary.
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 from pdserve.bench.child import serve_commands
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `kvcaches`
 
 
 def main() -> None:
@@ -22,7 +26,7 @@ def main() -> None:
     from pdserve.kvtransfer.config import STORES, KVTransferConfig
     from pdserve.kvtransfer.receive import land_from_store
     from pdserve.kvtransfer.sink import CacheSink
-    from pdserve.kvtransfer.testing import block_digests, make_caches, tiny_layout
+    from kvcaches import block_digests, make_caches, tiny_layout
 
     state: dict = {}
 

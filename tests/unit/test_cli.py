@@ -44,7 +44,13 @@ def test_up_takes_only_flags_it_uses():
     own = {"config", "host", "log_level", "num_prefill", "num_decode", "http_port", "router_grpc_port",
            "router_registry_port",
            "local_prefill", "ready_timeout_s", "max_restarts", "api_key", *up.SECURITY_FLAGS}
-    assert _dests("up") - own == (set(up.WORKER_FLAGS) | set(up.ROUTER_FLAGS)) - {"log_level"}
+    from pdserve.deploy.cli import router_pass_through, worker_pass_through
+
+    assert _dests("up") - own == (set(worker_pass_through()) | set(router_pass_through())) - {"log_level"}
+    # every engine and transfer flag of a worker reaches the workers `up` starts
+    assert _dests("decode") - {"metrics_port", "grpc_port", "advertise_host", "router", "worker_id",
+                               "transfer_port"} - own <= set(worker_pass_through())
+    assert "attention_window" in worker_pass_through() and "lenient_json_schema" in router_pass_through()
 
 
 def _help_defaults(command: str) -> dict[str, str]:
@@ -112,14 +118,13 @@ def test_up_makes_a_private_cluster_secret_per_run_and_removes_it(tmp_path):
 def test_prefix_store_is_validated_and_reaches_the_transfer_config(tmp_path):
     import pytest
 
-    from pdserve.kvtransfer.service import transfer_config
     from pdserve.worker.settings import SettingsError, WorkerSettings
 
     for role in ("prefill", "decode"):
         args = build_parser().parse_args([role, "--prefix-store", "disk", "--disk-store", str(tmp_path)])
         settings = WorkerSettings.from_settings(role, resolve(args, environ={}))
-        assert transfer_config(settings).prefix_cache == "disk"
-    assert transfer_config(WorkerSettings.from_settings("decode", {})).prefix_cache is None
+        assert settings.transfer_config().prefix_cache == "disk"
+    assert WorkerSettings.from_settings("decode", {}).transfer_config().prefix_cache is None
     with pytest.raises(SettingsError, match="--disk-store"):
         WorkerSettings.from_settings("prefill", {"prefix_store": "disk"})
     with pytest.raises(SettingsError, match="--redis-url"):

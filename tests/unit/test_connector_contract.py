@@ -48,6 +48,7 @@ class ScriptedScheduler(KVConnectorScheduler):
 
     def build_connector_meta(self):
         meta, self._meta = self._meta, ScriptedMeta()
+        meta.request_ids = sorted({rid for rid, *_ in (*meta.loads, *meta.finished)})
         return meta
 
     def request_finished(self, request, block_ids):

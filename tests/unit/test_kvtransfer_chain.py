@@ -14,7 +14,7 @@ from pdserve.kvtransfer.codec import encode_message, new_transfer_id
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.sink import limits_for
-from pdserve.kvtransfer.testing import tiny_layout
+from kvcaches import tiny_layout
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
 from pdserve.kvtransfer.wire import HEADER_SIZE, payload_nbytes
 from support import FakeClock

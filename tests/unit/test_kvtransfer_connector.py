@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from pdserve.engine.connector import ConnectorRequest, LayerSaveContext
-from pdserve.kvtransfer import KVTransferConfig, build_connector
+from pdserve.kvtransfer import KVTransferConfig
+from pdserve.kvtransfer.connector import build_connector
 from pdserve.kvtransfer.params import ReceiveParams, TransferParams
-from pdserve.kvtransfer.testing import block_digests, make_caches, tiny_layout
+from kvcaches import block_digests, make_caches, tiny_layout
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
 from pdserve.common.block_hash import hash_prompt_blocks
 
@@ -27,10 +28,17 @@ def request(rid: str, params=None, prompt=PROMPT) -> ConnectorRequest:
 def make(tmp_path, prefix_cache: str | None = "disk", backends=("disk", RECOMPUTE)):
     config = KVTransferConfig(backends=backends, disk_store=str(tmp_path / "store"),
                               prefix_cache=prefix_cache)
-    conn = build_connector(config, listen=False)
+    conn = build_connector(config, LAYOUT, listen=False)
     caches = make_caches(LAYOUT)
     conn.worker.register_kv_caches(caches, LAYOUT)
     return conn, caches
+
+
+def admit(conn, req: ConnectorRequest, block_ids: list[int], num_computed: int = 0) -> int:
+    """What the scheduler does when it admits `req`: ask for matches, allocate, tell."""
+    num_external = conn.scheduler.get_num_new_matched_tokens(req, num_computed)
+    conn.scheduler.update_state_after_alloc(req, block_ids, num_external)
+    return num_external
 
 
 def forward(conn, caches, block_ids: dict[str, list[int]], num_computed: dict[str, int], seed=0):
@@ -105,10 +113,10 @@ def test_prefill_sends_into_the_decode_cache(tmp_path):
     params = decode.receives.prepare_receive("d1", [20, 21, 22, 23, 24], num_prompt_tokens=14,
                                            num_leading_blocks=1, deadline=time.time() + 30)
     assert params.dst_block_ids == (21, 22, 23)  # block 0 is the decode side's own prefix hit
-    assert decode.worker.sink.reserved_block_ids == {21, 22, 23}
+    assert decode.receives.sink.reserved_block_ids == {21, 22, 23}
 
     req = request("p1", params)
-    assert prefill.scheduler.get_num_new_matched_tokens(req, 0) == 0
+    assert admit(prefill, req, [2, 3, 4, 5]) == 0
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 8})  # first chunk: not done yet
     assert prefill.sends.wait_verdict("p1", 0.2) is None
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 14})  # prompt complete: send
@@ -116,55 +124,46 @@ def test_prefill_sends_into_the_decode_cache(tmp_path):
     assert verdict.ok and verdict.backend == "disk" and verdict.num_blocks == 3
     assert verdict.fetch_keys[:2] == req.block_hashes[1:] and verdict.fetch_keys[2] < 0
     assert prefill.scheduler.request_finished(req, [2, 3, 4, 5]) is True  # keep until reported
-    assert "p1" in prefill.worker.get_finished(set())
+    assert prefill.worker.get_finished({"p1"}) == {"p1"}
 
     final = decode.receives.complete_receive("d1", verdict)
     assert final.ok
     assert block_digests(d_caches, [21, 22, 23]) == block_digests(p_caches, [3, 4, 5])
-    assert decode.worker.sink.pending_transfer_ids == set()
-    assert decode.worker.sink.reserved_block_ids == set()
+    assert decode.receives.sink.pending_transfer_ids == set()
+    assert decode.receives.sink.reserved_block_ids == set()
     prefill.worker.close()
     decode.worker.close()
 
 
-def test_send_reports_stick_until_the_engine_saw_the_finish(tmp_path):
+def test_a_send_is_reported_once_the_engine_ended_its_request(tmp_path):
+    """Each end is told to the worker once (get_finished's ids); a send done before that
+    is held until then, and reported once."""
     prefill, p_caches, decode, _ = handoff_pair(tmp_path)
     params = decode.receives.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
     req = request("p1", params)
-    prefill.scheduler.get_num_new_matched_tokens(req, 0)
-    forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 14})
-    prefill.sends.wait_verdict("p1", 10)
-    assert prefill.worker.flush(10)
-    assert prefill.worker.get_finished(set()) == {"p1"}
-    assert prefill.worker.get_finished(set()) == {"p1"}  # not acknowledged yet
-    assert prefill.scheduler.request_finished(req, [2, 3, 4, 5])
-    forward(prefill, p_caches, {}, {})  # the next step carries the finish to the worker
-    assert prefill.worker.get_finished(set()) == {"p1"}  # reported once more, then dropped
-    assert prefill.worker.get_finished(set()) == set()
-    decode.receives.cancel_receive("d1")
-    assert decode.worker.sink.reserved_block_ids == set()
-    prefill.worker.close()
-    decode.worker.close()
-
-
-def test_a_fast_send_gets_one_verdict_whichever_finish_notice_comes_first(tmp_path):
-    """The send is done before the step ends: the engine's finished ids reach the worker
-    first (get_finished), the scheduler's notice a step later. Before the fix the second
-    notice posted a false 'aborted' verdict that a slower reader took for the real one."""
-    prefill, p_caches, decode, _ = handoff_pair(tmp_path)
-    params = decode.receives.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
-    req = request("p1", params)
-    prefill.scheduler.get_num_new_matched_tokens(req, 0)
+    admit(prefill, req, [2, 3, 4, 5])
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 14})
     assert prefill.worker.flush(10)
+    assert prefill.worker.get_finished(set()) == set()  # done, but the engine has not ended p1
     assert prefill.scheduler.request_finished(req, [2, 3, 4, 5])  # the first token ended p1
-    assert prefill.worker.get_finished({"p1"}) == {"p1"}  # end of that step
-    forward(prefill, p_caches, {}, {})  # the scheduler's notice arrives
-    assert prefill.worker.get_finished(set()) == {"p1"}
+    assert prefill.worker.get_finished({"p1"}) == {"p1"}
     assert prefill.worker.get_finished(set()) == set()
     verdict = prefill.sends.wait_verdict("p1", 1)
     assert verdict is not None and verdict.ok, verdict
     assert prefill.sends.wait_verdict("p1", 0.2) is None  # and no second one
+    decode.receives.cancel_receive("d1")
+    assert decode.receives.sink.reserved_block_ids == set()
+    prefill.worker.close()
+    decode.worker.close()
+
+
+def test_a_request_that_ends_before_its_send_reaches_the_worker_keeps_no_blocks(tmp_path):
+    prefill, _, decode, _ = handoff_pair(tmp_path)
+    params = decode.receives.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
+    req = request("p1", params)
+    admit(prefill, req, [2, 3, 4, 5])  # announced, never handed to the worker half
+    assert prefill.scheduler.request_finished(req, [2, 3, 4, 5]) is False
+    assert prefill.scheduler.build_connector_meta().sends == []
     decode.receives.cancel_receive("d1")
     prefill.worker.close()
     decode.worker.close()
@@ -174,17 +173,16 @@ def test_abort_before_the_prompt_completes_reports_an_aborted_verdict(tmp_path):
     prefill, p_caches, decode, _ = handoff_pair(tmp_path)
     params = decode.receives.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
     req = request("p1", params)
-    prefill.scheduler.get_num_new_matched_tokens(req, 0)
+    admit(prefill, req, [2, 3, 4, 5])
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 4})
     assert prefill.scheduler.request_finished(req, [2, 3, 4, 5]) is True
-    forward(prefill, p_caches, {}, {})
-    assert "p1" in prefill.worker.get_finished(set())
+    assert prefill.worker.get_finished({"p1"}) == {"p1"}
     verdict = prefill.sends.wait_verdict("p1", 1)
     assert verdict.outcome == Outcome.ABORTED and not verdict.ok
 
     final = decode.receives.complete_receive("d1", verdict)
     assert final.outcome == Outcome.ABORTED
-    assert decode.worker.sink.reserved_block_ids == set()
+    assert decode.receives.sink.reserved_block_ids == set()
     prefill.worker.close()
     decode.worker.close()
 
@@ -193,15 +191,14 @@ def test_service_abort_before_the_send_starts(tmp_path):
     prefill, p_caches, decode, _ = handoff_pair(tmp_path)
     params = decode.receives.prepare_receive("d1", [20, 21, 22, 23], 14, 0, time.time() + 30)
     req = request("p1", params)
-    prefill.scheduler.get_num_new_matched_tokens(req, 0)
+    admit(prefill, req, [2, 3, 4, 5])
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 4})
     assert prefill.sends.abort_send("p1") and not prefill.sends.abort_send("p1")
     assert prefill.sends.wait_verdict("p1", 1).outcome == Outcome.ABORTED
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 14})  # too late: nothing is sent
     assert prefill.worker.flush(5) and not list((tmp_path / "store").rglob("*.kv"))
-    prefill.scheduler.request_finished(req, [2, 3, 4, 5])
-    forward(prefill, p_caches, {}, {})
-    assert prefill.worker.get_finished(set()) == {"p1"}
+    assert prefill.scheduler.request_finished(req, [2, 3, 4, 5])
+    assert prefill.worker.get_finished({"p1"}) == {"p1"}
     assert prefill.worker.get_finished(set()) == set()
     decode.receives.cancel_receive("d1")
     prefill.worker.close()
@@ -214,7 +211,7 @@ def test_incompatible_or_mis_sized_handoffs_fail_without_sending(tmp_path):
     for rid, bad, why in (("p1", replace(params, compat_hash=params.compat_hash ^ 1), "compatibility"),
                           ("p2", replace(params, dst_block_ids=(20, 21)), "reserved 2 blocks")):
         req = request(rid, bad)
-        prefill.scheduler.get_num_new_matched_tokens(req, 0)
+        admit(prefill, req, [2, 3, 4, 5])
         forward(prefill, p_caches, {rid: [2, 3, 4, 5]}, {rid: 14})
         verdict = prefill.sends.wait_verdict(rid, 5)
         assert verdict.outcome == Outcome.FAILED and verdict.fallbacks[0].backend == "sender"
@@ -233,7 +230,7 @@ def test_receive_api_guards(tmp_path):
     with pytest.raises(ValueError):
         decode.receives.complete_receive("nope", None)
     assert decode.receives.cancel_receive("d1") and not decode.receives.cancel_receive("d1")
-    assert decode.worker.sink.reserved_block_ids == set()
+    assert decode.receives.sink.reserved_block_ids == set()
     decode.worker.close()
     decode.worker.close()  # idempotent
 

@@ -15,7 +15,7 @@ from pdserve.kvtransfer.backends.disk import DiskStore
 from pdserve.kvtransfer.codec import encode_message, record_nbytes
 from pdserve.kvtransfer.health import HealthPolicy
 from pdserve.kvtransfer.sink import limits_for
-from pdserve.kvtransfer.testing import tiny_layout
+from kvcaches import tiny_layout
 from pdserve.kvtransfer.wire import payload_nbytes
 from support import FakeClock
 

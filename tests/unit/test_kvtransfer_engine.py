@@ -16,7 +16,7 @@ import torch
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
-from pdserve.kvtransfer import KVTransferConfig, ReceiveParams, build_connector
+from pdserve.kvtransfer import KVTransferConfig, ReceiveParams, connector_factory
 from pdserve.kvtransfer.codec import new_transfer_id
 from pdserve.kvtransfer.registry import is_importable
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
@@ -47,9 +47,9 @@ def run_until(llm, done, timeout_s: float = 60.0):
 def engines(model_dir, config: KVTransferConfig, **prefill_overrides):
     """(prefill, decode, local): two engines joined by `config`'s chain and a plain one;
     the connectors are closed on the way out."""
-    prefill = LLM(str(model_dir), connector=build_connector(config, listen=False),
+    prefill = LLM(str(model_dir), connector=connector_factory(config, listen=False),
                   num_blocks=64, block_size=BLOCK, **prefill_overrides)
-    decode = LLM(str(model_dir), connector=build_connector(config), num_blocks=64, block_size=BLOCK)
+    decode = LLM(str(model_dir), connector=connector_factory(config), num_blocks=64, block_size=BLOCK)
     try:
         yield prefill, decode, LLM(str(model_dir), num_blocks=64, block_size=BLOCK)
     finally:
@@ -60,7 +60,7 @@ def engines(model_dir, config: KVTransferConfig, **prefill_overrides):
 def assert_all_blocks_back(prefill, decode) -> None:
     for llm in (prefill, decode):
         llm.engine.assert_no_leaks()
-    assert decode.engine.connector.worker.sink.reserved_block_ids == set()
+    assert decode.engine.connector.receives.sink.reserved_block_ids == set()
 
 
 def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None):
@@ -120,9 +120,9 @@ def test_failed_transfer_is_recomputed_by_the_decode_side(tiny_model_factory, tm
     broken = tmp_path / "not-a-dir"
     broken.write_text("x")  # the store cannot be written: the chain ends in recompute
     config = KVTransferConfig(backends=("disk", RECOMPUTE), disk_store=str(broken))
-    prefill = LLM(str(model_dir), connector=build_connector(config, listen=False),
+    prefill = LLM(str(model_dir), connector=connector_factory(config, listen=False),
                   num_blocks=64, block_size=BLOCK)
-    decode = LLM(str(model_dir), connector=build_connector(config), num_blocks=64, block_size=BLOCK)
+    decode = LLM(str(model_dir), connector=connector_factory(config), num_blocks=64, block_size=BLOCK)
     local = LLM(str(model_dir), num_blocks=64, block_size=BLOCK)
     prompt = list(range(3, 40))
     try:
@@ -174,7 +174,7 @@ def test_a_stream_that_breaks_falls_back_to_the_next_backend_whole(tiny_model_fa
     with engines(model_dir, config, max_num_tokens=20) as (prefill, decode, local):
         def cut_the_link():
             assert prefill.engine.connector.worker.flush(10)  # the first step's layers landed
-            decode.engine.connector.worker.backends.transports[backend].close()
+            decode.engine.connector.receives.backends.transports[backend].close()
 
         tokens, sent, received = disaggregated(prefill, decode, prompt, "broken", cut_the_link)
         assert sent.ok and sent.backend == "disk" and received.ok, received.describe()

@@ -9,7 +9,7 @@ from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.codec import as_bytes_view, new_transfer_id
 from pdserve.kvtransfer.sink import CacheSink
-from pdserve.kvtransfer.testing import block_digests, make_caches, message_from_cache, tiny_layout
+from kvcaches import block_digests, make_caches, message_from_cache, tiny_layout
 from pdserve.kvtransfer.wire import WireError, parse_header
 from support import FakeClock
 

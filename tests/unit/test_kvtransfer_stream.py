@@ -14,7 +14,7 @@ from pdserve.kvtransfer.codec import new_transfer_id
 from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.sink import CacheSink, limits_for
 from pdserve.kvtransfer.stream import LayerStream
-from pdserve.kvtransfer.testing import block_digests, make_caches, tiny_layout
+from kvcaches import block_digests, make_caches, tiny_layout
 from pdserve.kvtransfer.verdict import Outcome, TransferVerdict
 from pdserve.kvtransfer.wire import parse_header
 

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from pdserve.decode.prefill_leg import PrefillLeg
+from pdserve.kvtransfer.verdict import Outcome
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 
@@ -63,7 +64,7 @@ class Choice:
 
 async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = False):
     # the hand-off message itself is the transfer layer's business, not this test's
-    monkeypatch.setattr("pdserve.kvtransfer.service.params_to_handoff", lambda *a: prefill_pb2.KVHandoff())
+    monkeypatch.setattr("pdserve.worker.transfer.params_to_handoff", lambda *a: prefill_pb2.KVHandoff())
     server = grpc.aio.server()
     prefill_pb2_grpc.add_PrefillServicer_to_server(SlowPrefill(delay_s, skip), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -83,8 +84,8 @@ async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = Fa
 async def test_a_prefill_slower_than_the_deadline_fails_the_leg_at_the_deadline(monkeypatch):
     result, elapsed, receiver = await run_leg(delay_s=30.0, timeout_s=0.5, monkeypatch=monkeypatch)
     assert not result.ok and not result.aborted
-    assert result.verdict.prefill_status_code == "DEADLINE_EXCEEDED"
-    assert result.verdict.outcome == common_pb2.TRANSFER_OUTCOME_FAILED
+    assert result.verdict.peer_status == "DEADLINE_EXCEEDED"
+    assert result.verdict.outcome == Outcome.FAILED
     assert 0.4 < elapsed < 5.0
     assert receiver.prepared == [("req-1", 0.5)]  # the reservation lives as long as the leg
     assert receiver.cancelled == ["req-1"]
@@ -93,7 +94,7 @@ async def test_a_prefill_slower_than_the_deadline_fails_the_leg_at_the_deadline(
 async def test_a_slow_prefill_inside_the_deadline_completes(monkeypatch):
     result, elapsed, receiver = await run_leg(delay_s=1.0, timeout_s=10.0, monkeypatch=monkeypatch)
     assert result.ok, result.verdict
-    assert result.first_token_id == 7 and result.verdict.prefill_worker_id == "prefill-0"
+    assert result.first_token_id == 7 and result.verdict.peer == "prefill-0"
     assert elapsed >= 1.0 and receiver.cancelled == []
 
 
@@ -102,7 +103,7 @@ async def test_a_prefill_that_skipped_the_prompt_fails_the_leg_with_its_reason(m
     is dropped (nothing will arrive) and decode's verdict carries why, for its recompute."""
     result, _, receiver = await run_leg(delay_s=0.0, timeout_s=5.0, monkeypatch=monkeypatch, skip=True)
     assert not result.ok and not result.aborted
-    assert result.verdict.reason == SKIPPED and result.verdict.prefill_worker_id == "prefill-0"
+    assert result.verdict.reason == SKIPPED and result.verdict.peer == "prefill-0"
     assert [f.backend for f in result.verdict.fallbacks] == ["disk"]
     assert receiver.cancelled == ["req-1"]
 

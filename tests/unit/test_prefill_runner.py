@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.kvtransfer.service import Sender
+from pdserve.worker.transfer import Sender
 from pdserve.prefill.runner import PrefillRunner
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 from pdserve.worker.metrics import WorkerMetrics

@@ -109,7 +109,7 @@ def test_template_errors_and_sandbox_are_invalid_argument():
 
 
 def test_router_imports_no_torch_or_transformers():
-    code = ("import sys, pdserve.router.main, pdserve.router.app, pdserve.router.example_client; "
+    code = ("import sys, pdserve.router.main, pdserve.router.app; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.codec import decode_message, decode_record, new_transfer_id, split_records
 from pdserve.kvtransfer.sink import CacheSink, limits_for
-from pdserve.kvtransfer.testing import make_caches, message_from_cache, tiny_layout
+from kvcaches import make_caches, message_from_cache, tiny_layout
 from pdserve.kvtransfer.wire import (
     FORMAT_VERSION, HEADER, HEADER_SIZE, INDEX_ENTRY, MAGIC, WireError, parse_header, parse_index,
 )

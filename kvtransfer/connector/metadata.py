@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.connector import ConnectorMetadata, KVCacheLayout
+from pdserve.engine.connector import ConnectorMetadata
 from pdserve.kvtransfer.params import TransferParams
 
 
@@ -40,12 +40,3 @@ class PdConnectorMetadata(ConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     sends: list[SendSpec] = field(default_factory=list)
-    # request_finished since the last step: (request id, True if its blocks were kept for us)
-    finished: list[tuple[str, bool]] = field(default_factory=list)
-
-
-class LayoutBox:
-    """The cache layout, known once the worker registers the caches."""
-
-    def __init__(self) -> None:
-        self.layout: KVCacheLayout | None = None

@@ -1,10 +1,10 @@
 """A minimal gRPC client of the router: stream one chat completion.
 
-    python -m pdserve.router.example_client --router 127.0.0.1:50050 "Tell me a joke"
+    python examples/grpc_client.py --router 127.0.0.1:50050 "Tell me a joke"
 
-or, from Python:
+or, from Python (with examples/ on the path):
 
-    from pdserve.router.example_client import stream_chat
+    from grpc_client import stream_chat
     for text in stream_chat("127.0.0.1:50050", "Tell me a joke", max_tokens=32):
         print(text, end="", flush=True)
 """

@@ -1,8 +1,9 @@
-"""The transfer layer as the prefill and decode services use it.
+"""The transfer layer at the services' edge: the one place protos meet it.
 
-Converts between the proto hand-off (KVHandoff, TransferVerdict) and the connector's typed
-objects (TransferParams, verdict.TransferVerdict), and builds each role's connector from the
-worker settings. Imports grpc-free proto messages only.
+Converts between the proto hand-off and verdict (KVHandoff, TransferVerdict) and the
+connector's typed objects (TransferParams, kvtransfer.verdict.TransferVerdict), signs and
+checks hand-offs, and gives each role its facade over the engine's connector: `Sender`
+(prefill) and `Receiver` (decode). Each process converts a verdict once, at its edge.
 """
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ import struct
 import time
 from typing import Sequence
 
-from pdserve.common import envs
 from pdserve.common.auth import ClusterSecret, Mac
 from pdserve.common.errors import AuthError
-from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.connector import PdConnector, build_connector
+from pdserve.kvtransfer.connector import PdConnector, connector_factory
 from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.ports import ReceiveControl, SendControl
 from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict
@@ -26,44 +25,36 @@ _OUTCOMES = {
     Outcome.RECOMPUTED: common_pb2.TRANSFER_OUTCOME_RECOMPUTED,
     Outcome.FAILED: common_pb2.TRANSFER_OUTCOME_FAILED,
     Outcome.ABORTED: common_pb2.TRANSFER_OUTCOME_FAILED,
+    Outcome.LOCAL: common_pb2.TRANSFER_OUTCOME_LOCAL,
 }
-
-
-def transfer_config(settings, secret: ClusterSecret | None = None) -> KVTransferConfig:
-    """The transfer layer's config from worker settings; keys derived from the cluster secret."""
-    return KVTransferConfig.from_settings(
-        backends=settings.kv_backends, host=settings.host, transfer_port=settings.transfer_port,
-        redis_url=settings.redis_url or None, disk_store=settings.disk_store or None,
-        disk_store_max_gb=settings.disk_store_max_gb, step_timeout_s=settings.transfer_timeout_s,
-        probe_cooldown_s=settings.kv_probe_cooldown_s,
-        prefix_cache=settings.prefix_store if settings.prefix_store != "none" else None,
-        layerwise=envs.get("PDSERVE_KV_LAYERWISE") != "0",
-        transfer_key=secret.key("transfer") if secret else None,
-        store_key=secret.key("store") if secret else None)
+_FROM_PROTO = {common_pb2.TRANSFER_OUTCOME_TRANSFERRED: Outcome.TRANSFERRED,
+               common_pb2.TRANSFER_OUTCOME_RECOMPUTED: Outcome.RECOMPUTED,
+               common_pb2.TRANSFER_OUTCOME_LOCAL: Outcome.LOCAL}
 
 
 def verdict_to_proto(v: TransferVerdict) -> common_pb2.TransferVerdict:
+    """The verdict as it leaves this process (once: prefill's answer, decode's stream)."""
     out = common_pb2.TransferVerdict(
         outcome=_OUTCOMES[v.outcome], backend=v.backend if v.backend != "recompute" else "",
         num_bytes=v.num_bytes, num_blocks=v.num_blocks, duration_ms=v.duration_s * 1000,
         transfer_id=v.transfer_id, fetch_keys=list(v.fetch_keys), num_messages=v.num_messages,
-        layer_send_ms=v.layer_send_s * 1000,
+        layer_send_ms=v.layer_send_s * 1000, reason=v.reason, prefill_worker_id=v.peer,
+        prefill_status_code=v.peer_status,
         fallbacks=[common_pb2.FallbackStep(backend=f.backend, reason=f.reason,
                                            duration_ms=f.duration_s * 1000) for f in v.fallbacks])
-    if v.outcome != Outcome.TRANSFERRED:
+    if not v.reason and v.outcome not in (Outcome.TRANSFERRED, Outcome.LOCAL):
         last = v.fallbacks[-1].reason if v.fallbacks else v.outcome.value
         out.reason = f"transfer_failed: {last}"
     return out
 
 
 def verdict_from_proto(p: common_pb2.TransferVerdict) -> TransferVerdict:
-    outcome = {common_pb2.TRANSFER_OUTCOME_TRANSFERRED: Outcome.TRANSFERRED,
-               common_pb2.TRANSFER_OUTCOME_RECOMPUTED: Outcome.RECOMPUTED}.get(p.outcome, Outcome.FAILED)
-    return TransferVerdict(p.transfer_id, outcome, p.backend, p.num_blocks, p.num_bytes,
-                           p.duration_ms / 1000,
+    """A peer's verdict as it enters this process (once)."""
+    return TransferVerdict(p.transfer_id, _FROM_PROTO.get(p.outcome, Outcome.FAILED), p.backend, p.num_blocks,
+                           p.num_bytes, p.duration_ms / 1000,
                            tuple(Fallback(f.backend, f.reason, f.duration_ms / 1000) for f in p.fallbacks),
-                           tuple(p.fetch_keys), num_messages=p.num_messages,
-                           layer_send_s=p.layer_send_ms / 1000)
+                           tuple(p.fetch_keys), num_messages=p.num_messages, layer_send_s=p.layer_send_ms / 1000,
+                           reason=p.reason, peer=p.prefill_worker_id, peer_status=p.prefill_status_code)
 
 
 def params_to_handoff(tp: TransferParams, block_ids: Sequence[int], block_size: int,
@@ -113,13 +104,12 @@ def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferPara
 
 
 class Sender:
-    """Prefill's side: builds the engine's connector, then reads verdicts through its
-    `SendControl`."""
+    """Prefill's side: the sends room of the engine's connector, and the hand-offs it takes."""
 
-    def __init__(self, settings, secret: ClusterSecret | None = None) -> None:
-        self.block_size = settings.block_size
-        self.connector: PdConnector = build_connector(transfer_config(settings, secret), listen=False)
-        self.sends: SendControl = self.connector.sends
+    def __init__(self, connector: PdConnector, block_size: int) -> None:
+        self.connector = connector
+        self.block_size = block_size
+        self.sends: SendControl = connector.sends
 
     def transfer_params(self, request_id: str, handoff: prefill_pb2.KVHandoff) -> TransferParams:
         params = handoff_to_params(handoff, self.block_size)
@@ -133,32 +123,32 @@ class Sender:
         skipped = self.sends.unusable(handoff_to_params(handoff, self.block_size))
         if not skipped:
             return None
-        out = verdict_to_proto(TransferVerdict(handoff.transfer_id, Outcome.FAILED, "", fallbacks=tuple(skipped)))
-        out.reason = "no_usable_kv_backend: " + "; ".join(f"{f.backend}: {f.reason}" for f in skipped)
-        return out
+        why = "no_usable_kv_backend: " + "; ".join(f"{f.backend}: {f.reason}" for f in skipped)
+        return verdict_to_proto(TransferVerdict(handoff.transfer_id, Outcome.FAILED, "", fallbacks=tuple(skipped),
+                                                reason=why))
 
     async def verdict(self, request_id: str, timeout: float) -> tuple[common_pb2.TransferVerdict, float]:
         """(the send's verdict, its tail in ms: end of the prompt's forward to the verdict)."""
         v = await asyncio.to_thread(self.sends.wait_verdict, request_id, timeout)
         if v is None:
-            return common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_FAILED,
-                                              reason="transfer_failed: no verdict before the deadline"), 0.0
+            v = TransferVerdict("", Outcome.FAILED, "", reason="transfer_failed: no verdict before the deadline")
         return verdict_to_proto(v), v.tail_s * 1000
 
     def abort(self, request_id: str) -> None:
         self.sends.abort_send(request_id)
 
     def close(self) -> None:
-        self.sends.close()
+        self.connector.worker.close()
 
 
 class Receiver:
     """Decode's side: reserve blocks for a transfer, settle it with prefill's verdict."""
 
-    def __init__(self, receives: ReceiveControl, settings) -> None:
-        self.receives = receives
+    def __init__(self, connector: PdConnector, settings) -> None:
+        self.connector = connector
+        self.receives: ReceiveControl = connector.receives
         self.settings = settings
-        self.backends = transfer_config(settings).backends
+        self.backends = settings.transfer_config().backends
 
     def endpoints(self) -> list[tuple[str, str]]:
         """Where each configured backend reaches us, in chain order: a transport's listener
@@ -187,23 +177,19 @@ class Receiver:
 
         return dataclasses.replace(tp, endpoints=tuple(self.endpoints()))
 
-    def complete(self, request_id: str, verdict: common_pb2.TransferVerdict) -> common_pb2.TransferVerdict:
-        final = self.receives.complete_receive(request_id, verdict_from_proto(verdict))
-        out = verdict_to_proto(final)
-        if final.outcome == Outcome.RECOMPUTED or not final.ok:
-            out.outcome = common_pb2.TRANSFER_OUTCOME_FAILED  # decode's policy decides what next
-        return out
+    def complete(self, request_id: str, verdict: TransferVerdict) -> TransferVerdict:
+        """Settle with the prefill's verdict (fetching from a store if one carried the
+        blocks): ok only if every block is in place and verified."""
+        return self.receives.complete_receive(request_id, verdict)
 
     def cancel(self, request_id: str) -> None:
         self.receives.cancel_receive(request_id)
 
     def close(self) -> None:
-        self.receives.close()
+        self.connector.worker.close()
 
 
-def make_sender(settings, secret: ClusterSecret | None = None) -> Sender:
-    return Sender(settings, secret)
-
-
-def make_connector_for_decode(settings, secret: ClusterSecret | None = None) -> PdConnector:
-    return build_connector(transfer_config(settings, secret), listen=True)
+def make_connector(settings, secret: ClusterSecret | None = None, *, listen: bool):
+    """The factory the engine builds its connector with: the transfer layer of `settings`,
+    its keys from `secret`. `listen`: open the transports' receivers (a decode)."""
+    return connector_factory(settings.transfer_config(secret), listen=listen)

@@ -1,4 +1,4 @@
-"""Small helpers for tests and benchmarks of the transfer layer: tiny layouts, filled caches,
+"""Small helpers for the transfer layer's tests: tiny layouts, filled caches,
 per-block digests to compare caches across processes, messages built from a cache."""
 from __future__ import annotations
 

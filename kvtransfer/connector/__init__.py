@@ -1,0 +1,75 @@
+"""pdserve's connector: the engine's two halves over the transfer layer.
+
+    scheduler.py     the scheduler half: store lookups, which prompts to save or send
+    worker.py        the worker half: the engine's contract, handing the work to the rooms
+    prefix_store.py  the prefix-store room: loads (scheduler side) and saves (worker side)
+    sends.py         the prefill's sends (SendControl): streams, whole sends, verdicts
+    receives.py      the decode's receives (ReceiveControl): reservations, settlement
+    metadata.py      what the scheduler half tells the worker half each step
+    background.py    a room's own threads
+
+Two uses, both optional, on the same pair:
+
+* persistent prefix cache (`KVTransferConfig.prefix_cache` = "disk" | "redis"): a prompt's
+  full blocks found in the store beyond the local prefix hit are fetched and verified by the
+  scheduler half, scattered into the allocated blocks before the forward, and every newly
+  completed full prompt block is stored in the background.
+* disaggregation: the prefill's sends go out of `PdConnector.sends`, the decode reserves and
+  settles its receives through `PdConnector.receives`; transports deliver into the sink.
+
+The engine builds the connector once its cache is sized (`connector_factory`), so each
+half gets the cache layout when it is made.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from pdserve.engine.connector import Connector, KVCacheLayout
+from pdserve.kvtransfer.chain import FallbackChain
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.connector.metadata import LoadSpec, PdConnectorMetadata, SaveSpec, SendSpec
+from pdserve.kvtransfer.connector.prefix_store import NoStoreLoads, NoStoreSaves, StoreLoads, StoreSaves
+from pdserve.kvtransfer.connector.receives import DecodeReceives
+from pdserve.kvtransfer.connector.scheduler import PdConnectorScheduler
+from pdserve.kvtransfer.connector.sends import PrefillSends, VerdictBoard
+from pdserve.kvtransfer.connector.worker import PdConnectorWorker
+from pdserve.kvtransfer.registry import open_backends
+
+__all__ = ["LoadSpec", "PdConnector", "PdConnectorMetadata", "PdConnectorScheduler", "PdConnectorWorker",
+           "SaveSpec", "SendSpec", "VerdictBoard", "build_connector", "connector_factory"]
+
+
+@dataclass(frozen=True, slots=True)
+class PdConnector(Connector):
+    """The engine's pair, plus the rooms the services drive transfers through."""
+
+    @property
+    def sends(self) -> PrefillSends:
+        return self.worker.sends
+
+    @property
+    def receives(self) -> DecodeReceives:
+        return self.worker.receives
+
+
+def build_connector(config: KVTransferConfig, layout: KVCacheLayout, *, listen: bool = True) -> PdConnector:
+    """The pdserve connector pair for an engine whose cache has `layout`. `listen`: open the
+    transports' receivers (decode workers); a prefill passes False and warms its senders."""
+    backends = open_backends(config)
+    chain = FallbackChain(config.backends, transports=backends.transports, stores=backends.stores,
+                          unavailable=backends.unavailable, step_timeout_s=config.step_timeout_s,
+                          health_policy=config.health_policy)
+    store = backends.stores.get(config.prefix_cache) if config.prefix_cache else None
+    if store is None:
+        loads, saves = NoStoreLoads(), NoStoreSaves()
+    else:
+        loads, saves = StoreLoads(store, layout), StoreSaves(store, layout)
+    worker = PdConnectorWorker(layout, saves, PrefillSends(config, backends, chain, layout, warm_up=not listen),
+                               DecodeReceives(config, backends, chain, layout, listen=listen), chain)
+    return PdConnector(scheduler=PdConnectorScheduler(loads, layout), worker=worker)
+
+
+def connector_factory(config: KVTransferConfig, *, listen: bool = True) -> Callable[[KVCacheLayout], PdConnector]:
+    """What an engine is built with: it calls this with its cache layout once the cache is sized."""
+    return lambda layout: build_connector(config, layout, listen=listen)
