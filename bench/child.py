@@ -32,7 +32,7 @@ def serve_commands(handle: Callable[[dict], dict]) -> None:
             break
         try:
             reply = {"ok": True, **handle(cmd)}
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the parent gets every failure as a reply
             reply = {"ok": False, "error": f"{exc.__class__.__name__}: {exc}",
                      "trace": traceback.format_exc(limit=3)}
         sys.stdout.write(REPLY + json.dumps(reply) + "\n")

@@ -1,12 +1,16 @@
 """pdserve's typed errors and the one table that gives each a wire meaning.
 
-Code below the edges raises a typed error (`InvalidRequestError`, `CapacityError`, ...).
+Code everywhere raises a typed error (`InvalidRequestError`, `CapacityError`, ...), with the
+offending request field (`param`), an OpenAI error code or a retry delay when it has one.
 Edges convert any exception with `to_service_error` and speak the wire from the table:
 an HTTP status and OpenAI error JSON at the router's HTTP front, a gRPC status code
 (by name: this module imports no grpc; `pdserve.rpc.errors` turns names into
 `grpc.StatusCode`) on every gRPC server, and a label for request-outcome metrics.
 
-    raise ServiceError(ErrorKind.INVALID_ARGUMENT, "temperature must be in [0, 2]", param="temperature")
+    raise InvalidRequestError("temperature must be in [0, 2]", param="temperature")
+
+`ServiceError` is the wire form: the edges make it (`to_service_error`, `ServiceError.from_grpc`
+for a peer's status); nothing else raises it.
 """
 from __future__ import annotations
 
@@ -17,7 +21,24 @@ from typing import Any, Iterable
 
 # -- typed errors raised below the edges -----------------------------------------------------
 class PdserveError(Exception):
-    """Base of every error pdserve raises on purpose."""
+    """Base of every error pdserve raises on purpose. `param`: the offending request field;
+    `code`: the OpenAI error code, when not the table's; `retry_after_s`: when to try again."""
+
+    def __init__(self, message: str = "", *, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def kind(self) -> "ErrorKind":
+        """Its row of the wire table."""
+        return to_service_error(self).kind
+
+    @property
+    def message(self) -> str:
+        return str(self)
 
 
 class InvalidRequestError(PdserveError, ValueError):
@@ -26,6 +47,26 @@ class InvalidRequestError(PdserveError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus the tokens asked for) does not fit the model's context."""
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    """The request body is over the size limit."""
+
+
+class NotFoundError(PdserveError):
+    """An unknown model or worker."""
+
+
+class AlreadyExistsError(PdserveError):
+    """The id is taken: a request id in flight, a worker id alive elsewhere."""
+
+
+class UnauthenticatedError(PdserveError):
+    """A client's API key is missing or wrong."""
+
+
+class UnavailableError(PdserveError):
+    """No worker can serve this now."""
 
 
 class ModelLoadError(PdserveError):
@@ -124,7 +165,12 @@ _FROM_GRPC: dict[str, ErrorKind] = {
 # typed error -> (kind, OpenAI code), most specific first
 _KIND_OF: tuple[tuple[type[BaseException], ErrorKind, str | None], ...] = (
     (PromptTooLongError, ErrorKind.INVALID_ARGUMENT, "context_length_exceeded"),
+    (PayloadTooLargeError, ErrorKind.PAYLOAD_TOO_LARGE, None),
     (InvalidRequestError, ErrorKind.INVALID_ARGUMENT, None),
+    (NotFoundError, ErrorKind.NOT_FOUND, None),
+    (AlreadyExistsError, ErrorKind.ALREADY_EXISTS, None),
+    (UnauthenticatedError, ErrorKind.UNAUTHENTICATED, None),
+    (UnavailableError, ErrorKind.UNAVAILABLE, None),
     (CapacityError, ErrorKind.INVALID_ARGUMENT, "kv_capacity_exceeded"),
     (OverloadedError, ErrorKind.RATE_LIMITED, None),
     (IncompatiblePeerError, ErrorKind.FAILED_PRECONDITION, None),
@@ -201,6 +247,10 @@ class ServiceError(Exception):
                    retry_after_s=int(retry) if retry and str(retry).isdigit() else None)
 
 
+# what a service raises on purpose: typed errors, and a peer's status as its wire form
+EXPECTED_ERRORS = (PdserveError, ServiceError)
+
+
 def to_service_error(exc: BaseException) -> ServiceError:
     """Any exception as a ServiceError: typed pdserve errors keep their meaning, a gRPC error
     from a peer keeps its status; anything else is INTERNAL (a bug)."""
@@ -211,5 +261,7 @@ def to_service_error(exc: BaseException) -> ServiceError:
         return ServiceError.from_grpc(code().name, exc.details() or "", exc.trailing_metadata())
     for kind_type, kind, openai_code in _KIND_OF:
         if isinstance(exc, kind_type):
-            return ServiceError(kind, str(exc) or kind.value, code=openai_code)
+            return ServiceError(kind, str(exc) or kind.value, param=getattr(exc, "param", None),
+                                code=getattr(exc, "code", None) or openai_code,
+                                retry_after_s=getattr(exc, "retry_after_s", None))
     return ServiceError(ErrorKind.INTERNAL, f"internal error ({type(exc).__name__})")

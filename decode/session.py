@@ -69,7 +69,7 @@ class DecodeSessions:
         try:
             stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
                                                  remote_prefill=placement.remote, resumed=resumed)
-        except Exception:
+        except Exception:  # counted, then re-raised
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
         timings = common_pb2.RequestTimings()

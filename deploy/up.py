@@ -117,7 +117,7 @@ def _router_ready(base_url: str, num_workers: int) -> bool:
                 return False
         with _open(f"{base_url}/health") as resp:
             body = json.loads(resp.read() or b"{}")
-    except Exception:
+    except Exception:  # noqa: BLE001 - not up yet, whatever the reason: ask again
         return False
     return int(body.get("decode_workers", 0)) + int(body.get("prefill_workers", 0)) >= num_workers
 
@@ -155,7 +155,7 @@ def _served_model(url: str, settings: dict[str, Any]) -> str:
     try:
         with _open(f"{url}/v1/models", headers) as resp:
             return json.loads(resp.read())["data"][0]["id"]
-    except Exception:
+    except Exception:  # noqa: BLE001 - a banner with the asked-for name beats none
         return settings.get("served_model_name") or "SmolLM2-135M-Instruct"
 
 

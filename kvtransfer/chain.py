@@ -106,7 +106,7 @@ class FallbackChain:
         except TimeoutError as exc:
             health.record_failure(f"timed out: {exc}")
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure counts against its health; re-raised
             health.record_failure(f"{exc.__class__.__name__}: {exc}")
             raise
         health.record_success()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import AlreadyExistsError, OverloadedError
 from pdserve.router.registry import Worker
 
 
@@ -22,12 +22,11 @@ class InFlight:
     @contextlib.contextmanager
     def admit(self, request_id: str) -> Iterator[None]:
         if request_id in self._requests:
-            raise ServiceError(ErrorKind.ALREADY_EXISTS, f"request {request_id!r} is already in flight",
-                               param="request_id")
+            raise AlreadyExistsError(f"request {request_id!r} is already in flight",
+                                     param="request_id")
         if len(self._requests) >= self._max_queue:
-            raise ServiceError(ErrorKind.RATE_LIMITED,
-                               f"the router has {len(self._requests)} requests in flight (limit "
-                               f"{self._max_queue}); retry later", retry_after_s=self._retry_after_s)
+            raise OverloadedError(f"the router has {len(self._requests)} requests in flight (limit "
+                                  f"{self._max_queue}); retry later", retry_after_s=self._retry_after_s)
         self._requests[request_id] = None
         try:
             yield

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import UnauthenticatedError
 
 
 class ApiKeyCheck:
@@ -22,10 +22,9 @@ class ApiKeyCheck:
         if self._expected is None:
             return
         if not authorization:
-            raise ServiceError(ErrorKind.UNAUTHENTICATED,
-                               "missing API key: send 'Authorization: Bearer <key>'")
+            raise UnauthenticatedError("missing API key: send 'Authorization: Bearer <key>'")
         if not hmac.compare_digest(authorization.strip().encode(), self._expected):
-            raise ServiceError(ErrorKind.UNAUTHENTICATED, "incorrect API key")
+            raise UnauthenticatedError("incorrect API key")
 
     def check_grpc(self, context: Any) -> None:
         if self._expected is not None:

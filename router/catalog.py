@@ -10,7 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import InvalidRequestError, NotFoundError, UnavailableError
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.prompt import PromptBuilder
 
@@ -51,14 +51,13 @@ class ModelCatalog:
     async def learn(self, info: common_pb2.ModelInfoResponse) -> ServedModel:
         """Add or replace a model from a worker's ModelInfo answer (tokenizer included)."""
         if not info.model_name:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "ModelInfo has no model_name")
+            raise InvalidRequestError("ModelInfo has no model_name")
         if info.max_model_len < 2 or info.block_size < 1:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT,
-                               f"ModelInfo of {info.model_name!r}: bad max_model_len/block_size")
+            raise InvalidRequestError(f"ModelInfo of {info.model_name!r}: bad max_model_len/block_size")
         try:  # parsing tokenizer.json takes a while: off the event loop
             prompts = await asyncio.to_thread(PromptBuilder.from_model_info, info)
         except ValueError as exc:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"ModelInfo of {info.model_name!r}: {exc}") from None
+            raise InvalidRequestError(f"ModelInfo of {info.model_name!r}: {exc}") from None
         model = ServedModel(info.model_name, info, prompts, int(time.time()))
         self._models[model.name] = model
         return model
@@ -67,13 +66,13 @@ class ModelCatalog:
         """The model a request names: NOT_FOUND if unknown, UNAVAILABLE if none is known
         yet, the only model when the name is empty."""
         if not self._models:
-            raise ServiceError(ErrorKind.UNAVAILABLE, "no model is served yet (no decode worker has registered)")
+            raise UnavailableError("no model is served yet (no decode worker has registered)")
         if not name:
             if len(self._models) == 1:
                 return next(iter(self._models.values()))
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "model is required when several are served",
-                               param="model")
+            raise InvalidRequestError("model is required when several are served",
+                                      param="model")
         model = self._models.get(name)
         if model is None:
-            raise ServiceError(ErrorKind.NOT_FOUND, f"The model `{name}` does not exist", param="model")
+            raise NotFoundError(f"The model `{name}` does not exist", param="model")
         return model

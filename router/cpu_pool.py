@@ -7,7 +7,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import OverloadedError
 
 
 class CpuPool:
@@ -20,8 +20,8 @@ class CpuPool:
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on a pool thread; RATE_LIMITED when `max_pending` calls already wait or run."""
         if self.num_pending >= self._max_pending:
-            raise ServiceError(ErrorKind.RATE_LIMITED, "too many prompts are being prepared; retry shortly",
-                               retry_after_s=self._retry_after_s)
+            raise OverloadedError("too many prompts are being prepared; retry shortly",
+                                  retry_after_s=self._retry_after_s)
         self.num_pending += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 from typing import AsyncIterator, Callable
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, InvalidRequestError, to_service_error
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router.openai_format import Collected, ResponseFormatter, sse, sum_usage
 from pdserve.router.openai_request import MAX_CHOICES, Choice, OpenAIRequest
@@ -107,8 +107,8 @@ async def sse_events(parsed: OpenAIRequest, num_choices: int, first: tuple[int, 
             item = await anext(stream, None)
         if parsed.include_usage and None not in lasts:
             yield sse(formatters[0].usage_chunk(sum_usage(lasts, parsed.n)))
-    except ServiceError as err:
-        yield sse(err.openai_body())
+    except EXPECTED_ERRORS as err:
+        yield sse(to_service_error(err).openai_body())
     finally:
         await stream.aclose()
     yield sse("[DONE]")
@@ -121,10 +121,10 @@ def grpc_choices(request: generation_pb2.GenerateRequest) -> tuple[int, list[Cho
     n = request.n or 1
     best_of = request.best_of or n
     if best_of < n:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "best_of must be at least n", param="best_of")
+        raise InvalidRequestError("best_of must be at least n", param="best_of")
     if best_of > MAX_CHOICES:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"at most {MAX_CHOICES} generations per request",
-                           param="best_of" if request.best_of else "n")
+        raise InvalidRequestError(f"at most {MAX_CHOICES} generations per request",
+                                  param="best_of" if request.best_of else "n")
     parsed = OpenAIRequest(request, True, False, request.model, n, best_of)
     choices = parsed.choices()
     for k, choice in enumerate(choices):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from pdserve.common.block_hash import hash_prompt_blocks
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError, to_service_error
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, generation_pb2
 from pdserve.router.cpu_pool import CpuPool
 from pdserve.router.admission import InFlight
@@ -73,10 +73,10 @@ class Frontend:
                         if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                             outcome = "aborted" if response.finish_reason == common_pb2.FINISH_REASON_ABORT else "ok"
                         yield response
-        except ServiceError as err:
-            outcome = err.outcome
+        except EXPECTED_ERRORS as err:
+            outcome = to_service_error(err).outcome
             raise
-        except Exception:
+        except Exception:  # counted, then re-raised
             outcome = "error"
             raise
         finally:
@@ -89,9 +89,9 @@ class Frontend:
     def close(self) -> None:
         self._cpu.close()
 
-    def count_rejected(self, api: str, err: ServiceError) -> None:
+    def count_rejected(self, api: str, err: BaseException) -> None:
         """Count a request an edge refused before it reached `generate` (auth, bad body)."""
-        self._metrics.requests.labels(api, err.outcome).inc()
+        self._metrics.requests.labels(api, to_service_error(err).outcome).inc()
 
     async def abort(self, request_id: str, reason: str) -> bool:
         decode = self._in_flight.decode_of(request_id)
@@ -157,7 +157,7 @@ class Frontend:
                 plan = self._planner.plan(prepared.request_id, prepared.model.name, len(prepared.prompt_token_ids),
                                           prepared.model.block_size, prepared.block_hashes, prepared.session_key,
                                           exclude=tried, migrated=bool(lost))
-            except ServiceError:
+            except EXPECTED_ERRORS:
                 if last_error is not None:  # every worker refused: report the last refusal
                     raise last_error from None
                 raise
@@ -166,7 +166,8 @@ class Frontend:
             stream = self._decode.stream(plan.decode, _decode_request(prepared, plan, arrival_unix_ms, resumed))
             try:
                 return plan, stream, await anext(stream)
-            except ServiceError as err:
+            except EXPECTED_ERRORS as raised:
+                err = to_service_error(raised)
                 retryable = err.kind in _RETRYABLE or isinstance(err, DecodeWorkerLost)
                 if not retryable or len(tried) - len(lost) >= MAX_ATTEMPTS:
                     raise

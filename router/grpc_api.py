@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.common.errors import AuthError, ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, AuthError, InvalidRequestError
 from pdserve.rpc.credentials import caller_id
 from pdserve.rpc.errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
@@ -31,7 +31,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             self._auth.check_grpc(context)
             tool_mode = apply_tools(request)
-        except ServiceError as err:
+        except EXPECTED_ERRORS as err:
             self._frontend.count_rejected("grpc", err)
             raise
         if request.n > 1 or request.best_of > 1:  # several choices, each its own generation
@@ -83,7 +83,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             worker = worker_from_proto(request.worker)
             await self._membership.register(worker, load_from_proto(request.load),
                                             request.load.cached_block_hashes)
-        except Exception as exc:
+        except Exception as exc:  # logged, then re-raised
             log.warning("register of %r refused: %s", request.worker.worker_id, exc)
             raise
         return registry_pb2.RegisterResponse(heartbeat_interval_ms=self._interval_ms,
@@ -99,6 +99,6 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     @grpc_errors
     async def Deregister(self, request, context):
         if not request.worker_id:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "worker_id is required", param="worker_id")
+            raise InvalidRequestError("worker_id is required", param="worker_id")
         self._check_caller(context, request.worker_id)
         return registry_pb2.DeregisterResponse(found=self._membership.deregister(request.worker_id))

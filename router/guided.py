@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, InvalidRequestError, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar; the engine's limit on a schema
@@ -48,7 +48,7 @@ class GuidedOptions:
 
 
 def _invalid(message: str, param: str) -> ServiceError:
-    return ServiceError(ErrorKind.INVALID_ARGUMENT, message, param=param)
+    return InvalidRequestError(message, param=param)
 
 
 def close_objects(schema: Any, inside_all_of: bool = False) -> Any:
@@ -182,7 +182,7 @@ def _grammar(constraint: common_pb2.Constraint, kind: str, options: GuidedOption
         if constraint.whitespace_pattern:
             json_options["whitespace_pattern"] = constraint.whitespace_pattern
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=json_options)
-    except ServiceError:
+    except EXPECTED_ERRORS:
         raise
     except Exception as exc:  # noqa: BLE001 - the library's message names the fault
         raise _invalid(f"unsupported {kind}: {exc}", kind) from None

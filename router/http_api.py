@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdserve.common.errors import ErrorKind, ServiceError, to_service_error
+from pdserve.common.errors import (EXPECTED_ERRORS, ErrorKind, InvalidRequestError, PayloadTooLargeError,
+                                   ServiceError, to_service_error)
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router import fanout, tokenize_api
 from pdserve.router.api_key import ApiKeyCheck
@@ -52,9 +53,9 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "bad Content-Length header")
+            raise InvalidRequestError("bad Content-Length header")
         if int(declared) > max_bytes:
-            raise ServiceError(ErrorKind.PAYLOAD_TOO_LARGE, f"request body over {max_bytes} bytes")
+            raise PayloadTooLargeError(f"request body over {max_bytes} bytes")
     chunks: list[bytes] = []
 
     async def read() -> None:
@@ -62,27 +63,26 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise ServiceError(ErrorKind.PAYLOAD_TOO_LARGE, f"request body over {max_bytes} bytes")
+                raise PayloadTooLargeError(f"request body over {max_bytes} bytes")
             chunks.append(chunk)
 
     try:
         await asyncio.wait_for(read(), BODY_READ_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT,
-                           f"request body not received within {BODY_READ_TIMEOUT_S:g} s") from None
+        raise InvalidRequestError(f"request body not received within {BODY_READ_TIMEOUT_S:g} s") from None
     try:
         body = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"malformed JSON body: {exc}") from None
+        raise InvalidRequestError(f"malformed JSON body: {exc}") from None
     except RecursionError:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the JSON body is nested too deeply") from None
+        raise InvalidRequestError("the JSON body is nested too deeply") from None
     try:  # JSON may spell a lone surrogate ("\\ud800"), which no text can hold
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the JSON body holds a lone UTF-16 surrogate "
-                           "(e.g. \\ud800), which is not text") from None
+        raise InvalidRequestError("the JSON body holds a lone UTF-16 surrogate "
+                                  "(e.g. \\ud800), which is not text") from None
     if not isinstance(body, dict):
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the request body must be a JSON object")
+        raise InvalidRequestError("the request body must be a JSON object")
     return body
 
 
@@ -136,13 +136,13 @@ class OpenAIHandlers:
             self._auth.check(request.headers.get("authorization"))
             body = await read_json_object(request, self._max_body_bytes)
             return JSONResponse(await self._frontend.run_cpu(call, self._catalog, body))  # off the event loop
-        except ServiceError as err:
+        except EXPECTED_ERRORS as err:
             return error_response(err)
 
     async def models(self, request: Request) -> Response:
         try:
             self._auth.check(request.headers.get("authorization"))
-        except ServiceError as err:
+        except EXPECTED_ERRORS as err:
             return error_response(err)
         data = [{"id": m.name, "object": "model", "created": m.created_unix, "owned_by": "pdserve",
                  "max_model_len": m.max_model_len} for m in self._catalog.models()]
@@ -154,7 +154,7 @@ class OpenAIHandlers:
             self._auth.check(request.headers.get("authorization"))
             body = await read_json_object(request, self._max_body_bytes)
             parsed = parse_chat(body) if chat else parse_completion(body)
-        except ServiceError as err:
+        except EXPECTED_ERRORS as err:
             self._frontend.count_rejected(api, err)
             return error_response(err)
         self._ignored.note(parsed.ignored_fields, request.url.path)
@@ -177,7 +177,7 @@ class OpenAIHandlers:
             async with contextlib.aclosing(responses):
                 async for response in responses:
                     collected.add(response)
-        except ServiceError as err:
+        except EXPECTED_ERRORS as err:
             return error_response(err)
         return JSONResponse(formatter.whole(collected))
 
@@ -186,7 +186,7 @@ class OpenAIHandlers:
         # Wait for the first message before answering: errors before it get a real status.
         try:
             first = await _until_disconnect(request.receive, anext(responses))
-        except ServiceError as err:
+        except EXPECTED_ERRORS as err:
             await responses.aclose()
             return error_response(err)
         except StopAsyncIteration:
@@ -215,7 +215,7 @@ class OpenAIHandlers:
             stream = fanout.merged(choices, generate)
             try:  # the first message before answering: errors before it get a real status
                 first = await _until_disconnect(request.receive, anext(stream))
-            except ServiceError as err:
+            except EXPECTED_ERRORS as err:
                 await stream.aclose()
                 return error_response(err)
             if isinstance(first, Response):  # the client left while waiting
@@ -228,7 +228,7 @@ class OpenAIHandlers:
         async def answer() -> Response:
             try:
                 return JSONResponse(await fanout.whole(parsed, choices, generate, formatter(0)))
-            except ServiceError as err:
+            except EXPECTED_ERRORS as err:
                 return error_response(err)
         return await _until_disconnect(request.receive, answer())
 
@@ -248,8 +248,8 @@ async def _sse_events(first: generation_pb2.GenerateResponse, responses: AsyncIt
                 if include_usage and response.HasField("usage") and response.finish_reason:
                     yield sse(formatter.usage_chunk(response.usage))
                 response = await anext(responses, None)
-        except ServiceError as err:  # mid-stream: the status is already sent; say it in the stream
-            yield sse(err.openai_body())
+        except EXPECTED_ERRORS as err:  # mid-stream: the status is already sent; say it in the stream
+            yield sse(to_service_error(err).openai_body())
     yield sse("[DONE]")
 
 
@@ -298,7 +298,7 @@ def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRe
         if config.metrics_auth:
             try:
                 auth.check(request.headers.get("authorization"))
-            except ServiceError as err:
+            except EXPECTED_ERRORS as err:
                 return error_response(err)
         return Response(metrics.render(registry), media_type=metrics.content_type)
 

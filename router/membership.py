@@ -13,7 +13,8 @@ from typing import Iterable
 
 import grpc
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import (EXPECTED_ERRORS, IncompatiblePeerError, InvalidRequestError,
+                                   NotFoundError, UnavailableError)
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2
 from pdserve.router.catalog import ModelCatalog
 from pdserve.rpc.channels import WorkerChannels
@@ -28,17 +29,17 @@ _ROLES = {registry_pb2.WORKER_ROLE_PREFILL: Role.PREFILL, registry_pb2.WORKER_RO
 def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
     """INVALID_ARGUMENT unless every required field is present and sane."""
     if not info.worker_id:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "worker_id is required", param="worker_id")
+        raise InvalidRequestError("worker_id is required", param="worker_id")
     if info.role not in _ROLES:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "role must be PREFILL or DECODE", param="role")
+        raise InvalidRequestError("role must be PREFILL or DECODE", param="role")
     host, _, port = info.grpc_address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"grpc_address {info.grpc_address!r} is not host:port",
-                           param="grpc_address")
+        raise InvalidRequestError(f"grpc_address {info.grpc_address!r} is not host:port",
+                                  param="grpc_address")
     if not info.model_name:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "model_name is required", param="model_name")
+        raise InvalidRequestError("model_name is required", param="model_name")
     if info.block_size < 1:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, "block_size must be >= 1", param="block_size")
+        raise InvalidRequestError("block_size must be >= 1", param="block_size")
     return Worker(worker_id=info.worker_id, role=_ROLES[info.role], address=info.grpc_address,
                   model_name=info.model_name, compatibility_hash=info.compatibility_hash,
                   block_size=info.block_size, num_total_blocks=info.capacity.num_total_blocks,
@@ -66,18 +67,17 @@ class Membership:
             if worker.role is Role.DECODE and self._needs_model_info(worker):
                 info = await self._fetch_model_info(worker)
                 if info.model_name != worker.model_name or info.block_size != worker.block_size:
-                    raise ServiceError(ErrorKind.FAILED_PRECONDITION,
-                                       f"worker {worker.worker_id}: ModelInfo says model {info.model_name!r} "
-                                       f"block_size {info.block_size}, registration says "
-                                       f"{worker.model_name!r} {worker.block_size}")
+                    raise IncompatiblePeerError(f"worker {worker.worker_id}: ModelInfo says model {info.model_name!r} "
+                                                f"block_size {info.block_size}, registration says "
+                                                f"{worker.model_name!r} {worker.block_size}")
                 await self._catalog.learn(info)
             self._registry.register(worker, load, cached_hashes)
 
     def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int]) -> None:
         """NOT_FOUND when the worker is unknown: it must register again."""
         if not self._registry.heartbeat(worker_id, load, cached_hashes):
-            raise ServiceError(ErrorKind.NOT_FOUND, f"worker {worker_id!r} is not registered; register again",
-                               param="worker_id")
+            raise NotFoundError(f"worker {worker_id!r} is not registered; register again",
+                                param="worker_id")
 
     def deregister(self, worker_id: str) -> bool:
         return self._registry.deregister(worker_id)
@@ -106,8 +106,8 @@ class Membership:
             await self.register(worker, load, load_msg.cached_block_hashes)
         except grpc.aio.AioRpcError as err:
             log.debug("static worker %s: %s %s", worker_id, err.code().name, err.details())
-        except ServiceError as err:
-            log.warning("static worker %s refused: %s", worker_id, err.message)
+        except EXPECTED_ERRORS as err:
+            log.warning("static worker %s refused: %s", worker_id, err)
 
     def _check_compatible(self, worker: Worker) -> None:
         for record in self._registry.alive():
@@ -116,14 +116,12 @@ class Membership:
                 continue
             if worker.compatibility_hash and other.compatibility_hash \
                     and worker.compatibility_hash != other.compatibility_hash:
-                raise ServiceError(ErrorKind.FAILED_PRECONDITION,
-                                   f"worker {worker.worker_id}: compatibility hash {worker.compatibility_hash} "
-                                   f"differs from live worker {other.worker_id}'s {other.compatibility_hash}",
-                                   param="compatibility_hash")
+                raise IncompatiblePeerError(f"worker {worker.worker_id}: compatibility hash {worker.compatibility_hash} "
+                                            f"differs from live worker {other.worker_id}'s {other.compatibility_hash}",
+                                            param="compatibility_hash")
             if worker.block_size != other.block_size:
-                raise ServiceError(ErrorKind.FAILED_PRECONDITION,
-                                   f"worker {worker.worker_id}: block_size {worker.block_size} differs from "
-                                   f"live worker {other.worker_id}'s {other.block_size}", param="block_size")
+                raise IncompatiblePeerError(f"worker {worker.worker_id}: block_size {worker.block_size} differs from "
+                                            f"live worker {other.worker_id}'s {other.block_size}", param="block_size")
 
     def _needs_model_info(self, worker: Worker) -> bool:
         """Unknown model, or no other live decode worker vouches for what we know."""
@@ -138,6 +136,5 @@ class Membership:
             return await stub.ModelInfo(common_pb2.ModelInfoRequest(include_tokenizer=True),
                                         timeout=self._config.rpc_timeout_s)
         except grpc.aio.AioRpcError as err:
-            raise ServiceError(ErrorKind.UNAVAILABLE,
-                               f"router could not fetch ModelInfo from {worker.address}: "
-                               f"{err.code().name} {err.details()}") from None
+            raise UnavailableError(f"router could not fetch ModelInfo from {worker.address}: "
+                                   f"{err.code().name} {err.details()}") from None

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import UnavailableError
 from pdserve.router.config import Role
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RouteQuery, RoutingPolicy
@@ -60,8 +60,8 @@ class RoutePlanner:
         query = RouteQuery(tuple(block_hashes), session_key, num_prompt_tokens, block_size)
         decoders = [r for r in self._registry.routable(Role.DECODE, model_name) if r.worker_id not in exclude]
         if not decoders:
-            raise ServiceError(ErrorKind.UNAVAILABLE, f"no decode worker is available for model {model_name!r}",
-                               retry_after_s=1)
+            raise UnavailableError(f"no decode worker is available for model {model_name!r}",
+                                   retry_after_s=1)
         decode = self._decode_policy.choose(decoders, query)
         self._count("decode", self._decode_policy.name, decode.reason)
         num_matched = min(decode.record.num_matched_blocks(block_hashes) * block_size, num_prompt_tokens)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from tokenizers import Tokenizer
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.router.tools import calls_as_text, listed_tools, template_tool_calls, tool_note
@@ -69,10 +69,10 @@ class PromptBuilder:
             ids = self.encode_chat(request.chat.messages, listed_tools(request), not request.single_tool_call)
             param = "messages"
         else:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "one of prompt, token_ids or messages is required",
-                               param="prompt")
+            raise InvalidRequestError("one of prompt, token_ids or messages is required",
+                                      param="prompt")
         if not ids:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "the prompt is empty", param=param)
+            raise InvalidRequestError("the prompt is empty", param=param)
         return ids
 
     def echo_text(self, request: generation_pb2.GenerateRequest, ids: Sequence[int]) -> str:
@@ -100,22 +100,20 @@ class PromptBuilder:
                     tools: Sequence[dict[str, Any]] = (), several_calls: bool = True) -> str:
         """The chat as the template renders it, with `tools` (OpenAI-shaped) given to it."""
         if not messages:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT, "messages must not be empty", param="messages")
+            raise InvalidRequestError("messages must not be empty", param="messages")
         for m in messages:
             if m.role not in CHAT_ROLES:
-                raise ServiceError(ErrorKind.INVALID_ARGUMENT,
-                                   f"unknown message role {m.role!r} ({', '.join(CHAT_ROLES)})", param="messages")
+                raise InvalidRequestError(f"unknown message role {m.role!r} ({', '.join(CHAT_ROLES)})", param="messages")
         template = self._template
         if template is None:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT,
-                               "this model has no chat template; use /v1/completions", param="messages")
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
         turns = [_turn(m, template.renders_tool_calls) for m in messages]
         if tools and not template.takes_tools:
             _add_system_note(turns, tool_note(list(tools), several_calls))
         try:
             return template.render(turns, tools=tools if template.takes_tools else None)
         except ChatTemplateError as exc:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT, str(exc), param="messages") from None
+            raise InvalidRequestError(str(exc), param="messages") from None
 
     def encode_chat(self, messages: Sequence[generation_pb2.ChatMessage],
                     tools: Sequence[dict[str, Any]] = (), several_calls: bool = True) -> list[int]:
@@ -153,8 +151,8 @@ def check_raw_size(request: generation_pb2.GenerateRequest, max_model_len: int) 
     which = request.WhichOneof("input")
     if which == "token_ids":
         if len(request.token_ids.ids) >= max_model_len:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"the prompt has {len(request.token_ids.ids)} tokens; "
-                               f"this model's context is {max_model_len}", param="prompt", code="context_length_exceeded")
+            raise InvalidRequestError(f"the prompt has {len(request.token_ids.ids)} tokens; "
+                                      f"this model's context is {max_model_len}", param="prompt", code="context_length_exceeded")
         return
     texts = [request.prompt] if which == "prompt" else [m.content for m in request.chat.messages]
     if which == "chat":
@@ -163,14 +161,13 @@ def check_raw_size(request: generation_pb2.GenerateRequest, max_model_len: int) 
     param = "messages" if which == "chat" else "prompt"
     limit = max_model_len * MAX_CHARS_PER_TOKEN
     if sum(len(t) for t in texts) > limit:
-        raise ServiceError(ErrorKind.INVALID_ARGUMENT, f"the prompt is over {limit} characters; this model's "
-                           f"context is {max_model_len} tokens", param=param, code="context_length_exceeded")
+        raise InvalidRequestError(f"the prompt is over {limit} characters; this model's "
+                                  f"context is {max_model_len} tokens", param=param, code="context_length_exceeded")
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
     """Raise INVALID_ARGUMENT when an id is outside [0, vocab_size)."""
     for token_id in ids:
         if not 0 <= token_id < vocab_size:
-            raise ServiceError(ErrorKind.INVALID_ARGUMENT,
-                               f"token id {token_id} is outside the vocabulary (size {vocab_size})", param=param)
+            raise InvalidRequestError(f"token id {token_id} is outside the vocabulary (size {vocab_size})", param=param)
 

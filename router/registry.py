@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import AlreadyExistsError
 from pdserve.router.config import Role
 
 log = logging.getLogger("pdserve.router.registry")
@@ -110,9 +110,8 @@ class WorkerRegistry:
         second process cannot take over a live worker's id (and its traffic)."""
         current = self._records.get(worker.worker_id)
         if current is not None and current.worker.address != worker.address and self.is_alive(current):
-            raise ServiceError(ErrorKind.ALREADY_EXISTS,
-                               f"worker id {worker.worker_id!r} is alive at {current.worker.address}",
-                               param="worker_id")
+            raise AlreadyExistsError(f"worker id {worker.worker_id!r} is alive at {current.worker.address}",
+                                     param="worker_id")
         for other in [r for r in self._records.values() if r.worker.address == worker.address]:
             if other.worker_id != worker.worker_id:
                 log.info("worker %s replaces %s at %s", worker.worker_id, other.worker_id, worker.address)

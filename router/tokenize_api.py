@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import InvalidRequestError, ServiceError
 from pdserve.router.catalog import ModelCatalog, ServedModel
 from pdserve.router.openai_request import chat_messages
 
 
 def _invalid(message: str, param: str) -> ServiceError:
-    return ServiceError(ErrorKind.INVALID_ARGUMENT, message, param=param)
+    return InvalidRequestError(message, param=param)
 
 
 def _model(catalog: ModelCatalog, body: dict[str, Any]) -> ServedModel:

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import InvalidRequestError, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.guided import set_constraint
 
@@ -34,7 +34,7 @@ _TAGGED_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def _invalid(message: str, param: str) -> ServiceError:
-    return ServiceError(ErrorKind.INVALID_ARGUMENT, message, param=param)
+    return InvalidRequestError(message, param=param)
 
 
 def set_response_format(value: Any, sampling: common_pb2.SamplingParams) -> None:

@@ -5,7 +5,7 @@ goes to decode is fully resolved (every optional field set, except seed).
 """
 from __future__ import annotations
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import InvalidRequestError, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.prompt import check_token_ids
 
@@ -17,7 +17,7 @@ CONTEXT_CODE = "context_length_exceeded"
 
 
 def _invalid(message: str, param: str, code: str | None = None) -> ServiceError:
-    return ServiceError(ErrorKind.INVALID_ARGUMENT, message, param=param, code=code)
+    return InvalidRequestError(message, param=param, code=code)
 
 
 def check_prompt_fits(num_prompt_tokens: int, max_model_len: int, param: str) -> None:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind
 from pdserve.router.cpu_pool import CpuPool
 
 
@@ -26,7 +26,7 @@ async def test_a_full_pool_refuses_and_the_loop_stays_free():
     async with asyncio.timeout(10):
         while pool.num_pending < 2:
             await asyncio.sleep(0.01)  # the loop keeps running while both wait or run
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(EXPECTED_ERRORS) as caught:
         await pool.run(slow)
     assert caught.value.kind is ErrorKind.RATE_LIMITED and caught.value.retry_after_s == 1
     release.set()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError
 from pdserve.engine.constraints import Constraint, GrammarCompiler
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.guided import GuidedOptions, close_objects, compile_constraint, read_guided
@@ -107,7 +107,7 @@ def test_vllm_forms_constrain_the_output(compiler):
     ({"structured_outputs": "regex"}, "structured_outputs"),
 ])
 def test_bad_forms_are_invalid_argument_at_the_router(raw, param):
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(EXPECTED_ERRORS) as caught:
         _grammar(raw)
     assert caught.value.kind is ErrorKind.INVALID_ARGUMENT and caught.value.param == param
 
@@ -122,7 +122,7 @@ def test_http_bodies_carry_the_forms_and_list_unknown_fields():
                                    "structured_outputs": {"disable_fallback": True}, "foo": 1, "bar": None})
     assert completion.request.sampling.constraint.grammar == 'start: "x"'
     assert completion.ignored_fields == ("bar", "foo", "structured_outputs.disable_fallback")
-    with pytest.raises(ServiceError):
+    with pytest.raises(EXPECTED_ERRORS):
         parse_chat({"model": "m", "messages": user, "guided_json": CITY,
                     "response_format": {"type": "json_object"}})
 

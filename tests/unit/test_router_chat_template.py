@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.router.prompt import PromptBuilder
@@ -103,7 +103,7 @@ def test_template_errors_and_sandbox_are_invalid_argument():
     info = common_pb2.ModelInfoResponse(model_name="m", max_model_len=10, block_size=4,
                                         tokenizer_json=Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).to_str().encode(),
                                         chat_template="{{ raise_exception('no system role') }}")
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(EXPECTED_ERRORS) as caught:
         PromptBuilder.from_model_info(info).encode_chat([generation_pb2.ChatMessage(role="system", content="x")])
     assert caught.value.kind is ErrorKind.INVALID_ARGUMENT and "no system role" in caught.value.message
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError, to_service_error
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.openai_format import Collected, ResponseFormatter
 from pdserve.router.openai_request import parse_chat, parse_completion
@@ -42,17 +42,17 @@ def test_defaults_are_resolved():
     (dict(top_logprobs=2), "top_logprobs"),
 ])
 def test_bad_sampling_is_invalid_argument(fields, param):
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(EXPECTED_ERRORS) as caught:
         resolve(**fields)
     assert caught.value.kind is ErrorKind.INVALID_ARGUMENT and caught.value.param == param
 
 
 def test_prompt_must_leave_room_for_a_token():
     check_prompt_fits(CTX - 1, CTX, "prompt")
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(EXPECTED_ERRORS) as caught:
         check_prompt_fits(CTX, CTX, "messages")
     assert caught.value.param == "messages"
-    assert caught.value.openai_body()["error"]["code"] == "context_length_exceeded"
+    assert to_service_error(caught.value).openai_body()["error"]["code"] == "context_length_exceeded"
 
 
 def test_chat_body_maps_onto_generate_request():
@@ -85,7 +85,7 @@ def test_penalties_and_logit_bias_map_onto_sampling():
                                           ("logit_bias", {"1": 101})])
 def test_out_of_range_penalties_are_refused(field, value):
     s = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}).request.sampling
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(EXPECTED_ERRORS) as caught:
         resolve_sampling(s, 3, 64, vocab_size=10)
     assert caught.value.param == field
 
@@ -218,7 +218,7 @@ def test_completion_body_maps_onto_generate_request():
     (parse_completion, {"model": "m", "prompt": "x", "max_tokens": 2**40}, "max_tokens"),
 ])
 def test_malformed_openai_fields_name_the_field(parse, body, param):
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(EXPECTED_ERRORS) as caught:
         parse(body)
     assert caught.value.kind is ErrorKind.INVALID_ARGUMENT and caught.value.param == param
 

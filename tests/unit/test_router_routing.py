@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from pdserve.common.errors import ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError
 from pdserve.router.config import Role
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
@@ -159,7 +159,7 @@ def decisions(metrics: RouterMetrics, pool: str, policy: str, reason: str) -> fl
 
 def test_planner_conditional_disaggregation_reasons(registry):
     planner, metrics = make_planner(registry)
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(EXPECTED_ERRORS) as caught:
         planner.plan("r0", "m", 40, 4, [], "")
     assert caught.value.kind is ErrorKind.UNAVAILABLE
 
@@ -212,5 +212,5 @@ def test_planner_skips_excluded_and_suspect_workers(registry):
     registry.register(worker("b"), Load())
     assert planner.plan("r", "m", 40, 4, [], "", exclude={"a"}).decode.worker_id == "b"
     registry.mark_suspect("b", "refused")
-    with pytest.raises(ServiceError):
+    with pytest.raises(EXPECTED_ERRORS):
         planner.plan("r", "m", 40, 4, [], "", exclude={"a"})
