@@ -130,7 +130,7 @@ def serve(max_blocks: int) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from pdserve.kvtransfer import registry
+    from pdserve.kvtransfer import backend_loader
     from pdserve.kvtransfer.config import KVTransferConfig
 
     backends: dict[str, object] = {}
@@ -147,10 +147,10 @@ def serve(max_blocks: int) -> int:
             for name in cmd["backends"]:
                 try:
                     if name in ("ucx", "nccl"):
-                        backends[name] = registry.open_transport(name, config)
+                        backends[name] = backend_loader.open_transport(name, config)
                         endpoints[name] = backends[name].open_receiver(sink)
                     else:
-                        backends[name] = registry.open_store(name, config)
+                        backends[name] = backend_loader.open_store(name, config)
                 except Exception as exc:  # noqa: BLE001 - a backend that cannot open is reported, not fatal
                     unavailable[name] = f"{exc.__class__.__name__}: {exc}"
             return {"socket": server.getsockname()[1], "endpoints": endpoints,
@@ -200,13 +200,13 @@ class Session:
     opened backends, a raw socket to the receiver and the source bytes. A context manager."""
 
     def __init__(self, backends: list[str], max_blocks: int) -> None:
-        from pdserve.kvtransfer import registry
+        from pdserve.kvtransfer import backend_loader
 
         self.max_blocks = max_blocks
         self.limits = _limits(max_blocks)
         self.skipped: dict[str, str] = {}
         for name in backends:
-            ok, why = registry.is_importable(name)
+            ok, why = backend_loader.is_importable(name)
             if not ok:
                 self.skipped[name] = f"not importable: {why}"
         self.wanted = [b for b in backends if b not in self.skipped]
@@ -228,7 +228,7 @@ class Session:
         import numpy as np
         import torch
 
-        from pdserve.kvtransfer import registry
+        from pdserve.kvtransfer import backend_loader
         from pdserve.kvtransfer.config import KVTransferConfig
 
         settings: dict = {"host": "127.0.0.1"}
@@ -253,8 +253,8 @@ class Session:
         config = KVTransferConfig(**settings)
         for name in [b for b in wanted if b not in self.skipped]:
             try:
-                self.opened[name] = (registry.open_transport(name, config) if name in ("ucx", "nccl")
-                                     else registry.open_store(name, config))
+                self.opened[name] = (backend_loader.open_transport(name, config) if name in ("ucx", "nccl")
+                                     else backend_loader.open_store(name, config))
             except Exception as exc:  # noqa: BLE001 - a backend that cannot open is reported, not fatal
                 self.skipped[name] = f"cannot open: {exc.__class__.__name__}: {exc}"
         self.sock = socket.create_connection(("127.0.0.1", info["socket"]))

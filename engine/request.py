@@ -20,13 +20,6 @@ class RequestStatus(enum.Enum):
     FINISHED_ERROR = "error"
 
     @property
-    def needs_prompt_logprobs(self) -> bool:
-        """True while the prompt's logprobs are wanted and not all computed: every prompt
-        position must then run through the model (no cached or received blocks)."""
-        return (self.sampling_params.prompt_logprobs is not None
-                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
-
-    @property
     def is_finished(self) -> bool:
         return self in _FINISHED
 

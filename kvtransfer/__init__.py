@@ -4,7 +4,7 @@
     base.py             KVTransport (ucx, nccl), BlockSink, BlockStore (redis, disk) contracts
     sink.py             CacheSink: checks messages, scatters them into the paged cache
     chain.py            fallback chain over the backends, with health; verdict.py: its outcome
-    registry.py         backends by name, imported lazily; config.py: KVTransferConfig
+    backend_loader.py   backends by name, imported lazily; config.py: KVTransferConfig
     connector/          the engine's connector: its two halves and the rooms for prefix-store
                         loads/saves, prefill sends and decode receives
     params.py           TransferParams: the hand-off a decode service gives a prefill service

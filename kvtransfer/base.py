@@ -7,7 +7,7 @@
   anyone with the same compatibility hash. Backends: redis, disk. A failing store counts as a
   miss, never as an error that fails a request.
 
-Both are chosen by name (`registry.py`) and import their heavy dependency only when chosen.
+Both are chosen by name (`backend_loader.py`) and import their heavy dependency only when chosen.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ import contextlib
 from typing import Iterator
 
 from pdserve.common.errors import AlreadyExistsError, OverloadedError
-from pdserve.router.registry import Worker
+from pdserve.router.worker_registry import Worker
 
 
 class InFlight:

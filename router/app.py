@@ -39,7 +39,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
 from pdserve.router.guided import GuidedOptions
 from pdserve.router.policies import make_policy
-from pdserve.router.registry import WorkerRegistry
+from pdserve.router.worker_registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
 

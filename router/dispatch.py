@@ -15,7 +15,7 @@ import grpc
 from pdserve.common.errors import ErrorKind, ServiceError, to_service_error
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
 from pdserve.rpc.channels import WorkerChannels
-from pdserve.router.registry import Worker, WorkerRegistry
+from pdserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger("pdserve.router.dispatch")
 

@@ -33,7 +33,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_format import Collected, ResponseFormatter, sse
 from pdserve.router.planner import can_carry
 from pdserve.router.openai_request import IgnoredFieldLog, OpenAIRequest, parse_chat, parse_completion
-from pdserve.router.registry import WorkerRegistry
+from pdserve.router.worker_registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router.http")
 

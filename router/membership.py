@@ -19,7 +19,7 @@ from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2
 from pdserve.router.catalog import ModelCatalog
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import Role, RouterConfig, StaticWorker
-from pdserve.router.registry import KVBackendState, Load, Worker, WorkerRegistry
+from pdserve.router.worker_registry import KVBackendState, Load, Worker, WorkerRegistry
 
 log = logging.getLogger("pdserve.router.membership")
 

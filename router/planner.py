@@ -20,7 +20,7 @@ from pdserve.common.errors import UnavailableError
 from pdserve.router.config import Role
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RouteQuery, RoutingPolicy
-from pdserve.router.registry import Worker, WorkerRecord, WorkerRegistry
+from pdserve.router.worker_registry import Worker, WorkerRecord, WorkerRegistry
 
 log = logging.getLogger("pdserve.router.planner")
 

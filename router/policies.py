@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from pdserve.common.block_hash import stable_hash64
-from pdserve.router.registry import WorkerRecord
+from pdserve.router.worker_registry import WorkerRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +28,7 @@ class RouteQuery:
 
 
 @dataclass(frozen=True, slots=True)
-class Choice:
+class Pick:
     record: WorkerRecord
     reason: str  # short, metric-label friendly ("prefix_match", "round_robin", ...)
 
@@ -41,7 +41,7 @@ class RoutingPolicy(abc.ABC):
     name: ClassVar[str]
 
     @abc.abstractmethod
-    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice: ...
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Pick: ...
 
 
 class RoundRobin(RoutingPolicy):
@@ -50,10 +50,10 @@ class RoundRobin(RoutingPolicy):
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Pick:
         record = candidates[self._next % len(candidates)]
         self._next += 1
-        return Choice(record, "round_robin")
+        return Pick(record, "round_robin")
 
 
 class LeastLoaded(RoutingPolicy):
@@ -68,8 +68,8 @@ class LeastLoaded(RoutingPolicy):
         lowest = min(r.load_score() for r in candidates)
         return self._ties.choose([r for r in candidates if r.load_score() == lowest], query).record
 
-    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
-        return Choice(self.pick(candidates, query), "least_loaded")
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Pick:
+        return Pick(self.pick(candidates, query), "least_loaded")
 
 
 class PrefixAware(RoutingPolicy):
@@ -90,17 +90,17 @@ class PrefixAware(RoutingPolicy):
         self.min_match_fraction = min_match_fraction
         self.max_load_gap = max_load_gap
 
-    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Pick:
         matched = {r.worker_id: r.num_matched_blocks(query.block_hashes) for r in candidates}
         best = max(matched.values())
         if best == 0:
-            return Choice(self._least_loaded.pick(candidates, query), "no_prefix_match")
+            return Pick(self._least_loaded.pick(candidates, query), "no_prefix_match")
         if best < self.min_match_blocks or best * query.block_size < self.min_match_fraction * query.prompt_tokens:
-            return Choice(self._least_loaded.pick(candidates, query), "short_prefix_match")
+            return Pick(self._least_loaded.pick(candidates, query), "short_prefix_match")
         record = self._least_loaded.pick([r for r in candidates if matched[r.worker_id] == best], query)
         if record.load_score() - min(r.load_score() for r in candidates) > self.max_load_gap:
-            return Choice(self._least_loaded.pick(candidates, query), "load_imbalance")
-        return Choice(record, "prefix_match")
+            return Pick(self._least_loaded.pick(candidates, query), "load_imbalance")
+        return Pick(record, "prefix_match")
 
 
 class SessionAffinity(RoutingPolicy):
@@ -113,12 +113,12 @@ class SessionAffinity(RoutingPolicy):
     def __init__(self) -> None:
         self._least_loaded = LeastLoaded()
 
-    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Pick:
         if not query.session_key:
-            return Choice(self._least_loaded.pick(candidates, query), "no_session")
+            return Pick(self._least_loaded.pick(candidates, query), "no_session")
         record = max(candidates, key=lambda r: (stable_hash64("session", query.session_key, r.worker_id),
                                                 r.worker_id))
-        return Choice(record, "session_hash")
+        return Pick(record, "session_hash")
 
 
 class PowerOfTwo(RoutingPolicy):
@@ -131,12 +131,12 @@ class PowerOfTwo(RoutingPolicy):
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Choice:
+    def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Pick:
         if len(candidates) == 1:
-            return Choice(candidates[0], "only_worker")
+            return Pick(candidates[0], "only_worker")
         first, second = self._rng.sample(range(len(candidates)), 2)
         a, b = candidates[first], candidates[second]
-        return Choice(b if b.load_score() < a.load_score() else a, "power_of_two")
+        return Pick(b if b.load_score() < a.load_score() else a, "power_of_two")
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

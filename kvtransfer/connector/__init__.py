@@ -34,7 +34,7 @@ from pdserve.kvtransfer.connector.receives import DecodeReceives
 from pdserve.kvtransfer.connector.scheduler import PdConnectorScheduler
 from pdserve.kvtransfer.connector.sends import PrefillSends, VerdictBoard
 from pdserve.kvtransfer.connector.worker import PdConnectorWorker
-from pdserve.kvtransfer.registry import open_backends
+from pdserve.kvtransfer.backend_loader import open_backends
 
 __all__ = ["LoadSpec", "PdConnector", "PdConnectorMetadata", "PdConnectorScheduler", "PdConnectorWorker",
            "SaveSpec", "SendSpec", "VerdictBoard", "build_connector", "connector_factory"]

@@ -28,7 +28,7 @@ from pdserve.kvtransfer.codec import new_transfer_id
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.receive import land_from_store
-from pdserve.kvtransfer.registry import OpenedBackends
+from pdserve.kvtransfer.backend_loader import OpenedBackends
 from pdserve.kvtransfer.sink import CacheSink, limits_for
 from pdserve.kvtransfer.verdict import Outcome, TransferVerdict
 

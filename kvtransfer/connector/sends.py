@@ -37,7 +37,7 @@ from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector.background import Background
 from pdserve.kvtransfer.connector.metadata import SendSpec
 from pdserve.kvtransfer.params import TransferParams
-from pdserve.kvtransfer.registry import OpenedBackends
+from pdserve.kvtransfer.backend_loader import OpenedBackends
 from pdserve.kvtransfer.sink import limits_for
 from pdserve.kvtransfer.stream import LayerStream
 from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict

@@ -36,7 +36,7 @@ def complete(deployment):
 
 def test_text_is_identical_after_a_restart_and_the_prompt_is_loaded_not_computed(tmp_path):
     from pdserve.deploy import up
-    from pdserve.kvtransfer.registry import is_importable
+    from pdserve.kvtransfer.backend_loader import is_importable
 
     backend = "ucx" if is_importable("ucx")[0] else "disk"
     store, secret = str(tmp_path / "kv"), secret_file()  # store records carry the secret's MAC
@@ -92,7 +92,7 @@ def test_prompt_tokens_the_prefill_loads_from_its_store_count_as_cached(tmp_path
     blocks instead of computing them, and usage (HTTP, gRPC) and the router's cached-token
     counter say so."""
     from pdserve.deploy import up
-    from pdserve.kvtransfer.registry import is_importable
+    from pdserve.kvtransfer.backend_loader import is_importable
 
     backend = "ucx" if is_importable("ucx")[0] else "disk"
     store, secret = str(tmp_path / "kv"), secret_file()

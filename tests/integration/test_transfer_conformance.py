@@ -28,7 +28,7 @@ import pytest
 
 from pdserve.bench.child import Child
 from pdserve.common.errors import TransferError
-from pdserve.kvtransfer import registry
+from pdserve.kvtransfer import backend_loader
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.codec import as_bytes_view, new_transfer_id, split_records
 from pdserve.kvtransfer.config import STORES, KVTransferConfig
@@ -44,7 +44,7 @@ SLACK_S = 5.0  # a deadline may be overshot by this much on a loaded 2-core CI b
 def _backend_params():
     params = []
     for name in ("ucx", "nccl"):
-        ok, why = registry.is_importable(name)
+        ok, why = backend_loader.is_importable(name)
         params.append(pytest.param(name, marks=pytest.mark.skipif(
             not ok, reason=f"{name} transport not available yet: {why}")))
     return params + ["redis", "disk"]
@@ -122,8 +122,8 @@ def link(request, tmp_path_factory):
     try:
         endpoint = peer.ok("init", timeout_s=120, backend=name, layout=LAYOUT_ARGS,
                            config=settings)["endpoint"]
-        backend = (registry.open_store(name, config) if name in STORES
-                   else registry.open_transport(name, config))
+        backend = (backend_loader.open_store(name, config) if name in STORES
+                   else backend_loader.open_transport(name, config))
     except BaseException:
         peer.stop()
         raise

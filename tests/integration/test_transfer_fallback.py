@@ -21,7 +21,7 @@ from pdserve.kvtransfer.codec import encode_message, ephemeral_key
 from pdserve.kvtransfer.config import DEFAULT_CHAIN, KVTransferConfig
 from pdserve.kvtransfer.connector import build_connector
 from pdserve.kvtransfer.blocks import gather_to_host
-from pdserve.kvtransfer.registry import open_backends
+from pdserve.kvtransfer.backend_loader import open_backends
 from pdserve.kvtransfer.sink import limits_for
 from kvcaches import block_digests, make_caches, tiny_layout
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome

@@ -22,7 +22,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from pdserve.kvtransfer import registry
+    from pdserve.kvtransfer import backend_loader
     from pdserve.kvtransfer.config import STORES, KVTransferConfig
     from pdserve.kvtransfer.receive import land_from_store
     from pdserve.kvtransfer.sink import CacheSink
@@ -39,9 +39,9 @@ def main() -> None:
             sink = CacheSink(caches, layout)
             state.update(layout=layout, caches=caches, sink=sink, name=msg["backend"])
             if msg["backend"] in STORES:
-                state["store"] = registry.open_store(msg["backend"], config)
+                state["store"] = backend_loader.open_store(msg["backend"], config)
                 return {"endpoint": ""}
-            state["transport"] = registry.open_transport(msg["backend"], config)
+            state["transport"] = backend_loader.open_transport(msg["backend"], config)
             return {"endpoint": state["transport"].open_receiver(sink)}
         sink = state["sink"]
         if cmd == "expect":

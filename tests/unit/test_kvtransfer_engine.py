@@ -18,7 +18,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 from pdserve.kvtransfer import KVTransferConfig, ReceiveParams, connector_factory
 from pdserve.kvtransfer.codec import new_transfer_id
-from pdserve.kvtransfer.registry import is_importable
+from pdserve.kvtransfer.backend_loader import is_importable
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
 
 BLOCK = 16

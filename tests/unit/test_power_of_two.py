@@ -9,7 +9,7 @@ from pdserve.router.config import POLICY_NAMES, Role, RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
 from pdserve.router.policies import PowerOfTwo, RouteQuery, make_policy
-from pdserve.router.registry import Load, Worker, WorkerRegistry
+from pdserve.router.worker_registry import Load, Worker, WorkerRegistry
 from support import FakeClock
 
 

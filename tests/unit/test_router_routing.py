@@ -10,7 +10,7 @@ from pdserve.router.config import Role
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
 from pdserve.router.policies import RouteQuery, make_policy
-from pdserve.router.registry import KVBackendState, Load, Worker, WorkerRegistry
+from pdserve.router.worker_registry import KVBackendState, Load, Worker, WorkerRegistry
 from support import FakeClock
 
 

@@ -25,7 +25,7 @@ from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_api import RegistryServicer
 from pdserve.router.membership import Membership
-from pdserve.router.registry import WorkerRegistry
+from pdserve.router.worker_registry import WorkerRegistry
 
 WAIT_S = 5.0  # every wait here ends by then
 HEARTBEAT_S = 0.1  # what the router asks for

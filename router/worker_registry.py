@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 from pdserve.common.errors import AlreadyExistsError
 from pdserve.router.config import Role
 
-log = logging.getLogger("pdserve.router.registry")
+log = logging.getLogger("pdserve.router.worker_registry")
 
 FORGET_AFTER_TIMEOUTS = 3
 
