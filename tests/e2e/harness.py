@@ -174,6 +174,27 @@ def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[
     return Deployment(children, http_port, grpc_port, secret_path)
 
 
+def stream_and_disrupt(client, messages, max_tokens: int, disrupt) -> tuple[str, str, float]:
+    """Stream one greedy chat through the OpenAI `client`; after its third content chunk call
+    `disrupt(worker_id)` for the decode serving it. Returns (the text, that decode, the
+    longest gap between chunks in seconds)."""
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                            temperature=0, stream=True)
+    text, worker, chunks, longest, last = "", "", 0, 0.0, time.monotonic()
+    for chunk in stream:
+        now = time.monotonic()
+        longest, last = max(longest, now - last), now
+        extra = (chunk.model_extra or {}).get("pdserve") or {}
+        worker = worker or extra.get("routing", {}).get("decode_worker_id", "")
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+            chunks += 1
+            if chunks == 3:
+                assert worker, "the first chunk names the decode worker"
+                disrupt(worker)
+    return text, worker, longest
+
+
 def children_of(pid: int) -> list[int]:
     """Live (not zombie) child processes of `pid`, from /proc."""
     out = []

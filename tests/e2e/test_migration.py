@@ -5,10 +5,9 @@ uninterrupted stream whose text is transformers' greedy text."""
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
-from harness import MODEL, deploy_workers
+from harness import MODEL, deploy_workers, stream_and_disrupt
 
 pytestmark = pytest.mark.slow
 
@@ -28,35 +27,21 @@ def cluster():
     up.stop(d.children)  # a frozen decode is continued, so it stops too
 
 
-def _stream_and_disrupt(cluster, disrupt) -> tuple[str, str, float]:
-    """Stream one greedy chat; after the third content chunk apply `disrupt(child)` to the
-    decode serving it. Returns (text, the disrupted worker, longest gap between chunks)."""
-    stream = cluster.openai().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS,
-                                                      temperature=0, stream=True)
-    text, worker, chunks, longest, last = "", "", 0, 0.0, time.monotonic()
-    for chunk in stream:
-        now = time.monotonic()
-        longest, last = max(longest, now - last), now
-        extra = (chunk.model_extra or {}).get("pdserve") or {}
-        worker = worker or extra.get("routing", {}).get("decode_worker_id", "")
-        if chunk.choices and chunk.choices[0].delta.content:
-            text += chunk.choices[0].delta.content
-            chunks += 1
-            if chunks == 3:
-                assert worker, "the first chunk names the decode worker"
-                disrupt(cluster.child(worker))
-    return text, worker, longest
+def _stream_and_disrupt(cluster, signum) -> tuple[str, str, float]:
+    """One greedy chat; the decode serving it gets `signum` after the third content chunk."""
+    return stream_and_disrupt(cluster.openai(), CHAT, MAX_TOKENS,
+                              lambda worker: cluster.child(worker).proc.send_signal(signum))
 
 
 def test_killed_then_frozen_decode_the_stream_migrates_and_text_is_exact(cluster, hf_reference):
     _, greedy = hf_reference
     expected = greedy(CHAT, MAX_TOKENS)
 
-    killed_text, killed, _ = _stream_and_disrupt(cluster, lambda child: child.proc.send_signal(signal.SIGKILL))
+    killed_text, killed, _ = _stream_and_disrupt(cluster, signal.SIGKILL)
     assert killed_text == expected
     assert cluster.child(killed).proc.wait(10) is not None
 
-    frozen_text, frozen, longest = _stream_and_disrupt(cluster, lambda child: child.proc.send_signal(signal.SIGSTOP))
+    frozen_text, frozen, longest = _stream_and_disrupt(cluster, signal.SIGSTOP)
     assert frozen != killed
     assert frozen_text == expected
     # cut off by the inactivity deadline or the registry's verdict, whichever came first

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from harness import MODEL, UpProcess
+from harness import MODEL, UpProcess, stream_and_disrupt
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -39,18 +39,14 @@ def test_up_restarts_a_killed_decode_and_prefill_and_keeps_serving(hf_reference)
     try:
         up.wait_for("pdserve is up")
         client = up.openai()
-        stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS,
-                                                temperature=0, stream=True)
-        text, worker, chunks = "", "", 0
-        for chunk in stream:
-            extra = (chunk.model_extra or {}).get("pdserve") or {}
-            worker = worker or extra.get("routing", {}).get("decode_worker_id", "")
-            if chunk.choices and chunk.choices[0].delta.content:
-                text += chunk.choices[0].delta.content
-                chunks += 1
-                if chunks == 3:
-                    os.kill(up.pid_of(worker), signal.SIGKILL)
-                    killed_at = time.monotonic()
+        killed_at = 0.0
+
+        def kill(worker: str) -> None:
+            nonlocal killed_at
+            os.kill(up.pid_of(worker), signal.SIGKILL)
+            killed_at = time.monotonic()
+
+        text, worker, _ = stream_and_disrupt(client, CHAT, MAX_TOKENS, kill)
         assert text == greedy(CHAT, MAX_TOKENS)  # migrated to the other decode, no gap, no repeat
         up.wait_for(f"{worker} exited with signal 9 (SIGKILL); restarting it", timeout_s=30)
         up.wait_for(f"{worker} is back", timeout_s=60)

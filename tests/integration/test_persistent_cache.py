@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 
 from pdserve.engine.llm import LLM

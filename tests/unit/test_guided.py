@@ -3,11 +3,10 @@ compiles them (engine/constraints.py) for SmolLM2's real tokenizer: closed objec
 duplicate keys, bounded whitespace, vLLM's guided_* forms, errors before any worker."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind
 from pdserve.engine.constraints import Constraint, GrammarCompiler
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.guided import GuidedOptions, close_objects, compile_constraint, read_guided

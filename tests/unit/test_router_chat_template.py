@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.router.prompt import PromptBuilder

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError, to_service_error
+from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, to_service_error
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.openai_format import Collected, ResponseFormatter
 from pdserve.router.openai_request import parse_chat, parse_completion

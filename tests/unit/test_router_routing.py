@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind
 from pdserve.router.config import Role
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
