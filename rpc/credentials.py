@@ -106,12 +106,16 @@ def bind(server: grpc.aio.Server, address: str, tls: InternalTLS | None) -> int:
         return 0
 
 
+def credentials_of(metadata) -> list[str]:
+    """Every `pdserve-credential` value a call carries (a valid call carries exactly one)."""
+    return [value for key, value in metadata or () if key == CREDENTIAL_HEADER]
+
+
 def caller_id(context: grpc.aio.ServicerContext) -> str:
-    """The caller id of the (already verified) credential of this call; "" without one."""
-    for key, value in context.invocation_metadata() or ():
-        if key == CREDENTIAL_HEADER:
-            return caller_of(value)
-    return ""
+    """The caller id of the call's one credential, which the interceptor verified; "" when
+    it carries none (an unprotected service). The interceptor refuses a call with several."""
+    found = credentials_of(context.invocation_metadata())
+    return caller_of(found[0]) if len(found) == 1 else ""
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -129,9 +133,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         service = details.method.lstrip("/").split("/", 1)[0]
         if service not in self._protected:
             return await continuation(details)
-        credential = dict(details.invocation_metadata or ()).get(CREDENTIAL_HEADER)
+        found = credentials_of(details.invocation_metadata)
         try:
-            self._verifier.verify(details.method, credential)
+            if len(found) > 1:  # the one verified must be the one whose caller id is used
+                raise AuthError(f"a call carries exactly one {CREDENTIAL_HEADER}, not {len(found)}")
+            self._verifier.verify(details.method, found[0] if found else None)
         except AuthError as exc:
             self._on_refused(str(exc))
             return self._refusal(await continuation(details), str(exc))

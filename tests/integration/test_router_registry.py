@@ -245,6 +245,19 @@ def test_registry_refuses_anonymous_and_impersonating_callers(make_cluster, tmp_
             raw(b"\xff\x00garbage", timeout=WAIT_S)
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert cluster.metric("pdserve_router_auth_refused_total", reason="no credential") >= 4
+    # a second header cannot lend a valid credential to a forged one: d0's, forged (another
+    # deployment's secret), first; evil's valid one last
+    forged = CallSigner(ClusterSecret.create(tmp_path / "other-secret"), "d0")
+    for method, request in (("Deregister", registry_pb2.DeregisterRequest(worker_id="d0")),
+                            ("Heartbeat", registry_pb2.HeartbeatRequest(worker_id="d0"))):
+        full = f"/pdserve.v1.Registry/{method}"
+        metadata = [(CREDENTIAL_HEADER, forged.credential(full)),
+                    (CREDENTIAL_HEADER, CallSigner(secret, "evil").credential(full))]
+        with grpc.insecure_channel(cluster.registry_address) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                getattr(registry_pb2_grpc.RegistryStub(channel), method)(request, timeout=WAIT_S, metadata=metadata)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
+        assert "exactly one" in caught.value.details()
     # the real worker still gets the traffic, and stays registered
     chat = cluster.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=8)
