@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from typing import Any, Callable, Sequence
 
 # Help texts quote the defaults of the typed settings each flag feeds (a test pins them);
@@ -32,12 +33,6 @@ def _shown(value: Any) -> str:
     return "none" if value in ("", None) else str(value)
 
 
-def _worker_flag(g, role: str, name: str, text: str, **kw) -> None:
-    """A flag of WorkerSettings; its help ends with the setting's real default for `role`."""
-    default = WorkerSettings.default(role, name)
-    g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default {_shown(default)})", **kw)
-
-
 def _router_flag(g, name: str, text: str, **kw) -> None:
     """A flag of RouterConfig; its help ends with the setting's real default."""
     default = RouterConfig.__dataclass_fields__[name].default
@@ -46,12 +41,28 @@ def _router_flag(g, name: str, text: str, **kw) -> None:
 
 def _add_common(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--config", help="YAML file of flag values (keys are flag names with _)")
-    _worker_flag(p, role, "host", "address to bind listeners to")
-    _worker_flag(p, role, "log_level", "DEBUG, INFO, WARNING, ERROR")
-    _add_security(p, lambda name, text, **kw: _worker_flag(p, role, name, text, **kw))
+    _add_settings(p, role, "common")
 
 
-def _add_security(p: argparse.ArgumentParser, flag) -> None:
+def _add_settings(p: argparse.ArgumentParser, role: str, group: str, title: str | None = None) -> None:
+    """The flags of WorkerSettings' `group` that `role` takes, as the dataclass declares them;
+    each help ends with the setting's real default for `role`."""
+    g = p.add_argument_group(title or group) if group != "common" else p
+    for f in fields(WorkerSettings):
+        spec = f.metadata
+        if spec.get("group") != group or role not in spec["roles"]:
+            continue
+        kw: dict[str, Any] = {"choices": spec["choices"] or None}
+        if isinstance(f.default, bool):
+            kw = {"action": "store_true", "default": None}
+        elif isinstance(f.default, (int, float)):
+            kw["type"] = type(f.default)
+        default = WorkerSettings.default(role, f.name)
+        shown = "" if isinstance(f.default, bool) else f" (default {_shown(default)})"
+        g.add_argument("--" + f.name.replace("_", "-"), help=spec["help"] + shown, **kw)
+
+
+def _add_router_security(p: argparse.ArgumentParser, flag) -> None:
     flag("cluster_secret_file", "file holding this deployment's secret (mode 0600, the same on every "
                                 "service); every internal call is authenticated with it")
     flag("internal_tls_cert", "PEM certificate for mutual TLS on internal gRPC (SAN "
@@ -63,69 +74,16 @@ def _add_security(p: argparse.ArgumentParser, flag) -> None:
                         "open to the network; a warning at every start)")
 
 
-def _add_engine(p: argparse.ArgumentParser, role: str) -> None:
-    g = p.add_argument_group("engine")
-    f = lambda name, text, **kw: _worker_flag(g, role, name, text, **kw)  # noqa: E731
-    f("model", "'default' (SmolLM2-135M-Instruct), a transformers dir, or a .gguf")
-    f("served_model_name", "name clients use in requests (none: from the model)")
-    f("dtype", "weights and KV cache dtype", choices=("float32", "bfloat16", "float16"))
-    f("quantization", "int8: weights in int8 with dynamic int8 GEMMs (CPU, float32; about 2x faster "
-                      "linears, slightly different text; prefill and decode must agree)",
-      choices=("none", "int8"))
-    f("device", "cpu or cuda[:N]")
-    f("num_threads", "torch intra-op threads (0: torch's choice)", type=int)
-    f("block_size", "tokens per KV block", type=int)
-    f("max_kv_tokens", "KV cache size in tokens (0: from --free-memory-fraction)", type=int)
-    f("free_memory_fraction", "share of the memory free once the weights are loaded that the KV cache "
-      "takes (GPU: free device memory; CPU: the OS's available memory); `up` divides it among the "
-      "workers it starts", type=float)
-    f("max_num_tokens", "tokens per engine step", type=int)
-    f("max_batch_size", "sequences per engine step", type=int)
-    f("max_model_len", "context length limit (0: the model's)", type=int)
-    f("capacity_policy", "admission under KV pressure",
-      choices=("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"))
-    f("chunking_policy", "how prompts share a step's token budget",
-      choices=("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS", "SHORTEST_FIRST"))
-    f("attention_window", "keep only the last N tokens' KV blocks: attention sees that window "
-                          "(0: none beyond the model's own sliding window; prefill and decode must agree)",
-      type=int)
-
-
 def _add_worker(p: argparse.ArgumentParser, role: str) -> None:
     """Flags of one worker process (`up` starts its own and takes only `_add_shared_worker`'s)."""
-    g = p.add_argument_group("worker")
-    f = lambda name, text, **kw: _worker_flag(g, role, name, text, **kw)  # noqa: E731
-    f("metrics_port", "serve Prometheus /metrics on this port (0: off)", type=int)
-    f("grpc_port", "gRPC port (0 picks a free one)", type=int)
-    f("advertise_host", "address peers and the router use to reach this worker (none: --host)")
-    f("router", "the router's registry address host:port to register with (none: do not register)")
-    f("worker_id", "stable id in the registry (none: <role>-host:port)")
-    f("transfer_port", "decode: UCX listener port; the NCCL/gloo store listens on the next port "
-                       "(0 picks free ones)", type=int)
+    _add_settings(p, role, "worker")
     _add_shared_worker(p, role)
 
 
 def _add_shared_worker(p: argparse.ArgumentParser, role: str) -> None:
     """Flags that `up` passes to every worker it starts."""
-    _add_engine(p, role)
-    t = p.add_argument_group("kv transfer")
-    f = lambda name, text, **kw: _worker_flag(t, role, name, text, **kw)  # noqa: E731
-    f("heartbeat_s", "heartbeat interval to the router; the router's ask caps it", type=float)
-    f("kv_backends", "fallback chain, comma separated")
-    f("redis_url", "redis://host:port/db for the redis backend")
-    f("disk_store", "directory of the disk KV store (shared volume in k8s)")
-    f("disk_store_max_gb", "disk store size budget", type=float)
-    f("prefix_store", "persistent prefix cache in that store (--disk-store / --redis-url): "
-                      "prefill computes only blocks it lacks and writes those it computes; "
-                      "decode loads matching blocks before asking for a prefill",
-      choices=("none", "disk", "redis"))
-    f("transfer_timeout_s", "deadline of one transfer step", type=float)
-    f("kv_probe_cooldown_s", "a KV backend that failed 3 times in a row is skipped this long, "
-                             "then the next transfer probes it", type=float)
-    f("prefill_timeout_s", "decode: deadline of a remote prefill, from admission to the KV "
-                           "landing: the prefill service's queue, compute and transfer; past it "
-                           "decode follows --failure-policy", type=float)
-    f("failure_policy", "decode: what to do when the prefill leg fails", choices=("recompute", "fail"))
+    _add_settings(p, role, "engine")
+    _add_settings(p, role, "kv transfer")
 
 
 def _add_up(sub) -> None:
@@ -155,7 +113,7 @@ def _add_router(sub) -> None:
     f = lambda name, text, **kw: _router_flag(router, name, text, **kw)  # noqa: E731
     f("host", "address to bind listeners to")
     f("log_level", "DEBUG, INFO, WARNING, ERROR")
-    _add_security(router, f)
+    _add_router_security(router, f)
     f("metrics_port", "extra Prometheus listener (0: only HTTP /metrics)", type=int)
     f("http_port", "HTTP port", type=int)
     f("grpc_port", "gRPC port of the client API (Generation)", type=int)
@@ -221,7 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
     prefill = sub.add_parser("prefill", help="one prefill service")
     _add_common(prefill, "prefill")
     _add_worker(prefill, "prefill")
-    _worker_flag(prefill, "prefill", "max_queue", "prefills in flight before refusing", type=int)
     decode = sub.add_parser("decode", help="one decode service")
     _add_common(decode, "decode")
     _add_worker(decode, "decode")

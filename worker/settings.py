@@ -5,7 +5,7 @@ from the environment or YAML may be strings), types and validates it once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from pdserve.common.errors import InvalidRequestError
@@ -37,48 +37,86 @@ ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+GROUPS = ("common", "worker", "engine", "kv transfer")  # "engine" and "kv transfer": `up` shares them
+
+
+def setting(default: Any, help: str, group: str, *, choices: tuple = (), roles: tuple = ("prefill", "decode")):
+    """A worker setting and its flag, in one place: the CLI, YAML keys, `PDSERVE_*` variables
+    and what `pdserve up` passes on all come from these fields. `group`: one of GROUPS;
+    `roles`: the services that take it."""
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices, "roles": roles})
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
+    """Every worker setting, with its flag (`setting`): the one table of the workers' flags."""
+
     role: str
-    model: str = "default"
-    served_model_name: str = ""
-    dtype: str = "float32"
-    quantization: str = "none"
-    device: str = "cpu"
-    num_threads: int = 0
-    block_size: int = 16
-    max_kv_tokens: int = 0
-    free_memory_fraction: float = 0.9
-    max_num_tokens: int = 2048
-    max_batch_size: int = 64
-    max_model_len: int = 0
-    attention_window: int = 0  # keep only the last W tokens' KV blocks (0: none beyond the model's own)
-    capacity_policy: str = "GUARANTEED_NO_EVICT"
-    chunking_policy: str = "FIRST_COME_FIRST_SERVED"
-    host: str = "127.0.0.1"
-    grpc_port: int = 0  # from_settings: the role's default port
-    advertise_host: str = ""
-    router: str = ""
-    worker_id: str = ""
-    heartbeat_s: float = 2.0
-    kv_backends: str = "ucx,nccl,redis,disk"
-    transfer_port: int = 0  # from_settings: DECODE_TRANSFER_PORT for decode
-    redis_url: str = ""
-    disk_store: str = ""
-    disk_store_max_gb: float = 10.0
-    prefix_store: str = "none"  # "disk" | "redis": a persistent prefix cache in that store
-    transfer_timeout_s: float = 10.0
-    kv_probe_cooldown_s: float = 5.0  # an unhealthy backend is skipped this long, then probed
-    prefill_timeout_s: float = 60.0
-    failure_policy: str = "recompute"
-    max_queue: int = 64
-    metrics_port: int = 0
-    log_level: str = "INFO"
-    cluster_secret_file: str = ""  # internal calls authenticated with this deployment's secret
-    insecure_internal: bool = False  # allow a non-loopback bind without a cluster secret
-    internal_tls_cert: str = ""  # mutual TLS on internal gRPC: this deployment's certificate,
-    internal_tls_key: str = ""  # its key,
-    internal_tls_ca: str = ""  # and the CA every peer's certificate must chain to
+    # -- engine: `up` passes these to every worker it starts
+    model: str = setting("default", "'default' (SmolLM2-135M-Instruct), a transformers dir, or a .gguf", "engine")
+    served_model_name: str = setting("", "name clients use in requests (none: from the model)", "engine")
+    dtype: str = setting("float32", "weights and KV cache dtype", "engine",
+                         choices=("float32", "bfloat16", "float16"))
+    quantization: str = setting("none", "int8: weights in int8 with dynamic int8 GEMMs (CPU, float32; about "
+                                "2x faster linears, slightly different text; prefill and decode must agree)",
+                                "engine", choices=("none", "int8"))
+    device: str = setting("cpu", "cpu or cuda[:N]", "engine")
+    num_threads: int = setting(0, "torch intra-op threads (0: torch's choice)", "engine")
+    block_size: int = setting(16, "tokens per KV block", "engine")
+    max_kv_tokens: int = setting(0, "KV cache size in tokens (0: from --free-memory-fraction)", "engine")
+    free_memory_fraction: float = setting(
+        0.9, "share of the memory free once the weights are loaded that the KV cache takes (GPU: free "
+        "device memory; CPU: the OS's available memory); `up` divides it among the workers it starts", "engine")
+    max_num_tokens: int = setting(2048, "tokens per engine step", "engine")
+    max_batch_size: int = setting(64, "sequences per engine step", "engine")
+    max_model_len: int = setting(0, "context length limit (0: the model's)", "engine")
+    capacity_policy: str = setting("GUARANTEED_NO_EVICT", "admission under KV pressure", "engine",
+                                   choices=("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"))
+    chunking_policy: str = setting("FIRST_COME_FIRST_SERVED", "how prompts share a step's token budget", "engine",
+                                   choices=("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS", "SHORTEST_FIRST"))
+    attention_window: int = setting(0, "keep only the last N tokens' KV blocks: attention sees that window (0: none "
+                                    "beyond the model's own sliding window; prefill and decode must agree)", "engine")
+    # -- kv transfer: `up` passes these too
+    heartbeat_s: float = setting(2.0, "heartbeat interval to the router; the router's ask caps it", "kv transfer")
+    kv_backends: str = setting("ucx,nccl,redis,disk", "fallback chain, comma separated", "kv transfer")
+    redis_url: str = setting("", "redis://host:port/db for the redis backend", "kv transfer")
+    disk_store: str = setting("", "directory of the disk KV store (shared volume in k8s)", "kv transfer")
+    disk_store_max_gb: float = setting(10.0, "disk store size budget", "kv transfer")
+    prefix_store: str = setting("none", "persistent prefix cache in that store (--disk-store / --redis-url): prefill "
+                                "computes only blocks it lacks and writes those it computes; decode loads "
+                                "matching blocks before asking for a prefill", "kv transfer",
+                                choices=("none", "disk", "redis"))
+    transfer_timeout_s: float = setting(10.0, "deadline of one transfer step", "kv transfer")
+    kv_probe_cooldown_s: float = setting(5.0, "a KV backend that failed 3 times in a row is skipped this long, "
+                                         "then the next transfer probes it", "kv transfer")
+    prefill_timeout_s: float = setting(60.0, "decode: deadline of a remote prefill, from admission to the KV "
+                                       "landing: the prefill service's queue, compute and transfer; past it "
+                                       "decode follows --failure-policy", "kv transfer")
+    failure_policy: str = setting("recompute", "decode: what to do when the prefill leg fails", "kv transfer",
+                                  choices=("recompute", "fail"))
+    # -- worker: one process's own
+    metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0: off)", "worker")
+    grpc_port: int = setting(0, "gRPC port (0 picks a free one)", "worker")  # from_settings: the role's port
+    advertise_host: str = setting("", "address peers and the router use to reach this worker (none: --host)",
+                                  "worker")
+    router: str = setting("", "the router's registry address host:port to register with (none: do not "
+                          "register)", "worker")
+    worker_id: str = setting("", "stable id in the registry (none: <role>-host:port)", "worker")
+    transfer_port: int = setting(0, "decode: UCX listener port; the NCCL/gloo store listens on the next port (0 "
+                                 "picks free ones)", "worker")  # from_settings: DECODE_TRANSFER_PORT for decode
+    max_queue: int = setting(64, "prefills in flight before refusing", "worker", roles=("prefill",))
+    # -- common: every process, `up` included
+    host: str = setting("127.0.0.1", "address to bind listeners to", "common")
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING, ERROR", "common")
+    cluster_secret_file: str = setting("", "file holding this deployment's secret (mode 0600, the same on every "
+                                       "service); every internal call is authenticated with it", "common")
+    internal_tls_cert: str = setting("", "PEM certificate for mutual TLS on internal gRPC (SAN 'pdserve-internal'; "
+                                     "with --internal-tls-key and --internal-tls-ca)", "common")
+    internal_tls_key: str = setting("", "PEM private key of --internal-tls-cert", "common")
+    internal_tls_ca: str = setting("", "PEM CA that every internal peer's certificate must chain to", "common")
+    insecure_internal: bool = setting(False, "allow binding beyond loopback without a cluster secret (internal "
+                                      "APIs open to the network; a warning at every start)", "common")
+
 
     @classmethod
     def default(cls, role: str, name: str) -> Any:

@@ -261,3 +261,19 @@ def test_help_is_honest_every_benchmark_listed_and_no_default_said_twice_or_as_n
         assert "(default: None)" not in text, what
         for option in re.split(r"\n  (?=-)", text):
             assert len(re.findall(r"\(default", option)) <= 1, (what, option)
+
+
+def test_worker_settings_are_the_one_table_of_worker_flags():
+    """Each WorkerSettings field is declared once, with its flag: the role's parser offers
+    exactly those fields, and `up` passes on exactly the engine and kv-transfer groups."""
+    from dataclasses import fields
+
+    from pdserve.deploy.cli import worker_pass_through
+    from pdserve.worker.settings import GROUPS, WorkerSettings
+
+    table = {f.name: f.metadata for f in fields(WorkerSettings) if f.name != "role"}
+    assert all(spec.get("group") in GROUPS and spec.get("help") for spec in table.values())
+    for role in ("prefill", "decode"):
+        assert _dests(role) - {"config"} == {n for n, spec in table.items() if role in spec["roles"]}
+    shared = {n for n, spec in table.items() if spec["group"] in ("engine", "kv transfer")}
+    assert set(worker_pass_through()) == shared | {"log_level"}
