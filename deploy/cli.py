@@ -18,25 +18,17 @@ from pdserve.common.errors import PdserveError
 from pdserve.deploy import prepare
 from pdserve.deploy import up as up_defaults
 from pdserve.deploy.supervisor import RestartPolicy
-from pdserve.router.config import (POLICY_NAMES, ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT,
-                                   RouterConfig)
-from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,
-                                     WorkerSettings)
+from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT, RouterConfig
+from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,  # noqa: F401 - the
+                                     WorkerSettings)  # chart test reads the ports here
 
 TRANSFER_PORT = DECODE_TRANSFER_PORT
 BACKENDS = ("ucx", "nccl", "redis", "disk")
 BENCHMARKS = tuple(bench_cli.BENCHMARKS)  # the one list, in bench/cli.py
-POLICIES = POLICY_NAMES  # the one list, in router/config.py
 
 
 def _shown(value: Any) -> str:
-    return "none" if value in ("", None) else str(value)
-
-
-def _router_flag(g, name: str, text: str, **kw) -> None:
-    """A flag of RouterConfig; its help ends with the setting's real default."""
-    default = RouterConfig.__dataclass_fields__[name].default
-    g.add_argument("--" + name.replace("_", "-"), help=f"{text} (default {_shown(default)})", **kw)
+    return "none" if value in ("", None, ()) else str(value)
 
 
 def _add_common(p: argparse.ArgumentParser, role: str) -> None:
@@ -44,11 +36,12 @@ def _add_common(p: argparse.ArgumentParser, role: str) -> None:
     _add_settings(p, role, "common")
 
 
-def _add_settings(p: argparse.ArgumentParser, role: str, group: str, title: str | None = None) -> None:
-    """The flags of WorkerSettings' `group` that `role` takes, as the dataclass declares them;
-    each help ends with the setting's real default for `role`."""
+def _add_table(p: argparse.ArgumentParser, table: type, role: str, group: str, title: str | None = None,
+               default_of: Callable[[str], Any] | None = None) -> None:
+    """The flags of `table`'s `group` that `role` takes, as the dataclass declares them
+    (`common.flags.setting`); each help ends with the setting's real default."""
     g = p.add_argument_group(title or group) if group != "common" else p
-    for f in fields(WorkerSettings):
+    for f in fields(table):
         spec = f.metadata
         if spec.get("group") != group or role not in spec["roles"]:
             continue
@@ -57,21 +50,14 @@ def _add_settings(p: argparse.ArgumentParser, role: str, group: str, title: str 
             kw = {"action": "store_true", "default": None}
         elif isinstance(f.default, (int, float)):
             kw["type"] = type(f.default)
-        default = WorkerSettings.default(role, f.name)
+        default = default_of(f.name) if default_of else f.default
         shown = "" if isinstance(f.default, bool) else f" (default {_shown(default)})"
         g.add_argument("--" + f.name.replace("_", "-"), help=spec["help"] + shown, **kw)
 
 
-def _add_router_security(p: argparse.ArgumentParser, flag) -> None:
-    flag("cluster_secret_file", "file holding this deployment's secret (mode 0600, the same on every "
-                                "service); every internal call is authenticated with it")
-    flag("internal_tls_cert", "PEM certificate for mutual TLS on internal gRPC (SAN "
-                              "'pdserve-internal'; with --internal-tls-key and --internal-tls-ca)")
-    flag("internal_tls_key", "PEM private key of --internal-tls-cert")
-    flag("internal_tls_ca", "PEM CA that every internal peer's certificate must chain to")
-    p.add_argument("--insecure-internal", action="store_true", default=None,
-                   help="allow binding beyond loopback without a cluster secret (internal APIs "
-                        "open to the network; a warning at every start)")
+def _add_settings(p: argparse.ArgumentParser, role: str, group: str, title: str | None = None) -> None:
+    """WorkerSettings' flags of `group` for `role`, with the role's defaults."""
+    _add_table(p, WorkerSettings, role, group, title, lambda name: WorkerSettings.default(role, name))
 
 
 def _add_worker(p: argparse.ArgumentParser, role: str) -> None:
@@ -104,52 +90,15 @@ def _add_up(sub) -> None:
     up.add_argument("--max-restarts", type=int,
                     help="a service that exits is restarted; one that exits more often than this within "
                          f"{RestartPolicy().window_s:g} s stops `up` (default {RestartPolicy().max_restarts})")
-    _add_router_options(up.add_argument_group("router"))
+    _add_table(up, RouterConfig, "router", "routing", "router")
 
 
 def _add_router(sub) -> None:
     router = sub.add_parser("router", help="the OpenAI HTTP + gRPC front")
     router.add_argument("--config", help="YAML file of flag values (keys are flag names with _)")
-    f = lambda name, text, **kw: _router_flag(router, name, text, **kw)  # noqa: E731
-    f("host", "address to bind listeners to")
-    f("log_level", "DEBUG, INFO, WARNING, ERROR")
-    _add_router_security(router, f)
-    f("metrics_port", "extra Prometheus listener (0: only HTTP /metrics)", type=int)
-    f("http_port", "HTTP port", type=int)
-    f("grpc_port", "gRPC port of the client API (Generation)", type=int)
-    f("registry_port", "gRPC port where workers register (internal; keep it off client networks)",
-      type=int)
-    _add_router_options(router.add_argument_group("routing and limits"))
-    router.add_argument("--static-workers",
-                        help="comma list of role=host:port to use without registration (default none)")
-
-
-def _add_router_options(g) -> None:
-    """The router's client-facing and routing options; `up` takes them too and hands them on."""
-    f = lambda name, text, **kw: _router_flag(g, name, text, **kw)  # noqa: E731
-    f("api_key", "require 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: flags show in ps)")
-    g.add_argument("--metrics-auth", action="store_true", default=None,
-                   help="/metrics requires the API key too (/health and /ready stay open)")
-    f("tls_cert", "PEM certificate (chain) for HTTPS and gRPC TLS on the client ports")
-    f("tls_key", "PEM private key of --tls-cert")
-    f("max_queue", "requests in flight before 429", type=int)
-    f("prefill_policy", "how to pick a prefill worker", choices=POLICIES)
-    f("decode_policy", "how to pick a decode worker (prefix_aware: cache affinity while it pays "
-                       "and the pool stays balanced)", choices=POLICIES)
-    f("local_prefill_threshold", "uncached prompt tokens at or under which decode prefills locally",
-      type=int)
-    f("prefill_queue_threshold", "a prefill worker's queue length at or over which decode "
-                                 "prefills locally", type=int)
-    f("max_body_bytes", "largest request body in bytes", type=int)
-    f("worker_timeout_s", "heartbeat age that marks a worker dead", type=float)
-    f("stream_idle_timeout_s", "a decode stream silent this long is cut off and its request migrated "
-                               "(workers send keep-alives at a quarter of it)", type=float)
-    f("max_migrations", "times one request may move to another decode when its own dies or hangs "
-                        "mid-stream (0: never)", type=int)
-    g.add_argument("--lenient-json-schema", action="store_true", default=None,
-                   help="JSON schemas (response_format, guided_json, tools) as JSON Schema reads them: "
-                        "an object without additionalProperties takes any other key (default: closed, "
-                        "as xgrammar and vLLM's users expect)")
+    for group, title in (("common", None), ("listeners", None), ("routing", "routing and limits"),
+                         ("workers", None)):
+        _add_table(router, RouterConfig, "router", group, title)
 
 
 def _dests(add: Callable[[argparse.ArgumentParser], None]) -> tuple[str, ...]:
@@ -165,9 +114,9 @@ def worker_pass_through() -> tuple[str, ...]:
 
 
 def router_pass_through() -> tuple[str, ...]:
-    """The router options `up` takes and hands to its router (`_add_router_options`) as
-    flags; the API key goes in the environment instead (argv shows in ps)."""
-    return tuple(d for d in _dests(lambda p: _add_router_options(p.add_argument_group("router")))
+    """The router options `up` takes and hands to its router (RouterConfig's "routing" group)
+    as flags; the API key goes in the environment instead (argv shows in ps)."""
+    return tuple(d for d in _dests(lambda p: _add_table(p, RouterConfig, "router", "routing"))
                  if d != "api_key")
 
 

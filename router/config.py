@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from pdserve.common.flags import security, setting
 from pdserve.common.values import coerce
 
 # Default ports of the router's listeners (0 picks a free port).
@@ -37,36 +38,55 @@ class StaticWorker:
     address: str  # "host:port" of its gRPC service
 
 
+ROUTER_GROUPS = ("common", "listeners", "routing", "workers")  # "routing": `up` takes and passes them on
+
+
+def _opt(default: Any, help: str, group: str, **kw: Any) -> Any:
+    return setting(default, help, group, roles=("router",), **kw)
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    host: str = "127.0.0.1"  # HTTP and gRPC listeners bind here
-    http_port: int = ROUTER_HTTP_PORT  # 0 picks a free port
-    grpc_port: int = ROUTER_GRPC_PORT  # 0 picks a free port
-    registry_port: int = ROUTER_REGISTRY_PORT  # 0 picks a free port
-    cluster_secret_file: str = ""  # internal calls authenticated with this deployment's secret
-    insecure_internal: bool = False  # allow a non-loopback bind without a cluster secret
-    metrics_port: int = 0  # extra Prometheus listener; 0: only HTTP /metrics
-    api_key: str | None = None  # require "Authorization: Bearer KEY" (HTTP /v1/*, gRPC Generation)
-    metrics_auth: bool = False  # /metrics requires the API key too (health and readiness stay open)
-    tls_cert: str = ""  # PEM certificate chain: HTTPS and gRPC-over-TLS on the client ports
-    tls_key: str = ""  # its PEM private key
-    internal_tls_cert: str = ""  # mutual TLS on internal gRPC (registry, router -> workers)
-    internal_tls_key: str = ""
-    internal_tls_ca: str = ""
-    max_queue: int = 256  # requests in flight; one more gets 429 / RESOURCE_EXHAUSTED
-    prefill_policy: str = "least_loaded"
-    decode_policy: str = "prefix_aware"
-    local_prefill_threshold: int = 32  # uncached prompt tokens <= this: decode prefills locally
-    prefill_queue_threshold: int = 8  # chosen prefill worker's queue >= this: decode prefills locally
-    max_body_bytes: int = 4 * 1024 * 1024
-    worker_timeout_s: float = 10.0  # heartbeat silence that makes a worker dead
-    stream_idle_timeout_s: float = 30.0  # a Decode stream silent this long (keep-alives included) is cut off
-    max_migrations: int = 2  # times one request may move to another decode after losing its own
+    """Every router setting; those declared with `_opt` are its flags (the one table)."""
+
+    host: str = _opt("127.0.0.1", "address to bind listeners to", "common")
+    log_level: str = _opt("INFO", "DEBUG, INFO, WARNING, ERROR", "common")
+    cluster_secret_file: str = security("cluster_secret_file", "", roles=("router",))
+    internal_tls_cert: str = security("internal_tls_cert", "", roles=("router",))  # registry, router -> workers
+    internal_tls_key: str = security("internal_tls_key", "", roles=("router",))
+    internal_tls_ca: str = security("internal_tls_ca", "", roles=("router",))
+    insecure_internal: bool = security("insecure_internal", False, roles=("router",))
+    metrics_port: int = _opt(0, "extra Prometheus listener (0: only HTTP /metrics)", "listeners")
+    http_port: int = _opt(ROUTER_HTTP_PORT, "HTTP port", "listeners")  # 0 picks a free port
+    grpc_port: int = _opt(ROUTER_GRPC_PORT, "gRPC port of the client API (Generation)", "listeners")
+    registry_port: int = _opt(ROUTER_REGISTRY_PORT, "gRPC port where workers register (internal; keep it off "
+                              "client networks)", "listeners")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: flags show "
+                               "in ps)", "routing")
+    metrics_auth: bool = _opt(False, "/metrics requires the API key too (/health and /ready stay open)", "routing")
+    tls_cert: str = _opt("", "PEM certificate (chain) for HTTPS and gRPC TLS on the client ports", "routing")
+    tls_key: str = _opt("", "PEM private key of --tls-cert", "routing")
+    max_queue: int = _opt(256, "requests in flight before 429", "routing")
+    prefill_policy: str = _opt("least_loaded", "how to pick a prefill worker", "routing", choices=POLICY_NAMES)
+    decode_policy: str = _opt("prefix_aware", "how to pick a decode worker (prefix_aware: cache affinity while "
+                              "it pays and the pool stays balanced)", "routing", choices=POLICY_NAMES)
+    local_prefill_threshold: int = _opt(32, "uncached prompt tokens at or under which decode prefills locally",
+                                        "routing")
+    prefill_queue_threshold: int = _opt(8, "a prefill worker's queue length at or over which decode prefills "
+                                        "locally", "routing")
+    max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body in bytes", "routing")
+    worker_timeout_s: float = _opt(10.0, "heartbeat age that marks a worker dead", "routing")
+    stream_idle_timeout_s: float = _opt(30.0, "a decode stream silent this long is cut off and its request "
+                                        "migrated (workers send keep-alives at a quarter of it)", "routing")
+    max_migrations: int = _opt(2, "times one request may move to another decode when its own dies or hangs "
+                               "mid-stream (0: never)", "routing")
+    lenient_json_schema: bool = _opt(False, "JSON schemas (response_format, guided_json, tools) as JSON Schema "
+                                     "reads them: an object without additionalProperties takes any other key "
+                                     "(default: closed, as xgrammar and vLLM's users expect)", "routing")
+    static_workers: tuple[StaticWorker, ...] = _opt((), "comma list of role=host:port to use without "
+                                                    "registration", "workers")
+    # Not flags (tests shorten them):
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S  # what the router asks workers for
-    static_workers: tuple[StaticWorker, ...] = ()
-    log_level: str = "INFO"
-    lenient_json_schema: bool = False  # object schemas without additionalProperties stay open
-    # Not CLI flags (tests shorten them):
     rpc_timeout_s: float = 10.0  # ModelInfo, Load, Abort calls to workers
     retry_after_s: int = 1  # Retry-After of a 429
     max_cached_hashes_per_worker: int = 8192  # prefix-aware routing memory per worker

@@ -5,10 +5,11 @@ from the environment or YAML may be strings), types and validates it once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.flags import security, setting
 from pdserve.common.values import coerce
 
 # Default ports of each role's listeners (0 for a port picks a free one).
@@ -38,13 +39,6 @@ ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 GROUPS = ("common", "worker", "engine", "kv transfer")  # "engine" and "kv transfer": `up` shares them
-
-
-def setting(default: Any, help: str, group: str, *, choices: tuple = (), roles: tuple = ("prefill", "decode")):
-    """A worker setting and its flag, in one place: the CLI, YAML keys, `PDSERVE_*` variables
-    and what `pdserve up` passes on all come from these fields. `group`: one of GROUPS;
-    `roles`: the services that take it."""
-    return field(default=default, metadata={"help": help, "group": group, "choices": choices, "roles": roles})
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,14 +102,11 @@ class WorkerSettings:
     # -- common: every process, `up` included
     host: str = setting("127.0.0.1", "address to bind listeners to", "common")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING, ERROR", "common")
-    cluster_secret_file: str = setting("", "file holding this deployment's secret (mode 0600, the same on every "
-                                       "service); every internal call is authenticated with it", "common")
-    internal_tls_cert: str = setting("", "PEM certificate for mutual TLS on internal gRPC (SAN 'pdserve-internal'; "
-                                     "with --internal-tls-key and --internal-tls-ca)", "common")
-    internal_tls_key: str = setting("", "PEM private key of --internal-tls-cert", "common")
-    internal_tls_ca: str = setting("", "PEM CA that every internal peer's certificate must chain to", "common")
-    insecure_internal: bool = setting(False, "allow binding beyond loopback without a cluster secret (internal "
-                                      "APIs open to the network; a warning at every start)", "common")
+    cluster_secret_file: str = security("cluster_secret_file", "")
+    internal_tls_cert: str = security("internal_tls_cert", "")
+    internal_tls_key: str = security("internal_tls_key", "")
+    internal_tls_ca: str = security("internal_tls_ca", "")
+    insecure_internal: bool = security("insecure_internal", False)
 
 
     @classmethod

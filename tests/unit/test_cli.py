@@ -277,3 +277,16 @@ def test_worker_settings_are_the_one_table_of_worker_flags():
         assert _dests(role) - {"config"} == {n for n, spec in table.items() if role in spec["roles"]}
     shared = {n for n, spec in table.items() if spec["group"] in ("engine", "kv transfer")}
     assert set(worker_pass_through()) == shared | {"log_level"}
+
+
+def test_router_config_is_the_one_table_of_router_flags():
+    """The router's flags are RouterConfig's declared settings; up takes its routing group."""
+    from dataclasses import fields
+
+    from pdserve.deploy.cli import router_pass_through
+    from pdserve.router.config import ROUTER_GROUPS, RouterConfig
+
+    table = {f.name: f.metadata for f in fields(RouterConfig) if f.metadata}
+    assert all(spec["group"] in ROUTER_GROUPS for spec in table.values())
+    assert _dests("router") - {"config"} == set(table)
+    assert set(router_pass_through()) == {n for n, s in table.items() if s["group"] == "routing"} - {"api_key"}
