@@ -11,7 +11,6 @@ latency are recorded here.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.errors import EXPECTED_ERRORS, InvalidRequestError, ServiceError
+from pdserve.common.errors import EXPECTED_ERRORS, InvalidRequestError
 from pdserve.proto.pdserve.v1 import common_pb2
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar; the engine's limit on a schema
@@ -47,7 +47,7 @@ class GuidedOptions:
     lenient_json_schema: bool = False  # object schemas stay open unless they close themselves
 
 
-def _invalid(message: str, param: str) -> ServiceError:
+def _invalid(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.errors import InvalidRequestError, ServiceError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.guided import STRUCTURED_FIELDS, read_guided
 from pdserve.router.tools import ToolMode, apply_tools, history_tool_calls, read_tools, set_response_format
@@ -72,7 +72,7 @@ class OpenAIRequest:
         return out
 
 
-def _invalid(message: str, param: str) -> ServiceError:
+def _invalid(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 

@@ -158,7 +158,11 @@ def check_raw_size(request: generation_pb2.GenerateRequest, max_model_len: int) 
     if which == "chat":
         texts += [c.arguments_json for m in request.chat.messages for c in m.tool_calls]
         texts += [t.parameters_json + t.description for t in request.tools]
-    param = "messages" if which == "chat" else "prompt"
+    check_text_size(texts, max_model_len, "messages" if which == "chat" else "prompt")
+
+
+def check_text_size(texts: Sequence[str], max_model_len: int, param: str) -> None:
+    """Texts that cannot fit `max_model_len` tokens are refused before anyone tokenizes them."""
     limit = max_model_len * MAX_CHARS_PER_TOKEN
     if sum(len(t) for t in texts) > limit:
         raise InvalidRequestError(f"the prompt is over {limit} characters; this model's "

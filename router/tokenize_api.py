@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.common.errors import InvalidRequestError, ServiceError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.router.catalog import ModelCatalog, ServedModel
 from pdserve.router.openai_request import chat_messages
+from pdserve.router.prompt import check_text_size
 
 
-def _invalid(message: str, param: str) -> ServiceError:
+def _invalid(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
@@ -42,9 +43,12 @@ def tokenize(catalog: ModelCatalog, body: dict[str, Any]) -> dict[str, Any]:
     model = _model(catalog, body)
     prompts = model.prompts
     if "messages" in body:
-        text = prompts.render_chat(chat_messages(body["messages"]))
+        messages = chat_messages(body["messages"])
+        check_text_size([m.content for m in messages], model.max_model_len, "messages")
+        text = prompts.render_chat(messages)
         ids = prompts.encode_text(text, _flag(body, "add_special_tokens", False))
     elif isinstance(body.get("prompt"), str):
+        check_text_size([body["prompt"]], model.max_model_len, "prompt")  # as generation does
         ids = prompts.encode_text(body["prompt"], _flag(body, "add_special_tokens", True))
     else:
         raise _invalid("give 'prompt' (a string) or 'messages'", "prompt")
@@ -55,6 +59,10 @@ def tokenize(catalog: ModelCatalog, body: dict[str, Any]) -> dict[str, Any]:
 def detokenize(catalog: ModelCatalog, body: dict[str, Any]) -> dict[str, Any]:
     model = _model(catalog, body)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, list):
+        raise _invalid("'tokens' must be a list of token ids", "tokens")
+    if len(tokens) > model.max_model_len:  # no prompt or answer of this model is longer
+        raise _invalid(f"at most {model.max_model_len} tokens (this model's context)", "tokens")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise _invalid("'tokens' must be a list of token ids", "tokens")
     return {"prompt": model.prompts.decode(tokens)}

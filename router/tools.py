@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.errors import InvalidRequestError, ServiceError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.guided import set_constraint
 
@@ -33,7 +33,7 @@ MAX_TOOLS = 128
 _TAGGED_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def _invalid(message: str, param: str) -> ServiceError:
+def _invalid(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 

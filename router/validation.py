@@ -5,7 +5,7 @@ goes to decode is fully resolved (every optional field set, except seed).
 """
 from __future__ import annotations
 
-from pdserve.common.errors import InvalidRequestError, ServiceError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.prompt import check_token_ids
 
@@ -13,10 +13,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 256  # each is checked here and compared with every token decode samples
 CONTEXT_CODE = "context_length_exceeded"
 
 
-def _invalid(message: str, param: str, code: str | None = None) -> ServiceError:
+def _invalid(message: str, param: str, code: str | None = None) -> InvalidRequestError:
     return InvalidRequestError(message, param=param, code=code)
 
 
@@ -58,6 +59,8 @@ def resolve_sampling(sampling: common_pb2.SamplingParams, num_prompt_tokens: int
     for stop in sampling.stop:
         if not stop or len(stop) > MAX_STOP_CHARS:
             raise _invalid(f"stop strings must be 1 to {MAX_STOP_CHARS} characters", "stop")
+    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _invalid(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
     check_token_ids(sampling.stop_token_ids, vocab_size, "stop_token_ids")
     if sampling.min_tokens > resolved.max_tokens:
         raise _invalid("min_tokens must not exceed max_tokens", "min_tokens")

@@ -161,6 +161,27 @@ def test_tokenize_and_detokenize(make_cluster):
             assert answer.status_code in (400, 404) and answer.json()["error"]["param"] == param
 
 
+def test_tokenize_detokenize_and_stop_token_ids_are_bounded_before_any_work(make_cluster):
+    """/tokenize takes the raw-size bound generation applies (no tokenizing of a prompt that
+    cannot fit), /detokenize at most a context of ids, a request at most 256 stop_token_ids;
+    each is refused with a 400 naming the field, and the router serves on."""
+    cluster = make_cluster(max_body_bytes=1 << 20)
+    decode = cluster.add("d0")
+    huge = "w1 " * (MAX_MODEL_LEN * 32)  # over 32 characters per token of context
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        for path, body, param in (
+                ("/tokenize", {"model": MODEL, "prompt": huge}, "prompt"),
+                ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": huge}]}, "messages"),
+                ("/detokenize", {"model": MODEL, "tokens": [1] * (MAX_MODEL_LEN + 1)}, "tokens"),
+                ("/v1/chat/completions", chat_body(max_tokens=2, stop_token_ids=[1] * 257), "stop_token_ids")):
+            answer = http.post(path, json=body)
+            assert answer.status_code == 400, (path, answer.text)
+            assert answer.json()["error"]["param"] == param, (path, answer.json())
+        assert not decode.requests
+        ok = http.post("/v1/chat/completions", json=chat_body(max_tokens=2, stop_token_ids=[1] * 256))
+        assert ok.status_code == 200 and len(decode.requests) == 1
+
+
 BAD_HTTP = [
     ("malformed json", "/v1/chat/completions", b'{"model": ', 400, None),
     ("non-object body", "/v1/chat/completions", b"[1, 2]", 400, None),
