@@ -70,6 +70,7 @@ class WorkerSettings:
                                    choices=("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS", "SHORTEST_FIRST"))
     attention_window: int = setting(0, "keep only the last N tokens' KV blocks: attention sees that window (0: none "
                                     "beyond the model's own sliding window; prefill and decode must agree)", "engine")
+    seed: int = setting(0, "the engine's random seed: requests without their own seed draw from it", "engine")
     # -- kv transfer: `up` passes these too
     heartbeat_s: float = setting(2.0, "heartbeat interval to the router; the router's ask caps it", "kv transfer")
     kv_backends: str = setting("ucx,nccl,redis,disk", "fallback chain, comma separated", "kv transfer")
@@ -173,7 +174,7 @@ class WorkerSettings:
         from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
         return EngineConfig(
-            model=self.model, dtype=self.dtype, device=self.device,
+            model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
             quantization="" if self.quantization == "none" else self.quantization,
             num_threads=self.num_threads or None,
             cache=CacheConfig(block_size=self.block_size, max_tokens=self.max_kv_tokens or None,

@@ -290,3 +290,17 @@ def test_router_config_is_the_one_table_of_router_flags():
     assert all(spec["group"] in ROUTER_GROUPS for spec in table.values())
     assert _dests("router") - {"config"} == set(table)
     assert set(router_pass_through()) == {n for n, s in table.items() if s["group"] == "routing"} - {"api_key"}
+
+
+def test_a_new_worker_setting_is_one_field():
+    """`seed`, added as one WorkerSettings field: a flag of both services, a YAML key, passed
+    on by `up` to every worker, into the engine's config."""
+    from pdserve.deploy import up
+    from pdserve.worker.settings import WorkerSettings
+
+    settings = resolve(build_parser().parse_args(["up", "--seed", "7"]), environ={})
+    children, _ = up.plan(dict(settings, cluster_secret_file="/s"))
+    for child in children[1:]:
+        parsed = resolve(build_parser().parse_args(child.argv[3:]), environ={})
+        assert WorkerSettings.from_settings(child.argv[3], parsed).engine_config().seed == 7
+    assert resolve(build_parser().parse_args(["decode"]), environ={"PDSERVE_SEED": "3"})["seed"] in (3, "3")
