@@ -189,9 +189,10 @@ def wait_ready(children: list[Child], url: str, timeout_s: float, supervisor: Su
                stopping: threading.Event | None = None) -> None:
     """Until every worker printed its ready line and the router at `url` registered them all.
     A child that exits meanwhile is restarted by `supervisor`, or (without one) fails the start."""
+    stopping = stopping or threading.Event()
     deadline = time.monotonic() + timeout_s
     workers = [c for c in children if c.name != "router"]
-    while time.monotonic() < deadline and not (stopping and stopping.is_set()):
+    while time.monotonic() < deadline and not stopping.is_set():
         if supervisor is not None:
             supervisor.check()
         else:
@@ -201,11 +202,8 @@ def wait_ready(children: list[Child], url: str, timeout_s: float, supervisor: Su
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{tail}")
         if all(c.ready.is_set() for c in workers) and _router_ready(url, len(workers)):
             return
-        if stopping is not None:
-            stopping.wait(0.5)
-        else:
-            time.sleep(0.5)
-    if stopping is not None and stopping.is_set():
+        stopping.wait(0.5)
+    if stopping.is_set():
         return
     missing = [c.name for c in children if not c.ready.is_set()]
     raise TimeoutError(f"services not ready after {timeout_s:.0f} s: {missing or 'router registry'}")
@@ -215,15 +213,16 @@ def stop(children: list[Child], grace_s: float = GRACE_S, hurry: threading.Event
     """SIGTERM every child, SIGKILL what is left after `grace_s` (or as soon as `hurry` is
     set: a second Ctrl-C). A stopped child (SIGSTOP, Ctrl-Z) is continued too, or it could not
     act on the SIGTERM."""
+    hurry = hurry or threading.Event()
     live = [c for c in children if c.proc is not None and c.proc.poll() is None]
     for child in live:
         child.proc.send_signal(signal.SIGTERM)
         child.proc.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + grace_s
-    while live and time.monotonic() < deadline and not (hurry and hurry.is_set()):
+    while live and time.monotonic() < deadline and not hurry.is_set():
         live = [c for c in live if c.proc.poll() is None]
         if live:
-            (hurry.wait if hurry is not None else time.sleep)(0.05)
+            hurry.wait(0.05)
     for child in live:
         if child.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):

@@ -63,7 +63,6 @@ def test_a_second_server_on_a_used_port_fails_to_bind():
 def test_a_port_conflict_names_the_port_and_who_wanted_it():
     """The router's HTTP, client gRPC and registry ports, and a worker's gRPC port: taken by
     another process, each start fails with the address and the role, not a bare errno."""
-    import socket
 
     from pdserve.router.app import RouterApp
     from pdserve.router.config import RouterConfig
