@@ -9,11 +9,21 @@ transport's hello and before either side reads anything else::
     S -> R  nonce n (32 random bytes) + HMAC-SHA256(key, "s2r" c n)
     R -> S  HMAC-SHA256(key, "r2s" n c)       (R closes the connection if S's proof fails)
 
+The answer is due within CHALLENGE_TIMEOUT_S. Both sides then hold a session key,
+HMAC-SHA256(key, "session" c n), fresh for this connection (`Session`). Every later frame in
+either direction (hellos, requests, replies) ends with a 32-byte tag, HMAC-SHA256(session key,
+direction, frame number, frame): a frame altered, dropped, replayed or reordered fails its
+tag and the connection is dropped. Each request carries its payload's tag, HMAC-SHA256(session
+key, "payload" seq, header, index, payload); R checks it on the bytes that arrived before the
+sink sees them, and refuses the transfer otherwise. Without a key (`--insecure-internal`)
+there is no challenge and the tags use a fixed public key: they catch corruption, not an
+attacker.
+
 After the transport's own hello, every message on a connection is (all integers
-little-endian)::
+little-endian; each frame then its tag)::
 
     S -> R  request  REQUEST (16 B): magic b"PDRQ", seq, budget ms, index length
-                     + wire header (72 B) + index (16 B per block)
+                     + wire header (72 B) + index (16 B per block) + payload tag (32 B)
     R -> S  reply    REPLY (4 B): ok, reserved 0, reason length; + reason (UTF-8, <= 1 KiB)
     S -> R  payload  on the transport's channel, only after an accepting reply
     R -> S  reply    the verdict: ok, or refused + reason
@@ -22,6 +32,10 @@ The budget (capped at MAX_BUDGET_MS) bounds how long R waits for the payload. A 
 before the payload keeps the stream in sync; a malformed request cannot be resynchronised, so
 R answers it and drops the connection. Reads come in two kinds: blocking sockets with a
 deadline (nccl) and asyncio streams (ucx, whose callers bound them with `wait_for`).
+
+Work before authentication is bounded: a receiver keeps at most MAX_PENDING connections
+waiting for their challenge's answer (more are closed at once), spends no thread on them, and
+serves at most MAX_PEERS authenticated connections.
 """
 from __future__ import annotations
 
@@ -41,10 +55,13 @@ from pdserve.kvtransfer.wire import (
 
 REQUEST = struct.Struct("<4sIII")  # magic, seq, budget ms, index length
 REPLY = struct.Struct("<BBH")  # ok, reserved (0), reason length; then the reason (UTF-8)
-REQUEST_MAGIC, VERSION = b"PDRQ", 1  # VERSION also goes in each transport's hello
+REQUEST_MAGIC, VERSION = b"PDRQ", 2  # VERSION also goes in each transport's hello
 MAX_REASON = 1024
 MAX_BUDGET_MS = 600_000  # a receiver waits at most this long for one payload
 HANDSHAKE_TIMEOUT_S = 10.0  # pairing, and a request's bytes once it started arriving
+CHALLENGE_TIMEOUT_S = 2.0  # a new connection's answer to the challenge (or, keyless, its hello)
+MAX_PENDING = 64  # connections of one receiver awaiting that answer; more are closed at once
+MAX_PEERS = 64  # authenticated connections one receiver serves at a time
 CLOSE_TIMEOUT_S = 10.0
 
 
@@ -58,14 +75,83 @@ class MalformedRequest(TransferError):
 
 # -- peer authentication (both sides hold the deployment's transfer key) -------------------------
 PROOF_BYTES = 32
+TAG_BYTES = 32
+_KEYLESS = b"pdserve-v1/keyless-transfer"  # public: without a key, tags only catch corruption
 
 
 class PeerNotAuthenticated(TransferError):
     """The other end of a control connection did not prove it holds the transfer key."""
 
 
+class TamperedFrame(TransferError):
+    """A control frame failed its tag: altered, replayed, reordered, or not from the peer."""
+
+
 def _proof(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(key, label + first + second, hashlib.sha256).digest()
+
+
+def _flat_bytes(payload: object) -> memoryview:
+    """A payload (tensor on any device, or a buffer) as flat host bytes, for its tag. A CUDA
+    tensor is copied to the host for this (the nccl path stages through the host anyway)."""
+    if hasattr(payload, "element_size"):
+        import torch
+
+        tensor = payload.detach()
+        if tensor.is_cuda:
+            tensor = tensor.cpu()
+        return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    if hasattr(payload, "__cuda_array_interface__"):
+        import numpy
+
+        return memoryview(numpy.asarray(payload.get() if hasattr(payload, "get") else payload)).cast("B")
+    view = memoryview(payload)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class Session:
+    """One control connection's MAC state: the session key and each direction's frame count.
+    Built by the authentication below (one per connection, never shared between threads)."""
+
+    def __init__(self, key: bytes, is_sender: bool) -> None:
+        self._key = key
+        self._out, self._in = (b"s2r", b"r2s") if is_sender else (b"r2s", b"s2r")
+        self._num_sent = self._num_received = 0
+
+    @classmethod
+    def derive(cls, transfer_key: bytes | None, challenge: bytes, nonce: bytes,
+               is_sender: bool) -> "Session":
+        if transfer_key is None:
+            return cls(_KEYLESS, is_sender)
+        return cls(_proof(transfer_key, b"session", challenge, nonce), is_sender)
+
+    def _tag(self, label: bytes, number: int, frame: bytes) -> bytes:
+        return hmac.new(self._key, label + struct.pack("<Q", number) + frame, hashlib.sha256).digest()
+
+    def seal(self, frame: bytes) -> bytes:
+        """`frame` followed by its tag (the next frame number in our direction)."""
+        tag = self._tag(self._out, self._num_sent, frame)
+        self._num_sent += 1
+        return frame + tag
+
+    def open(self, frame: bytes, tag: bytes) -> bytes:
+        """`frame` if `tag` is the peer's next tag on it; TamperedFrame otherwise."""
+        if not hmac.compare_digest(tag, self._tag(self._in, self._num_received, frame)):
+            raise TamperedFrame("a control frame failed its MAC (altered in transit, or not "
+                                "from the authenticated peer)")
+        self._num_received += 1
+        return frame
+
+    def payload_tag(self, seq: int, header: bytes, index: bytes, payload: object) -> bytes:
+        mac = hmac.new(self._key, b"payload" + struct.pack("<Q", seq), hashlib.sha256)
+        mac.update(header)
+        mac.update(index)
+        mac.update(_flat_bytes(payload))
+        return mac.digest()
+
+    def check_payload(self, seq: int, header: bytes, index: bytes, payload: object, tag: bytes) -> None:
+        if not hmac.compare_digest(tag, self.payload_tag(seq, header, index, payload)):
+            raise TransferError("payload MAC mismatch: the KV bytes were altered in transit")
 
 
 def sender_answer(key: bytes, challenge: bytes) -> tuple[bytes, bytes]:
@@ -74,60 +160,67 @@ def sender_answer(key: bytes, challenge: bytes) -> tuple[bytes, bytes]:
     return nonce, nonce + _proof(key, b"s2r", challenge, nonce)
 
 
-def check_sender(key: bytes, challenge: bytes, frame: bytes) -> bytes:
-    """The receiver's proof for a sender whose answer `frame` holds; PeerNotAuthenticated else."""
+def check_sender(key: bytes, challenge: bytes, frame: bytes) -> tuple[bytes, Session]:
+    """(the receiver's proof, the session) for a sender whose answer `frame` holds;
+    PeerNotAuthenticated else."""
     nonce, proof = frame[:PROOF_BYTES], frame[PROOF_BYTES:]
     if not hmac.compare_digest(proof, _proof(key, b"s2r", challenge, nonce)):
         raise PeerNotAuthenticated("the sender did not prove it belongs to this deployment")
-    return _proof(key, b"r2s", nonce, challenge)
+    return _proof(key, b"r2s", nonce, challenge), Session.derive(key, challenge, nonce, False)
 
 
-def check_receiver(key: bytes, challenge: bytes, nonce: bytes, proof: bytes, endpoint: str) -> None:
+def check_receiver(key: bytes, challenge: bytes, nonce: bytes, proof: bytes, endpoint: str) -> Session:
     if not hmac.compare_digest(proof, _proof(key, b"r2s", nonce, challenge)):
         raise PeerNotAuthenticated(f"{endpoint} did not prove it belongs to this deployment")
+    return Session.derive(key, challenge, nonce, True)
 
 
 async def authenticate_receiver_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                                       key: bytes | None, endpoint: str) -> None:
-    """Sender side, asyncio streams (callers bound it with a deadline). No key: nothing."""
+                                       key: bytes | None, endpoint: str) -> Session:
+    """Sender side, asyncio streams (callers bound it with a deadline). No key: no challenge."""
     if key is None:
-        return
+        return Session.derive(None, b"", b"", True)
     challenge = await reader.readexactly(PROOF_BYTES)
     nonce, answer = sender_answer(key, challenge)
     writer.write(answer)
     await writer.drain()
-    check_receiver(key, challenge, nonce, await reader.readexactly(PROOF_BYTES), endpoint)
+    return check_receiver(key, challenge, nonce, await reader.readexactly(PROOF_BYTES), endpoint)
 
 
 async def authenticate_sender_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                                     key: bytes | None) -> None:
-    """Receiver side, asyncio streams. No key: nothing."""
+                                     key: bytes | None) -> Session:
+    """Receiver side, asyncio streams. No key: no challenge."""
     if key is None:
-        return
+        return Session.derive(None, b"", b"", False)
     challenge = os.urandom(PROOF_BYTES)
     writer.write(challenge)
     await writer.drain()
-    writer.write(check_sender(key, challenge, await reader.readexactly(2 * PROOF_BYTES)))
+    proof, session = check_sender(key, challenge, await reader.readexactly(2 * PROOF_BYTES))
+    writer.write(proof)
     await writer.drain()
+    return session
 
 
-def authenticate_receiver(sock: socket.socket, key: bytes | None, endpoint: str, deadline: float) -> None:
-    """Sender side, a blocking socket. No key: nothing."""
+def authenticate_receiver(sock: socket.socket, key: bytes | None, endpoint: str, deadline: float) -> Session:
+    """Sender side, a blocking socket. No key: no challenge."""
     if key is None:
-        return
+        return Session.derive(None, b"", b"", True)
     challenge = recv_exactly(sock, PROOF_BYTES, deadline)
     nonce, answer = sender_answer(key, challenge)
     send_all(sock, answer, deadline)
-    check_receiver(key, challenge, nonce, recv_exactly(sock, PROOF_BYTES, deadline), endpoint)
+    return check_receiver(key, challenge, nonce, recv_exactly(sock, PROOF_BYTES, deadline), endpoint)
 
 
-def authenticate_sender(sock: socket.socket, key: bytes | None, deadline: float) -> None:
-    """Receiver side, a blocking socket. No key: nothing."""
-    if key is None:
-        return
-    challenge = os.urandom(PROOF_BYTES)
-    send_all(sock, challenge, deadline)
-    send_all(sock, check_sender(key, challenge, recv_exactly(sock, 2 * PROOF_BYTES, deadline)), deadline)
+def recv_sealed(sock: socket.socket, session: Session, n: int, deadline: float) -> bytes:
+    """A fixed-size frame and its tag, checked (blocking socket)."""
+    frame = recv_exactly(sock, n + TAG_BYTES, deadline)
+    return session.open(frame[:n], frame[n:])
+
+
+async def read_sealed(reader: asyncio.StreamReader, session: Session, n: int) -> bytes:
+    """A fixed-size frame and its tag, checked (asyncio stream)."""
+    frame = await reader.readexactly(n + TAG_BYTES)
+    return session.open(frame[:n], frame[n:])
 
 
 # -- endpoints and messages ----------------------------------------------------------------------
@@ -153,20 +246,34 @@ def check_payload_len(message: BlockMessage) -> None:
 
 
 # -- frames --------------------------------------------------------------------------------------
-def encode_request(seq: int, message: BlockMessage, deadline: float) -> bytes:
+def encode_request(session: Session, seq: int, message: BlockMessage, deadline: float) -> bytes:
+    """The sealed request for `message`, its payload's tag included."""
     budget_ms = int(min(MAX_BUDGET_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
     head = REQUEST.pack(REQUEST_MAGIC, seq, budget_ms, len(message.index))
-    return head + message.header + message.index
+    payload_tag = session.payload_tag(seq, message.header, message.index, message.payload)
+    return session.seal(head + message.header + message.index + payload_tag)
 
 
 def parse_request(frame: bytes, limits: WireLimits,
                   max_seq: int = 0xFFFFFFFF) -> tuple[int, float, int]:
-    """(seq, budget in seconds, index length) of a REQUEST frame, or MalformedRequest."""
+    """(seq, budget in seconds, index length) of a REQUEST prefix, or MalformedRequest. The
+    prefix is only bounds-checked here; its tag comes with the rest (`request_rest_len`)."""
     magic, seq, budget_ms, index_len = REQUEST.unpack(frame)
     max_index = limits.max_blocks * INDEX_ENTRY_SIZE
     if magic != REQUEST_MAGIC or index_len > max_index or seq > max_seq:
         raise MalformedRequest(f"malformed request (index of {index_len} bytes, at most {max_index})")
     return seq, min(MAX_BUDGET_MS, max(1, budget_ms)) / 1000, index_len
+
+
+def request_rest_len(index_len: int) -> int:
+    """Bytes that follow a REQUEST prefix: header, index, payload tag, the frame's tag."""
+    return HEADER_SIZE + index_len + 2 * TAG_BYTES
+
+
+def open_request(session: Session, prefix: bytes, rest: bytes) -> tuple[bytes, bytes]:
+    """(header + index body, payload tag) of a request whose tag checks; TamperedFrame else."""
+    frame = session.open(prefix + rest[:-TAG_BYTES], rest[-TAG_BYTES:])
+    return frame[REQUEST.size:-TAG_BYTES], frame[-TAG_BYTES:]
 
 
 def parse_body(body: bytes, index_len: int, limits: WireLimits) -> tuple[BlockHeader, bytes]:
@@ -177,13 +284,13 @@ def parse_body(body: bytes, index_len: int, limits: WireLimits) -> tuple[BlockHe
     return header, body[HEADER_SIZE:]
 
 
-def reply(ok: bool, reason: str = "") -> bytes:
+def reply(session: Session, ok: bool, reason: str = "") -> bytes:
     text = reason.encode("utf-8", "replace")[:MAX_REASON]
-    return REPLY.pack(1 if ok else 0, 0, len(text)) + text
+    return session.seal(REPLY.pack(1 if ok else 0, 0, len(text)) + text)
 
 
-def refusal(exc: Exception) -> bytes:
-    return reply(False, str(exc) or exc.__class__.__name__)
+def refusal(session: Session, exc: Exception) -> bytes:
+    return reply(session, False, str(exc) or exc.__class__.__name__)
 
 
 def _reply_head(frame: bytes, transport: str) -> tuple[bool, int]:
@@ -199,14 +306,21 @@ def raise_if_refused(answer: tuple[bool, str], endpoint: str) -> None:
         raise _RefusedByPeer(f"refused by {endpoint}: {reason}")
 
 
-async def read_reply_stream(reader: asyncio.StreamReader, transport: str) -> tuple[bool, str]:
-    ok, length = _reply_head(await reader.readexactly(REPLY.size), transport)
-    return ok, (await reader.readexactly(length)).decode("utf-8", "replace")
+async def read_reply_stream(reader: asyncio.StreamReader, session: Session,
+                            transport: str) -> tuple[bool, str]:
+    head = await reader.readexactly(REPLY.size)
+    ok, length = _reply_head(head, transport)
+    rest = await reader.readexactly(length + TAG_BYTES)
+    session.open(head + rest[:length], rest[length:])
+    return ok, rest[:length].decode("utf-8", "replace")
 
 
-def read_reply(sock: socket.socket, deadline: float, transport: str) -> tuple[bool, str]:
-    ok, length = _reply_head(recv_exactly(sock, REPLY.size, deadline), transport)
-    return ok, recv_exactly(sock, length, deadline).decode("utf-8", "replace")
+def read_reply(sock: socket.socket, session: Session, deadline: float, transport: str) -> tuple[bool, str]:
+    head = recv_exactly(sock, REPLY.size, deadline)
+    ok, length = _reply_head(head, transport)
+    rest = recv_exactly(sock, length + TAG_BYTES, deadline)
+    session.open(head + rest[:length], rest[length:])
+    return ok, rest[:length].decode("utf-8", "replace")
 
 
 # -- blocking sockets with deadlines -------------------------------------------------------------

@@ -8,14 +8,18 @@ speaks, and gets the store's port and a pair number; both then build a two-rank 
 directly (`ProcessGroupGloo(store, rank, 2, options)`), so torch.distributed's global default
 group is never initialised and any number of pairs can coexist in one process.
 
-One message on a pair, sequence n::
+One message on a pair, sequence n (every TCP frame sealed with the session's tag, `_p2p`)::
 
-    S -> R  TCP  request: prefix (16 B) + header (72 B) + index (16 B per block)
+    S -> R  TCP  request: prefix (16 B) + header (72 B) + index (16 B per block) + payload tag
     R            sink.check(header, index)
     R -> S  TCP  reply: accept, or refuse + reason
     S -> R  PG   payload: uint8 tensor send/recv (tag n) into sink.staging(header)
-    R            sink.commit(header, index, staging)
+    R            the payload's tag checked, then sink.commit(header, index, staging)
     R -> S  TCP  reply: the verdict
+
+Accepting: `_gate.Gate` runs the challenge of every new connection on one thread (at most
+MAX_PENDING waiting, CHALLENGE_TIMEOUT_S each); a pair gets its own thread only once it proved
+the key, at most MAX_PEERS of them.
 
 Why control does not go through the group: a gloo wait cannot be interrupted (neither
 `abort()` nor `shutdown()` wakes it) and a gloo timeout breaks the pair, so the receiver posts
@@ -37,7 +41,7 @@ import time
 
 from pdserve.common import envs
 from pdserve.common.errors import TransferError
-from pdserve.kvtransfer.backends import _p2p
+from pdserve.kvtransfer.backends import _gate, _p2p
 from pdserve.kvtransfer.backends._p2p import (  # noqa: F401  (re-exported: shared frames)
     CLOSE_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAX_BUDGET_MS, MAX_REASON, REPLY, REQUEST,
     REQUEST_MAGIC, VERSION, _RefusedByPeer,
@@ -148,8 +152,10 @@ def _settle(work, tensor, deadline: float) -> None:
 class _Pair:
     """The sender's half of a pair: control socket + process group (rank 0)."""
 
-    def __init__(self, endpoint: str, sock: socket.socket, group, backend: str) -> None:
+    def __init__(self, endpoint: str, sock: socket.socket, session: _p2p.Session, group,
+                 backend: str) -> None:
         self.endpoint, self.sock, self.group, self.backend = endpoint, sock, group, backend
+        self.session = session
         self.seq = 0
         self.lock = threading.Lock()
         self.closed = False
@@ -166,23 +172,24 @@ class _Pair:
             raise TransferError(f"nccl peer {endpoint} unreachable: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _p2p.authenticate_receiver(sock, key, endpoint, deadline)
-            send_all(sock, HELLO.pack(HELLO_MAGIC, VERSION, 0, backend.encode()), deadline)
-            ok, reason = _p2p.read_reply(sock, deadline, "nccl")
+            session = _p2p.authenticate_receiver(sock, key, endpoint, deadline)
+            send_all(sock, session.seal(HELLO.pack(HELLO_MAGIC, VERSION, 0, backend.encode())), deadline)
+            ok, reason = _p2p.read_reply(sock, session, deadline, "nccl")
             if not ok:
                 raise TransferError(f"{endpoint} refused to pair: {reason}")
-            store_port, pair_token = PAIRING.unpack(recv_exactly(sock, PAIRING.size, deadline))
+            store_port, pair_token = PAIRING.unpack(
+                _p2p.recv_sealed(sock, session, PAIRING.size, deadline))
             group = _new_group(backend, host, store_port, pair_token, 0, sock.getsockname()[0],
                                deadline - time.monotonic())
         except BaseException:
             sock.close()
             raise
-        return cls(endpoint, sock, group, backend)
+        return cls(endpoint, sock, session, group, backend)
 
     def exchange(self, message: BlockMessage, deadline: float) -> None:
         seq, self.seq = self.seq, (self.seq + 1) & MAX_SEQ
-        send_all(self.sock, _p2p.encode_request(seq, message, deadline), deadline)
-        _p2p.raise_if_refused(_p2p.read_reply(self.sock, deadline, "nccl"), self.endpoint)
+        send_all(self.sock, _p2p.encode_request(self.session, seq, message, deadline), deadline)
+        _p2p.raise_if_refused(_p2p.read_reply(self.sock, self.session, deadline, "nccl"), self.endpoint)
         tensor = _payload_tensor(message.payload, self.backend)
         try:
             _settle(self.group.send([tensor], 1, seq), tensor, deadline)
@@ -190,7 +197,7 @@ class _Pair:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"payload not taken before the deadline: {exc}") from None
             raise TransferError(f"payload send failed: {exc}") from exc
-        _p2p.raise_if_refused(_p2p.read_reply(self.sock, deadline, "nccl"), self.endpoint)
+        _p2p.raise_if_refused(_p2p.read_reply(self.sock, self.session, deadline, "nccl"), self.endpoint)
 
     def close(self) -> None:
         """Tear the pair down: the receiver sees the socket close; the group's connections
@@ -202,7 +209,8 @@ class _Pair:
 
 # -- receiver side -------------------------------------------------------------------------------
 class _Receiver:
-    """Accepts pairings on a listening socket; one thread per pair serves its messages."""
+    """Accepts pairings through a `_gate.Gate`; one thread per authenticated pair (at most
+    MAX_PEERS) serves its messages."""
 
     def __init__(self, sink: BlockSink, host: str, port: int, backend: str, key: bytes | None = None) -> None:
         import torch.distributed as dist
@@ -223,9 +231,7 @@ class _Receiver:
         self._stop = threading.Event()
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
-        self._accept_thread = threading.Thread(target=self._accept, name="pdkv-nccl-accept",
-                                               daemon=True)
-        self._accept_thread.start()
+        self.gate = _gate.Gate(self.listener, key, self._admit, name="pdkv-nccl-accept")
 
     @property
     def port(self) -> int:
@@ -233,7 +239,7 @@ class _Receiver:
 
     def close(self) -> None:
         self._stop.set()
-        self._accept_thread.join(timeout=CLOSE_TIMEOUT_S)
+        self.gate.close(CLOSE_TIMEOUT_S)
         self.listener.close()
         with self._lock:
             threads = list(self._threads)
@@ -242,33 +248,33 @@ class _Receiver:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self.store = None  # the last reference: the store server stops
 
-    def _accept(self) -> None:
-        self.listener.settimeout(POLL_S)
-        while not self._stop.is_set():
-            try:
-                sock, _ = self.listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(sock,), name="pdkv-nccl-pair",
-                                      daemon=True)
-            with self._lock:
-                self._threads.add(thread)
+    def _admit(self, sock: socket.socket, session: _p2p.Session) -> None:
+        """An authenticated connection (the gate's thread): its own thread, room permitting."""
+        with self._lock:
+            if len(self._threads) >= _p2p.MAX_PEERS or self._stop.is_set():
+                raise TransferError(f"already serving {len(self._threads)} pairs")
+            thread = threading.Thread(target=self._serve, args=(sock, session),
+                                      name="pdkv-nccl-pair", daemon=True)
+            self._threads.add(thread)
+        try:
             thread.start()
+        except BaseException:  # cannot start a thread now: this connection is closed, the gate goes on
+            with self._lock:
+                self._threads.discard(thread)
+            raise
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, session: _p2p.Session) -> None:
         group = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            group, pair_token = self._pair(sock)
+            group, pair_token = self._pair(sock, session)
             while group is not None and not self._stop.is_set():
                 if not self._wait_readable(sock):
                     continue
                 if pair_token is not None:  # the sender's first request: it is done with the store
                     self._forget_pair(pair_token)
                     pair_token = None
-                if not self._serve_one(sock, group):
+                if not self._serve_one(sock, session, group):
                     break
         except (ConnectionError, TimeoutError, OSError):
             pass  # the sender went away or broke off: drop the pair
@@ -280,19 +286,20 @@ class _Receiver:
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
-    def _pair(self, sock: socket.socket):
+    def _pair(self, sock: socket.socket, session: _p2p.Session):
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-        _p2p.authenticate_sender(sock, self.key, deadline)
-        magic, version, flags, name = HELLO.unpack(recv_exactly(sock, HELLO.size, deadline))
+        hello = _p2p.recv_sealed(sock, session, HELLO.size, deadline)
+        magic, version, flags, name = HELLO.unpack(hello)
         if magic != HELLO_MAGIC or version != VERSION or flags:
             raise TransferError("not a pdserve nccl sender (or another version)")
         backend = name.rstrip(b"\0").decode("ascii", "replace")
         if backend != self.backend:
-            send_all(sock, _p2p.reply(False, f"backend mismatch: sender {backend}, receiver "
-                                          f"{self.backend}"), deadline)
+            send_all(sock, _p2p.reply(session, False, f"backend mismatch: sender {backend}, "
+                                                      f"receiver {self.backend}"), deadline)
             return None, None
         pair_token = os.urandom(16)
-        send_all(sock, _p2p.reply(True) + PAIRING.pack(self.store_port, pair_token), deadline)
+        send_all(sock, _p2p.reply(session, True) + session.seal(PAIRING.pack(self.store_port, pair_token)),
+                 deadline)
         try:
             group = _new_group(self.backend, self.host, self.store_port, pair_token, 1,
                                sock.getsockname()[0], deadline - time.monotonic())
@@ -314,17 +321,22 @@ class _Receiver:
         readable, _, _ = select.select([sock], [], [], POLL_S)
         return bool(readable)
 
-    def _serve_one(self, sock: socket.socket, group) -> bool:
+    def _serve_one(self, sock: socket.socket, session: _p2p.Session, group) -> bool:
         """Handle one request. False: the pair must be dropped."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-        frame = recv_exactly(sock, REQUEST.size, deadline)
+        prefix = recv_exactly(sock, REQUEST.size, deadline)
         try:
-            seq, budget_s, index_len = _p2p.parse_request(frame, self.sink.limits, MAX_SEQ)
+            seq, budget_s, index_len = _p2p.parse_request(prefix, self.sink.limits, MAX_SEQ)
         except _p2p.MalformedRequest as exc:
-            send_all(sock, _p2p.reply(False, str(exc)), deadline)
+            send_all(sock, _p2p.reply(session, False, str(exc)), deadline)
             return False  # cannot resynchronise the stream
         deadline = time.monotonic() + budget_s
-        body = recv_exactly(sock, HEADER_SIZE + index_len, deadline)
+        try:
+            body, payload_tag = _p2p.open_request(
+                session, prefix, recv_exactly(sock, _p2p.request_rest_len(index_len), deadline))
+        except _p2p.TamperedFrame as exc:  # say why, then drop: the stream cannot be trusted
+            send_all(sock, _p2p.refusal(session, exc), deadline)
+            return False
         try:
             header, index = _p2p.parse_body(body, index_len, self.sink.limits)
             self.sink.check(header, index)
@@ -333,10 +345,10 @@ class _Receiver:
             if target.numel() != header.payload_len:
                 raise TransferError(f"staging is {target.numel()} bytes, payload {header.payload_len}")
         except Exception as exc:  # refused before any payload moved; the stream stays in sync
-            send_all(sock, _p2p.refusal(exc), deadline)
+            send_all(sock, _p2p.refusal(session, exc), deadline)
             return True
         landing = target.cuda() if self.backend == "nccl" and not target.is_cuda else target
-        send_all(sock, _p2p.reply(True), deadline)
+        send_all(sock, _p2p.reply(session, True), deadline)
         try:
             _settle(group.recv([landing], 0, seq), landing, deadline)
         except RuntimeError as exc:  # a gloo timeout or error breaks the pair
@@ -345,11 +357,12 @@ class _Receiver:
         if landing is not target:
             target.copy_(landing)
         try:
+            session.check_payload(seq, body[:HEADER_SIZE], index, target, payload_tag)
             self.sink.commit(header, index, staging)
         except Exception as exc:  # noqa: BLE001 - the sink's refusal, whatever it is, goes back to the sender
-            send_all(sock, _p2p.refusal(exc), deadline)
+            send_all(sock, _p2p.refusal(session, exc), deadline)
         else:
-            send_all(sock, _p2p.reply(True), deadline)
+            send_all(sock, _p2p.reply(session, True), deadline)
         return True
 
 

@@ -1,13 +1,17 @@
 """`ucx`: point-to-point KV transfer over UCX (UCXX, the maintained successor of ucx-py).
 
-One message, sender S to receiver R::
+One message, sender S to receiver R (every TCP frame sealed with the session's tag, `_p2p`)::
 
-    S -> R  TCP  request: prefix (16 B) + header (72 B) + index (16 B per block)
+    S -> R  TCP  request: prefix (16 B) + header (72 B) + index (16 B per block) + payload tag
     R            sink.check(header, index); post a UCX receive into sink.staging(header)
     R -> S  TCP  reply: accept, or refuse + reason
     S -> R  UCX  payload, tag (connection id << 32 | seq), straight into the staging buffer
-    R            sink.commit(header, index, staging)
+    R            the payload's tag checked, then sink.commit(header, index, staging)
     R -> S  TCP  reply: the verdict (ok, or refused + reason)
+
+Accepting: a new connection must answer the challenge within CHALLENGE_TIMEOUT_S; at most
+MAX_PENDING wait for that (more are closed at once) and at most MAX_PEERS authenticated
+connections are served. asyncio spends no thread on either.
 
 Why a TCP control channel beside UCX: ucxx's listener binds every interface (its Python API
 takes a port, not a host), while pdserve listeners bind 127.0.0.1 unless configured. So R
@@ -260,8 +264,9 @@ _QUARANTINE = _Quarantine()
 class _Link:
     """One sender -> receiver connection: TCP control stream + UCX endpoint."""
 
-    def __init__(self, endpoint: str, reader, writer, ep, conn_id: int) -> None:
+    def __init__(self, endpoint: str, reader, writer, ep, conn_id: int, session: _p2p.Session) -> None:
         self.endpoint = endpoint
+        self.session = session
         self.reader, self.writer, self.ep = reader, writer, ep
         self.conn_id = conn_id
         self.seq = 0
@@ -276,33 +281,34 @@ class _Link:
         host, port = _p2p.split_endpoint(endpoint, "ucx")
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            await _p2p.authenticate_receiver_stream(reader, writer, key, endpoint)
-            writer.write(HELLO.pack(HELLO_MAGIC, VERSION, 0, len(worker_address)) + worker_address)
+            session = await _p2p.authenticate_receiver_stream(reader, writer, key, endpoint)
+            writer.write(session.seal(HELLO.pack(HELLO_MAGIC, VERSION, 0, len(worker_address)) + worker_address))
             await writer.drain()
-            magic, version, flags, conn_id, length = WELCOME.unpack(
-                await reader.readexactly(WELCOME.size))
+            welcome = await reader.readexactly(WELCOME.size)
+            magic, version, flags, conn_id, length = WELCOME.unpack(welcome)
             if magic != HELLO_MAGIC or version != VERSION or flags or not 0 < length <= MAX_ADDRESS:
                 raise TransferError(f"{endpoint} is not a pdserve ucx receiver (or another version)")
-            address = await reader.readexactly(length)
+            rest = await reader.readexactly(length + _p2p.TAG_BYTES)
+            address = session.open(welcome + rest[:length], rest[length:])[WELCOME.size:]
             ep = await ucxx.create_endpoint_from_worker_address(
                 ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=error_handling)
         except BaseException:
             writer.close()
             raise
-        return cls(endpoint, reader, writer, ep, conn_id)
+        return cls(endpoint, reader, writer, ep, conn_id, session)
 
     async def exchange(self, message: BlockMessage, deadline: float) -> None:
         seq, self.seq = self.seq, (self.seq + 1) & 0xFFFFFFFF
-        self.writer.write(_p2p.encode_request(seq, message, deadline))
+        self.writer.write(_p2p.encode_request(self.session, seq, message, deadline))
         await self.writer.drain()
-        _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, "ucx"), self.endpoint)
+        _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, self.session, "ucx"), self.endpoint)
         payload = _ucx_buffer(message.payload, writable=False)
         try:
             await self.ep.send(payload, tag=(self.conn_id << 32) | seq, force_tag=True)
         except BaseException:  # cancelled or failed: UCX may still read the payload a while
             _QUARANTINE.hold(payload, message.payload)
             raise
-        _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, "ucx"), self.endpoint)
+        _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, self.session, "ucx"), self.endpoint)
 
     def abort(self) -> None:
         self.closed = True
@@ -312,7 +318,8 @@ class _Link:
 
 # -- receiver side -------------------------------------------------------------------------------
 class _Receiver:
-    """An asyncio server on (host, port); one task per sender connection."""
+    """An asyncio server on (host, port); one task per sender connection, at most MAX_PENDING
+    of them unauthenticated and MAX_PEERS authenticated."""
 
     def __init__(self, runtime: _Runtime, sink: BlockSink, error_handling: bool,
                  key: bytes | None = None) -> None:
@@ -323,6 +330,9 @@ class _Receiver:
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-ucx-sink")
         self.server: asyncio.AbstractServer | None = None
         self.tasks: set[asyncio.Task] = set()
+        self.num_pending = 0  # connections that have not proved the key yet
+        self.num_peers = 0  # connections that have
+        self.num_refused = 0
 
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(self._serve, host, port)
@@ -337,48 +347,79 @@ class _Receiver:
             await asyncio.wait(self.tasks, timeout=CLOSE_TIMEOUT_S)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.num_pending >= _p2p.MAX_PENDING:
+            self.num_refused += 1
+            writer.close()
+            return
         task = asyncio.current_task()
         self.tasks.add(task)
         ep = None
+        peer = False
         try:
-            ep, conn_id = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
-            while await self._serve_one(reader, writer, ep, conn_id):
+            self.num_pending += 1
+            try:
+                session, hello = await asyncio.wait_for(self._authenticate(reader, writer),
+                                                        _p2p.CHALLENGE_TIMEOUT_S)
+            finally:
+                self.num_pending -= 1
+            if self.num_peers >= _p2p.MAX_PEERS:
+                raise TransferError(f"already serving {self.num_peers} senders")
+            self.num_peers += 1
+            peer = True
+            ep, conn_id = await asyncio.wait_for(self._handshake(reader, writer, session, hello),
+                                                 HANDSHAKE_TIMEOUT_S)
+            while await self._serve_one(reader, writer, session, ep, conn_id):
                 pass
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass  # the sender went away (or we are closing): drop the connection
+        except (asyncio.TimeoutError, _p2p.PeerNotAuthenticated):
+            self.num_refused += 1  # no proof, or none in time
         except Exception as exc:  # noqa: BLE001 - one bad peer must not stop the listener
             log.warning("ucx receiver: dropping a connection: %s", exc)
         finally:
+            self.num_peers -= peer
             writer.close()
             if ep is not None:
                 ep.abort(period=ABORT_PERIOD_NS)
             self.tasks.discard(task)
 
-    async def _handshake(self, reader, writer):
+    async def _authenticate(self, reader, writer) -> tuple[_p2p.Session, bytes]:
+        """The session of a sender that proves the key, and the head of its hello (callers bound
+        this with CHALLENGE_TIMEOUT_S; keyless, only the hello is awaited)."""
+        session = await _p2p.authenticate_sender_stream(reader, writer, self.key)
+        return session, await reader.readexactly(HELLO.size)
+
+    async def _handshake(self, reader, writer, session: _p2p.Session, hello: bytes):
         import ucxx
 
-        await _p2p.authenticate_sender_stream(reader, writer, self.key)
-        magic, version, flags, length = HELLO.unpack(await reader.readexactly(HELLO.size))
+        magic, version, flags, length = HELLO.unpack(hello)
         if magic != HELLO_MAGIC or version != VERSION or flags or not 0 < length <= MAX_ADDRESS:
             raise TransferError("not a pdserve ucx sender (or another version)")
-        address = await reader.readexactly(length)
+        rest = await reader.readexactly(length + _p2p.TAG_BYTES)
+        address = session.open(hello + rest[:length], rest[length:])[HELLO.size:]
         ep = await ucxx.create_endpoint_from_worker_address(
             ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=self.error_handling)
         conn_id = self.runtime.next_conn_id()
         ours = self.runtime.worker_address
-        writer.write(WELCOME.pack(HELLO_MAGIC, VERSION, 0, conn_id, len(ours)) + ours)
+        writer.write(session.seal(WELCOME.pack(HELLO_MAGIC, VERSION, 0, conn_id, len(ours)) + ours))
         await writer.drain()
         return ep, conn_id
 
-    async def _serve_one(self, reader, writer, ep, conn_id: int) -> bool:
+    async def _serve_one(self, reader, writer, session: _p2p.Session, ep, conn_id: int) -> bool:
         """Handle one request. False: the connection must be dropped."""
-        frame = await reader.readexactly(REQUEST.size)
+        prefix = await reader.readexactly(REQUEST.size)
         try:
-            seq, budget_s, index_len = _p2p.parse_request(frame, self.sink.limits)
+            seq, budget_s, index_len = _p2p.parse_request(prefix, self.sink.limits)
         except _p2p.MalformedRequest as exc:
-            writer.write(_p2p.reply(False, str(exc)))
+            writer.write(_p2p.reply(session, False, str(exc)))
             return False  # cannot resynchronise the stream: drop it
-        body = await asyncio.wait_for(reader.readexactly(HEADER_SIZE + index_len), budget_s)
+        rest = await asyncio.wait_for(reader.readexactly(_p2p.request_rest_len(index_len)), budget_s)
+        try:
+            body, payload_tag = _p2p.open_request(session, prefix, rest)
+        except _p2p.TamperedFrame as exc:  # say why, then drop: the stream cannot be trusted
+            writer.write(_p2p.refusal(session, exc))
+            await writer.drain()
+            return False
         try:
             header, index = _p2p.parse_body(body, index_len, self.sink.limits)
             await self._call_sink(self.sink.check, header, index)
@@ -387,11 +428,11 @@ class _Receiver:
             if _nbytes(buffer) != header.payload_len:
                 raise TransferError(f"staging is {_nbytes(buffer)} bytes, payload {header.payload_len}")
         except Exception as exc:  # refused before any payload moved; the stream stays in sync
-            writer.write(_p2p.refusal(exc))
+            writer.write(_p2p.refusal(session, exc))
             await writer.drain()
             return True
         receive = asyncio.ensure_future(ep.recv(buffer, tag=(conn_id << 32) | seq, force_tag=True))
-        writer.write(_p2p.reply(True))
+        writer.write(_p2p.reply(session, True))
         await writer.drain()
         try:
             arrived = await self._await_payload(receive, reader, budget_s)
@@ -404,11 +445,12 @@ class _Receiver:
         if not arrived:
             return False
         try:
+            await self._call_sink(session.check_payload, seq, body[:HEADER_SIZE], index, staging, payload_tag)
             await self._call_sink(self.sink.commit, header, index, staging)
         except Exception as exc:  # noqa: BLE001 - the sink's refusal, whatever it is, goes back to the sender
-            writer.write(_p2p.refusal(exc))
+            writer.write(_p2p.refusal(session, exc))
         else:
-            writer.write(_p2p.reply(True))
+            writer.write(_p2p.reply(session, True))
         await writer.drain()
         return True
 

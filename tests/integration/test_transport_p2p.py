@@ -20,9 +20,10 @@ import xxhash
 
 from pdserve.bench.child import Child, serve_commands
 from pdserve.common.errors import TransferError
+from pdserve.kvtransfer.backends import _p2p
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.wire import (
-    WireLimits, encode_header, encode_index, parse_index, payload_nbytes, verify_payload,
+    HEADER_SIZE, WireLimits, encode_header, encode_index, parse_index, payload_nbytes, verify_payload,
 )
 
 BACKENDS = ("ucx", "nccl")
@@ -33,6 +34,7 @@ BLOCK_NBYTES = payload_nbytes(1, LAYOUT["num_layers"], LAYOUT["block_size"],
                               LAYOUT["num_kv_heads"], LAYOUT["head_dim"], LAYOUT["dtype"])  # 16 KiB
 DEADLINE_S = 10.0
 SLACK_S = 4.0  # how far past its deadline a call may return on a loaded 2-core box
+NUM_IDLE = 300  # idle connections per port (the full 1,000 was measured by hand: README)
 
 
 def limits() -> WireLimits:
@@ -119,6 +121,17 @@ def with_payload(message: BlockMessage, payload) -> BlockMessage:
     return BlockMessage(message.transfer_id, message.header, message.index, payload)
 
 
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def num_pending(receiver) -> int:
+    """Connections a receiver holds that have not proved the key yet (nccl: its gate's)."""
+    gate = getattr(receiver, "gate", receiver)
+    return gate.num_pending
+
+
 # -- the receiving process -----------------------------------------------------------------------
 def peer_main(backend: str) -> None:
     torch.set_num_threads(1)
@@ -131,6 +144,9 @@ def peer_main(backend: str) -> None:
             return {"endpoint": transport.open_receiver(sink)}
         if cmd["cmd"] == "digests":
             return {"digests": sink.digests(cmd["blocks"])}
+        if cmd["cmd"] == "stats":
+            return {"threads": len(os_threads()), "rss_kib": rss_kib(),
+                    "pending": sum(num_pending(r) for r in transport._receivers)}
         if cmd["cmd"] == "store_ports":  # nccl: where each receiver's TCPStore listens
             return {"ports": [r.store_port for r in transport._receivers]}
         if cmd["cmd"] == "stall":
@@ -336,6 +352,130 @@ def test_anonymous_store_client_finds_no_pair_state(link):
         holder.send(endpoint, second, time.monotonic() + DEADLINE_S)  # the pair still works
         assert link.digests([27]) == payload_digests(second)
     finally:
+        holder.close()
+
+
+class FlipProxy:
+    """A TCP relay in front of a receiver that rewrites the first request's first destination
+    block id on its way (an attacker on the path; it recomputes nothing)."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.num_flipped = 0
+        self._socks: list[socket.socket] = [self.server]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        try:
+            client, _ = self.server.accept()
+        except OSError:
+            return
+        upstream = socket.create_connection(self.target)
+        self._socks += [client, upstream]
+        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+        self._pump(client, upstream, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, rewrite: bool) -> None:
+        seen = bytearray()
+        try:
+            while data := src.recv(1 << 16):
+                if rewrite and not self.num_flipped:
+                    seen += data
+                    at = seen.find(_p2p.REQUEST_MAGIC)
+                    index_at = at + _p2p.REQUEST.size + HEADER_SIZE
+                    if at >= 0 and len(seen) > index_at:
+                        start = len(seen) - len(data)
+                        data = bytearray(data)
+                        data[index_at - start] ^= 0x01  # block id 20 -> 21
+                        self.num_flipped += 1
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            dst.close()
+
+    def close(self) -> None:
+        for sock in self._socks:
+            sock.close()
+
+
+def test_a_control_frame_altered_on_the_path_is_refused(link):
+    key = os.urandom(32)
+    endpoint = link.peer.call("open", key=key.hex())["endpoint"]
+    proxy, sender = FlipProxy(endpoint), make_transport(link.backend)
+    sender.key = key
+    try:
+        before = link.digests([20, 21])
+        with pytest.raises(TransferError, match="MAC"):
+            sender.send(proxy.endpoint, make_message([20], seed=18), time.monotonic() + DEADLINE_S)
+        assert proxy.num_flipped == 1
+        assert link.digests([20, 21]) == before  # nothing landed, in either block
+    finally:
+        sender.close()
+        proxy.close()
+
+
+def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatch):
+    """The request's tag covers the payload as sent; bytes changed on the payload channel
+    (UCX, gloo) fail it at the receiver, which refuses the transfer and keeps the link."""
+    dst = [16, 17]
+    message = make_message(dst, seed=19)
+    before = link.digests(dst)
+    altered = message.payload.clone()
+    altered[5] ^= 0x40
+    as_sent = _p2p.Session.payload_tag
+    monkeypatch.setattr(_p2p.Session, "payload_tag",
+                        lambda self, seq, header, index, _payload: as_sent(self, seq, header, index, message.payload))
+    with pytest.raises(TransferError, match="payload MAC mismatch"):
+        link.send(with_payload(message, altered))
+    assert link.digests(dst) == before
+    monkeypatch.undo()
+    link.send(message)  # the link survives the refusal
+    assert link.digests(dst) == payload_digests(message)
+
+
+def test_idle_connections_cost_no_threads_and_leave_the_receiver_serving(link):
+    """Connections that never answer the challenge: at most MAX_PENDING are held (no thread
+    each), each for CHALLENGE_TIMEOUT_S; the rest are closed at once. A pair made before and a
+    sender that comes after both get through. The nccl path's TCPStore port is flooded too."""
+    key = os.urandom(32)
+    endpoint = link.peer.call("open", key=key.hex())["endpoint"]
+    ports = [int(endpoint.rsplit(":", 1)[1])]
+    if link.backend == "nccl":
+        ports += link.peer.call("store_ports")["ports"][-1:]
+    holder = make_transport(link.backend)
+    holder.key = key
+    idle: list[socket.socket] = []
+    try:
+        holder.send(endpoint, make_message([28], seed=16), time.monotonic() + DEADLINE_S)
+        before = link.peer.call("stats")
+        for port in ports:
+            idle += [socket.create_connection(("127.0.0.1", port)) for _ in range(NUM_IDLE)]
+        during = link.peer.call("stats")
+        assert during["pending"] <= _p2p.MAX_PENDING
+        message = make_message([29, 30], seed=17)
+        holder.send(endpoint, message, time.monotonic() + DEADLINE_S)  # while the flood is held
+        assert link.digests([29, 30]) == payload_digests(message)
+        deadline = time.monotonic() + _p2p.CHALLENGE_TIMEOUT_S + 10
+        while (after := link.peer.call("stats"))["pending"]:
+            assert time.monotonic() < deadline, f"idle connections still held: {after}"
+            time.sleep(0.05)
+        assert max(during["threads"], after["threads"]) <= before["threads"] + 1, (before, during, after)
+        assert after["rss_kib"] - before["rss_kib"] < 64 * 1024, (before, after)
+        late = make_transport(link.backend)
+        late.key = key
+        try:
+            second = make_message([31], seed=20)
+            late.send(endpoint, second, time.monotonic() + DEADLINE_S)
+            assert link.digests([31]) == payload_digests(second)
+        finally:
+            late.close()
+    finally:
+        for sock in idle:
+            sock.close()
         holder.close()
 
 
