@@ -16,6 +16,7 @@ from typing import Protocol, Sequence
 
 import grpc
 
+from pdserve.common.block_hash import hash_prompt_blocks
 from pdserve.common.errors import DeadlinePassedError, UpstreamFailedError
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.rpc.credentials import InternalAuth
@@ -35,8 +36,10 @@ class KVReceiver(Protocol):
         """(backend, address) pairs the prefill worker can deliver to."""
 
     def prepare(self, request_id: str, block_ids: Sequence[int], num_prompt_tokens: int,
-                num_cached_tokens: int, timeout_s: float):
-        """Reserve the uncached prompt blocks for one transfer; returns its TransferParams."""
+                num_cached_tokens: int, timeout_s: float, block_hashes: Sequence[int] | None = None):
+        """Reserve the uncached prompt blocks for one transfer; returns its TransferParams.
+        With `block_hashes` (ours, of the prompt's full blocks) a block arriving under any
+        other hash is refused."""
 
     def complete(self, request_id: str, verdict: TransferVerdict) -> TransferVerdict:
         """Settle with prefill's verdict (fetching from a store if one carried the blocks);
@@ -72,7 +75,7 @@ class NoReceiver:
     def endpoints(self):
         return []
 
-    def prepare(self, request_id, block_ids, num_prompt_tokens, num_cached_tokens, timeout_s):
+    def prepare(self, request_id, block_ids, num_prompt_tokens, num_cached_tokens, timeout_s, block_hashes=None):
         raise RuntimeError("no KV transfer backend is configured")
 
     def complete(self, request_id, verdict):
@@ -106,20 +109,22 @@ class PrefillLeg:
 
     async def run(self, request_id: str, prompt_ids: list[int], block_hashes: list[int],
                   sampling: common_pb2.SamplingParams, choice, block_ids: Sequence[int],
-                  num_cached_tokens: int) -> LegResult:
+                  num_cached_tokens: int, cache_salt: str = "") -> LegResult:
+        """`block_hashes`: this decode's own hashes of the prompt's full blocks (cache salt
+        included): the hand-off's signature binds them, the receiver accepts only them."""
         from pdserve.worker.transfer import params_to_handoff, sign_handoff, verdict_from_proto
 
         start = time.monotonic()
         tp = self.receiver.prepare(request_id, block_ids, len(prompt_ids), num_cached_tokens,
-                                   self.timeout_s)
+                                   self.timeout_s, block_hashes)
         handoff = params_to_handoff(tp, block_ids, self.block_size, self.worker_id)
+        request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                             block_hashes=block_hashes, sampling=sampling, handoff=handoff,
+                                             cache_salt=cache_salt)
         if self._handoff_mac is not None:
-            sign_handoff(handoff, self._handoff_mac)
+            sign_handoff(request, self._handoff_mac)
         failed = TransferVerdict(handoff.transfer_id, Outcome.FAILED, "", peer=choice.worker_id)
-        call = self._channels.prefill(choice.address).Prefill(
-            prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                       block_hashes=block_hashes, sampling=sampling, handoff=handoff),
-            timeout=self.timeout_s)
+        call = self._channels.prefill(choice.address).Prefill(request, timeout=self.timeout_s)
         task = asyncio.ensure_future(call)
         self._inflight[request_id] = task
         try:
@@ -189,8 +194,11 @@ class RemotePrefill:
         block_ids, num_cached = ready
         t_admitted = time.monotonic()
         timings.queue_ms = (t_admitted - t_arrival) * 1000
-        result = await self.leg.run(rid, list(request.prompt_token_ids), list(request.block_hashes),
-                                    request.sampling, request.prefill, block_ids, num_cached)
+        engine = self.loop.engine  # our own hashes, never the router's: the sink checks blocks against them
+        hashes = hash_prompt_blocks(request.prompt_token_ids, engine.kv.block_size, engine.compat_hash,
+                                    engine.config.block_hash_key, request.cache_salt)
+        result = await self.leg.run(rid, list(request.prompt_token_ids), hashes, request.sampling,
+                                    request.prefill, block_ids, num_cached, request.cache_salt)
         timings.prefill_ms = (time.monotonic() - t_admitted) * 1000
         timings.transfer_ms = result.tail_ms  # the transfer's tail: not overlapped with compute
         if result.aborted:

@@ -68,7 +68,8 @@ class DecodeSessions:
         t_arrival = time.monotonic()
         try:
             stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
-                                                 remote_prefill=placement.remote, resumed=resumed)
+                                                 remote_prefill=placement.remote, resumed=resumed,
+                                                 cache_salt=request.cache_salt)
         except Exception:  # counted, then re-raised
             self.metrics.requests.labels(outcome="rejected").inc()
             raise

@@ -20,6 +20,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
+    digest: bytes | None = None  # the full digest its hash was cut from (common.block_hash)
 
 
 class BlockPool:
@@ -85,13 +86,15 @@ class BlockPool:
                     self._free[block.block_id] = block
 
     # -- prefix caching -----------------------------------------------------------------
-    def cache_full_block(self, block: KVBlock, block_hash: int) -> None:
-        """Publish a full block under its hash (first writer wins; duplicates stay private)."""
+    def cache_full_block(self, block: KVBlock, block_hash: int, digest: bytes | None = None) -> None:
+        """Publish a full block under its hash (first writer wins; duplicates stay private).
+        `digest`: the prefix digest a later hit is checked against (KVCacheManager)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self._cached:
             return
         block.block_hash = block_hash
+        block.digest = digest
         self._cached[block_hash] = block
 
     def _evict(self, block: KVBlock) -> None:
@@ -99,6 +102,7 @@ class BlockPool:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = None
+            block.digest = None
             self.num_evictions += 1
 
     def reset_prefix_cache(self) -> None:

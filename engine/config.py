@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.common.block_hash import INSECURE_KEY
 from pdserve.common.errors import InvalidRequestError
 
 
@@ -166,6 +167,9 @@ class EngineConfig:
     use_build_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     quantization: str = ""  # "" (weights as loaded) | "int8" (CPU, fp32: dynamic int8 GEMMs)
+    # the key of the prompt blocks' digests (common.block_hash.block_hash_key): secret-derived
+    # in a deployment with a cluster secret; never shown in a repr
+    block_hash_key: bytes = field(default=INSECURE_KEY, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -109,6 +109,7 @@ class ConnectorRequest:
     prompt_token_ids: tuple[int, ...]
     block_hashes: tuple[int, ...]  # hash of each *full* prompt block, chained (block_pool)
     transfer_params: object | None = None  # backend-specific typed params (a handoff), opaque here
+    block_digests: tuple[bytes, ...] = ()  # each full block's digest (common.block_hash): what a store hit must match
 
 
 @dataclass(slots=True)

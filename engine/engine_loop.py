@@ -88,7 +88,8 @@ class EngineLoop:
 
     async def add_request(self, prompt_token_ids: list[int], params, *, request_id: str,
                           remote_prefill: bool = False,
-                          transfer_params: object | None = None, resumed: Sequence[int] = ()) -> RequestStream:
+                          transfer_params: object | None = None, resumed: Sequence[int] = (),
+                          cache_salt: str = "") -> RequestStream:
         stream = RequestStream(request_id)
         if remote_prefill:
             stream.remote_ready = asyncio.get_running_loop().create_future()
@@ -96,7 +97,8 @@ class EngineLoop:
         def add() -> Request:
             request = self.engine.add_request(prompt_token_ids, params, request_id=request_id,
                                               remote_prefill=remote_prefill,
-                                              transfer_params=transfer_params, resumed=resumed)
+                                              transfer_params=transfer_params, resumed=resumed,
+                                              cache_salt=cache_salt)
             self._streams[request_id] = stream
             return request
 

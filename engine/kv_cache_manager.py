@@ -12,6 +12,7 @@ the null block (never read: attention only reads the last W positions).
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from pdserve.common.util import available_memory_bytes, cdiv
 from pdserve.engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from pdserve.engine.config import CacheConfig, ModelConfig
 from pdserve.engine.request import Request
+
+log = logging.getLogger("pdserve.engine.kv_cache")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,6 +87,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already published by hash
         self._num_dropped_blocks: dict[str, int] = {}  # leading blocks a window released
+        self.num_digest_mismatches = 0  # cached blocks whose key matched but digest did not
 
     # -- contract -----------------------------------------------------------------------
     def get_max_resource_count(self) -> int:
@@ -141,7 +145,7 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request.request_id, 0)
         for i in range(start, num_full):
             if blocks[i].block_id != NULL_BLOCK_ID:
-                self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+                self.pool.cache_full_block(blocks[i], request.block_hashes[i], _digest(request, i))
         self._num_cached_blocks[request.request_id] = max(start, num_full)
         window = self.config.attention_window
         if window is not None:
@@ -181,12 +185,21 @@ class KVCacheManager:
         is always left to compute (its logits give the next token)."""
         max_blocks = (request.num_prompt_tokens - 1) // self.block_size
         hit: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
+            if block.digest != _digest(request, i):  # a key collision: another prefix's KV
+                self._refuse_collision(request, i)
+                break
             hit.append(block)
         return PrefixHit(tuple(hit))
+
+    def _refuse_collision(self, request: Request, index: int) -> None:
+        self.num_digest_mismatches += 1
+        if self.num_digest_mismatches == 1:  # logged once; counted always
+            log.warning("prefix cache: block %d of request %s has a cached key but another prefix's "
+                        "digest (a hash collision): treated as a miss", index, request.request_id)
 
     def take_prefix_hit(self, request: Request, hit: PrefixHit) -> None:
         """Adopt `hit`'s blocks as `request`'s first blocks (before it holds any)."""
@@ -203,3 +216,8 @@ class KVCacheManager:
         if self._blocks:
             raise AssertionError(f"requests still hold blocks: {sorted(self._blocks)[:10]}")
         self.pool.assert_all_free()
+
+
+def _digest(request: Request, index: int) -> bytes | None:
+    """The digest of `request`'s full block `index`; None when it has none (hand-built requests)."""
+    return request.block_digests[index] if index < len(request.block_digests) else None

@@ -24,7 +24,7 @@ from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.common.block_hash import hash_prompt_blocks
+from pdserve.common.block_hash import check_cache_salt, prompt_blocks
 
 log = logging.getLogger("pdserve.engine")
 
@@ -113,21 +113,25 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, remote_prefill: bool = False,
-                    transfer_params: object | None = None, resumed: Sequence[int] = ()) -> Request:
+                    transfer_params: object | None = None, resumed: Sequence[int] = (),
+                    cache_salt: str = "") -> Request:
         """Queue a request. `resumed`: tokens it already generated elsewhere (a decode that
         died mid-stream); they count as its output (max_tokens, penalties, the seeded draw's
         index, grammar and stop-string state), their KV is computed here with the prompt's,
-        and generation goes on after them. Such a request prefills locally."""
+        and generation goes on after them. Such a request prefills locally. `cache_salt`:
+        the tenant salt; prompts with different salts share no cached block."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         self.validate_prompt(ids, params)
+        check_cache_salt(cache_salt)
         resumed = self._validate_resumed(resumed, params)
         request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,
                           transfer_params=transfer_params, remote_prefill=remote_prefill)
-        request.block_hashes = hash_prompt_blocks(ids, self.kv.block_size, self.compat_hash)
+        blocks = prompt_blocks(ids, self.kv.block_size, self.compat_hash, self.config.block_hash_key, cache_salt)
+        request.block_hashes, request.block_digests, request.cache_salt = blocks.hashes, blocks.digests, cache_salt
         request.grammar = self.grammars.matcher(params.constraint)
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device)  # reseeded per token (sampler)

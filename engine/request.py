@@ -55,7 +55,9 @@ class Request:
     num_external_tokens: int = 0  # prompt tokens a connector provided (loaded or received)
     num_loaded_tokens: int = 0  # of those, loaded from a connector's store at admission
     num_preemptions: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # full prompt blocks, chained
+    block_hashes: list[int] = field(default_factory=list)  # full prompt blocks, chained (their keys)
+    block_digests: list[bytes] = field(default_factory=list)  # their full digests: a cache hit must match
+    cache_salt: str = ""  # the tenant salt in the first block's hash (common.block_hash)
     stop_reason: str | int | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -111,15 +111,20 @@ class BlockStore(abc.ABC):
     health: BackendHealth
 
     @abc.abstractmethod
-    def put(self, block_hashes: Sequence[int], message: BlockMessage) -> int:
-        """Store block i of `message` under `block_hashes[i]` (the compatibility hash comes
-        from the message header). Returns how many were stored. Never raises for backend
-        trouble (logs, returns what it managed)."""
+    def put(self, block_hashes: Sequence[int], message: BlockMessage, digests: Sequence[bytes] = ()) -> int:
+        """Store block i of `message` under `block_hashes[i]` with its prefix digest
+        `digests[i]` (none where `digests` is shorter: a transfer's blocks); the compatibility
+        hash comes from the message header. Returns how many were stored. Never raises for
+        backend trouble (logs, returns what it managed)."""
 
     @abc.abstractmethod
-    def get(self, block_hashes: Sequence[int], limits: WireLimits) -> list[memoryview | None]:
+    def get(self, block_hashes: Sequence[int], limits: WireLimits,
+            digests: Sequence[bytes] | None = None) -> list[memoryview | None]:
         """Payload of each block (one block across all layers, `[L, 2, BS, H, D]` bytes), or
-        None for a miss. A corrupt or incompatible record is a miss (and is deleted)."""
+        None for a miss. A corrupt or incompatible record is a miss (and is deleted). With
+        `digests` (a prefix-cache lookup), record i must carry `digests[i]`: one that does not
+        (another prefix's block under a colliding key, or a block stored without a digest) is
+        a miss, counted in `num_digest_mismatches` and logged once."""
 
     @abc.abstractmethod
     def count_prefix_hits(self, block_hashes: Sequence[int], compat_hash: int) -> int:

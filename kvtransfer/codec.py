@@ -2,7 +2,9 @@
 
 * `encode_message`: header + index + payload for blocks gathered out of a cache.
 * `split_records` / `decode_record`: the single-block records stores keep (one block across
-  all layers each, self-checking: its own header, index entry and checksum; with the
+  all layers each, self-checking: its own header, index entry and checksum; then the block's
+  prefix digest (common.block_hash; zeros for a block without one), which a prefix-cache
+  reader compares with its own before use, so a key collision is a miss; with the
   deployment's store key, a MAC trailer that a reader checks before trusting anything).
 * `decode_message`: a complete message received as bytes, checked against `WireLimits`.
 """
@@ -20,7 +22,7 @@ from pdserve.kvtransfer.wire import (
     DTYPE_NAMES, HEADER, HEADER_SIZE, INDEX_ENTRY, NO_BLOCK, BlockHeader, WireError, WireLimits,
     encode_header, encode_index, parse_header, parse_index, verify_payload,
 )
-from pdserve.common.block_hash import stable_hash64
+from pdserve.common.block_hash import DIGEST_BYTES, stable_hash64
 
 NO_TRANSFER = bytes(16)  # transfer id of content-addressed records (shared by every transfer)
 
@@ -81,13 +83,20 @@ def _record_mac(mac_key: bytes, key: int, body: bytes | memoryview) -> bytes:
     return Mac(mac_key).tag(int(key), bytes(body))
 
 
-def split_records(message: BlockMessage, keys: Sequence[int], mac_key: bytes | None = None) -> list[bytes]:
-    """One self-checking single-block record per block of `message`, block i under keys[i].
-    With `mac_key` (the deployment's store key) each record ends with a MAC over its key and
-    bytes, so only a holder of the cluster secret can write a record a service will load."""
+NO_DIGEST = bytes(DIGEST_BYTES)  # the digest slot of a record whose block has none
+
+
+def split_records(message: BlockMessage, keys: Sequence[int], mac_key: bytes | None = None,
+                  digests: Sequence[bytes] = ()) -> list[bytes]:
+    """One self-checking single-block record per block of `message`, block i under keys[i]
+    with digests[i] (NO_DIGEST where `digests` is shorter). With `mac_key` (the deployment's
+    store key) each record ends with a MAC over its key and bytes, so only a holder of the
+    cluster secret can write a record a service will load."""
     layout = layout_of(message)
     if len(keys) != layout.max_blocks:
         raise ValueError(f"{len(keys)} keys for {layout.max_blocks} blocks")
+    if any(len(d) != DIGEST_BYTES for d in digests):
+        raise ValueError(f"a block digest is {DIGEST_BYTES} bytes")
     view = as_bytes_view(message.payload)
     block_nbytes = len(view) // max(1, layout.max_blocks)
     records = []
@@ -98,7 +107,7 @@ def split_records(message: BlockMessage, keys: Sequence[int], mac_key: bytes | N
             transfer_id=NO_TRANSFER, compat_hash=layout.compat_hash, dtype=layout.dtype,
             num_blocks=1, num_layers=layout.num_layers, block_size=layout.block_size,
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, index=index, payload=one)
-        record = b"".join((header, index, one))
+        record = b"".join((header, index, one, digests[i] if i < len(digests) else NO_DIGEST))
         records.append(record + _record_mac(mac_key, key, record) if mac_key else record)
     return records
 
@@ -109,17 +118,23 @@ def record_nbytes(limits: WireLimits, keyed: bool = False) -> int:
 
     return HEADER_SIZE + INDEX_ENTRY_SIZE + payload_nbytes(
         1, limits.num_layers, limits.block_size, limits.num_kv_heads, limits.head_dim,
-        limits.dtype) + (RECORD_MAC_BYTES if keyed else 0)
+        limits.dtype) + DIGEST_BYTES + (RECORD_MAC_BYTES if keyed else 0)
 
 
 class UnauthenticatedRecord(WireError):
     """A store record without a valid MAC: planted or from another deployment."""
 
 
+class DigestMismatch(WireError):
+    """A store record under the right key whose block digest is not the reader's: another
+    prefix's block (a key collision), or one stored without a digest."""
+
+
 def decode_record(data: bytes | memoryview, limits: WireLimits, key: int,
-                  mac_key: bytes | None = None) -> memoryview:
+                  mac_key: bytes | None = None, digest: bytes | None = None) -> memoryview:
     """The payload of a single-block record stored under `key`. With `mac_key`, the record's
-    MAC is checked first (UnauthenticatedRecord). Raises WireError."""
+    MAC is checked first (UnauthenticatedRecord); with `digest`, the block's digest must be
+    it (DigestMismatch). Raises WireError."""
     view = memoryview(data)
     if mac_key is not None:
         body, tag = view[:-RECORD_MAC_BYTES], view[-RECORD_MAC_BYTES:]
@@ -131,13 +146,16 @@ def decode_record(data: bytes | memoryview, limits: WireLimits, key: int,
         raise WireError(f"a store record holds one whole block, not {header.num_blocks} of "
                         f"{len(header.layers)} layers")
     index_end = HEADER_SIZE + header.index_len
-    if len(view) != index_end + header.payload_len:
-        raise WireError(f"record is {len(view)} bytes, expected {index_end + header.payload_len}")
+    payload_end = index_end + header.payload_len
+    if len(view) != payload_end + DIGEST_BYTES:
+        raise WireError(f"record is {len(view)} bytes, expected {payload_end + DIGEST_BYTES}")
     index = view[HEADER_SIZE:index_end]
     _, hashes = parse_index(header, index, None)
     if hashes[0] != key:
         raise WireError(f"record holds block {hashes[0]:#x}, not {key:#x}")
-    payload = view[index_end:]
+    if digest is not None and not hmac.compare_digest(bytes(view[payload_end:]), digest):
+        raise DigestMismatch(f"record {key:#x} holds another prefix's block (digest differs)")
+    payload = view[index_end:payload_end]
     verify_payload(header, index, payload)
     return payload
 

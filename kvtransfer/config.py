@@ -26,7 +26,7 @@ class KVTransferConfig:
     backends: tuple[str, ...] = DEFAULT_CHAIN
     host: str = "127.0.0.1"  # where transports listen
     transfer_port: int = 0  # 0: transports pick free ports
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may carry a password: never shown
     redis_timeout_s: float = 2.0
     disk_store: str | None = None
     disk_store_max_gb: float = 20.0

@@ -6,6 +6,7 @@ reserves destination blocks the engine already allocated. A message is accepted 
 * its header passes `WireLimits` (compatibility hash, layout, sizes),
 * its transfer id is pending: not unknown, not finished (duplicate), not aborted, not late,
 * every destination block it names is one of the transfer's reserved blocks,
+* each block comes under the key (block hash) reserved for it, when the owner named keys,
 * its checksum matches.
 
 A message carries some layers of some blocks (a whole-block message all layers, a streamed
@@ -52,6 +53,7 @@ class _Pending:
     missing: dict[int, int]  # block id -> bit mask of the layers not landed yet (0: done)
     deadline: float
     num_bytes: int = 0
+    keys: dict[int, int] | None = None  # block id -> the hash it must arrive under (None: any)
 
     @property
     def num_missing(self) -> int:
@@ -84,11 +86,14 @@ class CacheSink:
 
     # -- the owner's side ---------------------------------------------------------------
     def expect(self, transfer_id: bytes, block_ids: Sequence[int], deadline: float,
-               tag: str = "") -> None:
-        """Reserve `block_ids` for `transfer_id` until `deadline` (time.monotonic)."""
+               tag: str = "", block_keys: Sequence[int] | None = None) -> None:
+        """Reserve `block_ids` for `transfer_id` until `deadline` (time.monotonic). With
+        `block_keys`, block_ids[i] accepts only a block whose index entry names block_keys[i]."""
         ids = tuple(int(b) for b in block_ids)
         if not ids or len(set(ids)) != len(ids):
             raise ValueError("a transfer needs distinct destination blocks")
+        if block_keys is not None and len(block_keys) != len(ids):
+            raise ValueError(f"{len(block_keys)} block keys for {len(ids)} blocks")
         if not all(0 <= b < self.layout.num_blocks for b in ids):
             raise ValueError(f"destination blocks outside the pool of {self.layout.num_blocks}")
         with self._lock:
@@ -98,7 +103,8 @@ class CacheSink:
             if busy:
                 raise TransferError(f"blocks {sorted(busy)[:8]} are reserved by another transfer")
             every_layer = (1 << self.layout.num_layers) - 1
-            self._pending[transfer_id] = _Pending(tag, ids, dict.fromkeys(ids, every_layer), deadline)
+            keys = None if block_keys is None else {b: int(k) for b, k in zip(ids, block_keys)}
+            self._pending[transfer_id] = _Pending(tag, ids, dict.fromkeys(ids, every_layer), deadline, keys=keys)
 
     def abort(self, transfer_id: bytes) -> bool:
         """Forget a pending transfer; later writes to it are refused. True if it was pending."""
@@ -211,7 +217,7 @@ class CacheSink:
             self.num_refused += 1
             raise TransferError(f"transfer {tid.hex()} passed its deadline")
         try:
-            block_ids, _ = parse_index(header, index, self.layout.num_blocks)
+            block_ids, keys = parse_index(header, index, self.layout.num_blocks)
         except WireError:
             self.num_refused += 1
             raise
@@ -219,6 +225,12 @@ class CacheSink:
         if stray:
             self.num_refused += 1
             raise TransferError(f"blocks {stray[:8]} are not open for transfer {tid.hex()}")
+        if pending.keys is not None:
+            wrong = [b for b, k in zip(block_ids, keys) if pending.keys[b] != k]
+            if wrong:
+                self.num_refused += 1
+                raise TransferError(f"blocks {wrong[:8]} of transfer {tid.hex()} carry block hashes "
+                                    "other than the ones reserved for them")
         return block_ids
 
     def _expire_locked(self, tid: bytes) -> None:

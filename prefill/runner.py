@@ -9,9 +9,11 @@ import time
 from typing import Protocol
 
 from pdserve.common.auth import Mac
-from pdserve.common.errors import DeadlinePassedError, IncompatiblePeerError, OverloadedError
+from pdserve.common.block_hash import check_cache_salt, hash_prompt_blocks
+from pdserve.common.errors import DeadlinePassedError, IncompatiblePeerError, InvalidRequestError, OverloadedError
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.worker.transfer import check_handoff_signature
+from pdserve.worker.transfer import (MAX_HANDOFF_HORIZON_S, HandoffCallerError, HandoffLedger,
+                                     check_handoff_signature)
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
 
@@ -43,33 +45,57 @@ def first_token_params(params):
 
 class PrefillRunner:
     def __init__(self, loop: EngineLoop, sender: KVSender, metrics, *, max_queue: int,
-                 handoff_mac: Mac | None = None) -> None:
-        """With `handoff_mac`, a hand-off must carry a decode's valid signature."""
+                 handoff_mac: Mac | None = None, ledger: HandoffLedger | None = None) -> None:
+        """With `handoff_mac`, a hand-off must carry a decode's valid signature over it and its
+        request, and come from the decode it names. Each hand-off is accepted once (`ledger`)."""
         self.loop = loop
         self.handoff_mac = handoff_mac
+        self.ledger = ledger or HandoffLedger()
         self.sender = sender
         self.metrics = metrics
         self.max_queue = max_queue
         self.num_inflight = 0
 
-    def _check(self, handoff: prefill_pb2.KVHandoff) -> float:
-        """Seconds left of the hand-off's deadline, after the checks that need no work."""
+    def _check(self, request: prefill_pb2.PrefillRequest, caller: str) -> float:
+        """Seconds left of the hand-off's deadline, after the checks that need no model work:
+        signed for this request, by the decode that calls, compatible, in time, new."""
+        handoff = request.handoff
         if self.handoff_mac is not None:
-            check_handoff_signature(handoff, self.handoff_mac)
+            check_handoff_signature(request, self.handoff_mac)
+            if handoff.decode_worker_id != caller:
+                raise HandoffCallerError(f"the hand-off names decode {handoff.decode_worker_id!r}; "
+                                         f"the caller is {caller!r}")
         ours = self.loop.engine.compat_hash
         if handoff.compatibility_hash != ours:
             raise IncompatiblePeerError(f"compatibility hash {handoff.compatibility_hash:#x} != ours {ours:#x}")
         remaining_s = handoff.deadline_unix_ms / 1000 - time.time()
         if remaining_s <= 0:
             raise DeadlinePassedError("hand-off deadline already passed")
+        if remaining_s > MAX_HANDOFF_HORIZON_S:
+            raise InvalidRequestError(f"the hand-off's deadline is over {MAX_HANDOFF_HORIZON_S:g} s ahead")
+        self._check_block_hashes(request)
         if self.num_inflight >= self.max_queue:
             raise OverloadedError("prefill queue is full")
+        self.ledger.accept(handoff.transfer_id, handoff.deadline_unix_ms / 1000)
         return remaining_s
 
-    async def run(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+    def _check_block_hashes(self, request: prefill_pb2.PrefillRequest) -> None:
+        """The decode's block hashes must be ours of the same prompt (and cache salt): they
+        are what the decode's sink will accept, and what its signature bound."""
+        check_cache_salt(request.cache_salt)
+        if not request.block_hashes:
+            return
+        engine = self.loop.engine
+        ours = hash_prompt_blocks(request.prompt_token_ids, engine.kv.block_size, engine.compat_hash,
+                                  engine.config.block_hash_key, request.cache_salt)
+        if list(request.block_hashes) != ours:
+            raise InvalidRequestError("block_hashes do not match the prompt's blocks", param="block_hashes")
+
+    async def run(self, request: prefill_pb2.PrefillRequest, caller: str = "") -> prefill_pb2.PrefillResponse:
+        """`caller`: the verified caller id of the call (rpc.credentials.caller_id)."""
         arrival = time.monotonic()
         handoff, rid = request.handoff, request.request_id
-        remaining_s = self._check(handoff)
+        remaining_s = self._check(request, caller)
         refusal = self.sender.refusal(handoff)
         if refusal is not None:  # the KV could go nowhere: computing it would be wasted work
             self.metrics.requests.labels(outcome="SKIPPED_NO_USABLE_BACKEND").inc()
@@ -78,8 +104,8 @@ class PrefillRunner:
         tp = self.sender.transfer_params(rid, handoff)
         self.num_inflight += 1
         try:
-            stream = await self.loop.add_request(list(request.prompt_token_ids), params,
-                                                 request_id=rid, transfer_params=tp)
+            stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
+                                                 transfer_params=tp, cache_salt=request.cache_salt)
             try:
                 out = await stream.next(remaining_s)
             except asyncio.TimeoutError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pdserve.prefill.runner import PrefillRunner
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2_grpc
 from pdserve.worker.convert import load_to_proto, model_info
+from pdserve.rpc.credentials import caller_id
 from pdserve.rpc.errors import grpc_errors
 
 
@@ -15,7 +16,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     @grpc_errors
     async def Prefill(self, request, context):
-        return await self.runner.run(request)
+        return await self.runner.run(request, caller_id(context))
 
     @grpc_errors
     async def Abort(self, request, context):

@@ -21,6 +21,7 @@ from typing import Iterator
 import grpc
 import uvicorn
 
+from pdserve.common.block_hash import block_hash_key
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, InternalTLS
 from pdserve.rpc.server import (MAX_MESSAGE_BYTES, NO_PORT_SHARING, SERVER_OPTIONS, MalformedRequestInterceptor,
@@ -75,7 +76,8 @@ class RouterApp:
                                    config.rpc_timeout_s)
         self.frontend = Frontend(self.catalog, planner, self.decode, self.in_flight, self.metrics,
                                  max_migrations=config.max_migrations,
-                                 guided=GuidedOptions(config.lenient_json_schema))
+                                 guided=GuidedOptions(config.lenient_json_schema),
+                                 block_hash_key=block_hash_key(self.auth.secret))
         self.membership = Membership(config, self.registry, self.catalog, self.channels)
         self.api_key = ApiKeyCheck(config.api_key)
         self.http_port = 0

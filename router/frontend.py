@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from pdserve.common.block_hash import hash_prompt_blocks
+from pdserve.common.block_hash import INSECURE_KEY, check_cache_salt, hash_prompt_blocks
 from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError, to_service_error
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, generation_pb2
 from pdserve.router.cpu_pool import CpuPool
@@ -45,13 +45,18 @@ class PreparedRequest:
     sampling: common_pb2.SamplingParams  # resolved
     session_key: str
     echo_text: str | None = None  # GenerateRequest.echo: the prompt's text
+    cache_salt: str = ""  # GenerateRequest.cache_salt
 
 
 class Frontend:
     def __init__(self, catalog: ModelCatalog, planner: RoutePlanner, decode: DecodeClient,
                  in_flight: InFlight, metrics: RouterMetrics, cpu: CpuPool | None = None,
-                 max_migrations: int = 2, guided: GuidedOptions = GuidedOptions()) -> None:
+                 max_migrations: int = 2, guided: GuidedOptions = GuidedOptions(),
+                 block_hash_key: bytes = INSECURE_KEY) -> None:
+        """`block_hash_key`: the deployment's (common.block_hash.block_hash_key), so the
+        router's block hashes are the workers'."""
         self._catalog = catalog
+        self._block_hash_key = block_hash_key
         self._guided = guided
         self._max_migrations = max_migrations
         self._cpu = cpu or CpuPool()
@@ -98,6 +103,7 @@ class Frontend:
 
     async def prepare(self, request: generation_pb2.GenerateRequest, request_id: str) -> PreparedRequest:
         model = self._catalog.resolve(request.model)
+        check_cache_salt(request.cache_salt)
         # Tokenizing and templating are CPU work: off the event loop, in a bounded pool.
         prompt_ids = await self._cpu.run(model.prompts.build, request, model.max_model_len)
         param = "messages" if request.WhichOneof("input") == "chat" else "prompt"
@@ -105,10 +111,11 @@ class Frontend:
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.max_model_len,
                                     model.prompts.vocab_size)
         await self._cpu.run(compile_constraint, sampling, self._guided)  # checked before any worker is asked
-        hashes = hash_prompt_blocks(prompt_ids, model.block_size, model.block_hash_salt)
+        hashes = hash_prompt_blocks(prompt_ids, model.block_size, model.block_hash_salt, self._block_hash_key,
+                                    request.cache_salt)
         echo_text = await self._cpu.run(model.prompts.echo_text, request, prompt_ids) if request.echo else None
         return PreparedRequest(request_id, model, tuple(prompt_ids), tuple(hashes), sampling, request.session_id,
-                               echo_text)
+                               echo_text, request.cache_salt)
 
     async def _run(self, request: generation_pb2.GenerateRequest, request_id: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Prepare, open a Decode stream, relay it. When the decode worker is lost mid-stream
@@ -216,7 +223,7 @@ def _decode_request(prepared: PreparedRequest, plan: RoutePlan, arrival_unix_ms:
     request = decode_pb2.DecodeRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                                        block_hashes=prepared.block_hashes, sampling=prepared.sampling,
                                        prefill=prefill, arrival_unix_ms=arrival_unix_ms,
-                                       resumed_token_ids=resumed)
+                                       resumed_token_ids=resumed, cache_salt=prepared.cache_salt)
     if resumed:  # the client has the prompt's logprobs from the first decode
         request.sampling.ClearField("prompt_logprobs")
     return request

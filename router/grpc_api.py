@@ -59,6 +59,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         response.CopyFrom(self._catalog.resolve(request.model).info)
         if not request.include_tokenizer:
             response.ClearField("tokenizer_json")
+        response.ClearField("block_hash_salt")  # internal: clients have no use for block hashes
         return response
 
 

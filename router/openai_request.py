@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.common.block_hash import check_cache_salt
 from pdserve.common.errors import InvalidRequestError
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.guided import STRUCTURED_FIELDS, read_guided
@@ -31,7 +32,7 @@ _COMMON_FIELDS = frozenset((
     "min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "n", "best_of", "max_tokens", "logprobs", "user", "response_format", "prompt_logprobs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "guided_json_object", "guided_whitespace_pattern",
-    "structured_outputs"))
+    "structured_outputs", "cache_salt"))
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                 "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
@@ -256,7 +257,8 @@ def _max_tokens(body: _Body, *names: str) -> int | None:
 def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
     body = _Body(raw)
     model = _model(body)
-    request = generation_pb2.GenerateRequest(model=model, session_id=body.str("user") or "")
+    request = generation_pb2.GenerateRequest(model=model, session_id=body.str("user") or "",
+                                             cache_salt=check_cache_salt(body.str("cache_salt") or ""))
     prompts = _prompts(raw.get("prompt"))
     request.echo = echo = bool(body.bool("echo"))
     body.unsupported("suffix", ("",))
@@ -308,7 +310,8 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
     body = _Body(raw)
     model = _model(body)
-    request = generation_pb2.GenerateRequest(model=model, session_id=body.str("user") or "")
+    request = generation_pb2.GenerateRequest(model=model, session_id=body.str("user") or "",
+                                             cache_salt=check_cache_salt(body.str("cache_salt") or ""))
     messages = raw.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("'messages' must be a non-empty list", "messages")

@@ -110,7 +110,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
                                       settings.insecure_internal, tls)
     connector = build.make_connector(settings, auth.secret)
     with progress.step(f"{role}: loading model {settings.model}"):
-        engine = await asyncio.to_thread(LLMEngine, settings.engine_config(), connector=connector)
+        engine = await asyncio.to_thread(LLMEngine, settings.engine_config(auth.secret), connector=connector)
     states = engine.connector.worker.backend_states()
     log.info("%s: kv backends: %s", role, ", ".join(
         f"{b.name} ok" if b.usable else f"{b.name} off ({b.detail})" for b in states) or "none")

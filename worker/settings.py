@@ -170,11 +170,15 @@ class WorkerSettings:
             transfer_key=secret.key("transfer") if secret else None,
             store_key=secret.key("store") if secret else None)
 
-    def engine_config(self):
+    def engine_config(self, secret=None):
+        """The engine's config; its block-hash key derives from the cluster `secret` when
+        there is one (else the public fixed key: `common.block_hash.INSECURE_KEY`)."""
+        from pdserve.common.block_hash import block_hash_key
         from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
         return EngineConfig(
             model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
+            block_hash_key=block_hash_key(secret),
             quantization="" if self.quantization == "none" else self.quantization,
             num_threads=self.num_threads or None,
             cache=CacheConfig(block_size=self.block_size, max_tokens=self.max_kv_tokens or None,

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 import time
-from typing import Sequence
+from collections import OrderedDict
+from typing import Callable, Sequence
 
 from pdserve.common.auth import ClusterSecret, Mac
+from pdserve.common.block_hash import hashes_digest, prompt_digest
 from pdserve.common.errors import AuthError
 from pdserve.kvtransfer.connector import PdConnector, connector_factory
 from pdserve.kvtransfer.params import TransferParams
@@ -67,22 +70,70 @@ def params_to_handoff(tp: TransferParams, block_ids: Sequence[int], block_size: 
         decode_worker_id=decode_worker_id)
 
 
-def handoff_fields(h: prefill_pb2.KVHandoff) -> tuple:
-    """What the decode's signature on a hand-off covers: every field but the signature."""
-    return (h.transfer_id, ",".join(h.backends),
+def handoff_fields(request: prefill_pb2.PrefillRequest) -> tuple:
+    """What the decode's signature on a hand-off covers: every field of the hand-off but the
+    signature, and the request it is for (id, prompt digest, block hashes digest, cache salt),
+    so a captured hand-off cannot carry another prompt's KV into the same blocks."""
+    h = request.handoff
+    return ("handoff-v2", h.transfer_id, ",".join(h.backends),
             "|".join(f"{e.backend}={e.address}" for e in h.endpoints),
             struct.pack(f"<{len(h.block_ids)}I", *h.block_ids), h.num_cached_tokens,
-            h.deadline_unix_ms, h.compatibility_hash, h.decode_worker_id)
+            h.deadline_unix_ms, h.compatibility_hash, h.decode_worker_id, request.request_id,
+            prompt_digest(request.prompt_token_ids), hashes_digest(request.block_hashes), request.cache_salt)
 
 
-def sign_handoff(h: prefill_pb2.KVHandoff, mac: Mac) -> None:
-    h.signature = mac.tag(*handoff_fields(h))
+def sign_handoff(request: prefill_pb2.PrefillRequest, mac: Mac) -> None:
+    request.handoff.signature = mac.tag(*handoff_fields(request))
 
 
-def check_handoff_signature(h: prefill_pb2.KVHandoff, mac: Mac) -> None:
-    """AuthError unless the decode's signature on `h` holds."""
-    if not h.signature or not mac.check(h.signature, *handoff_fields(h)):
-        raise AuthError("the hand-off is not signed by a decode of this deployment")
+def check_handoff_signature(request: prefill_pb2.PrefillRequest, mac: Mac) -> None:
+    """AuthError unless the decode's signature on the request's hand-off holds."""
+    h = request.handoff
+    if not h.signature or not mac.check(h.signature, *handoff_fields(request)):
+        raise AuthError("the hand-off is not signed by a decode of this deployment for this request")
+
+
+class HandoffCallerError(AuthError):
+    """A hand-off presented by a caller other than the decode it names."""
+
+
+class ReplayedHandoffError(AuthError):
+    """A hand-off this prefill has accepted before (each is used once)."""
+
+
+MAX_HANDOFF_HORIZON_S = 3600.0  # a hand-off's deadline may be at most this far ahead
+
+
+class HandoffLedger:
+    """The hand-offs a prefill accepted, by transfer id, remembered until their deadline
+    (after it a replay is refused as late anyway; a deadline is at most
+    MAX_HANDOFF_HORIZON_S ahead): each is accepted once. Bounded: when
+    `max_remembered` live ones are held, new ones are refused (OverloadedError) rather than
+    an unexpired one forgotten."""
+
+    def __init__(self, max_remembered: int = 100_000, clock: Callable[[], float] = time.time) -> None:
+        self._max_remembered = max_remembered
+        self._clock = clock
+        self._seen: OrderedDict[str, float] = OrderedDict()  # transfer id -> deadline (unix s)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def accept(self, transfer_id: str, deadline_unix_s: float) -> None:
+        from pdserve.common.errors import OverloadedError
+
+        now = self._clock()
+        with self._lock:
+            # deadlines come in roughly in order (each decode's is now + its timeout): drop
+            # expired ones from the oldest on
+            while self._seen and next(iter(self._seen.values())) < now:
+                self._seen.popitem(last=False)
+            if transfer_id in self._seen:
+                raise ReplayedHandoffError(f"hand-off {transfer_id} was already used")
+            if len(self._seen) >= self._max_remembered:
+                raise OverloadedError("too many live hand-offs remembered")
+            self._seen[transfer_id] = deadline_unix_s
 
 
 def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferParams:
@@ -155,7 +206,9 @@ class Receiver:
         (a wildcard bind is advertised as --advertise-host), a store's location."""
         advertise = self.settings.advertise_host
         listening = self.receives.endpoints
-        stores = {"redis": self.settings.redis_url, "disk": self.settings.disk_store}
+        # a store is named, never located by url: each side uses its own configured one (a
+        # redis url may carry a password)
+        stores = {"redis": "redis" if self.settings.redis_url else "", "disk": self.settings.disk_store}
         out = []
         for backend in self.backends:
             address = listening.get(backend) or stores.get(backend) or ""
@@ -168,10 +221,11 @@ class Receiver:
         return out
 
     def prepare(self, request_id: str, block_ids: Sequence[int], num_prompt_tokens: int,
-                num_cached_tokens: int, timeout_s: float) -> TransferParams:
+                num_cached_tokens: int, timeout_s: float, block_hashes: Sequence[int] | None = None) -> TransferParams:
         bs = self.receives.block_size
         tp = self.receives.prepare_receive(request_id, block_ids, num_prompt_tokens,
-                                         num_cached_tokens // bs, time.time() + timeout_s)
+                                         num_cached_tokens // bs, time.time() + timeout_s,
+                                         block_hashes=block_hashes)
         # advertise reachable endpoints (a 0.0.0.0 listener is not an address)
         import dataclasses
 

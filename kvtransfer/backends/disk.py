@@ -13,12 +13,19 @@ its own. Several processes may share the directory (a volume shared by pods):
 * a read touches the record's mtime, and pruning deletes least recently touched first
   (mtime, not atime: many mounts are noatime/relatime);
 * pruning tolerates records vanishing under it (another process pruned or read-deleted them);
-* a record that fails its checks is deleted and reads as a miss.
+* a record that fails its checks (MAC, format, a symlink or other non-regular file planted
+  under its name) is deleted and reads as a miss; a put over such a record replaces it (a
+  planted record never blocks its own replacement); a valid record under the same key with
+  the same digest is only touched;
+* opens never follow a symlink (O_NOFOLLOW, then fstat: regular files only), and a record
+  whose folder is a symlink is neither read nor written.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
@@ -26,8 +33,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
-from pdserve.kvtransfer.codec import (UnauthenticatedRecord, decode_record, layout_of, record_nbytes,
-                                      split_records)
+from pdserve.kvtransfer.codec import (DigestMismatch, UnauthenticatedRecord, decode_record, layout_of,
+                                      record_nbytes, split_records)
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.wire import WireError, WireLimits
 
@@ -58,6 +65,7 @@ class DiskStore(BlockStore):
         self._clock = clock
         self.mac_key = mac_key
         self.num_unauthenticated = 0
+        self.num_digest_mismatches = 0
         self.health = BackendHealth(self.name, health_policy, clock)
         self._lock = threading.Lock()  # guards the estimate below, not the files
         self._est_bytes = 0
@@ -78,18 +86,24 @@ class DiskStore(BlockStore):
         return base / name[:2] / f"{name}{_SUFFIX}"
 
     # -- BlockStore ---------------------------------------------------------------------
-    def put(self, block_hashes: Sequence[int], message: BlockMessage) -> int:
+    def put(self, block_hashes: Sequence[int], message: BlockMessage, digests: Sequence[bytes] = ()) -> int:
         if not self.can_serve():
             return 0
-        compat = layout_of(message).compat_hash
+        layout = layout_of(message)
         stored = written = num_new = 0
         try:
-            for key, record in zip(block_hashes, split_records(message, block_hashes, self.mac_key)):
-                path = self.path_of(compat, key)
-                if key >= 0 and _touch(path):
-                    stored += 1  # content-addressed: the same key holds the same bytes
+            records = split_records(message, block_hashes, self.mac_key, digests)
+            for i, (key, record) in enumerate(zip(block_hashes, records)):
+                path = self.path_of(layout.compat_hash, key)
+                if key >= 0 and self._holds(path, layout, key, digests[i] if i < len(digests) else None):
+                    stored += 1  # content-addressed: a valid record of the same block is kept
                     continue
-                _write_atomic(path, record)
+                try:
+                    _write_atomic(path, record)
+                except _NotARecord as exc:
+                    log.warning("disk store: removing %s: %s", path.parent, exc)
+                    _unlink_planted(path)
+                    continue
                 stored += 1
                 num_new += 1
                 written += len(record)
@@ -100,7 +114,23 @@ class DiskStore(BlockStore):
         self._account(written, num_new)
         return stored
 
-    def get(self, block_hashes: Sequence[int], limits: WireLimits) -> list[memoryview | None]:
+    def _holds(self, path: Path, limits: WireLimits, key: int, digest: bytes | None) -> bool:
+        """Whether `path` holds a valid record of `key` (with `digest`, that one): then it is
+        touched and kept. A planted, corrupt or other-prefix record is not: it gets replaced."""
+        try:
+            data = _read_record(path, record_nbytes(limits, keyed=self.mac_key is not None) + 1)
+        except (_NotARecord, OSError):
+            return False
+        if data is None:
+            return False
+        try:
+            decode_record(data, limits, key, self.mac_key, digest)
+        except WireError:
+            return False
+        return _touch(path)
+
+    def get(self, block_hashes: Sequence[int], limits: WireLimits,
+            digests: Sequence[bytes] | None = None) -> list[memoryview | None]:
         out: list[memoryview | None] = [None] * len(block_hashes)
         if not self.can_serve():
             return out
@@ -108,33 +138,45 @@ class DiskStore(BlockStore):
         for i, key in enumerate(block_hashes):
             path = self.path_of(limits.compat_hash, key)
             try:
-                with open(path, "rb") as f:
-                    data = f.read(expected + 1)  # never more than one record's worth
-            except FileNotFoundError:
+                data = _read_record(path, expected + 1)  # never more than one record's worth
+            except _NotARecord as exc:
+                log.warning("disk store: removing %s: %s", path, exc)
+                _unlink_planted(path)
                 continue
             except OSError as exc:
                 self._trouble("get", exc)
                 break
-            try:
-                out[i] = decode_record(data, limits, key, self.mac_key)
-            except UnauthenticatedRecord as exc:
-                self.num_unauthenticated += 1
-                log.warning("disk store: refusing record %s: %s", path, exc)
-                _unlink(path)
-                continue
-            except WireError as exc:
-                log.warning("disk store: dropping corrupt record %s: %s", path, exc)
-                _unlink(path)
-                continue
-            _touch(path)
+            if data is not None:
+                out[i] = self._check(path, data, limits, key, digests[i] if digests is not None else None)
         return out
+
+    def _check(self, path: Path, data: bytes, limits: WireLimits, key: int,
+               digest: bytes | None) -> memoryview | None:
+        try:
+            payload = decode_record(data, limits, key, self.mac_key, digest)
+        except DigestMismatch as exc:  # another prefix's block under a colliding key: kept for it
+            self.num_digest_mismatches += 1
+            if self.num_digest_mismatches == 1:
+                log.warning("disk store: refusing record %s: %s (logged once)", path, exc)
+            return None
+        except UnauthenticatedRecord as exc:
+            self.num_unauthenticated += 1
+            log.warning("disk store: refusing record %s: %s", path, exc)
+            _unlink(path)
+            return None
+        except WireError as exc:
+            log.warning("disk store: dropping corrupt record %s: %s", path, exc)
+            _unlink(path)
+            return None
+        _touch(path)
+        return payload
 
     def count_prefix_hits(self, block_hashes: Sequence[int], compat_hash: int) -> int:
         if not self.can_serve():
             return 0
         n = 0
         for key in block_hashes:
-            if not self.path_of(compat_hash, key).is_file():
+            if not _is_regular(self.path_of(compat_hash, key)):
                 break
             n += 1
         return n
@@ -212,11 +254,61 @@ class DiskStore(BlockStore):
         self.health.record_failure(f"{what}: {exc.__class__.__name__}: {exc}")
 
 
+class _NotARecord(OSError):
+    """Something other than a regular file under a record's name (a symlink, a fifo...)."""
+
+
+def _read_record(path: Path, limit: int) -> bytes | None:
+    """At most `limit` bytes of the record at `path`; None if there is none. Never follows
+    a symlink, never reads anything but a regular file (_NotARecord)."""
+    if os.path.islink(path.parent):
+        raise _NotARecord(f"its folder {path.parent} is a symlink")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _NotARecord("a symlink") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _NotARecord("not a regular file")
+        chunks, left = [], limit
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _unlink_planted(path: Path) -> None:
+    """Remove what was planted at a record's place: a symlinked folder (the link, never
+    what it points to), else the entry itself (a symlink is removed, not followed)."""
+    _unlink(path.parent if os.path.islink(path.parent) else path)
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode) and not os.path.islink(path.parent)
+    except OSError:
+        return False
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Write a temp file (created exclusively, never through a link), then rename it onto
+    `path`: the rename replaces whatever entry was there, a planted symlink included."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.islink(path.parent):
+        raise _NotARecord(f"record folder {path.parent} is a symlink")
     tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
@@ -227,12 +319,12 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def _touch(path: Path) -> bool:
     """Mark a record used now. False if it does not exist."""
     try:
-        os.utime(path)
+        os.utime(path, follow_symlinks=False)
         return True
     except FileNotFoundError:
         return False
     except OSError:
-        return path.is_file()
+        return _is_regular(path)
 
 
 def _unlink(path: str | Path) -> int:

@@ -15,11 +15,26 @@ import logging
 from typing import Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
-from pdserve.kvtransfer.codec import UnauthenticatedRecord, decode_record, layout_of, split_records
+from pdserve.kvtransfer.codec import DigestMismatch, UnauthenticatedRecord, decode_record, layout_of, split_records
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.wire import WireError, WireLimits
 
 log = logging.getLogger(__name__)
+
+
+def redacted_url(url: str) -> str:
+    """`url` without its user and password: what logs and errors may show."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        netloc = f"[{host}]" if ":" in host else host
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+    except ValueError:
+        return "redis://<unparsable url>"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def redis_key(compat_hash: int, key: int) -> str:
@@ -40,7 +55,7 @@ class RedisStore(BlockStore):
         from redis.retry import Retry
 
         self._errors = (redis.RedisError, OSError)
-        self.url = url
+        self.where = redacted_url(url)  # the url may carry a password: never logged, never sent
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.ephemeral_ttl_ms = max(1, int(ephemeral_ttl_s * 1000))
         self.max_batch = max_batch
@@ -51,15 +66,16 @@ class RedisStore(BlockStore):
         self._closed = False
         self.mac_key = mac_key
         self.num_unauthenticated = 0
+        self.num_digest_mismatches = 0
 
     def _ttl_ms(self, key: int) -> int:
         return self.ephemeral_ttl_ms if key < 0 else self.ttl_ms
 
-    def put(self, block_hashes: Sequence[int], message: BlockMessage) -> int:
+    def put(self, block_hashes: Sequence[int], message: BlockMessage, digests: Sequence[bytes] = ()) -> int:
         if not self.can_serve():
             return 0
         compat = layout_of(message).compat_hash
-        records = split_records(message, block_hashes, self.mac_key)
+        records = split_records(message, block_hashes, self.mac_key, digests)
         stored = 0
         try:
             for start in range(0, len(records), self.max_batch):
@@ -74,7 +90,8 @@ class RedisStore(BlockStore):
         self.health.record_success()
         return stored
 
-    def get(self, block_hashes: Sequence[int], limits: WireLimits) -> list[memoryview | None]:
+    def get(self, block_hashes: Sequence[int], limits: WireLimits,
+            digests: Sequence[bytes] | None = None) -> list[memoryview | None]:
         out: list[memoryview | None] = [None] * len(block_hashes)
         if not block_hashes or not self.can_serve():
             return out
@@ -84,7 +101,8 @@ class RedisStore(BlockStore):
                 values = self._client.mget(names[start:start + self.max_batch])
                 for i, value in enumerate(values, start):
                     if value is not None:
-                        out[i] = self._check(value, limits, block_hashes[i], names[i])
+                        out[i] = self._check(value, limits, block_hashes[i], names[i],
+                                             digests[i] if digests is not None else None)
             hits = [(n, k) for n, k, v in zip(names, block_hashes, out) if v is not None]
             if hits:  # refresh the TTL of what was used: least recently used expires first
                 pipe = self._client.pipeline(transaction=False)
@@ -97,9 +115,15 @@ class RedisStore(BlockStore):
         self.health.record_success()
         return out
 
-    def _check(self, value: bytes, limits: WireLimits, key: int, name: str) -> memoryview | None:
+    def _check(self, value: bytes, limits: WireLimits, key: int, name: str,
+               digest: bytes | None) -> memoryview | None:
         try:
-            return decode_record(value, limits, key, self.mac_key)
+            return decode_record(value, limits, key, self.mac_key, digest)
+        except DigestMismatch as exc:  # another prefix's block under a colliding key: kept for it
+            self.num_digest_mismatches += 1
+            if self.num_digest_mismatches == 1:
+                log.warning("redis store: refusing record %s: %s (logged once)", name, exc)
+            return None
         except UnauthenticatedRecord as exc:
             self.num_unauthenticated += 1
             log.warning("redis store: refusing record %s: %s", name, exc)
@@ -152,5 +176,5 @@ class RedisStore(BlockStore):
             self._client.close()
 
     def _trouble(self, what: str, exc: Exception) -> None:
-        log.warning("redis store %s: %s failed: %s", self.url, what, exc)
+        log.warning("redis store %s: %s failed: %s", self.where, what, exc)
         self.health.record_failure(f"{what}: {exc.__class__.__name__}: {exc}")

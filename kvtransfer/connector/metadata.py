@@ -23,6 +23,7 @@ class SaveSpec:
     request_id: str
     block_hashes: tuple[int, ...]
     first_block: int
+    block_digests: tuple[bytes, ...] = ()  # stored with each block: what a later hit must match
 
 
 @dataclass(frozen=True, slots=True)

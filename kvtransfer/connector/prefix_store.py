@@ -3,7 +3,9 @@
 Two sides, on two callers:
 
 * `StoreLoads`, the scheduler half's: which full prompt blocks beyond the local prefix hit the
-  store holds. They are fetched and verified at lookup, before allocation, so a block that
+  store holds. They are fetched and verified at lookup, before allocation (MAC, format, and
+  the block's prefix digest: a record under a colliding key holds another prefix's KV and is
+  a miss), so a block that
   vanishes between the lookup and the load (pruned by another process, corrupt) can never
   leave the engine believing in tokens it does not have.
 * `StoreSaves`, the worker half's: scatters those payloads into the allocated blocks before
@@ -62,8 +64,9 @@ class StoreLoads:
         if not keys:
             return 0
         n = self.store.count_prefix_hits(keys, self._limits.compat_hash)
+        digests = request.block_digests[start:start + n]
         payloads: list[memoryview] = []
-        for payload in self.store.get(keys[:n], self._limits) if n else ():
+        for payload in self.store.get(keys[:n], self._limits, digests if len(digests) == n else None) if n else ():
             if payload is None:  # pruned or corrupt since counted: keep the prefix
                 break
             payloads.append(payload)
@@ -110,6 +113,7 @@ class NoStoreLoads:
 class _SaveState:
     block_hashes: tuple[int, ...]
     next_block: int
+    block_digests: tuple[bytes, ...] = ()
 
 
 class StoreSaves:
@@ -134,7 +138,7 @@ class StoreSaves:
             scatter_from_host(buffer, self._kv_caches, spec.block_ids)
 
     def track(self, spec: SaveSpec) -> None:
-        self._saves[spec.request_id] = _SaveState(spec.block_hashes, spec.first_block)
+        self._saves[spec.request_id] = _SaveState(spec.block_hashes, spec.first_block, spec.block_digests)
 
     def forget(self, request_id: str) -> None:
         self._saves.pop(request_id, None)
@@ -151,11 +155,12 @@ class StoreSaves:
                 continue
             first, state.next_block = state.next_block, num_full
             blocks = gather_to_host(self._kv_caches, block_ids[first:num_full])
-            self._background.submit(self._store_blocks, state.block_hashes[first:num_full], blocks)
+            self._background.submit(self._store_blocks, state.block_hashes[first:num_full],
+                                    state.block_digests[first:num_full], blocks)
 
-    def _store_blocks(self, keys: tuple[int, ...], blocks: torch.Tensor) -> None:
+    def _store_blocks(self, keys: tuple[int, ...], digests: tuple[bytes, ...], blocks: torch.Tensor) -> None:
         message = encode_message(self._limits, new_transfer_id(), [0] * len(keys), keys, blocks)
-        stored = self.store.put(keys, message)
+        stored = self.store.put(keys, message, digests)
         log.debug("prefix cache (%s): stored %d of %d blocks", self.store.name, stored, len(keys))
 
     def flush(self, timeout_s: float) -> bool:

@@ -24,7 +24,7 @@ from pdserve.common.errors import InvalidRequestError, TransferError
 from pdserve.common.util import cdiv
 from pdserve.engine.connector import KVCacheLayout
 from pdserve.kvtransfer.chain import FallbackChain
-from pdserve.kvtransfer.codec import new_transfer_id
+from pdserve.kvtransfer.codec import ephemeral_key, new_transfer_id
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.receive import land_from_store
@@ -78,18 +78,25 @@ class DecodeReceives:
 
     def prepare_receive(self, request_id: str, block_ids: Sequence[int], num_prompt_tokens: int,
                         num_leading_blocks: int, deadline: float,
-                        transfer_id: bytes | None = None) -> TransferParams:
+                        transfer_id: bytes | None = None, block_hashes: Sequence[int] | None = None) -> TransferParams:
         """Reserve the request's prompt blocks after the first `num_leading_blocks` (its local
         prefix hit) for a transfer until `deadline` (time.time()); returns the hand-off to
-        give the prefill service. `block_ids`: the request's blocks in order."""
+        give the prefill service. `block_ids`: the request's blocks in order. With
+        `block_hashes` (ours, of the prompt's full blocks), each block must arrive under its
+        hash (a partial last block under its short-lived key): another is refused."""
         if self.sink is None:
             raise TransferError("the connector has no cache registered")
-        dst = tuple(block_ids[num_leading_blocks:cdiv(num_prompt_tokens, self.layout.block_size)])
+        num_prompt_blocks = cdiv(num_prompt_tokens, self.layout.block_size)
+        dst = tuple(block_ids[num_leading_blocks:num_prompt_blocks])
         transfer_id = transfer_id or new_transfer_id()
+        keys = None if block_hashes is None else tuple(
+            block_hashes[i] if i < len(block_hashes) else ephemeral_key(transfer_id, i)
+            for i in range(num_leading_blocks, num_prompt_blocks))
         with self._lock:
             if request_id in self._receives:
                 raise InvalidRequestError(f"request {request_id} already has a receive")
-            self.sink.expect(transfer_id, dst, time.monotonic() + (deadline - time.time()), tag=request_id)
+            self.sink.expect(transfer_id, dst, time.monotonic() + (deadline - time.time()), tag=request_id,
+                             block_keys=keys)
             self._receives[request_id] = _Receive(transfer_id, dst)
         return TransferParams(transfer_id, dst, num_leading_blocks, deadline, self.limits.compat_hash,
                               tuple(self._endpoints.items()), self.config.backends)

@@ -31,7 +31,8 @@ class PdConnectorScheduler(KVConnectorScheduler):
         start = num_computed_tokens // bs
         hits = self.loads.match(request, start)
         if self.loads.saves:
-            self._announce(request.request_id, SaveSpec(request.request_id, request.block_hashes, start + hits))
+            self._announce(request.request_id, SaveSpec(request.request_id, request.block_hashes, start + hits,
+                                                        request.block_digests))
         return hits * bs
 
     def _announce(self, request_id: str, spec: SaveSpec | SendSpec) -> None:

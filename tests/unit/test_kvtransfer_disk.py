@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from pdserve.common.block_hash import DIGEST_BYTES
 from pdserve.kvtransfer.backends.disk import DiskStore
 from pdserve.kvtransfer.codec import encode_message, record_nbytes
 from pdserve.kvtransfer.health import HealthPolicy
@@ -70,7 +71,8 @@ def test_corrupt_record_is_a_miss_and_is_deleted(tmp_path, damage):
     path = store.path_of(COMPAT, 21)
     data = path.read_bytes()
     if damage == "flip":
-        data = data[:-4] + bytes([data[-4] ^ 0xFF]) + data[-3:]
+        at = len(data) - DIGEST_BYTES - 4  # a payload byte (the block's digest follows it)
+        data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
     elif damage == "truncate":
         data = data[:-10]
     elif damage == "empty":

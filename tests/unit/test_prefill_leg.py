@@ -45,7 +45,7 @@ class RecordingReceiver:
     def endpoints(self):
         return [("disk", "/tmp/kv")]
 
-    def prepare(self, request_id, block_ids, num_prompt_tokens, num_cached_tokens, timeout_s):
+    def prepare(self, request_id, block_ids, num_prompt_tokens, num_cached_tokens, timeout_s, block_hashes=None):
         self.prepared.append((request_id, timeout_s))
         return None
 

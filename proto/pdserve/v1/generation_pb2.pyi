@@ -34,7 +34,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "token_ids", "chat", "sampling", "session_id", "n", "best_of", "echo", "tools", "tool_choice", "single_tool_call")
+    __slots__ = ("request_id", "model", "prompt", "token_ids", "chat", "sampling", "session_id", "n", "best_of", "echo", "tools", "tool_choice", "single_tool_call", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     SINGLE_TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
@@ -61,7 +62,8 @@ class GenerateRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: str
     single_tool_call: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., echo: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., single_tool_call: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., echo: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., single_tool_call: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Tool(_message.Message):
     __slots__ = ("name", "description", "parameters_json")
