@@ -184,3 +184,48 @@ def test_several_processes_share_one_directory(tmp_path):
     DiskStore(tmp_path, max_records=40).prune()
     assert len(list(tmp_path.rglob("*.kv"))) <= 40
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_planted_record_does_not_block_its_replacement(tmp_path):
+    """Issue 25, item 7: a record planted under a block's name (no valid MAC) is replaced by
+    the next put of that block, and reads as a miss until then."""
+    key = os.urandom(32)
+    store = DiskStore(tmp_path, mac_key=key)
+    path = store.path_of(COMPAT, 31)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"planted" * 100)
+    assert store.get([31], LIMITS)[0] is None and store.num_unauthenticated == 1  # refused and dropped
+    path.write_bytes(b"planted" * 100)
+    assert store.put([31], message([31])) == 1  # replaced, not kept as "already stored"
+    assert bytes(store.get([31], LIMITS)[0]) == block_bytes(31)
+    other = DiskStore(tmp_path / "b", mac_key=os.urandom(32))  # another deployment's valid record
+    other.put([32], message([32]))
+    planted = store.path_of(COMPAT, 32)
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_bytes(other.path_of(COMPAT, 32).read_bytes())
+    assert store.put([32], message([32])) == 1
+    assert bytes(store.get([32], LIMITS)[0]) == block_bytes(32)
+
+
+def test_opens_never_follow_symlinks(tmp_path):
+    """Issue 25, item 7: a symlink (or a fifo) planted under a record's name is never
+    followed: a read is a miss that removes the link (its target untouched), a put replaces
+    the link with a record (its target untouched), and a fifo does not hang a read."""
+    store = DiskStore(tmp_path / "kv")
+    store.put([41], message([41]))
+    target = tmp_path / "victim-file"
+    target.write_bytes(store.path_of(COMPAT, 41).read_bytes())  # a valid record, outside the store
+    link = store.path_of(COMPAT, 42)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(target, link)
+    assert store.count_prefix_hits([42], COMPAT) == 0
+    assert store.get([42], LIMITS)[0] is None and not os.path.lexists(link)
+    os.symlink(target, link)
+    assert store.put([42], message([42])) == 1
+    assert not link.is_symlink() and bytes(store.get([42], LIMITS)[0]) == block_bytes(42)
+    assert target.read_bytes()[:4] == store.path_of(COMPAT, 41).read_bytes()[:4]  # untouched
+    fifo = store.path_of(COMPAT, 43)
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    assert store.get([43], LIMITS)[0] is None and not os.path.lexists(fifo)
+    assert store.put([43], message([43])) == 1 and bytes(store.get([43], LIMITS)[0]) == block_bytes(43)

@@ -199,3 +199,17 @@ def test_close_aborts_everything_and_is_idempotent(sink, clock):
     sink.close()
     sink.close()
     assert sink.pending_transfer_ids == set() and sink.reserved_block_ids == set()
+
+
+def test_blocks_under_other_hashes_than_reserved_are_refused(sink, clock):
+    """Issue 25, item 3: a peer that fills a victim's reserved blocks with another prompt's KV
+    (same length, other block hashes) is refused; the blocks stay untouched and open, and the
+    right blocks still land."""
+    tid = new_transfer_id()
+    sink.expect(tid, [4, 5], clock.now + 5, tag="victim", block_keys=[111, 222])
+    with pytest.raises(TransferError, match="block hashes other than the ones reserved"):
+        sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [1, 2], [4, 5], block_hashes=[111, 999])))
+    assert block_digests(sink.kv_caches, [4, 5]) == [ZERO] * 2 and sink.num_refused == 1
+    assert tid in sink.pending_transfer_ids
+    sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [1, 2], [4, 5], block_hashes=[111, 222])))
+    assert sink.is_complete(tid) and sink.reserved_block_ids == set()
