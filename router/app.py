@@ -24,8 +24,8 @@ import uvicorn
 from pdserve.common.block_hash import block_hash_key
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, InternalTLS
-from pdserve.rpc.server import (MAX_MESSAGE_BYTES, NO_PORT_SHARING, SERVER_OPTIONS, MalformedRequestInterceptor,
-                                    add_health_and_reflection, service_name, set_serving)
+from pdserve.rpc.server import (MAX_MESSAGE_BYTES, NO_PORT_SHARING, REGISTRY_MAX_RECEIVE_BYTES, MalformedRequestInterceptor,
+                                    add_health_and_reflection, internal_server, service_name, set_serving)
 from pdserve.router.admission import InFlight
 from pdserve.router.api_key import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
@@ -149,7 +149,7 @@ class RouterApp:
         self._grpc_server, self.grpc_port = await _serve(server, self.config.host, self.config.grpc_port, _GENERATION,
                                                          "the client API (gRPC)", _tls_credentials(self.config))
         interceptors = self.auth.interceptors([_REGISTRY], self.metrics.count_auth_refusal)
-        registry = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, MalformedRequestInterceptor()])
+        registry = internal_server(REGISTRY_MAX_RECEIVE_BYTES, interceptors)
         registry_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(self.membership, self.config, authenticated=self.auth.enabled), registry)
         self._registry_server, self.registry_port = await _serve(

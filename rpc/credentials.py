@@ -3,7 +3,8 @@
 Clients: `internal_channel(address, signer)` is a grpc.aio channel whose every call carries
 a fresh credential (`pdserve-credential` metadata) bound to the method. Servers:
 `AuthInterceptor` refuses, with UNAUTHENTICATED, every call to a protected service whose
-credential does not verify; the credential is checked before the request is parsed.
+credential does not verify; the credential is checked before the request is read (a refused
+call's message is never received, whatever its size).
 Health checking and reflection stay open (probes). Each refusal is counted and logged once
 per peer.
 """
@@ -154,19 +155,21 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 log.warning("refused an internal call from %s: %s", peer, reason)
             return f"internal call refused: {reason}"
 
-        async def refuse_unary(request, context):
+        # The refusal takes the request as a stream and never reads it: a unary handler would
+        # have grpc receive the whole message (up to the size limit) before refusing.
+        async def refuse_unary(requests, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, refuse_log(context))
 
-        async def refuse_stream(request, context):
+        async def refuse_stream(requests, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, refuse_log(context))
             yield  # pragma: no cover - makes this an async generator
 
         ignore = lambda data: None  # noqa: E731 - the request of a refused call is never parsed
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(refuse_stream, request_deserializer=ignore,
-                                                        response_serializer=handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(refuse_unary, request_deserializer=ignore,
-                                                   response_serializer=handler.response_serializer)
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse_stream, request_deserializer=ignore,
+                                                         response_serializer=handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(refuse_unary, request_deserializer=ignore,
+                                                    response_serializer=handler.response_serializer)
 
 
 class InternalAuth:

@@ -1,27 +1,49 @@
-"""What every pdserve gRPC server adds: standard health checking, reflection, and message
-size limits large enough for a tokenizer.json.
+"""What every pdserve gRPC server adds: standard health checking, reflection, message size
+limits, and (internal servers) a cap on calls in flight.
 
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = internal_server(WORKER_MAX_RECEIVE_BYTES, interceptors)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [service_name(decode_pb2, "Decode")])
     server.add_insecure_port("127.0.0.1:50070"); await server.start()
     await set_serving(health, [service_name(decode_pb2, "Decode")])
+
+Before a caller is verified a server spends little: the credential interceptor refuses a call
+without reading its message, a message over the server's receive limit is refused by grpc as
+its length arrives, and at most MAX_CONCURRENT_RPCS calls run at once (more get
+RESOURCE_EXHAUSTED). The receive limits follow the largest real message of each service,
+measured: a DecodeRequest of a 131,072-token prompt with 32,768 resumed tokens and its block
+hashes is 0.55 MB; its sampling part comes from a client body of at most the router's
+--max-body-bytes (4 MiB by default); a PrefillRequest is smaller (no resumed tokens, a hand-off
+of one id per block); registry calls carry a worker's description and load report, a few KB.
+KV never travels over gRPC (the transfer backends carry it).
 """
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import grpc
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_MESSAGE_OPTIONS = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-)
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # what a channel takes in (a ModelInfo's tokenizer.json)
+WORKER_MAX_RECEIVE_BYTES = 16 * 1024 * 1024  # Decode and Prefill requests, with room to spare
+REGISTRY_MAX_RECEIVE_BYTES = 1024 * 1024  # Register / Heartbeat / Deregister
+MAX_CONCURRENT_RPCS = 1024  # per internal server: well above a decode's streams in flight
 NO_PORT_SHARING = (("grpc.so_reuseport", 0),)  # a second listener on a used port fails to bind
-SERVER_OPTIONS = _MESSAGE_OPTIONS + NO_PORT_SHARING
-CHANNEL_OPTIONS = _MESSAGE_OPTIONS + (("grpc.enable_retries", 0),)  # callers decide about retries
+SERVER_OPTIONS = (("grpc.max_receive_message_length", WORKER_MAX_RECEIVE_BYTES),
+                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)) + NO_PORT_SHARING
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.enable_retries", 0))  # callers decide about retries
+
+
+def internal_server(max_receive_bytes: int, interceptors: Sequence[Any] = ()) -> grpc.aio.Server:
+    """A grpc.aio server for internal services: `interceptors` (the credential check first),
+    then malformed-request refusal; messages up to `max_receive_bytes`; at most
+    MAX_CONCURRENT_RPCS calls at once."""
+    options = (("grpc.max_receive_message_length", max_receive_bytes),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)) + NO_PORT_SHARING
+    return grpc.aio.server(options=options, interceptors=[*interceptors, MalformedRequestInterceptor()],
+                           maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
 
 
 def service_name(pb2_module: ModuleType, service: str) -> str:

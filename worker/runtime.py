@@ -17,7 +17,7 @@ from pdserve.common.auth import ClusterSecret
 from pdserve.rpc.credentials import InternalAuth, InternalTLS, bind
 from pdserve.worker.convert import load_to_proto
 from pdserve.worker.registrar import Registrar
-from pdserve.rpc.server import (SERVER_OPTIONS, MalformedRequestInterceptor, add_health_and_reflection,
+from pdserve.rpc.server import (WORKER_MAX_RECEIVE_BYTES, add_health_and_reflection, internal_server,
                                     set_serving)
 from pdserve.worker.settings import WorkerSettings
 
@@ -27,7 +27,7 @@ log = logging.getLogger("pdserve.worker")
 def bind_server(settings: WorkerSettings, interceptors=(), tls: InternalTLS | None = None) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server bound to the worker's address, over mutual TLS when `tls` (servicers
     are added later)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, MalformedRequestInterceptor()])
+    server = internal_server(WORKER_MAX_RECEIVE_BYTES, interceptors)
     port = bind(server, f"{settings.host}:{settings.grpc_port}", tls)
     if port == 0:
         raise OSError(f"{settings.role}: cannot listen for gRPC on {settings.host}:{settings.grpc_port}: "
