@@ -266,3 +266,32 @@ def test_grpc_generate_with_n_and_best_of(make_cluster):
             with pytest.raises(grpc.RpcError) as caught:
                 list(stub.Generate(bad, timeout=WAIT_S))
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_cache_salt_reaches_the_decode_in_its_block_hashes_and_is_bounded(make_cluster):
+    """Issue 25, items 2 and 6: the client's ModelInfo gives no block-hash salt; a request's
+    cache_salt goes to the decode and changes every block hash the router computes (the same
+    salt gives the same hashes); an over-long one is INVALID_ARGUMENT naming cache_salt."""
+    from pdserve.common.block_hash import hash_prompt_blocks
+    from router_fakes import BLOCK_SIZE, SALT
+
+    cluster = make_cluster()
+    worker = cluster.add("d0")
+    channel, stub = cluster.generation()
+    prompt = words(40)
+    with channel:
+        assert stub.ModelInfo(common_pb2.ModelInfoRequest(), timeout=WAIT_S).block_hash_salt == 0
+        for salt in ("", "tenant-a", "tenant-a", "tenant-b"):
+            list(stub.Generate(generation_pb2.GenerateRequest(
+                model=MODEL, prompt=prompt, cache_salt=salt, sampling=common_pb2.SamplingParams(max_tokens=2)),
+                timeout=WAIT_S))
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(generation_pb2.GenerateRequest(
+                model=MODEL, prompt=prompt, cache_salt="x" * 257), timeout=WAIT_S))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in caught.value.details()
+    assert dict(caught.value.trailing_metadata() or ()).get("pdserve-error-param") == "cache_salt"
+    sent = worker.requests
+    assert [r.cache_salt for r in sent] == ["", "tenant-a", "tenant-a", "tenant-b"]
+    hashes = [tuple(r.block_hashes) for r in sent]
+    assert hashes[0] == tuple(hash_prompt_blocks(sent[0].prompt_token_ids, BLOCK_SIZE, SALT))
+    assert hashes[1] == hashes[2] and len(set(hashes[0]) | set(hashes[1]) | set(hashes[3])) == 3 * len(hashes[0])

@@ -182,6 +182,25 @@ def test_tokenize_detokenize_and_stop_token_ids_are_bounded_before_any_work(make
         assert ok.status_code == 200 and len(decode.requests) == 1
 
 
+
+def test_cache_salt_is_bounded_and_passed_on(make_cluster):
+    """Issue 25, item 6: cache_salt is a string of at most 256 characters (else a 400 naming
+    it, nothing sent to a worker); a valid one reaches the decode with the request."""
+    cluster = make_cluster()
+    decode = cluster.add("d0")
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        for path, body in (("/v1/chat/completions", chat_body(max_tokens=2, cache_salt="x" * 257)),
+                           ("/v1/completions", {"model": MODEL, "prompt": "hi", "cache_salt": 7}),
+                           ("/v1/completions", {"model": MODEL, "prompt": "hi", "cache_salt": ["a"]})):
+            answer = http.post(path, json=body)
+            assert answer.status_code == 400, (path, answer.text)
+            assert answer.json()["error"]["param"] == "cache_salt", answer.json()
+        assert not decode.requests
+        for path, body in (("/v1/chat/completions", chat_body(max_tokens=2, cache_salt="t" * 256)),
+                           ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "cache_salt": "t1"})):
+            assert http.post(path, json=body).status_code == 200
+    assert [r.cache_salt for r in decode.requests] == ["t" * 256, "t1"]
+
 BAD_HTTP = [
     ("malformed json", "/v1/chat/completions", b'{"model": ', 400, None),
     ("non-object body", "/v1/chat/completions", b"[1, 2]", 400, None),
