@@ -39,6 +39,7 @@ class SendJob:
     endpoints: Mapping[str, str] = field(default_factory=dict)  # backend -> receiver endpoint
     order: tuple[str, ...] = ()  # empty: the chain's own order
     deadline: float = float("inf")  # time.monotonic() instant for the whole transfer
+    digests: tuple[bytes, ...] = ()  # the prefix digest of each leading full block, stored with it
 
     @property
     def num_blocks(self) -> int:
@@ -162,7 +163,7 @@ class FallbackChain:
                 return f"{exc.__class__.__name__}: {exc}"
             return None
         store = self.stores[name]
-        stored = store.put(job.store_keys, job.message)  # records its own health
+        stored = store.put(job.store_keys, job.message, job.digests)  # records its own health
         if stored == job.num_blocks:
             return None
         detail = store.health.last_error or "backend refused"

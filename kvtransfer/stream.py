@@ -68,13 +68,15 @@ class LayerStream:
     def __init__(self, request_id: str, params: TransferParams, keys: Sequence[int],
                  num_prompt_tokens: int, backend: str, chain: FallbackChain, limits: WireLimits,
                  kv_caches: Sequence[torch.Tensor], submit: Callable[..., object],
-                 on_verdict: Callable[[str, TransferVerdict], None]) -> None:
-        """`keys`: the store key of each block of the send (for a fallback to a store);
+                 on_verdict: Callable[[str, TransferVerdict], None], digests: Sequence[bytes] = ()) -> None:
+        """`keys`: the store key of each block of the send (for a fallback to a store), and
+        `digests` the prefix digest of its leading full blocks (kept with them there);
         `submit(fn)` runs `fn` on a pool thread; `on_verdict(request_id, verdict)` is called
         once, with the stream's verdict, unless the stream is cancelled first."""
         self.request_id = request_id
         self.params = params
         self.keys = tuple(keys)
+        self.digests = tuple(digests)
         self.num_prompt_tokens = num_prompt_tokens
         self.backend = backend
         self.endpoint = dict(params.endpoints)[backend]
@@ -248,7 +250,7 @@ class LayerStream:
                                      self.keys, whole)
             return self._chain.send(SendJob(self.params.transfer_id, message, self.keys,
                                             dict(self.params.endpoints), self.params.backends,
-                                            self.params.monotonic_deadline()), broken=self.broken)
+                                            self.params.monotonic_deadline(), self.digests), broken=self.broken)
         except Exception as exc:  # the request must still get a verdict
             return TransferVerdict(self.params.transfer_id.hex(), Outcome.FAILED, "",
                                    fallbacks=(self.broken, Fallback("sender", repr(exc))))

@@ -34,6 +34,7 @@ class SendSpec:
     params: TransferParams
     num_prompt_tokens: int
     block_hashes: tuple[int, ...]
+    block_digests: tuple[bytes, ...] = ()  # stored with blocks a store carries: a later hit must match
 
 
 @dataclass(slots=True)

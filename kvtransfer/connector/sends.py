@@ -180,7 +180,8 @@ class PrefillSends:
                 return
             self._streams[rid] = LayerStream(
                 rid, params, keys, spec.num_prompt_tokens, backend, self.chain,
-                self.limits, self._kv_caches, submit=self._streams_bg.submit, on_verdict=self._finish_send)
+                self.limits, self._kv_caches, submit=self._streams_bg.submit, on_verdict=self._finish_send,
+                digests=spec.block_digests[params.num_leading_blocks:])
 
     def _send_keys(self, spec: SendSpec) -> tuple[int, ...]:
         """The store key of each block sent: its content hash, or a short-lived key."""
@@ -200,7 +201,8 @@ class PrefillSends:
         try:
             if not problem:
                 blocks = gather_to_host(self._kv_caches, src)
-                self._sends_bg.submit(self._run_send, rid, params, self._send_keys(spec), blocks, forward_end)
+                self._sends_bg.submit(self._run_send, rid, params, self._send_keys(spec), blocks, forward_end,
+                                      spec.block_digests[params.num_leading_blocks:])
                 return
         except RuntimeError as exc:  # the pool is shut down: the engine must still get the request back
             problem = f"{exc.__class__.__name__}: {exc}"
@@ -216,11 +218,12 @@ class PrefillSends:
         return ""
 
     def _run_send(self, rid: str, params: TransferParams, keys: tuple[int, ...],
-                  blocks: torch.Tensor, forward_end: float) -> None:
+                  blocks: torch.Tensor, forward_end: float, digests: tuple[bytes, ...] = ()) -> None:
+        """`digests`: those of the leading full blocks sent (a store keeps them with the blocks)."""
         try:
             message = encode_message(self.limits, params.transfer_id, params.dst_block_ids, keys, blocks)
             verdict = self.chain.send(SendJob(params.transfer_id, message, keys, params.endpoint_map,
-                                              params.backends, params.monotonic_deadline()))
+                                              params.backends, params.monotonic_deadline(), digests))
         except Exception as exc:  # noqa: BLE001 - the chain catches backend errors; a last guard, so a verdict always comes
             verdict = TransferVerdict(params.transfer_id.hex(), Outcome.FAILED, "",
                                       fallbacks=(Fallback("sender", repr(exc)),))

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.child import Child
+from pdserve.common.block_hash import DIGEST_BYTES
 from pdserve.common.errors import TransferError
 from pdserve.kvtransfer import backend_loader
 from pdserve.kvtransfer.base import BlockMessage
@@ -192,7 +193,8 @@ def test_flipped_byte_is_refused(link):
     link.expect(message, dst)
     if link.is_store:
         link.put(message, keys)
-        corrupt_record(link, keys[1], lambda rec: flip_byte(rec, len(rec) - 5))
+        # a payload byte: the record ends with the block's digest (and a MAC when keyed)
+        corrupt_record(link, keys[1], lambda rec: flip_byte(rec, len(rec) - 5 - DIGEST_BYTES))
         with pytest.raises(TransferError, match="missing 1 of 3"):
             link.fetch(message.transfer_id, dst, keys)
         assert not record_exists(link, keys[1])  # a corrupt record is deleted
