@@ -58,18 +58,9 @@ class ClusterSecret:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ClusterSecret":
-        """Read a secret file; refuse one that group or others may read (0600 is right)."""
-        p = Path(path)
-        try:
-            st = p.stat()
-            data = p.read_bytes()
-        except OSError as exc:
-            raise ClusterSecretError(f"cannot read the cluster secret file {p}: {exc.strerror}") from None
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO) and not _on_secret_volume(p):
-            raise ClusterSecretError(f"the cluster secret file {p} is readable by others "
-                                     f"(mode {stat.S_IMODE(st.st_mode):o}); run: chmod 600 {p}")
-        return cls(data.strip())
-
+        """Read a secret file: owned by this user or root, readable by nobody else (0600 is
+        right; a Kubernetes Secret volume's files, see `_on_secret_volume`, may be 0440/0644)."""
+        return cls(read_private_file(path, "cluster secret").strip())
     @staticmethod
     def create(path: str | os.PathLike) -> "ClusterSecret":
         """Write a new random secret to `path` (created 0600; an existing file is an error)."""
@@ -83,10 +74,70 @@ class ClusterSecret:
         return hmac.new(self._material, b"pdserve-v1/" + use.encode(), hashlib.sha256).digest()
 
 
-def _on_secret_volume(path: Path) -> bool:
-    """Kubernetes mounts Secret volumes through symlinks into `..data`; their files are
-    0644 by default inside a directory only the pod can see. Accept those."""
-    return any(part == "..data" or part.startswith("..20") for part in path.resolve().parts)
+_TIMESTAMPED_DIR = re.compile(r"\.\.\d{4}_\d{2}_\d{2}_\d{2}_\d{2}_\d{2}\.\d+")
+
+
+def read_private_file(path: str | os.PathLike, what: str, max_bytes: int = MAX_SECRET_BYTES + 64) -> bytes:
+    """The bytes of a file that holds a secret, checked on the descriptor they are read from
+    (no stat-then-read race): the path's final target (symlinks resolved) is a regular file
+    owned by this user or root, and neither group nor others may read or write it, unless it
+    is a Kubernetes Secret volume's file (`_on_secret_volume`), which may be group- or
+    world-readable, never writable."""
+    given = Path(path)
+    try:
+        target = given.resolve(strict=True)
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, RuntimeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ClusterSecretError(f"cannot read the {what} file {given}: {reason}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ClusterSecretError(f"the {what} file {given} is not a regular file")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise ClusterSecretError(f"the {what} file {given} belongs to uid {st.st_uid}, neither this "
+                                     f"user ({os.geteuid()}) nor root")
+        mode = stat.S_IMODE(st.st_mode)
+        shared, writable = mode & (stat.S_IRWXG | stat.S_IRWXO), mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if shared and (writable or st.st_uid != 0 or not _on_secret_volume(target)):
+            raise ClusterSecretError(f"the {what} file {given} is readable by others (mode {mode:o}"
+                                     f"{'' if target == given else f', via {target}'}); run: chmod 600 {target}")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ClusterSecretError(f"the {what} file {given} is over {max_bytes} bytes")
+    return data
+
+
+def _on_secret_volume(target: Path) -> bool:
+    """True for a file Kubernetes wrote into a Secret volume: the kubelet puts it in a
+    timestamped directory `..2025_01_31_12_00_00.123` on a tmpfs, which `..data` (a symlink
+    beside it) points at; the files are root's, 0644 unless the volume's defaultMode says
+    otherwise (this chart: 0440), in a mount only the pod sees. `target` is resolved: a
+    `..data` anywhere else in a path grants nothing."""
+    folder = target.parent
+    if not _TIMESTAMPED_DIR.fullmatch(folder.name):
+        return False
+    try:
+        if os.readlink(folder.parent / "..data") != folder.name:
+            return False
+    except OSError:
+        return False
+    return _filesystem_of(target) == "tmpfs"
+
+
+def _filesystem_of(path: Path) -> str:
+    """The type of the filesystem `path` lives on (the longest mount point above it)."""
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                mount = fields[1].replace("\\040", " ")
+                if (str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        return ""
+    return kind
 
 
 def encode_fields(*fields: object) -> bytes:
