@@ -1,10 +1,10 @@
-"""What `--quantization int8` costs and gains: `pdserve bench quantization [--prompts 100]`.
+"""What each `--quantization` costs and gains: `pdserve bench quantization [--prompts 100]`.
 
-Side by side in one run, on the same model: greedy agreement of the int8 engine with the
-fp32 engine over `--prompts` prompts (identical answers, and the mean share of each answer
-before the first differing token); perplexity of a fixed text under transformers' model with
-fp32 linears and with the same int8 kernel pdserve uses; and decode throughput of both
-engines at batch `--batch`, interleaved rounds, best of `--rounds`.
+Side by side in one run, on the same model, each quantization (int8, gguf, gguf-fast) against
+the float32 engine: greedy agreement over `--prompts` prompts (identical answers, and the mean
+share of each answer before the first differing token); perplexity of a fixed text, from each
+engine's own prompt logprobs; and decode throughput at batch `--batch`, interleaved rounds,
+best of `--rounds`.
 """
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ def prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def agreement(fp32, int8, texts: list[str], max_tokens: int) -> tuple[int, float]:
+def agreement(fp32, other, texts: list[str], max_tokens: int) -> tuple[int, float]:
     """(answers identical, mean share of an answer before the first differing token)."""
     from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     a = fp32.generate(texts, params)
-    b = int8.generate(texts, params)
+    b = other.generate(texts, params)
     same, shares = 0, []
     for x, y in zip(a, b):
         ids_x, ids_y = list(x.token_ids), list(y.token_ids)
@@ -49,37 +49,14 @@ def agreement(fp32, int8, texts: list[str], max_tokens: int) -> tuple[int, float
     return same, sum(shares) / len(shares)
 
 
-def perplexities(model_dir) -> tuple[float, float]:
-    """Perplexity of TEXT under transformers' model, fp32 linears then pdserve's int8 ones."""
-    import torch
-    import transformers
+def perplexity(llm) -> float:
+    """Perplexity of TEXT under the engine itself (its prompt logprobs), so every
+    quantization is measured through the kernels it serves with."""
+    from pdserve.engine.sampling_params import SamplingParams
 
-    from pdserve.engine.models.linear import Linear
-
-    class Int8(torch.nn.Module):
-        def __init__(self, linear: torch.nn.Linear) -> None:
-            super().__init__()
-            self.inner = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(),
-                                quantize="int8")
-
-        def forward(self, x):
-            shape = x.shape
-            return self.inner(x.reshape(-1, shape[-1])).reshape(*shape[:-1], -1)
-
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([tok(TEXT).input_ids])
-
-    def ppl() -> float:
-        with torch.no_grad():
-            return math.exp(model(ids, labels=ids).loss.item())
-
-    before = ppl()
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear) and child_name != "down_proj":  # as CausalLM does
-                setattr(module, child_name, Int8(child))
-    return before, ppl()
+    out = llm.generate([TEXT], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
+    logprobs = [entry.logprob for entry in out.prompt_logprobs]
+    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def decode_rate(llm, batch: int, max_tokens: int) -> float:
@@ -94,8 +71,10 @@ def decode_rate(llm, batch: int, max_tokens: int) -> float:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench quantization", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="default")
+    p.add_argument("--quantizations", default="int8,gguf,gguf-fast",
+                   help="comma-separated, each against float32 (the gguf ones need a GGUF model)")
     p.add_argument("--prompts", type=int, default=100)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=1)
@@ -103,21 +82,26 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", module="torch.ao")
     from pdserve.engine.llm import LLM
 
-    fp32 = LLM(args.model, num_threads=args.num_threads)
-    int8 = LLM(args.model, num_threads=args.num_threads, quantization="int8")
-    same, share = agreement(fp32, int8, prompts(args.prompts), args.max_tokens)
-    print(f"greedy agreement over {args.prompts} prompts, {args.max_tokens} tokens: {same} identical "
-          f"({same / args.prompts:.0%}); mean share before the first difference {share:.1%}", flush=True)
-    before, after = perplexities(fp32.engine.loaded.model_dir)
-    print(f"perplexity of a fixed {len(TEXT.split())}-word text: fp32 {before:.3f}, int8 {after:.3f} "
-          f"({after / before - 1:+.1%})", flush=True)
-    rates = {"fp32": [], "int8": []}
+    engines = {"fp32": LLM(args.model, num_threads=args.num_threads, quantization="")}
+    for name in args.quantizations.split(","):
+        engines[name] = LLM(args.model, num_threads=args.num_threads, quantization=name)
+    texts = prompts(args.prompts)
+    base_ppl = perplexity(engines["fp32"])
+    print(f"perplexity of a fixed {len(TEXT.split())}-word text, fp32: {base_ppl:.4f}", flush=True)
+    for name, llm in list(engines.items())[1:]:
+        same, share = agreement(engines["fp32"], llm, texts, args.max_tokens)
+        ppl = perplexity(llm)
+        print(f"{name}: greedy agreement with fp32 over {args.prompts} prompts, {args.max_tokens} tokens: "
+              f"{same} identical ({same / args.prompts:.0%}), mean share before the first difference "
+              f"{share:.1%}; perplexity {ppl:.4f} ({ppl / base_ppl - 1:+.2%})", flush=True)
+    rates: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
-        for name, llm in (("fp32", fp32), ("int8", int8)):
+        for name, llm in engines.items():
             rates[name].append(decode_rate(llm, args.batch, 64))
     best = {name: max(r) for name, r in rates.items()}
-    print(f"decode at batch {args.batch}, 64 tokens, best of {args.rounds}: fp32 {best['fp32']:.1f} tok/s, "
-          f"int8 {best['int8']:.1f} tok/s, ratio {best['int8'] / best['fp32']:.2f}", flush=True)
-    fp32.engine.assert_no_leaks()
-    int8.engine.assert_no_leaks()
+    print(f"decode at batch {args.batch}, 64 tokens, {args.num_threads} threads, best of {args.rounds}: "
+          + ", ".join(f"{name} {rate:.1f} tok/s ({rate / best['fp32']:.2f}x)" for name, rate in best.items()),
+          flush=True)
+    for llm in engines.values():
+        llm.engine.assert_no_leaks()
     return 0

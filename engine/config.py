@@ -156,6 +156,9 @@ class SchedulerConfig:
             raise InvalidRequestError("max_model_len must be >= 2")
 
 
+QUANTIZATIONS = ("", "int8", "gguf", "gguf-fast", "auto")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "default"  # "default" | a transformers directory | a .gguf file
@@ -166,7 +169,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     use_build_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    quantization: str = ""  # "" (weights as loaded) | "int8" (CPU, fp32: dynamic int8 GEMMs)
+    # "" (float32 weights) | "int8" (CPU, fp32: dynamic int8 GEMMs) | "gguf" (a GGUF model's own
+    # blocks, float32 activations) | "gguf-fast" (the same, bfloat16 activations for 4-bit
+    # blocks) | "auto" ("gguf" for a GGUF model on CPU in float32, else "")
+    quantization: str = ""
     # the key of the prompt blocks' digests (common.block_hash.block_hash_key): secret-derived
     # in a deployment with a cluster secret; never shown in a repr
     block_hash_key: bytes = field(default=INSECURE_KEY, repr=False)
@@ -174,7 +180,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")
-        if self.quantization not in ("", "int8"):
-            raise InvalidRequestError(f"unsupported quantization {self.quantization!r} (none, int8)")
-        if self.quantization and (self.device != "cpu" or self.dtype != "float32"):
-            raise InvalidRequestError("--quantization int8 runs on CPU with float32 activations only")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(f"unsupported quantization {self.quantization!r} "
+                                      f"(none, {', '.join(q for q in QUANTIZATIONS if q)})")
+        if self.quantization not in ("", "auto") and (self.device != "cpu" or self.dtype != "float32"):
+            raise InvalidRequestError(f"--quantization {self.quantization} runs on CPU with float32 "
+                                      f"activations only")

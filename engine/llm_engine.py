@@ -13,6 +13,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.connector import Connector, ConnectorFactory, KVCacheLayout
+from pdserve.engine import gguf_weights
 from pdserve.engine.constraints import GrammarCompiler
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.common.errors import InvalidRequestError, PromptTooLongError
@@ -60,8 +61,11 @@ class LLMEngine:
         self.model_config: ModelConfig = self.loaded.model_config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
-        self.model = CausalLM(self.model_config, self.loaded.load_state_dict(), self.device, dtype,
-                              self.config.quantization)
+        state = self.loaded.load_state_dict()
+        quantization, blocks = gguf_weights.weights_to_serve(self.config, self.loaded, state)
+        self.config = dataclasses.replace(self.config, quantization=quantization)
+        self.model = CausalLM(self.model_config, state, self.device, dtype, quantization, blocks)
+        del state
         sched_cfg = self.config.scheduler
         self.max_model_len = min(sched_cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)

@@ -56,6 +56,7 @@ class LoadedModel:
     tokenizer: Any | None  # transformers PreTrainedTokenizerFast; None when the dir has none
     dtype: str = "float32"
     converted: bool = False  # True when this load ran the GGUF conversion (build cache miss)
+    gguf_path: Path | None = None  # the GGUF file the directory was converted from, if any
 
     def load_state_dict(self, device: str = "cpu",
                         dtype: str | None = None) -> dict[str, torch.Tensor]:
@@ -97,7 +98,7 @@ def load_model(spec: str = "default", *, dtype: str = "float32",
             return _load_dir(path, path.name, dtype)
         gguf_path, name = path, _QUANT_SUFFIX.sub("", path.stem)
     model_dir, converted = convert_gguf(gguf_path, build_cache or BuildCache.from_env())
-    return _load_dir(model_dir, name, dtype, converted=converted)
+    return dataclasses.replace(_load_dir(model_dir, name, dtype, converted=converted), gguf_path=gguf_path)
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -1,5 +1,6 @@
-"""Native (C++) CPU kernels, compiled on first use and cached: decode attention, and the
-fused small steps of a decoder layer (`csrc/cpu_fused_layer.cpp`, see `kernels.fused`).
+"""Native (C++) CPU kernels, compiled on first use and cached: decode attention, the
+fused small steps of a decoder layer (`csrc/cpu_fused_layer.cpp`, see `kernels.fused`), and
+linears over a GGUF file's quantized blocks (`csrc/cpu_quant_gemm.cpp`, see `kernels.quant`).
 
 `csrc/cpu_decode_attention.cpp` reads K/V in place through the block table; the torch path
 (`torch_paths.paged_decode_attention`) must first gather them into a padded batch, which at
@@ -30,8 +31,9 @@ from pdserve.common import envs, progress
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                 for name in ("cpu_decode_attention.cpp", "cpu_fused_layer.cpp"))
-_FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rope_store_kv"]
+                 for name in ("cpu_decode_attention.cpp", "cpu_fused_layer.cpp", "cpu_quant_gemm.cpp"))
+_FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rope_store_kv", "quant_linear", "dequantize_rows"]
+_ISAS = {"native": [], "avx2": ["-mno-avx512f"]}  # PDSERVE_CPU_ISA -> flags after -march=native
 _MODES = ("auto", "native", "torch")
 BUILD_LOCK_TIMEOUT_S = 900.0  # the longest wait on another process's compile
 
@@ -66,6 +68,16 @@ def fused_layer_module() -> object | None:
     """The extension's fused layer ops (`add_rms_norm`, `rope_store_kv`), or None where the
     torch path must run (same rules as `decode_attention_op`)."""
     return None if decode_attention_op() is None else _load()
+
+
+def quant_module() -> object:
+    """The extension's GGUF block GEMM (`quant_linear`, `dequantize_rows`), whatever
+    PDSERVE_CPU_ATTENTION says: there is no torch path to fall back to. Raises
+    NativeBuildError when the extension does not build."""
+    module = _load()
+    if isinstance(module, Exception):
+        raise NativeBuildError(f"native CPU kernels did not build: {module}") from module
+    return module
 
 
 def backend_name() -> str:
@@ -130,9 +142,12 @@ def source_text() -> str:
 
 def _flags() -> list[str]:
     native = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
+    isa = envs.get("PDSERVE_CPU_ISA").strip().lower()
+    if isa not in _ISAS:
+        raise ValueError(f"PDSERVE_CPU_ISA={isa!r}: expected one of {', '.join(_ISAS)}")
     # -fopenmp: ATen's parallel_for is an inline OpenMP region, serial without it. The
     # libgomp.so.1 it needs is the one torch has already loaded (same soname).
-    return ["-O3", "-fopenmp", native]
+    return ["-O3", "-fopenmp", native, *_ISAS[isa]]
 
 
 def _fingerprint(source: str, flags: list[str]) -> str:

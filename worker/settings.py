@@ -51,9 +51,12 @@ class WorkerSettings:
     served_model_name: str = setting("", "name clients use in requests (none: from the model)", "engine")
     dtype: str = setting("float32", "weights and KV cache dtype", "engine",
                          choices=("float32", "bfloat16", "float16"))
-    quantization: str = setting("none", "int8: weights in int8 with dynamic int8 GEMMs (CPU, float32; about "
-                                "2x faster linears, slightly different text; prefill and decode must agree)",
-                                "engine", choices=("none", "int8"))
+    quantization: str = setting(
+        "auto", "weights: auto (a .gguf model's own blocks on CPU in float32, else as loaded), none "
+        "(float32), gguf (the .gguf's quantized blocks, float32 activations: same greedy text), "
+        "gguf-fast (bfloat16 activations for 4-bit blocks: faster, small differences), int8 "
+        "(dynamic int8 GEMMs); prefill and decode must agree", "engine",
+        choices=("auto", "none", "gguf", "gguf-fast", "int8"))
     device: str = setting("cpu", "cpu or cuda[:N]", "engine")
     num_threads: int = setting(0, "torch intra-op threads (0: torch's choice)", "engine")
     block_size: int = setting(16, "tokens per KV block", "engine")
@@ -141,8 +144,6 @@ class WorkerSettings:
             raise SettingsError("--failure-policy must be recompute or fail")
         if out.attention_window < 0:
             raise SettingsError("--attention-window must be >= 0 (0: none)")
-        if out.quantization not in ("none", "int8"):
-            raise SettingsError("--quantization must be none or int8")
         if out.prefix_store not in ("none", "disk", "redis"):
             raise SettingsError("--prefix-store must be disk, redis or none")
         where = {"disk": ("disk_store", "--disk-store"), "redis": ("redis_url", "--redis-url")}

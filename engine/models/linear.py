@@ -10,6 +10,8 @@ decode step has a handful of rows; oneDNN with the weight reordered into its blo
 (`mkldnn._reorder_linear_weight`, done once) runs the same GEMM several times faster
 (SmolLM2's 49,152 x 576 output projection at 8 rows: ~60 -> ~16 ms on the shared 2-core
 CPU). Same math, fp32 rounding differences only. Other devices/dtypes use F.linear.
+
+A GGUF model's own blocks (`Linear.from_blocks`, `--quantization gguf`): see `kernels.quant`.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.common import envs
+from pdserve.kernels.quant import Int4Pack, QuantWeight, quant_linear
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -29,7 +32,7 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 class Linear:
     """y = x @ weight.T (+ bias); weight [out, in] as in the checkpoint."""
 
-    __slots__ = ("weight", "bias", "_packed", "_int8")
+    __slots__ = ("weight", "bias", "_packed", "_int8", "_blocks", "_int4")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  prepack: bool = False, batch_hint: int = 8, quantize: str = "") -> None:
@@ -37,6 +40,8 @@ class Linear:
         self.bias = bias
         self._packed = None
         self._int8 = None
+        self._blocks: QuantWeight | None = None
+        self._int4: Int4Pack | None = None
         if quantize == "int8":
             self._int8 = _pack_int8(weight, bias)
             self.weight = None
@@ -44,7 +49,22 @@ class Linear:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
             self.weight = None  # the packed copy replaces it: no second set of weight bytes
 
+    @classmethod
+    def from_blocks(cls, blocks: QuantWeight, bias: torch.Tensor | None = None, fast: bool = False) -> Linear:
+        """A linear over GGUF blocks: exact (float32 activations, the native kernel) or, with
+        `fast` and 4-bit blocks, bfloat16 activations through torch's int4 GEMM."""
+        linear = cls.__new__(cls)
+        linear.weight, linear.bias, linear._packed, linear._int8 = None, bias, None, None
+        linear._blocks, linear._int4 = blocks, None
+        if fast and blocks.qtype in Int4Pack.QTYPES:
+            linear._int4, linear._blocks = Int4Pack(blocks), None
+        return linear
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._blocks is not None:
+            return quant_linear(x, self._blocks, self.bias)
+        if self._int4 is not None:
+            return self._int4(x, self.bias)
         if self._int8 is not None:
             # reduce_range: 7-bit activations, which x86's int8 dot products need to avoid overflow
             return torch.ops.quantized.linear_dynamic(x, self._int8, True)

@@ -18,6 +18,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.connector import KVConnectorWorker, LayerSaveContext
 from pdserve.common.errors import ModelLoadError
 from pdserve.engine.models.linear import Linear, can_prepack
+from pdserve.kernels.quant import QuantWeight
 from pdserve.engine.models.rope import RotaryEmbedding
 from pdserve.kernels.fused import add_rms_norm, rms_norm, rope_store_kv
 
@@ -36,52 +37,67 @@ class LayerWeights:
 
 class CausalLM:
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, quantization: str = "") -> None:
+                 device: torch.device, dtype: torch.dtype, quantization: str = "",
+                 blocks: dict[str, QuantWeight] | None = None) -> None:
+        """`blocks`: GGUF linears by transformers' name (`--quantization gguf`/`gguf-fast`),
+        used in place of the float32 weights of the same name."""
         self.config = config
         self.device = device
         self.dtype = dtype
-
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
-            t = state.get(name)
-            if t is None:
-                if required:
-                    raise ModelLoadError(f"weight {name} missing from the checkpoint")
-                return None
-            return t.to(device=device, dtype=dtype).contiguous()
-
-        self.embed = take("model.embed_tokens.weight")
-        self.norm = take("model.norm.weight")
-        lm_head = None if config.tie_word_embeddings else take("lm_head.weight", required=False)
-        pack = can_prepack(device, dtype)
-        # int8 everywhere but down_proj: its inputs (SiLU(gate) x up) carry the outlier
-        # activations that one dynamic scale per call cannot hold (SmolLM2: perplexity +141%
-        # from down_proj alone, +1 to +17% from each of the others)
-        q = quantization
-        self.lm_head = Linear(lm_head if lm_head is not None else self.embed, prepack=pack, quantize=q)
+        self._state, self._blocks = state, blocks or {}
+        self._pack = can_prepack(device, dtype)
+        self._quantization = quantization
+        self.embed = self._take("model.embed_tokens.weight")
+        self.norm = self._take("model.norm.weight")
+        head = "model.embed_tokens.weight"
+        if not config.tie_word_embeddings and "lm_head.weight" in state:
+            head = "lm_head.weight"
+        self.lm_head = self._linear([head])
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             bias = None
             if config.attention_bias:
-                bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+                bias = torch.cat([self._take(a + "q_proj.bias"), self._take(a + "k_proj.bias"),
+                                  self._take(a + "v_proj.bias")])
             self.layers.append(LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=Linear(torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
-                                      take(a + "v_proj.weight")]), bias, prepack=pack, quantize=q),
-                q_norm=take(a + "q_norm.weight") if config.qk_norm else None,
-                k_norm=take(a + "k_norm.weight") if config.qk_norm else None,
-                o_proj=Linear(take(a + "o_proj.weight"), prepack=pack, quantize=q),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"),
-                                          take(p + "mlp.up_proj.weight")]), prepack=pack, quantize=q),
-                down=Linear(take(p + "mlp.down_proj.weight"), prepack=pack),
+                input_norm=self._take(p + "input_layernorm.weight"),
+                qkv=self._linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], bias),
+                q_norm=self._take(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=self._take(a + "k_norm.weight") if config.qk_norm else None,
+                o_proj=self._linear([a + "o_proj.weight"]),
+                post_norm=self._take(p + "post_attention_layernorm.weight"),
+                gate_up=self._linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                # int8 everywhere but down_proj: its inputs (SiLU(gate) x up) carry the outlier
+                # activations that one dynamic scale per call cannot hold (SmolLM2: perplexity
+                # +141% from down_proj alone, +1 to +17% from each of the others)
+                down=self._linear([p + "mlp.down_proj.weight"], int8=False),
             ))
+        del self._state, self._blocks
         self.rope = RotaryEmbedding(config, device)
         self.scale = config.head_dim ** -0.5
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
+
+    def _take(self, name: str) -> torch.Tensor:
+        t = self._state.get(name)
+        if t is None:
+            raise ModelLoadError(f"weight {name} missing from the checkpoint")
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _linear(self, names: list[str], bias: torch.Tensor | None = None, int8: bool = True) -> Linear:
+        """One projection over the weights `names`, stacked by rows: from GGUF blocks when all
+        of them have blocks of one type, else float32 (prepacked, or int8 when asked)."""
+        parts = [self._blocks.get(name) for name in names]
+        if all(parts):
+            stacked = QuantWeight.stack(parts)
+            if stacked is not None:
+                return Linear.from_blocks(stacked, bias, fast=self._quantization == "gguf-fast")
+        weight = torch.cat([self._take(name) for name in names]) if len(names) > 1 else self._take(names[0])
+        int8 = self._quantization if self._quantization == "int8" and int8 else ""
+        return Linear(weight, bias, prepack=self._pack, quantize=int8)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

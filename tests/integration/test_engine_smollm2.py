@@ -190,3 +190,29 @@ def test_truncated_default_gguf_is_a_load_error(tmp_path):
     with pytest.raises(ModelLoadError):
         LLM(str(tmp_path / "missing.gguf"))
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["gguf", "auto"])
+def test_gguf_blocks_give_transformers_greedy_text(hf, tokenizer, prompts, mode, caplog):
+    """`--quantization gguf` (and `auto`, which picks it for a .gguf on CPU): every linear from
+    the file's own blocks (210 Q4_1 + the tied Q8_0 embedding/output), greedy text as
+    transformers' over the same file dequantized."""
+    with caplog.at_level("INFO", logger="pdserve.engine.gguf_weights"):
+        quantized = LLM("default", num_blocks=128, quantization=mode)
+    assert quantized.engine.config.quantization == "gguf"
+    assert "210 Q4_1" in caplog.text and "1 Q8_0" in caplog.text
+    model = quantized.engine.model
+    assert model.lm_head.weight is None and all(
+        linear.weight is None for layer in model.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    ids = [encode(tokenizer, p) for p in prompts]
+    outs = quantized.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    for prompt_ids, out in zip(ids, outs):
+        assert list(out.token_ids) == hf_greedy(hf, prompt_ids)
+    quantized.engine.assert_no_leaks()
+
+
+def test_gguf_quantization_needs_a_gguf_model(tmp_path, llm):
+    shutil.copytree(llm.engine.loaded.model_dir, tmp_path / "plain")
+    with pytest.raises(ModelLoadError, match="not a GGUF model"):
+        LLM(str(tmp_path / "plain"), num_blocks=16, quantization="gguf")
+    assert LLM(str(tmp_path / "plain"), num_blocks=16, quantization="auto").engine.config.quantization == ""

@@ -1,0 +1,120 @@
+"""A GGUF file's quantized weights, served as they are (`--quantization gguf`).
+
+A linear's weight stays in GGML's block layout (32 weights per block, one or two half-float
+scales each): Q4_0, Q4_1 and Q8_0 run natively (`csrc/cpu_quant_gemm.cpp`), other types
+are dequantized at load. Two activation modes:
+
+- **exact** (`gguf`): float32 activations; each block is expanded to float32 in registers and
+  accumulated in float32. The expanded weights are bit-identical to the float32 weights the
+  GGUF dequantizes to (d and m are half floats, q at most 8 bits: d * q is exact in float32),
+  so only the order of summation differs from the float32 model.
+- **fast** (`gguf-fast`): bfloat16 activations through torch's int4 weight-pack GEMM for the
+  4-bit types (a Q4_1 block of 32 is one group: d * q + m = d * (q - 8) + (m + 8 d)); Q8_0 and
+  anything the pack cannot hold run exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kernels import cpu_native
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
+NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+BLOCK = 32
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+MODES = ("gguf", "gguf-fast")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantWeight:
+    """W [out_features, in_features] as GGML blocks: row n is `blocks[n]`, in_features / 32
+    blocks of one type."""
+
+    blocks: torch.Tensor  # uint8 [out_features, in_features // 32 * BLOCK_BYTES[qtype]]
+    qtype: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in NATIVE_TYPES:
+            raise ValueError(f"GGML type {self.qtype} has no native kernel ({', '.join(NATIVE_TYPES.values())})")
+        b = self.blocks
+        if b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] % BLOCK_BYTES[self.qtype]:
+            raise ValueError(f"blocks must be uint8 [rows, whole {NATIVE_TYPES[self.qtype]} blocks], "
+                             f"got {b.dtype} {tuple(b.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.blocks.shape[1] // BLOCK_BYTES[self.qtype] * BLOCK
+
+    @property
+    def type_name(self) -> str:
+        return NATIVE_TYPES[self.qtype]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights these blocks stand for, [out_features, in_features]."""
+        return cpu_native.quant_module().dequantize_rows(self.blocks, self.qtype, 0, self.out_features)
+
+    def permute_rows(self, order: torch.Tensor) -> QuantWeight:
+        return QuantWeight(self.blocks[order].contiguous(), self.qtype)
+
+    @staticmethod
+    def stack(parts: list[QuantWeight]) -> QuantWeight | None:
+        """The rows of `parts` one after another (q, k, v into one projection), or None when
+        they differ in type or width."""
+        if len({(p.qtype, p.in_features) for p in parts}) != 1:
+            return None
+        return QuantWeight(torch.cat([p.blocks for p in parts]).contiguous(), parts[0].qtype)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in_features] float32 -> [..., out_features], exact mode."""
+    lead = x.shape[:-1]
+    y = cpu_native.quant_module().quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight.blocks,
+                                               weight.qtype, bias)
+    return y.reshape(*lead, weight.out_features)
+
+
+class Int4Pack:
+    """A 4-bit weight packed for torch's int4 weight-only GEMM (bfloat16 activations), one
+    group per GGML block: the fast mode's linear."""
+
+    __slots__ = ("packed", "scales_zeros", "out_features")
+    QTYPES = (Q4_0, Q4_1)
+
+    def __init__(self, weight: QuantWeight) -> None:
+        if weight.qtype not in self.QTYPES:
+            raise ValueError("only 4-bit blocks pack into int4")
+        self.out_features = weight.out_features
+        q, d, m = _unpack_4bit(weight)
+        # torch's convention: w = (q - 8) * scale + zero, per group of 32
+        zero = m + 8 * d if weight.qtype == Q4_1 else torch.zeros_like(d)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.scales_zeros = torch.stack([d, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.packed, BLOCK, self.scales_zeros).float()
+        if bias is not None:
+            y += bias
+        return y.reshape(*lead, self.out_features)
+
+
+def _unpack_4bit(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [N, K] in 0..15, d float32 [N, K/32], m float32 [N, K/32]; m = -8 d for Q4_0)."""
+    n = weight.out_features
+    raw = weight.blocks.view(n, -1, BLOCK_BYTES[weight.qtype])
+    d = raw[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+    if weight.qtype == Q4_1:
+        m = raw[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+        qs = raw[..., 4:]
+    else:
+        m = -8 * d
+        qs = raw[..., 2:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, -1)
+    return q, d, m

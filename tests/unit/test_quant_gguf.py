@@ -1,0 +1,111 @@
+"""GGUF blocks served as they are (`kernels.quant`, `csrc/cpu_quant_gemm.cpp`): each native
+type's matmul against gguf-py's dequantize-then-float32 on random blocks, in both CPU paths
+this machine has (AVX-512 where present, AVX2 always on x86), and the fast mode's int4 pack.
+
+Tolerances: the expanded weights are exact (d and m are half floats, q at most 8 bits), so the
+exact mode differs from float64 over the dequantized weights by float32 summation only
+(observed ~4e-7 of the largest output); bf16 activations (fast mode) ~1e-2.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.kernels import quant
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+TYPES = {"Q4_0": quant.Q4_0, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> tuple[quant.QuantWeight, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    return quant.QuantWeight(torch.from_numpy(blocks), qtype), torch.from_numpy(dequantize(blocks, qtype))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_blocks_expand_to_exactly_the_dequantized_weights(name):
+    weight, reference = random_weight(TYPES[name], 70, 96)
+    assert torch.equal(weight.dequantize(), reference)
+    assert (weight.out_features, weight.in_features, weight.type_name) == (70, 96, name)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 31, 32, 100])  # 1 row, tiles, remainders, the GEMM path
+def test_matmul_matches_dequantize_then_float32(name, rows):
+    weight, reference = random_weight(TYPES[name], 94, 160, seed=rows)  # odd pairs of rows, 5 blocks
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(94)
+    expected = x.double() @ reference.double().T + bias.double()
+    got = quant.quant_linear(x, weight, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, 94)
+    assert (got.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
+
+
+def test_leading_dimensions_and_strided_input():
+    weight, reference = random_weight(quant.Q4_1, 32, 64)
+    x = torch.randn(2, 3, 128)[..., ::2]  # not contiguous
+    got = quant.quant_linear(x, weight)
+    torch.testing.assert_close(got, x @ reference.T, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_blocks_are_refused():
+    with pytest.raises(ValueError, match="no native kernel"):
+        quant.QuantWeight(torch.zeros(4, 210, dtype=torch.uint8), 14)  # Q6_K
+    with pytest.raises(ValueError, match="whole Q4_1 blocks"):
+        quant.QuantWeight(torch.zeros(4, 21, dtype=torch.uint8), quant.Q4_1)
+    weight, _ = random_weight(quant.Q8_0, 8, 64)
+    with pytest.raises(RuntimeError, match="x must be"):
+        quant.quant_linear(torch.randn(2, 32), weight)
+
+
+def test_stack_joins_rows_of_one_type_only():
+    a, ra = random_weight(quant.Q4_1, 8, 64, seed=1)
+    b, rb = random_weight(quant.Q4_1, 4, 64, seed=2)
+    assert torch.equal(quant.QuantWeight.stack([a, b]).dequantize(), torch.cat([ra, rb]))
+    assert quant.QuantWeight.stack([a, random_weight(quant.Q8_0, 4, 64)[0]]) is None
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+def test_fast_mode_int4_pack_is_close(name):
+    weight, reference = random_weight(TYPES[name], 64, 256)
+    x = torch.randn(5, 256)
+    expected = x @ reference.T
+    got = quant.Int4Pack(weight)(x)
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_avx2_path_in_a_child_process():
+    """PDSERVE_CPU_ISA=avx2 builds the native kernels without AVX-512 (their own build dir):
+    this file's matmul cases and the decode attention cases run again in that build."""
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2", "PDSERVE_CPU_ATTENTION": "native"}
+    tests = [f"{__file__}::test_matmul_matches_dequantize_then_float32",
+             f"{__file__}::test_blocks_expand_to_exactly_the_dequantized_weights",
+             str(REPO / "tests/unit/test_kernels.py") + "::test_decode_matches_reference"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                           "not torch and not triton", *tests], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_avx2_build_has_no_avx512(monkeypatch):
+    from pdserve.kernels import cpu_native
+
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")
+    assert "-mno-avx512f" in cpu_native._flags()
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "sse")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_ISA"):
+        cpu_native._flags()
