@@ -84,6 +84,7 @@ class KVCacheLayout:
     dtype: str
     weights: str = ""  # "" as loaded, or the quantization: KV computed from int8 weights differs
     attention_window: int = 0  # 0: full attention; a window changes every layer's KV after the first
+    weights_fingerprint: str = ""  # engine.fingerprint of the weight files ("": none taken, tests)
 
     @property
     def block_numel_per_layer(self) -> int:
@@ -96,9 +97,10 @@ class KVCacheLayout:
         # an unquantized, full-attention layout hashes as it always did
         weights = (f"weights={self.weights}",) if self.weights else ()
         window = (f"window={self.attention_window}",) if self.attention_window else ()
+        fingerprint = (f"weights-fingerprint={self.weights_fingerprint}",) if self.weights_fingerprint else ()
         return stable_hash64(
-            "kv-layout-v1", self.model_name, self.num_layers, self.block_size,
-            self.num_kv_heads, self.head_dim, self.dtype, "layout=[blocks,2,bs,kvh,hd]", *weights, *window)
+            "kv-layout-v1", self.model_name, self.num_layers, self.block_size, self.num_kv_heads,
+            self.head_dim, self.dtype, "layout=[blocks,2,bs,kvh,hd]", *weights, *window, *fingerprint)
 
 
 @dataclass(frozen=True, slots=True)

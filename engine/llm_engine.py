@@ -15,6 +15,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.connector import Connector, ConnectorFactory, KVCacheLayout
 from pdserve.engine import gguf_weights
 from pdserve.engine.constraints import GrammarCompiler
+from pdserve.engine.fingerprint import weights_fingerprint
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.common.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.kv_cache_manager import DTYPES, KVCacheManager
@@ -50,7 +51,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *,
                  connector: Connector | ConnectorFactory | None = None, loaded=None) -> None:
         """`connector`: a ready pair, or a factory the engine calls with its cache layout."""
-        from pdserve.engine.loader import load_model
+        from pdserve.engine.loader import load_model, weight_files
 
         self.config = config or EngineConfig()
         if self.config.num_threads:
@@ -79,7 +80,8 @@ class LLMEngine:
             num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim,
             dtype=self.config.cache.dtype, weights=self.config.quantization,
-            attention_window=cache_cfg.attention_window or 0)
+            attention_window=cache_cfg.attention_window or 0,
+            weights_fingerprint=weights_fingerprint(weight_files(self.loaded.model_dir)))
         self.compat_hash = self.layout.compatibility_hash()
         if connector is None:
             connector = Connector()
