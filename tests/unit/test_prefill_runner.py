@@ -52,3 +52,41 @@ async def test_no_usable_backend_answers_skipped_without_computing():
     assert runner.num_inflight == 0
     assert metrics.registry.get_sample_value("pdserve_worker_requests_total",
                                              {"outcome": "SKIPPED_NO_USABLE_BACKEND"}) == 1
+
+
+def test_the_handoff_ledger_accepts_each_once_until_its_deadline_and_stays_bounded():
+    import pytest
+
+    from pdserve.common.errors import OverloadedError
+    from pdserve.worker.transfer import HandoffLedger, ReplayedHandoffError
+    from support import FakeClock
+
+    clock = FakeClock(1000.0)
+    ledger = HandoffLedger(max_remembered=2, clock=clock)
+    ledger.accept("t1", 1010.0)
+    with pytest.raises(ReplayedHandoffError, match="already used"):
+        ledger.accept("t1", 1010.0)
+    ledger.accept("t2", 1020.0)
+    with pytest.raises(OverloadedError):
+        ledger.accept("t3", 1020.0)  # full of live hand-offs: refuse, never forget one early
+    clock.now = 1015.0  # t1's deadline passed: a replay of it is refused as late anyway
+    ledger.accept("t3", 1030.0)
+    assert len(ledger) == 2
+
+
+async def test_a_handoff_from_another_caller_is_refused_before_any_work():
+    import pytest
+
+    from pdserve.common.auth import ClusterSecret, Mac
+    from pdserve.worker.transfer import HandoffCallerError, sign_handoff
+
+    mac = Mac(ClusterSecret(b"s" * 32).key("handoff"))
+    runner = PrefillRunner(NeverRunLoop(), Sender.__new__(Sender), WorkerMetrics("prefill"), max_queue=4,
+                           handoff_mac=mac)
+    h = handoff()
+    h.decode_worker_id = "decode-0"
+    request = prefill_pb2.PrefillRequest(request_id="r1", prompt_token_ids=list(range(20)), handoff=h)
+    sign_handoff(request, mac)
+    with pytest.raises(HandoffCallerError, match="names decode 'decode-0'; the caller is 'prefill-1'"):
+        await runner.run(request, caller="prefill-1")
+    assert runner.num_inflight == 0 and len(runner.ledger) == 0  # a refused hand-off is not spent
