@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from pdserve.common.auth import ClusterSecret, Mac
 from pdserve.common.block_hash import hashes_digest, prompt_digest
-from pdserve.common.errors import AuthError
+from pdserve.common.errors import AuthError, OverloadedError
 from pdserve.kvtransfer.connector import PdConnector, connector_factory
 from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.ports import ReceiveControl, SendControl
@@ -121,8 +121,7 @@ class HandoffLedger:
         return len(self._seen)
 
     def accept(self, transfer_id: str, deadline_unix_s: float) -> None:
-        from pdserve.common.errors import OverloadedError
-
+        """Remember `transfer_id` until its deadline; ReplayedHandoffError if it is known."""
         now = self._clock()
         with self._lock:
             # deadlines come in roughly in order (each decode's is now + its timeout): drop
