@@ -97,11 +97,14 @@ class RouterApp:
         self._watch = asyncio.get_running_loop().create_task(self._cut_off_dead_workers())
         if self.config.static_workers:
             self._poller = asyncio.get_running_loop().create_task(self.membership.poll_static_workers())
-        if self.config.metrics_port:
-            from prometheus_client import start_http_server
+        if self.config.metrics_port:  # with --metrics-auth, the API key's bearer only (as HTTP /metrics)
+            from prometheus_client import generate_latest
 
-            self._metrics_server, _ = start_http_server(self.config.metrics_port, self.config.host,
-                                                        registry=self.metrics.registry)
+            from pdserve.common.metrics_http import MetricsServer
+
+            self._metrics_server = MetricsServer(self.config.host, self.config.metrics_port,
+                                                 lambda: generate_latest(self.metrics.registry),
+                                                 self.config.api_key if self.config.metrics_auth else None)
         log.info("router serving HTTP on http://%s:%d, gRPC on %s:%d, the worker registry on %s:%d",
                  self.config.host, self.http_port, self.config.host, self.grpc_port, self.config.host,
                  self.registry_port)

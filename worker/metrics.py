@@ -1,7 +1,7 @@
 """Prometheus metrics of a worker process (its own registry, no global state)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.proto.pdserve.v1 import common_pb2
 
@@ -85,6 +85,10 @@ class WorkerMetrics:
                                                    failures=int(t[3]))
                        for b, t in sorted(self.transfer_totals.items())])
 
-    def serve(self, host: str, port: int) -> None:
+    def serve(self, host: str, port: int, token: str | None = None):
+        """Serve /metrics on host:port (0: not at all); with `token`, only to its bearer."""
+        from pdserve.common.metrics_http import MetricsServer
+
         if port:
-            start_http_server(port, addr=host, registry=self.registry)
+            return MetricsServer(host, port, lambda: generate_latest(self.registry), token)
+        return None

@@ -125,7 +125,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
                             address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}")
     add_servicers, names, on_close = await build.make_service(runtime)
     health = await start_serving(server, add_servicers, names)
-    metrics.serve(settings.host, settings.metrics_port)
+    metrics.serve(settings.host, settings.metrics_port, settings.metrics_token or None)
     info = registry_pb2.WorkerInfo(
         worker_id=runtime.worker_id,
         role=registry_pb2.WORKER_ROLE_PREFILL if role == "prefill" else registry_pb2.WORKER_ROLE_DECODE,

@@ -94,6 +94,8 @@ class WorkerSettings:
                                   choices=("recompute", "fail"))
     # -- worker: one process's own
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0: off)", "worker")
+    metrics_token: str = setting("", "the metrics port answers only 'Authorization: Bearer TOKEN' (prefer "
+                                 "PDSERVE_METRICS_TOKEN: flags show in ps; none: open)", "worker")
     grpc_port: int = setting(0, "gRPC port (0 picks a free one)", "worker")  # from_settings: the role's port
     advertise_host: str = setting("", "address peers and the router use to reach this worker (none: --host)",
                                   "worker")

@@ -1,0 +1,102 @@
+"""A Prometheus /metrics listener of its own (a worker's `--metrics-port`, the router's extra
+`--metrics-port`): GET /metrics only, a bearer token when one is set, and bounded work
+before it is checked: at most `max_connections` handler threads (one more connection is
+closed at once, where prometheus_client's server starts a thread per connection) and
+`timeout_s` for a client to send its request."""
+from __future__ import annotations
+
+import hmac
+import http.server
+import logging
+import socket
+import threading
+from typing import Callable
+
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 16
+REQUEST_TIMEOUT_S = 5.0
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    timeout = REQUEST_TIMEOUT_S  # a client that does not send its request in time is dropped
+    server: "_Server"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path.split("?", 1)[0] != "/metrics":
+            self._reply(404, b"not found\n", "text/plain")
+        elif not self.server.authorized(self.headers.get("Authorization")):
+            self._reply(401, b"unauthorized: send Authorization: Bearer <token>\n", "text/plain",
+                        {"WWW-Authenticate": "Bearer"})
+        else:
+            self._reply(200, self.server.render(), CONTENT_TYPE_LATEST)
+
+    def _reply(self, status: int, body: bytes, content_type: str, headers: dict | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - scrapes are not logged
+        pass
+
+
+class _Server(http.server.HTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address, render: Callable[[], bytes], token: str | None, max_connections: int) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, _Handler)
+        self.render = render
+        self._token = f"Bearer {token}".encode() if token else None
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def authorized(self, header: str | None) -> bool:
+        return self._token is None or hmac.compare_digest((header or "").encode(), self._token)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # busy: this scrape fails, the next one gets in
+            return
+        try:
+            threading.Thread(target=self._serve, args=(request, client_address), daemon=True,
+                             name="pdserve-metrics").start()
+        except RuntimeError as exc:  # out of threads: drop this one, keep serving
+            log.warning("metrics: cannot serve a scrape: %s", exc)
+            self._slots.release()
+            self.shutdown_request(request)
+
+    def _serve(self, request, client_address) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - one client's failure is its own
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("metrics: a scrape from %s failed", client_address)
+
+
+class MetricsServer:
+    """Serves `render()` (Prometheus text) on host:port until `shutdown()`; with `token`,
+    only to `Authorization: Bearer <token>`."""
+
+    def __init__(self, host: str, port: int, render: Callable[[], bytes], token: str | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self._server = _Server((host, port), render, token, max_connections)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="pdserve-metrics-accept",
+                                        daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

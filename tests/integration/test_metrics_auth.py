@@ -1,0 +1,77 @@
+"""Metrics listeners of their own (a worker's --metrics-port, the router's): a bearer token
+when set (the router's --metrics-port follows --metrics-auth as its HTTP /metrics does), GET
+/metrics only, and at most a few connections served at once, the rest closed, so idle
+connections cost no thread each. Real sockets, a real router."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from router_fakes import wait_until
+
+from pdserve.common.metrics_http import MetricsServer
+from pdserve.worker.metrics import WorkerMetrics
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def worker_metrics():
+    metrics = WorkerMetrics("decode")
+    metrics.requests.labels(outcome="ok").inc()
+    server = metrics.serve("127.0.0.1", free_port(), token="scrape-me")
+    yield f"http://127.0.0.1:{server.port}"
+    server.shutdown()
+
+
+def test_worker_metrics_answer_only_the_token(worker_metrics):
+    assert httpx.get(f"{worker_metrics}/metrics").status_code == 401
+    assert httpx.get(f"{worker_metrics}/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ok = httpx.get(f"{worker_metrics}/metrics", headers={"Authorization": "Bearer scrape-me"})
+    assert ok.status_code == 200 and 'pdserve_worker_requests_total{outcome="ok"} 1.0' in ok.text
+    assert httpx.get(f"{worker_metrics}/", headers={"Authorization": "Bearer scrape-me"}).status_code == 404
+
+
+def test_without_a_token_the_worker_metrics_stay_open():
+    metrics = WorkerMetrics("prefill")
+    server = metrics.serve("127.0.0.1", free_port())
+    try:
+        assert httpx.get(f"http://127.0.0.1:{server.port}/metrics").status_code == 200
+    finally:
+        server.shutdown()
+    assert metrics.serve("127.0.0.1", 0) is None
+
+
+def test_idle_connections_take_no_thread_each_and_scrapes_resume():
+    server = MetricsServer("127.0.0.1", 0, lambda: b"up 1\n", token=None, max_connections=4)
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(100)]
+    try:
+        wait_until(lambda: threading.active_count() >= before + 4, "the first connections were not served")
+        assert threading.active_count() <= before + 4
+        def scrape_ok() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=2).text == "up 1\n"
+            except httpx.HTTPError:
+                return False
+        wait_until(scrape_ok, "no scrape got through once idle connections timed out", timeout=20.0)
+    finally:
+        for sock in idle:
+            sock.close()
+        server.shutdown()
+
+
+def test_the_routers_metrics_port_follows_metrics_auth(make_cluster):
+    port = free_port()
+    make_cluster(api_key="sesame", metrics_auth=True, metrics_port=port)
+    url = f"http://127.0.0.1:{port}/metrics"
+    assert httpx.get(url).status_code == 401
+    ok = httpx.get(url, headers={"Authorization": "Bearer sesame"})
+    assert ok.status_code == 200 and "pdserve_router_requests_total" in ok.text
