@@ -17,8 +17,9 @@ SECURITY_HELP = {
                          "--internal-tls-key and --internal-tls-ca)",
     "internal_tls_key": "PEM private key of --internal-tls-cert",
     "internal_tls_ca": "PEM CA that every internal peer's certificate must chain to",
-    "insecure_internal": "allow binding beyond loopback without a cluster secret (internal APIs open to the "
-                         "network; a warning at every start)",
+    "insecure_internal": "allow binding beyond loopback without a cluster secret; this turns off internal gRPC "
+                         "authentication, hand-off signatures, the KV transfer challenge and its MACs, and "
+                         "the prefix store's record MACs (a warning naming them at every start)",
 }
 
 

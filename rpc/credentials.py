@@ -24,6 +24,12 @@ from pdserve.rpc.server import CHANNEL_OPTIONS
 log = logging.getLogger("pdserve.auth")
 
 _MAX_LOGGED_PEERS = 1024
+INSECURE_INTERNAL_OFF = (
+    "these are OFF for anyone who can reach this host: internal gRPC authentication (any caller may "
+    "register, heartbeat, decode, prefill or abort as any worker), hand-off signatures (a prefill sends KV "
+    "wherever a hand-off says), the KV transfer challenge and the MACs on transfer frames and payloads "
+    "(anyone may write KV into a decode's reserved blocks), and the MACs on Redis/disk prefix-store records "
+    "(a planted record is served as cached KV)")
 
 
 def _with_credential(signer: CallSigner, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
@@ -188,7 +194,7 @@ class InternalAuth:
         secret = ClusterSecret.load(secret_file) if secret_file else None
         require_secret_off_loopback(host, secret, insecure_internal, role)
         if secret is None and not is_loopback(host):
-            log.warning("%s: --insecure-internal: internal gRPC on %s is open to anyone who can reach it", role, host)
+            log.warning("%s: --insecure-internal on %s: without a cluster secret, %s", role, host, INSECURE_INTERNAL_OFF)
         elif secret is None:
             log.info("%s: no cluster secret; internal calls are unauthenticated (loopback only)", role)
         return cls(secret, tls)
