@@ -179,7 +179,8 @@ def container_env(container: dict[str, Any]) -> dict[str, str]:
             env[var["name"]] = FIELD_VALUES[source["fieldRef"]["fieldPath"]]
         elif "secretKeyRef" in source:
             ref = source["secretKeyRef"]
-            env[var["name"]] = f"redis://secret-{ref['name']}-{ref['key']}:6379/0"
+            placeholder = f"secret-{ref['name']}-{ref['key']}"
+            env[var["name"]] = f"redis://{placeholder}:6379/0" if var["name"] == "PDSERVE_REDIS_URL" else placeholder
     return env
 
 
@@ -383,8 +384,11 @@ def test_workers_get_their_model_and_stores(profile: str, role: str, render) -> 
         assert "disk_store" not in s and "kv-store" not in mounts
 
     redis = v["redis"]
-    if redis["mode"] == "internal":
-        host, port = s["redis_url"].removeprefix("redis://").split("/")[0].split(":")
+    if redis["mode"] == "internal":  # the password from the Redis auth Secret, through the environment
+        password, _, where = s["redis_url"].removeprefix("redis://").partition("@")
+        auth = redis["internal"]["auth"]["existingSecret"]
+        assert password == f":secret-{auth['name'] or RELEASE + '-redis-auth'}-{auth['key']}"
+        host, port = where.split("/")[0].split(":")
         service_port = m.named("Service", host)["spec"]["ports"][0]["port"]
         assert int(port) == service_port == container_ports(main_container(m.workload("redis")))["redis"]
     elif redis["mode"] == "external" and redis["external"]["existingSecret"]["name"]:
@@ -564,7 +568,9 @@ def test_network_policy_keeps_worker_ports_to_this_release(profile: str, render)
                 assert any(admits(r, pod_labels(m.workload(source))) for r in rules), f"{source} -> {role}:{port}"
             assert not any(admits(r, outsider) for r in rules for outsider in outsiders)
         metrics_rules = admitting_rules(m, labels, v["metrics"]["port"])
-        assert any(r.get("from", []) == v["networkPolicy"]["metricsFrom"] for r in metrics_rules)
+        if v["networkPolicy"]["metricsFrom"]:
+            assert any(r.get("from", []) == v["networkPolicy"]["metricsFrom"] for r in metrics_rules)
+        assert all(r.get("from") for r in metrics_rules), "the metrics port is open to every pod"
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -693,3 +699,96 @@ def test_kind_values_fit_one_two_cpu_eight_gib_node(render) -> None:
 def test_no_read_write_many_claim_unless_asked(profile: str, render) -> None:
     claims = render(profile).of_kind("PersistentVolumeClaim")
     assert not any("ReadWriteMany" in c["spec"]["accessModes"] for c in claims)
+
+
+# --- issue 25: secrets off the command line, Redis behind a password, egress, metrics ------------
+
+def all_containers(m: Manifests) -> Iterator[tuple[str, dict[str, Any]]]:
+    for d in m.of_kind("Deployment"):
+        spec = d["spec"]["template"]["spec"]
+        for c in [*(spec.get("initContainers") or []), *spec["containers"]]:
+            yield d["metadata"]["name"], c
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_no_redis_url_or_password_on_any_command_line(profile: str, render) -> None:
+    m = render(profile)
+    for name, container in all_containers(m):
+        argv = " ".join([*(container.get("command") or []), *(container.get("args") or [])])
+        assert "redis://" not in argv and "--redis-url" not in argv and "requirepass " not in argv.replace(
+            "printf 'requirepass %s", ""), f"{name}/{container['name']}: {argv}"
+        for var in container.get("env") or []:  # a password only ever comes from a Secret
+            assert "PASSWORD" not in var["name"] or "secretKeyRef" in var.get("valueFrom", {}), var
+
+
+def test_the_internal_redis_asks_for_a_password_from_a_secret(render, render_values) -> None:
+    m = render("default")
+    redis = main_container(m.workload("redis"))
+    args = redis["args"]
+    assert args[args.index("--protected-mode") + 1] == "yes"
+    script = redis["command"][2]
+    assert redis["command"][:2] == ["sh", "-c"] and "requirepass" in script and "/run/redis/" in script
+    assert script.rstrip().endswith('exec redis-server /run/redis/auth.conf "$@"')
+    volumes = {v["name"]: v for v in m.workload("redis")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["run"]["emptyDir"]["medium"] == "Memory"
+    refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in redis["env"]}
+    secret = m.named("Secret", f"{RELEASE}-redis-auth")
+    assert refs["REDIS_PASSWORD"] == refs["REDISCLI_AUTH"] == {"name": f"{RELEASE}-redis-auth", "key": "password"}
+    assert len(secret["data"]["password"]) >= 40 and secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    for role in WORKERS:  # the workers' URL carries the same Secret's password
+        env = {v["name"]: v for v in main_container(m.workload(role))["env"]}
+        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == refs["REDIS_PASSWORD"]
+        assert env["PDSERVE_REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@")
+    own = render_values({"redis": {"internal": {"auth": {"existingSecret": {"name": "mine", "key": "pw"}}}}})
+    assert not [s for s in own.of_kind("Secret") if s["metadata"]["name"].endswith("-redis-auth")]
+    assert {v["name"]: v["valueFrom"]["secretKeyRef"] for v in main_container(own.workload("redis"))["env"]}[
+        "REDIS_PASSWORD"] == {"name": "mine", "key": "pw"}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_egress_reaches_only_this_release_dns_and_egress_to(profile: str, render) -> None:
+    m = render(profile)
+    policies = [p for p in m.of_kind("NetworkPolicy") if "Egress" in p["spec"]["policyTypes"]]
+    for component in (*ROLES, *(["redis"] if m.values["redis"]["mode"] == "internal" else [])):
+        labels = pod_labels(m.workload(component))
+        mine = [p for p in policies if selects(p["spec"]["podSelector"], labels)]
+        assert mine, f"{component} has no egress policy"
+        rules = [r for p in mine for r in p["spec"].get("egress") or []]
+        if component == "redis":
+            assert rules == []
+            continue
+        allowed = [{"podSelector": {"matchLabels": RELEASE_LABELS}}, *m.values["networkPolicy"]["egressTo"]]
+        for rule in rules:
+            assert rule.get("to"), f"{component}: an egress rule open to everywhere"
+            for peer in rule["to"]:
+                dns = peer.get("podSelector", {}).get("matchLabels") == {"k8s-app": "kube-dns"}
+                assert peer in allowed or (dns and {p["port"] for p in rule["ports"]} == {53}), peer
+
+
+def test_metrics_from_no_longer_admits_every_pod(render, render_values) -> None:
+    m = render("default")
+    for role in WORKERS:
+        rules = admitting_rules(m, pod_labels(m.workload(role)), m.values["metrics"]["port"])
+        assert rules and all(r.get("from") for r in rules)
+        assert not any(admits(r, {"app": "something-else"}) for r in rules)
+    closed = render_values({"networkPolicy": {"metricsFrom": []}})
+    for role in WORKERS:
+        labels = pod_labels(closed.workload(role))
+        rules = admitting_rules(closed, labels, closed.values["metrics"]["port"])
+        assert all(r.get("from") for r in rules) and not any(admits(r, {"app": "something-else"}) for r in rules)
+
+
+def test_a_metrics_token_secret_reaches_workers_and_their_service_monitor(chart) -> None:
+    values = {"metrics": {"tokenSecret": {"name": "scrape", "key": "token"}, "serviceMonitor": {"enabled": True}}}
+    out = render_raw(chart, values, (SERVICE_MONITOR_API,))
+    docs = [d for path, text in out.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    m = Manifests(docs=tuple(docs), notes="", values=chart.merge_values(values))
+    for role in WORKERS:
+        env = {v["name"]: v for v in main_container(m.workload(role))["env"]}
+        assert env["PDSERVE_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "scrape", "key": "token"}
+    for monitor in m.of_kind("ServiceMonitor"):
+        (endpoint,) = monitor["spec"]["endpoints"]
+        if monitor["metadata"]["name"].endswith("-router"):
+            assert "authorization" not in endpoint  # router.metricsAuth is off
+        else:
+            assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "scrape", "key": "token"}}

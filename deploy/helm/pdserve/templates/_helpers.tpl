@@ -113,14 +113,31 @@ are not ready yet, so registration never waits on the router's own readiness.
 {{- end }}
 {{- end }}
 
-{{/* The --redis-url value, or "" when it comes from a Secret or there is no Redis. */}}
-{{- define "pdserve.redisUrl" -}}
-{{- if eq .Values.redis.mode "internal" }}
-{{- printf "redis://%s-redis:%d/0" (include "pdserve.fullname" .) (int .Values.redis.internal.port) }}
-{{- else if eq .Values.redis.mode "external" }}
-{{- if not .Values.redis.external.existingSecret.name }}
-{{- .Values.redis.external.url }}
+{{/* The Secret holding the internal Redis's password. */}}
+{{- define "pdserve.redisAuthSecretName" -}}
+{{- .Values.redis.internal.auth.existingSecret.name | default (printf "%s-redis-auth" (include "pdserve.fullname" .)) }}
 {{- end }}
+
+{{/* A worker's PDSERVE_REDIS_URL (the URL may carry a password: never on a command line). */}}
+{{- define "pdserve.redisEnv" -}}
+{{- $redis := .Values.redis }}
+{{- if eq $redis.mode "internal" }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.redisAuthSecretName" . }}
+      key: {{ $redis.internal.auth.existingSecret.key }}
+- name: PDSERVE_REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s-redis:%d/0" (include "pdserve.fullname" .) (int $redis.internal.port) | quote }}
+{{- else if and (eq $redis.mode "external") $redis.external.existingSecret.name }}
+- name: PDSERVE_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $redis.external.existingSecret.name }}
+      key: {{ $redis.external.existingSecret.key }}
+{{- else if eq $redis.mode "external" }}
+- name: PDSERVE_REDIS_URL
+  value: {{ $redis.external.url | quote }}
 {{- end }}
 {{- end }}
 

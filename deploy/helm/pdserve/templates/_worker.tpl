@@ -17,7 +17,6 @@ A prefill or decode Deployment plus its headless Service. Call with
 {{- if ne $model.source "image" }}
 {{- $modelArg = trimSuffix "/" (printf "%s/%s" $model.mountPath (trimPrefix "/" $model.path)) }}
 {{- end }}
-{{- $redisUrl := include "pdserve.redisUrl" $ctx }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -141,9 +140,6 @@ spec:
             {{- with $kv.probeCooldownS }}
             - {{ printf "--kv-probe-cooldown-s=%v" . | quote }}
             {{- end }}
-            {{- with $redisUrl }}
-            - {{ printf "--redis-url=%s" . | quote }}
-            {{- end }}
             {{- if $kv.diskStore.enabled }}
             - {{ printf "--disk-store=%s" $kv.diskStore.mountPath | quote }}
             - {{ printf "--disk-store-max-gb=%v" $kv.diskStore.maxGB | quote }}
@@ -173,12 +169,13 @@ spec:
             - name: {{ $name }}
               value: {{ $value | quote }}
             {{- end }}
-            {{- if and (eq $values.redis.mode "external") $values.redis.external.existingSecret.name }}
-            - name: PDSERVE_REDIS_URL
+            {{- include "pdserve.redisEnv" $ctx | nindent 12 }}
+            {{- with $values.metrics.tokenSecret.name }}
+            - name: PDSERVE_METRICS_TOKEN
               valueFrom:
                 secretKeyRef:
-                  name: {{ $values.redis.external.existingSecret.name }}
-                  key: {{ $values.redis.external.existingSecret.key }}
+                  name: {{ . }}
+                  key: {{ $values.metrics.tokenSecret.key }}
             {{- end }}
             {{- with $cfg.env }}
             {{- toYaml . | nindent 12 }}
