@@ -83,16 +83,18 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
         # ... and its memory: each KV cache takes an even share of the default fraction
         share = WorkerSettings("decode").free_memory_fraction / (num_prefill + num_decode)
         settings = dict(settings, free_memory_fraction=round(share, 4))
-    worker_common = ["--host", host, "--router", f"{host}:{registry_port}", "--grpc-port", "0",
-                     *security, *_flags(settings, worker_pass_through())]
+    # the Redis URL may carry a password: it reaches the workers in their environment, never argv
+    worker_env = {"PDSERVE_REDIS_URL": settings["redis_url"]} if settings.get("redis_url") else {}
+    worker_common = ["--host", host, "--router", f"{host}:{registry_port}", "--grpc-port", "0", *security,
+                     *_flags(settings, [name for name in worker_pass_through() if name != "redis_url"])]
     if local:
         worker_common += ["--kv-backends", ""]
     for i in range(num_prefill):
         children.append(Child(f"prefill-{i}", [*py, "prefill", *worker_common,
-                                               "--worker-id", f"prefill-{i}", "--transfer-port", "0"]))
+                                               "--worker-id", f"prefill-{i}", "--transfer-port", "0"], env=worker_env))
     for i in range(num_decode):
         children.append(Child(f"decode-{i}", [*py, "decode", *worker_common,
-                                              "--worker-id", f"decode-{i}", "--transfer-port", "0"]))
+                                              "--worker-id", f"decode-{i}", "--transfer-port", "0"], env=worker_env))
     return children, http_port
 
 

@@ -197,6 +197,21 @@ def test_up_hands_every_router_option_to_its_router_from_flags_or_yaml(tmp_path)
     assert all("--decode-policy" not in c.argv for c in children[1:])  # workers get worker flags only
 
 
+def test_up_passes_the_redis_url_to_workers_in_their_environment_never_argv():
+    """A Redis URL may carry a password: `up` hands it to its workers as PDSERVE_REDIS_URL."""
+    from pdserve.deploy import up
+
+    url = "redis://:s3cret-pw@127.0.0.1:6379/0"
+    settings = resolve(build_parser().parse_args(["up", "--redis-url", url]), environ={})
+    children, _ = up.plan(dict(settings, cluster_secret_file="/s"))
+    for child in children:
+        assert "s3cret-pw" not in " ".join(child.argv) and "--redis-url" not in child.argv
+    for worker in children[1:]:
+        assert worker.env == {"PDSERVE_REDIS_URL": url}
+        assert resolve(build_parser().parse_args(worker.argv[3:]), environ=worker.env)["redis_url"] == url
+    assert "PDSERVE_REDIS_URL" not in children[0].env  # the router has no use for it
+
+
 def test_up_shares_the_kv_memory_fraction_among_its_workers():
     from pdserve.deploy import up
 
