@@ -82,9 +82,10 @@ class Link:
         caches = self.source if layout is LAYOUT else make_caches(layout, seed=7)
         return message_from_cache(caches, layout, transfer_id or new_transfer_id(), src, dst, keys)
 
-    def expect(self, message: BlockMessage, dst, within_s: float = 30.0) -> None:
+    def expect(self, message: BlockMessage, dst, within_s: float = 30.0, keys=None) -> None:
+        """Reserve `dst` for `message`'s transfer; with `keys`, block i only under keys[i]."""
         self.peer.ok("expect", transfer_id=message.transfer_id.hex(), blocks=list(dst),
-                     within_s=within_s)
+                     within_s=within_s, keys=None if keys is None else list(keys))
 
     def deliver(self, message: BlockMessage, dst, keys) -> None:
         """Carry `message` to the peer; raises TransferError/TimeoutError/ValueError if refused."""
@@ -205,6 +206,24 @@ def test_flipped_byte_is_refused(link):
                          dst, keys)
     assert link.digests(dst) == before
     assert link.peer.ok("abort", transfer_id=message.transfer_id.hex())["aborted"]
+    link.assert_nothing_reserved()
+
+
+def test_blocks_under_other_hashes_than_reserved_are_refused(link):
+    """Issue 25, item 3: the receiver reserved each block for its hash; blocks of another
+    prompt of the same length (other hashes) are refused and leave the blocks untouched; the
+    right ones still land."""
+    src, dst = [9, 10], [42, 43]
+    reserved, other = fresh_keys(2), fresh_keys(2)
+    swapped = link.message(src, dst, keys=other)
+    before = link.digests(dst)
+    link.expect(swapped, dst, keys=reserved)
+    with pytest.raises((TransferError, TimeoutError), match="other than the ones reserved|timed out|deadline"):
+        link.deliver(swapped, dst, other)
+    assert link.digests(dst) == before
+    right = link.message(src, dst, transfer_id=swapped.transfer_id, keys=reserved)
+    link.deliver(right, dst, reserved)
+    assert link.digests(dst) == block_digests(link.source, src)
     link.assert_nothing_reserved()
 
 

@@ -46,7 +46,7 @@ def main() -> None:
         sink = state["sink"]
         if cmd == "expect":
             sink.expect(bytes.fromhex(msg["transfer_id"]), msg["blocks"],
-                        time.monotonic() + msg["within_s"], tag=msg.get("tag", ""))
+                        time.monotonic() + msg["within_s"], tag=msg.get("tag", ""), block_keys=msg.get("keys"))
             return {}
         if cmd == "fetch":
             n = land_from_store(state["store"], sink, bytes.fromhex(msg["transfer_id"]),
