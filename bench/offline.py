@@ -44,6 +44,8 @@ class Settings:
     seed: int
     run_transformers: bool
     profile: bool = False
+    quantization: str = "auto"
+    decode_batches: tuple[int, ...] = (1, 8, 32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,10 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, Path | None]:
     p.add_argument("--quick", action="store_true",
                    help="small shapes (concurrency 4 8, 16 new tokens, 64-token prompts, 256 prefill)")
     p.add_argument("--no-transformers", action="store_true", help="measure pdserve only")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "gguf-fast", "int8"),
+                   help="pdserve's weights, as the workers' flag (auto: a .gguf's own blocks)")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=None,
+                   help="decode-only steps timed at these batch sizes, beside their bound (default: 1 8 32)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one pdserve batch run and print where its time goes")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -91,7 +97,9 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, Path | None]:
         new_tokens=tuple(a.new_tokens or ((16,) if quick else (64, 128))),
         prompt_len=a.prompt_len or (64 if quick else 200),
         prefill_len=a.prefill_len or (256 if quick else 1024),
-        repeats=a.repeats, seed=a.seed, run_transformers=not a.no_transformers, profile=a.profile)
+        repeats=a.repeats, seed=a.seed, run_transformers=not a.no_transformers, profile=a.profile,
+        quantization="" if a.quantization == "none" else a.quantization,
+        decode_batches=tuple(a.decode_batches or ((1, 4) if quick else (1, 8, 32))))
     if min(s.concurrency + s.new_tokens) < 1 or s.prompt_len < 2 or s.prefill_len < 2 or s.repeats < 1:
         p.error("counts and lengths must be positive (prompt lengths >= 2)")
     if s.threads < 1:
@@ -145,7 +153,8 @@ class Ours:
     def __init__(self, s: Settings, max_cache_tokens: int) -> None:
         from pdserve.engine.llm import LLM
 
-        self.llm = LLM(s.model, max_tokens=max_cache_tokens, max_batch_size=max(64, max(s.concurrency)))
+        self.llm = LLM(s.model, max_tokens=max_cache_tokens, max_batch_size=max(64, max(s.concurrency)),
+                       quantization=s.quantization)
         self.vocab_size = self.llm.engine.model_config.vocab_size
 
     def _fresh(self) -> None:
@@ -231,7 +240,8 @@ def run(s: Settings, log: Callable[[str], None]) -> list[Row]:
     t0 = time.perf_counter()
     ours = Ours(s, max_cache_tokens=need + 1024)
     log(f"pdserve engine loaded in {time.perf_counter() - t0:.1f} s "
-        f"({ours.llm.engine.model_name}, {ours.llm.engine.kv.num_blocks - 1} KV blocks)")
+        f"({ours.llm.engine.model_name}, weights {ours.llm.engine.config.quantization or 'float32'}, "
+        f"{ours.llm.engine.kv.num_blocks - 1} KV blocks)")
     theirs = Transformers(ours.llm.engine.loaded.model_dir) if s.run_transformers else None
     vocab = ours.vocab_size
     seeds = iter(range(s.seed * 1000, s.seed * 1000 + 1000))
@@ -264,12 +274,17 @@ def run(s: Settings, log: Callable[[str], None]) -> list[Row]:
                         lambda: ours.generate([long_prompt], 1),
                         (lambda: theirs.generate([long_prompt], 1)) if theirs else None, s.repeats))
     log(format_row(rows[-1]))
-    batch = min(s.concurrency)
-    step = decode_step(ours.llm, make_prompts(vocab, batch, s.prompt_len, next(seeds)))
-    rows.append(Row(f"decode step, batch {batch}", "ms", step.ms, None, False))
-    log(format_row(rows[-1]))
-    log(f"  one step: {step.num_ops} operator calls, {step.gemm_share:.0%} of its CPU time in GEMM "
-        f"({step.gemm_ms:.1f} ms), top: {step.top}")
+    machine = measure_machine(s.threads)
+    log(f"this machine, {s.threads} threads: {machine.read_gbs:.1f} GB/s streaming reads, "
+        f"{machine.gemm_gflops:.0f} GFLOP/s float32 GEMM on cache-resident weights")
+    model = ours.llm.engine.model
+    for batch in s.decode_batches:
+        step = decode_step(ours.llm, make_prompts(vocab, batch, s.prompt_len, next(seeds)))
+        bound = step_bound(model, batch, machine)
+        rows.append(Row(f"decode step, batch {batch}", "ms", step.ms, None, False))
+        log(format_row(rows[-1]) + f"  (bound {bound.ms:.1f} ms: {bound.why}; step/bound {step.ms / bound.ms:.2f})")
+        log(f"  one step: {step.num_ops} operator calls, {step.gemm_share:.0%} of its CPU time in GEMM "
+            f"({step.gemm_ms:.1f} ms), top: {step.top}")
     if s.profile:
         prompts = make_prompts(vocab, max(s.concurrency), s.prompt_len, next(seeds))
         log(profile_batch(lambda: ours.generate(prompts, min(s.new_tokens))))
@@ -288,7 +303,50 @@ class StepProfile:
 
 GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::mkldnn_linear", "aten::_mkl_linear",
             "quantized::linear_dynamic", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
-            "aten::linear")
+            "aten::linear", "aten::_weight_int4pack_mm_for_cpu", "pdserve::quant_linear")
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    read_gbs: float  # streaming reads from memory (a sum over 512 MB)
+    gemm_gflops: float  # float32 GEMM with cache-resident operands
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    ms: float
+    why: str
+
+
+def measure_machine(threads: int) -> Machine:
+    """What bounds a decode step here: memory bandwidth and GEMM throughput, best of 5."""
+    import torch
+
+    big = torch.ones(128 << 20)  # 512 MB: far beyond any cache
+    a, b = torch.randn(64, 576), torch.randn(576, 1536)  # 3.5 MB: stays in L2/L3
+    big.sum()
+    read = min(_timed(big.sum) for _ in range(5))
+    gemm = min(_timed(lambda: [torch.mm(a, b) for _ in range(20)]) for _ in range(5))
+    return Machine(read_gbs=big.numel() * 4 / read / 1e9, gemm_gflops=20 * 2 * 64 * 576 * 1536 / gemm / 1e9)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def step_bound(model, batch: int, machine: Machine) -> Bound:
+    """The shortest a decode step of `batch` rows could take: its linears' weight bytes at the
+    machine's read bandwidth, or their multiply-adds at its GEMM rate, whichever is longer."""
+    linears = model.linears()
+    weight_bytes = sum(lin.weight_bytes for lin in linears)
+    flops = 2 * batch * sum(lin.macs_per_row for lin in linears)
+    memory_ms = weight_bytes / machine.read_gbs / 1e6
+    compute_ms = flops / machine.gemm_gflops / 1e6
+    if memory_ms >= compute_ms:
+        return Bound(memory_ms, f"{weight_bytes / 1e6:.0f} MB of weights")
+    return Bound(compute_ms, f"{flops / 1e9:.2f} GFLOP")
 
 
 def decode_step(llm, prompts: list[list[int]], steps: int = 16) -> StepProfile:

@@ -159,6 +159,13 @@ class SchedulerConfig:
 QUANTIZATIONS = ("", "int8", "gguf", "gguf-fast", "auto")
 
 
+def kv_weights(quantization: str) -> str:
+    """The part of a quantization that changes the KV a model computes (the compatibility
+    hash's `weights`): exact GGUF blocks expand to the float32 weights bit for bit, so a
+    `gguf` worker and a float32 one exchange KV; int8 and gguf-fast compute other numbers."""
+    return "" if quantization == "gguf" else quantization
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "default"  # "default" | a transformers directory | a .gguf file

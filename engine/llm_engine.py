@@ -3,6 +3,7 @@ services drive it from one thread (see `engine_loop.py`)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 import uuid
@@ -11,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.config import EngineConfig, ModelConfig, kv_weights
 from pdserve.engine.connector import Connector, ConnectorFactory, KVCacheLayout
 from pdserve.engine import gguf_weights
 from pdserve.engine.constraints import GrammarCompiler
@@ -21,7 +22,7 @@ from pdserve.common.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.kv_cache_manager import DTYPES, KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import CausalLM
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import PrefillRate, RequestOutput
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
@@ -45,6 +46,8 @@ class EngineStats:
     num_prefix_hits: int = 0  # of those, found in the prefix cache
     num_steps: int = 0  # steps that ran a forward
     step_seconds: float = 0.0  # their total time
+    num_queued_prompt_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
+    prefill_tokens_per_s: float = 0.0  # recent prompt tokens per second of forward time (0: none yet)
 
 
 class LLMEngine:
@@ -79,7 +82,7 @@ class LLMEngine:
             model_name=self.model_name, num_layers=self.model_config.num_layers,
             num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim,
-            dtype=self.config.cache.dtype, weights=self.config.quantization,
+            dtype=self.config.cache.dtype, weights=kv_weights(self.config.quantization),
             attention_window=cache_cfg.attention_window or 0,
             weights_fingerprint=weights_fingerprint(weight_files(self.loaded.model_dir)))
         self.compat_hash = self.layout.compatibility_hash()
@@ -102,6 +105,7 @@ class LLMEngine:
         self._num_steps = 0
         self.last_step_ran = False  # whether the last step ran a forward
         self._step_seconds = 0.0
+        self._prefill_rate = PrefillRate()
         kv_tokens = (self.kv.num_blocks - 1) * self.kv.block_size
         kv_gib = sum(t.numel() * t.element_size() for t in self.kv.kv_caches) / 2**30
         log.info("engine ready: model %s (%s, %s), KV cache %.2f GiB = %d tokens in blocks of %d, "
@@ -225,6 +229,7 @@ class LLMEngine:
             self.connector.worker.start_load_kv(plan.connector_meta)
         if plan.chunks:
             started = time.perf_counter()
+            computed_before = self._num_prompt_computed
             result = self.runner.execute(plan)
             for chunk in plan.chunks:
                 req = chunk.request
@@ -241,7 +246,9 @@ class LLMEngine:
                 tokens = sample(result.logits, reqs)
                 self._append_tokens([(r, t.token_id, t.logprob) for r, t in zip(reqs, tokens)])
             self._num_steps += 1
-            self._step_seconds += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self._step_seconds += elapsed
+            self._prefill_rate.note(self._num_prompt_computed - computed_before, elapsed)
         outputs += self._pending
         self._pending = []
         finished, self._finished_this_step = self._finished_this_step, set()
@@ -312,10 +319,12 @@ class LLMEngine:
     # -- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.scheduler
+        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in itertools.chain(s.waiting, s.running))
         return EngineStats(len(s.waiting), len(s.running), len(s.remote),
                            self.kv.get_num_free_blocks(), self.kv.get_max_resource_count(),
                            s.num_preemptions, self._num_prompt_computed, self._num_generated,
-                           s.num_prefix_queries, s.num_prefix_hits, self._num_steps, self._step_seconds)
+                           s.num_prefix_queries, s.num_prefix_hits, self._num_steps, self._step_seconds,
+                           queued, self._prefill_rate.tokens_per_s)
 
     def assert_no_leaks(self) -> None:
         """Every KV block is back in the pool (call when nothing is in flight)."""

@@ -25,6 +25,7 @@ NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 BLOCK = 32
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 MODES = ("gguf", "gguf-fast")
+GEMM_EVENT = "pdserve::quant_linear"  # the profiler's name for the native block GEMM
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,10 @@ class QuantWeight:
         return self.blocks.shape[1] // BLOCK_BYTES[self.qtype] * BLOCK
 
     @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    @property
     def type_name(self) -> str:
         return NATIVE_TYPES[self.qtype]
 
@@ -74,8 +79,12 @@ class QuantWeight:
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in_features] float32 -> [..., out_features], exact mode."""
     lead = x.shape[:-1]
-    y = cpu_native.quant_module().quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight.blocks,
-                                               weight.qtype, bias)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
+        with torch.profiler.record_function(GEMM_EVENT):
+            y = cpu_native.quant_module().quant_linear(x2, weight.blocks, weight.qtype, bias)
+    else:
+        y = cpu_native.quant_module().quant_linear(x2, weight.blocks, weight.qtype, bias)
     return y.reshape(*lead, weight.out_features)
 
 
@@ -83,13 +92,17 @@ class Int4Pack:
     """A 4-bit weight packed for torch's int4 weight-only GEMM (bfloat16 activations), one
     group per GGML block: the fast mode's linear."""
 
-    __slots__ = ("packed", "scales_zeros", "out_features")
+    __slots__ = ("packed", "scales_zeros", "out_features", "in_features")
     QTYPES = (Q4_0, Q4_1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
     def __init__(self, weight: QuantWeight) -> None:
         if weight.qtype not in self.QTYPES:
             raise ValueError("only 4-bit blocks pack into int4")
-        self.out_features = weight.out_features
+        self.out_features, self.in_features = weight.out_features, weight.in_features
         q, d, m = _unpack_4bit(weight)
         # torch's convention: w = (q - 8) * scale + zero, per group of 32
         zero = m + 8 * d if weight.qtype == Q4_1 else torch.zeros_like(d)

@@ -60,6 +60,31 @@ class Linear:
             linear._int4, linear._blocks = Int4Pack(blocks), None
         return linear
 
+    @property
+    def macs_per_row(self) -> int:
+        """Multiply-adds per input row: out_features x in_features."""
+        for held in (self._blocks, self._int4):
+            if held is not None:
+                return held.out_features * held.in_features
+        if self.weight is not None:
+            return self.weight.numel()
+        if self._packed is not None:
+            return self._packed.numel()
+        return self.weight_bytes  # int8: one byte per weight
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one call reads (the bound of a memory-bound step)."""
+        for held in (self._blocks, self._int4):
+            if held is not None:
+                return held.nbytes
+        if self.weight is not None:
+            return self.weight.numel() * self.weight.element_size()
+        if self._packed is not None:
+            return self._packed.numel() * self._packed.element_size()
+        rows, cols = torch.ops.quantized.linear_unpack(self._int8)[0].shape
+        return rows * cols  # int8
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._blocks is not None:
             return quant_linear(x, self._blocks, self.bias)

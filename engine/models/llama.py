@@ -81,6 +81,10 @@ class CausalLM:
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
 
+    def linears(self) -> list[Linear]:
+        """Every linear one decode step runs, lm_head last."""
+        return [lin for w in self.layers for lin in (w.qkv, w.o_proj, w.gate_up, w.down)] + [self.lm_head]
+
     def _take(self, name: str) -> torch.Tensor:
         t = self._state.get(name)
         if t is None:
