@@ -51,3 +51,25 @@ class Completion:
     def num_computed_prompt_tokens(self) -> int:
         """Prompt tokens this engine actually ran through the model."""
         return len(self.prompt_token_ids) - self.num_cached_tokens - self.num_external_tokens
+
+
+class PrefillRate:
+    """Prompt tokens computed per second of forward time, recently: an exponential average
+    over steps that computed prompt tokens (weighted by their tokens), 0 before the first.
+    What the router predicts a worker's time to first token from."""
+
+    __slots__ = ("tokens_per_s", "_half_life_tokens")
+
+    def __init__(self, half_life_tokens: int = 2048) -> None:
+        self.tokens_per_s = 0.0
+        self._half_life_tokens = half_life_tokens
+
+    def note(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        if self.tokens_per_s == 0:
+            self.tokens_per_s = rate
+            return
+        keep = 0.5 ** (tokens / self._half_life_tokens)
+        self.tokens_per_s = keep * self.tokens_per_s + (1 - keep) * rate

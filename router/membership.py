@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Iterable
 
 import grpc
@@ -49,7 +50,13 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
 def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
     return Load(load.num_queued, load.num_running, load.num_free_blocks, load.num_total_blocks,
                 tuple(KVBackendState(b.name, b.usable, b.detail) for b in load.kv_backends),
-                load.counters if load.HasField("counters") else None)
+                load.counters if load.HasField("counters") else None,
+                load.queued_prompt_tokens, _rate(load.prefill_tokens_per_s))
+
+
+def _rate(value: float) -> float:
+    """A reported rate as the planner may use it: finite and positive, else 0 (unknown)."""
+    return value if math.isfinite(value) and 0 < value < 1e12 else 0.0
 
 
 class Membership:

@@ -6,9 +6,13 @@ threshold no prefill worker is proposed (reason "short_uncached_prompt"), nor wh
 prefill worker is alive ("no_prefill_worker"), nor when the chosen one's queue is at or
 over the prefill-queue threshold ("prefill_queue_long"), nor when no live prefill worker
 shares a usable KV backend with D by their last reports ("no_usable_kv_backend": every
-backend down would mean computing the prompt twice). This is the only place that
-decides local vs remote; decode follows it unless it cannot receive KV at all. Every decision is logged and counted in
-pdserve_router_routing_decisions_total{pool, policy, reason}.
+backend down would mean computing the prompt twice). Between those bounds the path with
+the shorter predicted time to first token wins (`predict_ttft`: each side's queued prompt
+tokens over its measured prefill rate, plus the transfer on the remote side): when 8 prompts
+arrive at once the decode takes its share instead of idling while one prefill worker
+queues them all ("predicted_faster_local"). This is the only place that decides local vs
+remote; decode follows it unless it cannot receive KV at all. Every decision is logged and
+counted in pdserve_router_routing_decisions_total{pool, policy, reason}.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ SHORT_UNCACHED_PROMPT = "short_uncached_prompt"
 NO_PREFILL_WORKER = "no_prefill_worker"
 PREFILL_QUEUE_LONG = "prefill_queue_long"
 NO_USABLE_KV_BACKEND = "no_usable_kv_backend"
+PREDICTED_FASTER_LOCAL = "predicted_faster_local"
 MIGRATED = "migrated"  # a request continued after its decode was lost: decode recomputes it
 
 
@@ -39,6 +44,44 @@ class RoutePlan:
     prefill_reason: str
     prefill_queue_length: int  # the prefill worker's last reported queue (0 if local)
     num_matched_tokens: int  # prompt tokens the router believes cached on decode
+    prediction: TTFTPrediction | None = None  # when both paths were open and both had rates
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTPrediction:
+    """Predicted seconds to a prompt's first token, prefilled on decode or on a prefill worker."""
+
+    local_s: float
+    remote_s: float
+
+    @property
+    def local_faster(self) -> bool:
+        return self.local_s < self.remote_s
+
+
+def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int) -> TTFTPrediction | None:
+    """Each side: the prompt tokens queued ahead of these `num_tokens`, and these, at its
+    recent prefill rate; the remote side adds the mean transfer time its decode has seen.
+    A decode that has not prefilled yet is taken to prefill at the prefill worker's rate (same
+    model; its own rate replaces the guess after its first prompt). None while the prefill
+    worker has no measured rate: then the thresholds alone decide."""
+    remote_rate = prefill.load.prefill_tokens_per_s
+    if remote_rate <= 0:
+        return None
+    local_rate = decode.load.prefill_tokens_per_s or remote_rate
+    remote = (prefill.queued_prompt_tokens() + num_tokens) / remote_rate + mean_transfer_s(decode)
+    local = (decode.queued_prompt_tokens() + num_tokens) / local_rate
+    return TTFTPrediction(local_s=local, remote_s=remote)
+
+
+def mean_transfer_s(record: WorkerRecord) -> float:
+    """Mean seconds per KV transfer by the worker's counters (0 before any)."""
+    counters = record.load.counters
+    if counters is None:
+        return 0.0
+    transfers = sum(t.transfers for t in counters.transfers)
+    seconds = sum(t.seconds for t in counters.transfers)
+    return seconds / transfers if transfers and seconds >= 0 else 0.0
 
 
 class RoutePlanner:
@@ -66,11 +109,12 @@ class RoutePlanner:
         self._count("decode", self._decode_policy.name, decode.reason)
         num_matched = min(decode.record.num_matched_blocks(block_hashes) * block_size, num_prompt_tokens)
 
-        prefill, prefill_reason, queue_length = None, "", 0
+        uncached = num_prompt_tokens - num_matched
+        prefill, prefill_reason, queue_length, prediction = None, "", 0, None
         prefillers = self._registry.routable(Role.PREFILL, model_name)
         if migrated:
             prefill_reason = MIGRATED
-        elif num_prompt_tokens - num_matched <= self._threshold:
+        elif uncached <= self._threshold:
             prefill_reason = SHORT_UNCACHED_PROMPT
         elif not prefillers:
             prefill_reason = NO_PREFILL_WORKER
@@ -79,17 +123,24 @@ class RoutePlanner:
         else:
             choice = self._prefill_policy.choose(prefillers, query)
             queue_length = choice.record.load.num_queued
+            prediction = predict_ttft(choice.record, decode.record, uncached)
             if queue_length >= self._queue_threshold:
                 prefill_reason, queue_length = PREFILL_QUEUE_LONG, 0
+            elif prediction is not None and prediction.local_faster:
+                prefill_reason, queue_length = PREDICTED_FASTER_LOCAL, 0
             else:
                 prefill, prefill_reason = choice.record.worker, choice.reason
-                self._registry.note_routed(choice.record.worker_id, block_hashes)
+                self._registry.note_routed(choice.record.worker_id, block_hashes, prompt_tokens=uncached)
         self._count("prefill", self._prefill_policy.name, prefill_reason)
-        self._registry.note_routed(decode.record.worker_id, block_hashes)
-        log.info("route %s: decode=%s (%s) prefill=%s (%s) prompt=%d matched=%d", request_id,
+        self._registry.note_routed(decode.record.worker_id, block_hashes,
+                                   prompt_tokens=0 if prefill else max(0, uncached))
+        log.info("route %s: decode=%s (%s) prefill=%s (%s) prompt=%d matched=%d%s", request_id,
                  decode.record.worker_id, decode.reason, prefill.worker_id if prefill else "local",
-                 prefill_reason, num_prompt_tokens, num_matched)
-        return RoutePlan(decode.record.worker, decode.reason, prefill, prefill_reason, queue_length, num_matched)
+                 prefill_reason, num_prompt_tokens, num_matched,
+                 f" predicted TTFT local {prediction.local_s:.2f} s, remote {prediction.remote_s:.2f} s"
+                 if prediction else "")
+        return RoutePlan(decode.record.worker, decode.reason, prefill, prefill_reason, queue_length, num_matched,
+                         prediction)
 
     def _count(self, pool: str, policy: str, reason: str) -> None:
         self._metrics.routing.labels(pool, policy, reason).inc()

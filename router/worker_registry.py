@@ -54,6 +54,8 @@ class Load:
     num_total_blocks: int = 0
     kv_backends: tuple[KVBackendState, ...] = ()  # empty: not reported (every backend counts usable)
     counters: Any = None  # common_pb2.EngineCounters of the last report, when it had them
+    queued_prompt_tokens: int = 0  # prompt tokens queued or running, not computed yet
+    prefill_tokens_per_s: float = 0.0  # its recent prefill rate (0: not measured yet)
 
 
 @dataclass(slots=True)
@@ -67,6 +69,7 @@ class WorkerRecord:
     suspect: bool = False
     num_routed_since_report: int = 0  # requests sent since the last load report
     num_streams: int = 0  # this router's Decode streams open to it now
+    num_routed_prompt_tokens: int = 0  # prompt tokens sent to it to compute since the last report
     expected: dict[int, float] = field(default_factory=dict)  # hash -> when routed here (not yet reported)
 
     @property
@@ -77,6 +80,11 @@ class WorkerRecord:
         """Work queued or running, counting what this router sent since the last report; at
         least the streams this router has open to it (a report may predate their arrival)."""
         return max(self.load.num_queued + self.load.num_running + self.num_routed_since_report, self.num_streams)
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens ahead of a new one here: the last report's, plus what this router sent
+        to compute since (a burst arrives faster than reports)."""
+        return self.load.queued_prompt_tokens + self.num_routed_prompt_tokens
 
     def usable_backends(self) -> set[str]:
         """The KV backends this worker speaks that its last report calls usable."""
@@ -130,7 +138,7 @@ class WorkerRegistry:
         if record.suspect:
             log.info("worker %s is reachable again", worker_id)
         record.load, record.last_seen, record.suspect = load, self._clock(), False
-        record.num_routed_since_report = 0
+        record.num_routed_since_report = record.num_routed_prompt_tokens = 0
         self._set_cached(record, cached_hashes)
         return True
 
@@ -149,12 +157,14 @@ class WorkerRegistry:
             record.suspect = True
             log.warning("worker %s marked suspect: %s", worker_id, why)
 
-    def note_routed(self, worker_id: str, block_hashes: Sequence[int]) -> None:
-        """A request was sent to the worker: count it, and expect it to cache the prompt's
-        blocks (until its next report says otherwise)."""
+    def note_routed(self, worker_id: str, block_hashes: Sequence[int], prompt_tokens: int = 0) -> None:
+        """A request was sent to the worker (`prompt_tokens` of it for the worker to compute):
+        count it, and expect it to cache the prompt's blocks (until its next report says
+        otherwise)."""
         record = self._records.get(worker_id)
         if record is not None:
             record.num_routed_since_report += 1
+            record.num_routed_prompt_tokens += prompt_tokens
             if len(record.cached_hashes) + len(block_hashes) <= self._max_cached_hashes:
                 record.cached_hashes.update(block_hashes)
                 now = self._clock()

@@ -214,3 +214,56 @@ def test_planner_skips_excluded_and_suspect_workers(registry):
     registry.mark_suspect("b", "refused")
     with pytest.raises(EXPECTED_ERRORS):
         planner.plan("r", "m", 40, 4, [], "", exclude={"a"})
+
+
+def counters(transfers: int = 0, seconds: float = 0.0):
+    from pdserve.proto.pdserve.v1 import common_pb2
+
+    return common_pb2.EngineCounters(transfers=[common_pb2.TransferCounters(
+        backend="ucx", transfers=transfers, bytes=transfers * 1000, seconds=seconds)])
+
+
+def test_planner_routes_by_predicted_time_to_first_token(registry):
+    """Between the static bounds, each prompt goes where its first token is predicted
+    sooner: queued prompt tokens (reported, plus those routed since) over each side's prefill
+    rate, the transfer on the remote side. 8 prompts of 200 tokens at once, both workers idle
+    and equally fast: they alternate, so neither queue holds more than half the burst."""
+    planner, metrics = make_planner(registry, threshold=8, queue_threshold=100)
+    registry.register(worker("d"), Load(prefill_tokens_per_s=400.0, counters=counters(10, 0.5)))
+    registry.register(worker("p", Role.PREFILL), Load(prefill_tokens_per_s=400.0))
+    paths = []
+    for i in range(8):
+        plan = planner.plan(f"r{i}", "m", 200, 4, [1000 + 100 * i + j for j in range(50)], "")
+        paths.append(plan.prefill.worker_id if plan.prefill else plan.prefill_reason)
+        assert plan.prediction is not None
+    assert paths.count("predicted_faster_local") == 4 and paths.count("p") == 4
+    assert decisions(metrics, "prefill", "round_robin", "predicted_faster_local") == 4
+    assert registry.get("d").queued_prompt_tokens() == registry.get("p").queued_prompt_tokens() == 800
+
+    # Reports replace the guesses: a long queue on the prefill worker sends the next prompt
+    # local; a decode that prefills 4x slower keeps it remote.
+    registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=2000))
+    registry.heartbeat("d", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=0))
+    plan = planner.plan("r8", "m", 200, 4, [7], "")
+    assert plan.prefill is None and plan.prefill_reason == "predicted_faster_local"
+    assert plan.prediction.local_s == pytest.approx(0.5) and plan.prediction.remote_s == pytest.approx(5.5)
+    registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=200))
+    registry.heartbeat("d", Load(prefill_tokens_per_s=100.0, queued_prompt_tokens=0))
+    plan = planner.plan("r9", "m", 200, 4, [8], "")
+    assert plan.prefill.worker_id == "p"
+    assert plan.prediction.local_s == pytest.approx(2.0) and plan.prediction.remote_s == pytest.approx(1.0)
+
+
+def test_planner_thresholds_bound_the_prediction(registry):
+    """A short uncached prompt stays local and a queue at the threshold sends it local
+    whatever the prediction says; with no measured prefill rate yet there is no prediction
+    and the prefill worker is asked, as before."""
+    planner, _ = make_planner(registry, threshold=8, queue_threshold=4)
+    registry.register(worker("d"), Load(prefill_tokens_per_s=1.0))
+    registry.register(worker("p", Role.PREFILL), Load())
+    plan = planner.plan("r1", "m", 200, 4, [1], "")
+    assert plan.prefill.worker_id == "p" and plan.prediction is None
+    registry.heartbeat("p", Load(prefill_tokens_per_s=1e6))
+    assert planner.plan("r2", "m", 8, 4, [2], "").prefill_reason == "short_uncached_prompt"
+    registry.heartbeat("p", Load(num_queued=4, prefill_tokens_per_s=1e6))
+    assert planner.plan("r3", "m", 200, 4, [3], "").prefill_reason == "prefill_queue_long"
