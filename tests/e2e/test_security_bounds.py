@@ -23,7 +23,7 @@ import time
 
 import httpx
 import pytest
-from harness import MODEL, deploy_workers, pick_free_port
+from harness import MODEL, UpProcess, children_of, deploy_workers, pick_free_port
 
 from pdserve.kvtransfer.local_redis import redis_server_binary
 
@@ -132,7 +132,7 @@ def cluster(tmp_path_factory):
     finally:
         for key, value in saved.items():
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-    d.relay, d.registry_port = relay, None
+    d.relay, d.redis_url = relay, env["PDSERVE_REDIS_URL"]
     yield d
     from pdserve.deploy import up
 
@@ -240,3 +240,37 @@ def test_no_secret_material_in_logs_argv_handoffs_or_health(cluster):
     found = [(what, where) for where, text in places.items() for what, value in secrets_.items() if value in text]
     assert not found, found
     assert "redis://" not in places["hand-offs (decode -> prefill bytes)"]
+
+
+def find_secrets(places: dict[str, str], secrets_: dict[str, str]) -> list[tuple[str, str]]:
+    return [(what, where) for where, text in places.items() for what, value in secrets_.items() if value in text]
+
+
+def test_no_secret_material_around_pdserve_up(cluster):
+    """`pdserve up` as a user runs it, the Redis URL (with its password) and the API key in its
+    environment: none of them, nor the cluster secret it makes, in its or its children's argv,
+    its output, or /health."""
+    up = UpProcess("--num-threads", "1", "--kv-backends", "ucx,nccl,redis",
+                   env={"PDSERVE_REDIS_URL": cluster.redis_url, "PDSERVE_API_KEY": API_KEY})
+    try:
+        up.wait_for("pdserve is up")
+        reply = httpx.post(f"{up.base_url}/chat/completions", timeout=120, headers={"Authorization": f"Bearer {API_KEY}"},
+                           json={"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        places = {}
+        secret_file = ""
+        for pid in [up.proc.pid, *children_of(up.proc.pid)]:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            places[f"argv of {pid}"] = b" ".join(argv).decode()
+            if b"--cluster-secret-file" in argv:
+                secret_file = argv[argv.index(b"--cluster-secret-file") + 1].decode()
+        assert secret_file, "no child was given the cluster secret file"
+        with open(secret_file) as f:
+            secrets_ = {"cluster secret": f.read().strip(), "Redis password": REDIS_PASSWORD, "API key": API_KEY}
+        health = httpx.get(up.base_url.replace("/v1", "/health"), timeout=10)
+        places["/health"] = health.text + str(health.headers)
+    finally:
+        places["pdserve up output"] = up.stop()
+    assert len(places) >= 5  # up, its router, prefill and decode, /health, the output
+    assert not find_secrets(places, secrets_), find_secrets(places, secrets_)
