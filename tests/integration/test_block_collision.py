@@ -113,3 +113,33 @@ def test_prefix_store_refuses_a_colliding_record(short_keys, store):
     assert store.num_digest_mismatches == 1
     assert loads.match(view(request("again", attacker)), 0) == 1  # the record's own prefix loads it
     assert bytes(loads.load_spec("again", [3], BS).payloads[0]) == b"\x66" * nbytes
+
+
+def test_the_engine_computes_a_colliding_prompt_instead_of_reusing_the_planted_block(
+        short_keys, tiny_model_factory, one_torch_thread):
+    """The whole engine (a tiny random-weight Llama): the attacker's prompt runs first and its
+    first block is cached under the key the victim's first block also has; the victim's
+    prompt is then computed, not served the attacker's KV, and its tokens equal those of a
+    fresh engine."""
+    from pdserve.engine.llm import LLM
+
+    model = str(tiny_model_factory("llama"))
+    llm = LLM(model, num_blocks=32, block_size=16)
+    engine = llm.engine
+    seen: dict[int, list[int]] = {}
+    for i in range(100_000):
+        first = [i % 256, (i // 256) % 256, *range(3, 17)]
+        key = prompt_blocks(first, 16, engine.compat_hash, engine.config.block_hash_key).hashes[0]
+        if key in seen and seen[key] != first:
+            attacker, victim = seen[key] + [5, 6, 7], first + [5, 6, 7]
+            break
+        seen[key] = first
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (reference,) = LLM(model, num_blocks=32, block_size=16).generate([victim], greedy)
+    llm.generate([attacker], greedy)
+    (served,) = llm.generate([victim], greedy)
+    assert served.num_cached_tokens == 0 and engine.kv.num_digest_mismatches == 1
+    assert served.token_ids == reference.token_ids
+    (again,) = llm.generate([attacker], greedy)
+    assert again.num_cached_tokens == 16  # the block's own prompt still hits
+    engine.assert_no_leaks()
