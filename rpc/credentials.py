@@ -18,7 +18,7 @@ import grpc
 
 from pdserve.common.auth import (CREDENTIAL_HEADER, AuthError, CallSigner, CallVerifier,
                                  ClusterSecret, ClusterSecretError, Mac, caller_of, is_loopback,
-                                 require_secret_off_loopback)
+                                 read_private_file, require_secret_off_loopback)
 from pdserve.rpc.server import CHANNEL_OPTIONS
 
 log = logging.getLogger("pdserve.auth")
@@ -79,9 +79,11 @@ class InternalTLS:
         if not all(paths):
             raise ClusterSecretError("--internal-tls-cert, --internal-tls-key and --internal-tls-ca go together")
         try:
-            return cls(*(open(p, "rb").read() for p in paths))
+            cert, ca = open(cert_path, "rb").read(), open(ca_path, "rb").read()
         except OSError as exc:
             raise ClusterSecretError(f"cannot read internal TLS material: {exc}") from None
+        # the key is checked as the cluster secret is: private to this user, read from one descriptor
+        return cls(cert, read_private_file(key_path, "internal TLS key", max_bytes=1 << 20), ca)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,

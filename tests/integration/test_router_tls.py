@@ -101,6 +101,7 @@ def _internal_pki(tmp_path) -> dict[str, str]:
                                                           serialization.NoEncryption()))):
             path = tmp_path / f"{name}-{kind}.pem"
             path.write_bytes(data)
+            path.chmod(0o600)  # a key others may read is refused, as the cluster secret is
             out[f"{name}_{kind}"] = str(path)
     return out
 

@@ -95,3 +95,13 @@ def test_only_regular_files_are_read_and_a_fifo_does_not_block(tmp_path):
         read_private_file(tmp_path / "fifo", "test")
     with pytest.raises(ClusterSecretError, match="cannot read"):
         read_private_file(tmp_path / "missing", "test")
+
+
+def test_an_internal_tls_key_others_may_read_is_refused(tmp_path):
+    from pdserve.rpc.credentials import InternalTLS
+
+    cert, ca = write(tmp_path / "cert.pem", 0o644, b"cert"), write(tmp_path / "ca.pem", 0o644, b"ca")
+    with pytest.raises(ClusterSecretError, match="internal TLS key .* readable by others"):
+        InternalTLS.load(str(cert), str(write(tmp_path / "key.pem", 0o644, b"key")), str(ca))
+    tls = InternalTLS.load(str(cert), str(write(tmp_path / "private.pem", 0o600, b"key")), str(ca))
+    assert (tls.cert, tls.key, tls.ca) == (b"cert", b"key", b"ca")
