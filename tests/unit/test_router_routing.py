@@ -226,17 +226,18 @@ def counters(transfers: int = 0, seconds: float = 0.0):
 def test_planner_routes_by_predicted_time_to_first_token(registry):
     """Between the static bounds, each prompt goes where its first token is predicted
     sooner: queued prompt tokens (reported, plus those routed since) over each side's prefill
-    rate, the transfer on the remote side. 8 prompts of 200 tokens at once, both workers idle
-    and equally fast: they alternate, so neither queue holds more than half the burst."""
+    rate, the transfer on the remote side, the stall of the decode's streams on the local one.
+    One prompt to idle workers stays disaggregated; 8 prompts of 200 tokens at once to equally
+    fast workers alternate, so neither queue holds more than half the burst."""
     planner, metrics = make_planner(registry, threshold=8, queue_threshold=100)
     registry.register(worker("d"), Load(prefill_tokens_per_s=400.0, counters=counters(10, 0.5)))
     registry.register(worker("p", Role.PREFILL), Load(prefill_tokens_per_s=400.0))
     paths = []
-    for i in range(8):
+    for i in range(8):  # remote, local, remote, ...: local once it saves more than its stall
         plan = planner.plan(f"r{i}", "m", 200, 4, [1000 + 100 * i + j for j in range(50)], "")
         paths.append(plan.prefill.worker_id if plan.prefill else plan.prefill_reason)
         assert plan.prediction is not None
-    assert paths.count("predicted_faster_local") == 4 and paths.count("p") == 4
+    assert paths == ["p", "predicted_faster_local"] * 4
     assert decisions(metrics, "prefill", "round_robin", "predicted_faster_local") == 4
     assert registry.get("d").queued_prompt_tokens() == registry.get("p").queued_prompt_tokens() == 800
 
@@ -246,7 +247,8 @@ def test_planner_routes_by_predicted_time_to_first_token(registry):
     registry.heartbeat("d", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=0))
     plan = planner.plan("r8", "m", 200, 4, [7], "")
     assert plan.prefill is None and plan.prefill_reason == "predicted_faster_local"
-    assert plan.prediction.local_s == pytest.approx(0.5) and plan.prediction.remote_s == pytest.approx(5.5)
+    assert plan.prediction.local_s == pytest.approx(0.5) and plan.prediction.remote_s == pytest.approx(5.5)  # the new report has no transfers yet
+    assert plan.prediction.stall_s == pytest.approx(0.5)
     registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=200))
     registry.heartbeat("d", Load(prefill_tokens_per_s=100.0, queued_prompt_tokens=0))
     plan = planner.plan("r9", "m", 200, 4, [8], "")
