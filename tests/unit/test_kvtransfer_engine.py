@@ -201,3 +201,37 @@ def test_layerwise_benchmark_smoke(tiny_model_factory, backend, capsys):
     whole = next(line.split() for line in lines if line.startswith(backend) and " whole " in line)
     assert 3 <= int(streamed[6]) <= 4 and float(streamed[4]) > 0  # 2 steps whole, the last per layer
     assert whole[4] == "-" and int(whole[6]) == 0
+
+
+@pytest.mark.parametrize("backend", _p2p_params())
+def test_a_payload_altered_in_flight_fails_its_mac_and_falls_back(tiny_model_factory, tmp_path, backend,
+                                                                  monkeypatch):
+    """With a transfer key, each payload's tag travels in its (MACed) request: bytes that
+    differ on arrival from what the sender tagged are refused at the decode before its sink
+    sees them, a transfer failure like corrupt data, so the chain goes on (to the disk store)
+    and the decode decodes what a local engine would."""
+    import os
+
+    from pdserve.kvtransfer.backends import _p2p
+    from pdserve.kvtransfer.base import BlockMessage
+
+    model_dir = tiny_model_factory("llama")
+    config = KVTransferConfig(backends=(backend, "disk", RECOMPUTE), disk_store=str(tmp_path / "store"),
+                              step_timeout_s=5, transfer_key=os.urandom(32), store_key=os.urandom(32))
+    tag_request = _p2p.encode_request
+
+    def tagged_for_other_bytes(session, seq, message, deadline):  # what arrives differs from what was tagged
+        payload = message.payload.clone()
+        payload.view(-1).view(torch.uint8)[0] ^= 1
+        other = BlockMessage(message.transfer_id, message.header, message.index, payload)
+        return tag_request(session, seq, other, deadline)
+
+    monkeypatch.setattr(_p2p, "encode_request", tagged_for_other_bytes)
+    prompt = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(7)).tolist()
+    with engines(model_dir, config, max_num_tokens=20) as (prefill, decode, local):
+        tokens, sent, received = disaggregated(prefill, decode, prompt, "altered")
+        assert sent.ok and sent.backend == "disk" and received.ok, received.describe()
+        assert [f.backend for f in sent.fallbacks] == [backend]
+        assert "payload MAC mismatch" in sent.fallbacks[0].reason, sent.fallbacks[0].reason
+        assert tuple(tokens) == local.generate(prompt, GREEDY)[0].token_ids
+        assert_all_blocks_back(prefill, decode)
