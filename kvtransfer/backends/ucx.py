@@ -372,8 +372,11 @@ class _Receiver:
                 pass
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass  # the sender went away (or we are closing): drop the connection
-        except (asyncio.TimeoutError, _p2p.PeerNotAuthenticated):
-            self.num_refused += 1  # no proof, or none in time
+        except (asyncio.TimeoutError, _p2p.PeerNotAuthenticated) as exc:
+            if peer:  # an authenticated sender's request ran past its budget
+                log.warning("ucx receiver: dropping a connection: %r", exc)
+            else:  # no proof, or none in time
+                self.num_refused += 1
         except Exception as exc:  # noqa: BLE001 - one bad peer must not stop the listener
             log.warning("ucx receiver: dropping a connection: %s", exc)
         finally:
