@@ -28,6 +28,11 @@ A message carries layers [F, F + S) of its blocks: a whole-block message all of 
 streamed one (layer-wise transfer, `connector_worker._Stream`) one layer of one prefill
 chunk's blocks. Store records are always whole blocks.
 
+The checksum (keyless xxh64) and the crc catch corruption, not an attacker, who could
+recompute both: against tampering, a point-to-point transfer's frames and payloads carry
+HMAC-SHA256 tags under a key fresh per control connection (`backends._p2p.Session`), and
+store records a MAC under the store key (`codec`).
+
 All integers little-endian. Nothing here is pickled. Every field a peer sends is checked
 against `WireLimits` (what the receiver expects) BEFORE anything is allocated or indexed.
 """
