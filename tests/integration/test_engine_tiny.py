@@ -449,17 +449,18 @@ def test_offline_benchmark_smoke(llama_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = offline.main(["--model", str(llama_dir), "--threads", "1", "--concurrency", "2", "3",
                        "--new-tokens", "4", "--prompt-len", "20", "--prefill-len", "64",
-                       "--json", str(out)])
+                       "--decode-batches", "1", "3", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "batch 3 x ~20 prompt, 4 new" in printed and "prefill, 64-token prompt" in printed
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 + 1 + 1 + 1  # two batch rows, TTFT, prefill, the decode step
+    assert len(rows) == 2 + 1 + 1 + 2  # two batch rows, TTFT, prefill, the decode steps
     for row in rows[:4]:
         assert row["ours"] > 0 and row["theirs"] > 0 and row["ratio"] > 0
         assert row["agreement"] in (None, 1.0)  # greedy tokens equal transformers'
-    assert rows[4]["name"] == "decode step, batch 2" and rows[4]["ours"] > 0
-    assert "operator calls" in printed and "in GEMM" in printed
+    assert [r["name"] for r in rows[4:]] == ["decode step, batch 1", "decode step, batch 3"]
+    assert all(r["ours"] > 0 for r in rows[4:])
+    assert "operator calls" in printed and "in GEMM" in printed and "step/bound" in printed
     assert torch.get_num_threads() == 1
 
 
