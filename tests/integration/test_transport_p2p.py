@@ -419,8 +419,13 @@ def test_a_control_frame_altered_on_the_path_is_refused(link):
 
 
 def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatch):
-    """The request's tag covers the payload as sent; bytes changed on the payload channel
-    (UCX, gloo) fail it at the receiver, which refuses the transfer and keeps the link."""
+    """With a transfer key, the request's tag covers the payload as sent; bytes changed on the
+    payload channel (UCX, gloo) fail it at the receiver, which refuses the transfer before its
+    sink sees them and keeps the link."""
+    key = os.urandom(32)
+    endpoint = link.peer.call("open", key=key.hex())["endpoint"]
+    sender = make_transport(link.backend)
+    sender.key = key
     dst = [16, 17]
     message = make_message(dst, seed=19)
     before = link.digests(dst)
@@ -429,12 +434,15 @@ def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatc
     as_sent = _p2p.Session.payload_tag
     monkeypatch.setattr(_p2p.Session, "payload_tag",
                         lambda self, seq, header, index, _payload: as_sent(self, seq, header, index, message.payload))
-    with pytest.raises(TransferError, match="payload MAC mismatch"):
-        link.send(with_payload(message, altered))
-    assert link.digests(dst) == before
-    monkeypatch.undo()
-    link.send(message)  # the link survives the refusal
-    assert link.digests(dst) == payload_digests(message)
+    try:
+        with pytest.raises(TransferError, match="payload MAC mismatch"):
+            sender.send(endpoint, with_payload(message, altered), time.monotonic() + DEADLINE_S)
+        assert link.digests(dst) == before
+        monkeypatch.undo()
+        sender.send(endpoint, message, time.monotonic() + DEADLINE_S)  # the link survives the refusal
+        assert link.digests(dst) == payload_digests(message)
+    finally:
+        sender.close()
 
 
 def test_idle_connections_cost_no_threads_and_leave_the_receiver_serving(link):
