@@ -138,13 +138,15 @@ class EngineLoop:
             cmd()
 
     def _deliver(self, outputs: list[RequestOutput], remote_ready: list[Request]) -> None:
-        loop = self._loop
+        """Hands a step's results to the event loop in one wake-up (one per output made the
+        loop thread take the GIL from the engine once per stream per step)."""
+        actions: list[tuple[Callable[..., None], Any, Any]] = []
         for request in remote_ready:
             stream = self._streams.get(request.request_id)
             if stream is not None and stream.remote_ready is not None:
                 info = (tuple(self.engine.remote_block_ids(request.request_id)),
                         request.num_computed_tokens)  # held already: prefix hit + loads
-                loop.call_soon_threadsafe(_set_result, stream.remote_ready, info)
+                actions.append((_set_result, stream.remote_ready, info))
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -152,13 +154,24 @@ class EngineLoop:
             if out.finished:
                 del self._streams[out.request_id]
                 if stream.remote_ready is not None:  # ended before its blocks were ready
-                    loop.call_soon_threadsafe(_set_result, stream.remote_ready, None)
-            loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+                    actions.append((_set_result, stream.remote_ready, None))
+            actions.append((_put, stream.outputs, out))
+        if actions:
+            self._loop.call_soon_threadsafe(_run_all, actions)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in list(self._streams.values()):
             self._loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
         self._streams.clear()
+
+
+def _run_all(actions: list[tuple[Callable[..., None], Any, Any]]) -> None:
+    for action, target, value in actions:
+        action(target, value)
+
+
+def _put(outputs: asyncio.Queue, value: Any) -> None:
+    outputs.put_nowait(value)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

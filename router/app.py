@@ -71,7 +71,7 @@ class RouterApp:
         self.metrics.in_flight.set_function(lambda: len(self.in_flight))
         planner = RoutePlanner(self.registry, make_policy(config.decode_policy), make_policy(config.prefill_policy),
                                config.local_prefill_threshold, config.prefill_queue_threshold,
-                               self.metrics)
+                               self.metrics, predict=not config.static_routing)
         self.decode = DecodeClient(self.channels, self.registry, self.tasks, config.stream_idle_timeout_s,
                                    config.rpc_timeout_s)
         self.frontend = Frontend(self.catalog, planner, self.decode, self.in_flight, self.metrics,

@@ -74,6 +74,9 @@ class RouterConfig:
                                         "routing")
     prefill_queue_threshold: int = _opt(8, "a prefill worker's queue length at or over which decode prefills "
                                         "locally", "routing")
+    static_routing: bool = _opt(False, "between those thresholds always ask a prefill worker (default: the path "
+                                "with the shorter predicted time to first token, from each worker's queued "
+                                "prompt tokens and prefill rate)", "routing")
     max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body in bytes", "routing")
     worker_timeout_s: float = _opt(10.0, "heartbeat age that marks a worker dead", "routing")
     stream_idle_timeout_s: float = _opt(30.0, "a decode stream silent this long is cut off and its request "

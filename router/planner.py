@@ -94,13 +94,16 @@ def mean_transfer_s(record: WorkerRecord) -> float:
 class RoutePlanner:
     def __init__(self, registry: WorkerRegistry, decode_policy: RoutingPolicy, prefill_policy: RoutingPolicy,
                  local_prefill_threshold: int, prefill_queue_threshold: int,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, predict: bool = True) -> None:
+        """`predict`: between the thresholds, route by predicted time to first token (else
+        always to a prefill worker)."""
         self._registry = registry
         self._decode_policy = decode_policy
         self._prefill_policy = prefill_policy
         self._threshold = local_prefill_threshold
         self._queue_threshold = prefill_queue_threshold
         self._metrics = metrics
+        self._predict = predict
 
     def plan(self, request_id: str, model_name: str, num_prompt_tokens: int, block_size: int,
              block_hashes: Sequence[int], session_key: str, exclude: Collection[str] = (),
@@ -130,7 +133,7 @@ class RoutePlanner:
         else:
             choice = self._prefill_policy.choose(prefillers, query)
             queue_length = choice.record.load.num_queued
-            prediction = predict_ttft(choice.record, decode.record, uncached)
+            prediction = predict_ttft(choice.record, decode.record, uncached) if self._predict else None
             if queue_length >= self._queue_threshold:
                 prefill_reason, queue_length = PREFILL_QUEUE_LONG, 0
             elif prediction is not None and prediction.local_faster:

@@ -15,6 +15,7 @@
 // positions >= len - W. Scores and softmax in float32, exactly as the torch path.
 
 #include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cmath>
@@ -149,6 +150,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor kv_cache, at::Ten
                   context_lens.size(0) == query.size(0),
               "context_lens: contiguous int32 [B]");
   auto out = at::empty_like(query);
+  pybind11::gil_scoped_release no_gil;  // no Python object is touched from here
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "pdserve_decode_attention", [&] {
     const int64_t head_dim = query.size(2);
     auto run = [&](auto kernel) {

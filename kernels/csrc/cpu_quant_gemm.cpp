@@ -23,6 +23,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -260,6 +261,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype, c10::opt
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
                   x.size(1) == K, "x must be a contiguous float32 [M, ", K, "] CPU tensor");
   const int64_t M = x.size(0);
+  // no Python object is touched from here: let the service's event loop run meanwhile
+  pybind11::gil_scoped_release no_gil;
   at::Tensor y;
   if (M < kGemmRows) {
     y = at::empty({M, N}, at::kFloat);

@@ -24,7 +24,7 @@ def outage(tmp_path_factory):
     redis.start()
     flags = ["--kv-backends", "redis,recompute", "--redis-url", redis.url, "--kv-probe-cooldown-s", str(COOLDOWN_S)]
     d = deploy_workers([("prefill-0", "prefill", flags), ("decode-0", "decode", flags)],
-                       router_args=["--local-prefill-threshold", "0"])
+                       router_args=["--local-prefill-threshold", "0", "--static-routing"])
     yield d, redis
     from pdserve.deploy import up
 

@@ -34,7 +34,7 @@ def cluster(tmp_path_factory):
     workers += [(f"decode-{i}", "decode", ["--prefill-timeout-s", "8", "--failure-policy", "recompute"])
                 for i in range(2)]
     d = deploy_workers(workers, common=["--transfer-timeout-s", "8"],
-                       router_args=["--local-prefill-threshold", "0", "--worker-timeout-s", str(DEADLINE_S),
+                       router_args=["--local-prefill-threshold", "0", "--static-routing", "--worker-timeout-s", str(DEADLINE_S),
                                     "--stream-idle-timeout-s", str(DEADLINE_S)])
     yield d
     from pdserve.deploy import up

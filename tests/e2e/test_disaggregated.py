@@ -29,7 +29,7 @@ def cluster(tmp_path_factory):
     workers += [(f"decode-{b}", "decode", ["--kv-backends", b, *stores,
                                             "--failure-policy", "fail"]) for b in BACKENDS]
     d = deploy_workers(workers, router_args=["--decode-policy", "round_robin",
-                                             "--local-prefill-threshold", "0"])
+                                             "--local-prefill-threshold", "0", "--static-routing"])
     yield d
     from pdserve.deploy import up
 

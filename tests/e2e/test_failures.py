@@ -27,7 +27,7 @@ def cluster(tmp_path_factory):
                ("decode-recompute", "decode", ["--failure-policy", "recompute"]),
                ("decode-fail", "decode", ["--failure-policy", "fail"])]
     d = deploy_workers(workers, router_args=["--decode-policy", "round_robin",
-                                             "--local-prefill-threshold", "0",
+                                             "--local-prefill-threshold", "0", "--static-routing",
                                              "--worker-timeout-s", "3"], common=common)
     yield d
     from pdserve.deploy import up

@@ -32,7 +32,7 @@ def cluster(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("kvstore"))
     common = ["--kv-backends", "disk", "--disk-store", store]
     workers = [("prefill-0", "prefill", []), ("decode-0", "decode", [])]
-    d = deploy_workers(workers, router_args=["--local-prefill-threshold", "0"], common=common)
+    d = deploy_workers(workers, router_args=["--local-prefill-threshold", "0", "--static-routing"], common=common)
     d.store = store
     yield d
     from pdserve.deploy import up

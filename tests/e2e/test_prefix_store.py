@@ -23,7 +23,7 @@ def start(store: str, backend: str, secret: str):
     flags = ["--kv-backends", backend, "--disk-store", store, "--prefix-store", "disk",
              "--failure-policy", "fail"]
     return deploy_workers([("prefill-0", "prefill", flags), ("decode-0", "decode", flags)],
-                          router_args=["--local-prefill-threshold", "0"], secret_path=secret)
+                          router_args=["--local-prefill-threshold", "0", "--static-routing"], secret_path=secret)
 
 
 def complete(deployment):
@@ -101,7 +101,7 @@ def test_prompt_tokens_the_prefill_loads_from_its_store_count_as_cached(tmp_path
     def start_prefill_store():
         return deploy_workers([("prefill-0", "prefill", [*common, "--prefix-store", "disk"]),
                                ("decode-0", "decode", common)],
-                              router_args=["--local-prefill-threshold", "0"], secret_path=secret)
+                              router_args=["--local-prefill-threshold", "0", "--static-routing"], secret_path=secret)
 
     first = start_prefill_store()
     try:

@@ -20,7 +20,7 @@ def cluster(tmp_path_factory):
     workers += [(f"decode-{i}", "decode", []) for i in range(2)]
     d = deploy_workers(workers, router_args=["--decode-policy", "prefix_aware",
                                              "--prefill-policy", "round_robin",
-                                             "--local-prefill-threshold", "0"], common=common)
+                                             "--local-prefill-threshold", "0", "--static-routing"], common=common)
     yield d
     from pdserve.deploy import up
 

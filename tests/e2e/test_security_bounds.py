@@ -127,7 +127,7 @@ def cluster(tmp_path_factory):
     try:
         d = deploy_workers([("prefill-0", "prefill", ["--grpc-port", str(prefill_port), "--advertise-host", "127.0.0.2"]),
                             ("decode-0", "decode", [])],
-                           router_args=["--local-prefill-threshold", "0"],
+                           router_args=["--local-prefill-threshold", "0", "--static-routing"],
                            common=["--kv-backends", "ucx,nccl,redis"])
     finally:
         for key, value in saved.items():

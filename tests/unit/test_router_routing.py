@@ -269,3 +269,12 @@ def test_planner_thresholds_bound_the_prediction(registry):
     assert planner.plan("r2", "m", 8, 4, [2], "").prefill_reason == "short_uncached_prompt"
     registry.heartbeat("p", Load(num_queued=4, prefill_tokens_per_s=1e6))
     assert planner.plan("r3", "m", 200, 4, [3], "").prefill_reason == "prefill_queue_long"
+
+
+def test_static_routing_asks_the_prefill_worker_between_the_thresholds(registry):
+    planner = RoutePlanner(registry, make_policy("prefix_aware"), make_policy("round_robin"), 8, 100,
+                           RouterMetrics(), predict=False)
+    registry.register(worker("d"), Load(prefill_tokens_per_s=1e6))
+    registry.register(worker("p", Role.PREFILL), Load(prefill_tokens_per_s=1.0, queued_prompt_tokens=10**6))
+    plan = planner.plan("r1", "m", 200, 4, [1], "")
+    assert plan.prefill.worker_id == "p" and plan.prediction is None
