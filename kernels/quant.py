@@ -26,6 +26,9 @@ BLOCK = 32
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 MODES = ("gguf", "gguf-fast")
 GEMM_EVENT = "pdserve::quant_linear"  # the profiler's name for the native block GEMM
+GEMM_ROWS = 32  # rows from which a call expands the weights and runs oneDNN's GEMM
+EXPAND_BYTES = 64 << 20  # ... when they take at most this much as float32
+_ONEDNN = torch.backends.mkldnn.is_available()
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +80,21 @@ class QuantWeight:
 
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in_features] float32 -> [..., out_features], exact mode."""
+    """x [..., in_features] float32 -> [..., out_features], exact mode. A few rows (decode):
+    the native kernel, which reads the blocks only. Prompt-sized batches are bound by
+    arithmetic, not weight bytes: there the weights are expanded once per call and multiplied
+    by oneDNN (1.2-1.3x faster than the native kernel's own tiles through MKL at 64-512 rows)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
+    module = cpu_native.quant_module()
+    if x2.shape[0] >= GEMM_ROWS and weight.out_features * weight.in_features * 4 <= EXPAND_BYTES and _ONEDNN:
+        w = module.dequantize_rows(weight.blocks, weight.qtype, 0, weight.out_features)
+        y = torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], "")
+    elif torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
         with torch.profiler.record_function(GEMM_EVENT):
-            y = cpu_native.quant_module().quant_linear(x2, weight.blocks, weight.qtype, bias)
+            y = module.quant_linear(x2, weight.blocks, weight.qtype, bias)
     else:
-        y = cpu_native.quant_module().quant_linear(x2, weight.blocks, weight.qtype, bias)
+        y = module.quant_linear(x2, weight.blocks, weight.qtype, bias)
     return y.reshape(*lead, weight.out_features)
 
 

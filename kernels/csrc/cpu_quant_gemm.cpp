@@ -239,7 +239,9 @@ int64_t checked_k(const at::Tensor& blocks, int64_t qtype) {
   return blocks.size(1) / bb * kBlock;
 }
 
-constexpr int64_t kTileBytes = 1 << 20;  // one expanded tile of W, float32: stays in L2
+// W expanded at once, float32, when no larger (a decoder layer's linears); a larger one (an
+// output projection) in tiles of this many bytes
+constexpr int64_t kTileBytes = 32 << 20;
 
 }  // namespace
 
@@ -269,6 +271,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype, c10::opt
     by_type(qtype, [&](auto qt) {
       gemv_rows<decltype(qt)::value>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
     });
+  } else if (N * K * 4 <= kTileBytes) {
+    y = at::mm(x, dequantize_rows(blocks, qtype, 0, N).t());
   } else {
     y = at::empty({M, N}, at::kFloat);
     const int64_t tile = std::max<int64_t>(16, kTileBytes / (K * 4));
