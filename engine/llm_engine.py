@@ -48,6 +48,7 @@ class EngineStats:
     step_seconds: float = 0.0  # their total time
     num_queued_prompt_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
     prefill_tokens_per_s: float = 0.0  # recent prompt tokens per second of forward time (0: none yet)
+    num_decoding: int = 0  # running requests past their prompt
 
 
 class LLMEngine:
@@ -320,11 +321,12 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in itertools.chain(s.waiting, s.running))
+        decoding = sum(1 for r in s.running if r.num_computed_tokens >= r.num_prompt_tokens)
         return EngineStats(len(s.waiting), len(s.running), len(s.remote),
                            self.kv.get_num_free_blocks(), self.kv.get_max_resource_count(),
                            s.num_preemptions, self._num_prompt_computed, self._num_generated,
                            s.num_prefix_queries, s.num_prefix_hits, self._num_steps, self._step_seconds,
-                           queued, self._prefill_rate.tokens_per_s)
+                           queued, self._prefill_rate.tokens_per_s, decoding)
 
     def assert_no_leaks(self) -> None:
         """Every KV block is back in the pool (call when nothing is in flight)."""

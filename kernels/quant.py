@@ -102,7 +102,7 @@ class Int4Pack:
     """A 4-bit weight packed for torch's int4 weight-only GEMM (bfloat16 activations), one
     group per GGML block: the fast mode's linear."""
 
-    __slots__ = ("packed", "scales_zeros", "out_features", "in_features")
+    __slots__ = ("packed", "scales_zeros", "out_features", "in_features", "blocks")
     QTYPES = (Q4_0, Q4_1)
 
     @property
@@ -113,6 +113,7 @@ class Int4Pack:
         if weight.qtype not in self.QTYPES:
             raise ValueError("only 4-bit blocks pack into int4")
         self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.blocks = weight  # prompt-sized batches: expanded to bfloat16 for oneDNN's GEMM
         q, d, m = _unpack_4bit(weight)
         # torch's convention: w = (q - 8) * scale + zero, per group of 32
         zero = m + 8 * d if weight.qtype == Q4_1 else torch.zeros_like(d)
@@ -120,9 +121,16 @@ class Int4Pack:
         self.scales_zeros = torch.stack([d, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A few rows: the int4 GEMM. Prompt-sized batches: the blocks expanded to bfloat16 and
+        oneDNN's bfloat16 GEMM (about 400 GFLOP/s on 2 Zen 4 cores against 155 for the int4
+        kernel and 215 for float32 at 256 rows)."""
         lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.packed, BLOCK, self.scales_zeros).float()
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        if x2.shape[0] >= GEMM_ROWS and _ONEDNN:
+            w = self.blocks.dequantize().to(torch.bfloat16)
+            y = torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "").float()
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, BLOCK, self.scales_zeros).float()
         if bias is not None:
             y += bias
         return y.reshape(*lead, self.out_features)

@@ -9,7 +9,7 @@ shares a usable KV backend with D by their last reports ("no_usable_kv_backend":
 backend down would mean computing the prompt twice). Between those bounds the path with
 the shorter predicted time to first token wins (`predict_ttft`: each side's queued prompt
 tokens over its measured prefill rate, plus the transfer on the remote side, plus on the
-local side the stall its compute costs the decode's streams): when 8 prompts arrive at once
+local side the stall its compute costs each stream decoding there): when 8 prompts arrive at once
 the decode takes its share instead of idling while one prefill worker queues them all
 ("predicted_faster_local"); an idle prefill worker keeps every prompt. This is the only place that decides local vs
 remote; decode follows it unless it cannot receive KV at all. Every decision is logged and
@@ -55,20 +55,23 @@ class TTFTPrediction:
 
     local_s: float
     remote_s: float
-    stall_s: float
+    stall_s: float  # the local prefill's own compute: every stream decoding there waits it out
+    num_stalled: int = 1  # those streams, at least one (a local prefill is never free)
 
     @property
     def local_faster(self) -> bool:
-        """Local wins only when it saves more than the stall it costs the decode's other
-        streams: an idle prefill worker keeps every prompt (that is what disaggregation is
-        for); a queue on it sends the decode its share of a burst."""
-        return self.local_s + self.stall_s < self.remote_s
+        """Local wins only when it saves more than the stalls it costs the decode's streams:
+        an idle prefill worker keeps every prompt (that is what disaggregation is for), a
+        burst on an idle decode is shared half and half, and a decode busy with many streams
+        takes a prompt only when the prefill queue ahead of it is as long as they are many."""
+        return self.local_s + self.num_stalled * self.stall_s < self.remote_s
 
 
 def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int) -> TTFTPrediction | None:
     """Each side: the prompt tokens queued ahead of these `num_tokens`, and these, at its
     recent prefill rate; the remote side adds the mean transfer time its decode has seen, the
-    local side the time its own compute holds up the decode's streams (`stall_s`).
+    local side the time its own compute holds up each of the decode's decoding streams
+    (`stall_s`, `num_stalled`, by its last report).
     A decode that has not prefilled yet is taken to prefill at the prefill worker's rate (same
     model; its own rate replaces the guess after its first prompt). None while the prefill
     worker has no measured rate: then the thresholds alone decide."""
@@ -78,7 +81,8 @@ def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int) -
     local_rate = decode.load.prefill_tokens_per_s or remote_rate
     remote = (prefill.queued_prompt_tokens() + num_tokens) / remote_rate + mean_transfer_s(decode)
     local = (decode.queued_prompt_tokens() + num_tokens) / local_rate
-    return TTFTPrediction(local_s=local, remote_s=remote, stall_s=num_tokens / local_rate)
+    return TTFTPrediction(local_s=local, remote_s=remote, stall_s=num_tokens / local_rate,
+                          num_stalled=max(1, decode.load.num_decoding))
 
 
 def mean_transfer_s(record: WorkerRecord) -> float:
@@ -147,7 +151,8 @@ class RoutePlanner:
         log.info("route %s: decode=%s (%s) prefill=%s (%s) prompt=%d matched=%d%s", request_id,
                  decode.record.worker_id, decode.reason, prefill.worker_id if prefill else "local",
                  prefill_reason, num_prompt_tokens, num_matched,
-                 f" predicted TTFT local {prediction.local_s:.2f} s (+{prediction.stall_s:.2f} s stall), "
+                 f" predicted TTFT local {prediction.local_s:.2f} s (+{prediction.stall_s:.2f} s stall "
+                 f"x{prediction.num_stalled}), "
                  f"remote {prediction.remote_s:.2f} s"
                  if prediction else "")
         return RoutePlan(decode.record.worker, decode.reason, prefill, prefill_reason, queue_length, num_matched,

@@ -56,6 +56,7 @@ class Load:
     counters: Any = None  # common_pb2.EngineCounters of the last report, when it had them
     queued_prompt_tokens: int = 0  # prompt tokens queued or running, not computed yet
     prefill_tokens_per_s: float = 0.0  # its recent prefill rate (0: not measured yet)
+    num_decoding: int = 0  # running requests past their prompt
 
 
 @dataclass(slots=True)

@@ -81,6 +81,6 @@ def load_to_proto(engine_loop, num_queued_extra: int = 0, max_hashes: int = 4096
         num_queued=s.num_waiting + num_queued_extra, num_running=s.num_running + s.num_waiting_remote,
         num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
         cached_block_hashes=list(reversed(hashes)), queued_prompt_tokens=s.num_queued_prompt_tokens,
-        prefill_tokens_per_s=s.prefill_tokens_per_s,
+        prefill_tokens_per_s=s.prefill_tokens_per_s, num_decoding=s.num_decoding,
         kv_backends=[common_pb2.KVBackendState(name=b.name, usable=b.usable, detail=b.detail)
                      for b in engine_loop.engine.connector.worker.backend_states()])

@@ -91,7 +91,8 @@ at::Tensor rope_store_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Ten
   float* q_out = q.data_ptr<float>();
   float* cache = kv_cache.data_ptr<float>();
   const int64_t row = KVH * D;  // one token's K (or V) in a block
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, 32,  // a decode batch is a few microseconds of work: no threads to wake
+                   [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* x = in + t * width;
       const float* c = cs + t * D;

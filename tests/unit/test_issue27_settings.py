@@ -33,3 +33,15 @@ def test_lenient_json_schema_and_power_of_two_are_router_settings():
     assert not RouterConfig.from_settings(resolve(build_parser().parse_args(["router"]), environ={})).lenient_json_schema
     env = resolve(build_parser().parse_args(["router"]), environ={"PDSERVE_LENIENT_JSON_SCHEMA": "true"})
     assert RouterConfig.from_settings(env).lenient_json_schema
+
+
+def test_auto_quantization_is_blocks_on_decode_and_float32_on_prefill():
+    """`--quantization auto` (the default): a decode serves a .gguf's own blocks, a prefill
+    float32 (faster for prompt-sized batches; exact blocks compute the same KV)."""
+    from pdserve.worker.settings import WorkerSettings
+
+    assert WorkerSettings("decode").engine_config().quantization == "auto"
+    assert WorkerSettings("prefill").engine_config().quantization == ""
+    for role in ("prefill", "decode"):
+        assert WorkerSettings(role, quantization="gguf").engine_config().quantization == "gguf"
+        assert WorkerSettings(role, quantization="none").engine_config().quantization == ""
