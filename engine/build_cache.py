@@ -315,13 +315,15 @@ class BuildCache:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+_RECORD_NAME = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*-[0-9a-f]{32}")
+
+
 def _key_of_entry(name: str) -> str | None:
-    """The key that guards a cache entry: `<key>` or `.tmp-<key>-<rand>`; None for others."""
-    if name.startswith(".tmp-"):
-        return name[len(".tmp-"):].rsplit("-", 1)[0]
-    if name.startswith("."):
-        return None
-    return name
+    """The key that guards a cache entry: `<kind>-<32 hex>` or `.tmp-<key>-<rand>`; None for
+    anything else under the root (the native kernels' builds in torch_extensions/, a
+    benchmark's files), which pruning must leave alone."""
+    key = name[len(".tmp-"):].rsplit("-", 1)[0] if name.startswith(".tmp-") else name
+    return key if _RECORD_NAME.fullmatch(key) else None
 
 
 def _tree_bytes(path: Path) -> int:

@@ -298,3 +298,13 @@ def test_from_env_reads_the_pdserve_cache_variables(tmp_path, monkeypatch):
         BuildCache.from_env()
     with pytest.raises(InvalidRequestError, match="max_records"):
         BuildCache(tmp_path, max_records=0, max_storage_gb=1.0)
+
+
+def test_prune_leaves_what_is_not_a_record_alone(cache):
+    """The cache root also holds the native kernels' builds (torch_extensions/) and other
+    files: pruning once deleted them (a rebuild of the kernels on the next start)."""
+    for name in ("torch_extensions", "synthetic", "notes"):
+        (cache.root / name).mkdir(parents=True)
+        (cache.root / name / "kept").write_text("x")
+    cache.prune()
+    assert all((cache.root / name / "kept").exists() for name in ("torch_extensions", "synthetic", "notes"))
