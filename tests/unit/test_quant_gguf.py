@@ -52,6 +52,16 @@ def test_matmul_matches_dequantize_then_float32(name, rows):
     assert (got.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
 
 
+@pytest.mark.parametrize("rows", [1, 8, 9, 20])
+def test_long_rows(rows):
+    """Rows of 65 blocks (a 1B model's are 64 to 256): one and two weight rows per tile."""
+    weight, reference = random_weight(quant.Q4_1, 34, 65 * 32, seed=rows)
+    x = torch.randn(rows, 65 * 32, generator=torch.Generator().manual_seed(rows))
+    expected = x.double() @ reference.double().T
+    got = quant.quant_linear(x, weight)
+    assert (got.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
+
+
 def test_leading_dimensions_and_strided_input():
     weight, reference = random_weight(quant.Q4_1, 32, 64)
     x = torch.randn(2, 3, 128)[..., ::2]  # not contiguous
