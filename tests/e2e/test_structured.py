@@ -230,7 +230,12 @@ def test_http_prompt_logprobs(cluster, hf_model):
         assert str(int(torch.argmax(ref[pos - 1]))) in got[pos]
     streamed = [c.choices[0].model_extra.get("prompt_logprobs") for c in cluster.openai().completions.create(
         model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True, extra_body={"prompt_logprobs": 1})]
-    assert streamed[0] == got and not any(streamed[1:])  # whole, on the first chunk
+    # whole, on the first chunk; the same numbers up to float32 summation order (this prompt's
+    # blocks are cached on decode now, which may recompute it through its own kernels)
+    assert not any(streamed[1:]) and streamed[0][0] is None and len(streamed[0]) == len(got)
+    for first, again in zip(got[1:], streamed[0][1:]):
+        assert first.keys() == again.keys()
+        assert all(again[k]["logprob"] == pytest.approx(v["logprob"], abs=1e-4) for k, v in first.items())
     chat = cluster.openai().chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, temperature=0,
                                                     extra_body={"prompt_logprobs": 0})
     assert chat.model_extra["prompt_logprobs"][0] is None
