@@ -153,7 +153,8 @@ class Ours:
     def __init__(self, s: Settings, max_cache_tokens: int) -> None:
         from pdserve.engine.llm import LLM
 
-        self.llm = LLM(s.model, max_tokens=max_cache_tokens, max_batch_size=max(64, max(s.concurrency)),
+        self.llm = LLM(s.model, max_tokens=max_cache_tokens,
+                       max_batch_size=max(64, max(s.concurrency), max(s.decode_batches)),
                        quantization=s.quantization)
         self.vocab_size = self.llm.engine.model_config.vocab_size
 
@@ -236,7 +237,8 @@ def run(s: Settings, log: Callable[[str], None]) -> list[Row]:
     import torch
 
     torch.set_num_threads(s.threads)
-    need = max(max(s.concurrency) * (s.prompt_len * 11 // 10 + 1 + max(s.new_tokens)), s.prefill_len + 16)
+    widest = max(max(s.concurrency), max(s.decode_batches))  # the decode steps hold their batch too
+    need = max(widest * (s.prompt_len * 11 // 10 + 1 + max(s.new_tokens)), s.prefill_len + 16)
     t0 = time.perf_counter()
     ours = Ours(s, max_cache_tokens=need + 1024)
     log(f"pdserve engine loaded in {time.perf_counter() - t0:.1f} s "
@@ -364,6 +366,9 @@ def decode_step(llm, prompts: list[list[int]], steps: int = 16) -> StepProfile:
     while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
         engine.step()
     engine.step()  # the last prefill's first token is sampled; from here every step decodes
+    if len(sched.running) != len(prompts):
+        raise RuntimeError(f"only {len(sched.running)} of {len(prompts)} requests run together: the KV cache "
+                           f"or max_batch_size is too small for this decode step")
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()

@@ -247,14 +247,24 @@ constexpr int64_t kTileBytes = 32 << 20;
 
 }  // namespace
 
-at::Tensor dequantize_rows(at::Tensor blocks, int64_t qtype, int64_t begin, int64_t end) {
+// Rows [begin, begin + out.size(0)) of W into `out` (float32 [rows, K] contiguous): a caller
+// that expands weights on every call reuses one buffer instead of faulting in fresh pages.
+at::Tensor dequantize_rows_into(at::Tensor blocks, int64_t qtype, int64_t begin, at::Tensor out) {
   const int64_t K = checked_k(blocks, qtype);
-  TORCH_CHECK(0 <= begin && begin <= end && end <= blocks.size(0), "row range out of bounds");
-  at::Tensor out = at::empty({end - begin, K}, at::kFloat);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(1) == K && out.is_contiguous(),
+              "out must be a contiguous float32 [rows, ", K, "] tensor");
+  const int64_t end = begin + out.size(0);
+  TORCH_CHECK(0 <= begin && end <= blocks.size(0), "row range out of bounds");
+  pybind11::gil_scoped_release no_gil;
   by_type(qtype, [&](auto qt) {
     expand_rows<decltype(qt)::value>(blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), begin, end, K);
   });
   return out;
+}
+
+at::Tensor dequantize_rows(at::Tensor blocks, int64_t qtype, int64_t begin, int64_t end) {
+  TORCH_CHECK(begin <= end, "row range out of bounds");
+  return dequantize_rows_into(blocks, qtype, begin, at::empty({end - begin, checked_k(blocks, qtype)}, at::kFloat));
 }
 
 // Rows at or above which a call expands tiles of W and runs the CPU GEMM instead.

@@ -62,6 +62,20 @@ def test_long_rows(rows):
     assert (got.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_prompt_sized_batches_expand_in_tiles(name, monkeypatch):
+    """From GEMM_ROWS rows the weights are expanded (into one reused buffer, at most
+    EXPAND_BYTES at a time: here 10 rows a tile, so 34 rows take four) for oneDNN's GEMM."""
+    monkeypatch.setattr(quant, "EXPAND_BYTES", 10 * 64 * 4)
+    weight, reference = random_weight(TYPES[name], 34, 64, seed=5)
+    bias = torch.randn(34)
+    for rows in (quant.GEMM_ROWS, 70):
+        x = torch.randn(rows, 64)
+        expected = x.double() @ reference.double().T + bias.double()
+        got = quant.quant_linear(x, weight, bias)
+        assert (got.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
+
+
 def test_leading_dimensions_and_strided_input():
     weight, reference = random_weight(quant.Q4_1, 32, 64)
     x = torch.randn(2, 3, 128)[..., ::2]  # not contiguous
