@@ -11,9 +11,10 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pdserve.common.auth import Mac
 from pdserve.common.errors import TransferError
@@ -25,6 +26,8 @@ from pdserve.kvtransfer.wire import (
 from pdserve.common.block_hash import DIGEST_BYTES, stable_hash64
 
 NO_TRANSFER = bytes(16)  # transfer id of content-addressed records (shared by every transfer)
+
+log = logging.getLogger(__name__)
 
 
 def new_transfer_id() -> bytes:
@@ -158,6 +161,35 @@ def decode_record(data: bytes | memoryview, limits: WireLimits, key: int,
     payload = view[index_end:payload_end]
     verify_payload(header, index, payload)
     return payload
+
+
+class RecordReads:
+    """A store's reading of its records: the payload, or None for a record it must not use,
+    counted (`num_unauthenticated`, `num_digest_mismatches`) and logged (a digest mismatch
+    once: it is another prefix's block, kept for it; a record failing its MAC or corrupt is
+    also dropped through `drop`)."""
+
+    def __init__(self, store: str) -> None:
+        self.store = store
+        self.num_unauthenticated = 0
+        self.num_digest_mismatches = 0
+
+    def payload(self, data: bytes | memoryview, limits: WireLimits, key: int, mac_key: bytes | None,
+                digest: bytes | None, name: object, drop: Callable[[], None]) -> memoryview | None:
+        try:
+            return decode_record(data, limits, key, mac_key, digest)
+        except DigestMismatch as exc:  # another prefix's block under a colliding key: kept for it
+            self.num_digest_mismatches += 1
+            if self.num_digest_mismatches == 1:
+                log.warning("%s: refusing record %s: %s (logged once)", self.store, name, exc)
+        except UnauthenticatedRecord as exc:
+            self.num_unauthenticated += 1
+            log.warning("%s: refusing record %s: %s", self.store, name, exc)
+            drop()
+        except WireError as exc:
+            log.warning("%s: dropping corrupt record %s: %s", self.store, name, exc)
+            drop()
+        return None
 
 
 @dataclass(frozen=True, slots=True)

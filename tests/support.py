@@ -48,3 +48,28 @@ def write_gguf(path: Path, arch: str = "llama", *, shape_keys: bool = True,
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# A child process that makes `n` concurrent anonymous gRPC calls of `size` bytes to `method` on
+# `target` (the bytes are sent raw, no credential) and prints each call's status, sorted.
+GRPC_FLOOD = """
+import concurrent.futures, sys, grpc
+target, method, n, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+big = b"x" * size
+channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 30)])
+call = channel.unary_unary(method, request_serializer=bytes, response_deserializer=bytes)
+def one(_):
+    try:
+        call(big, timeout=120)
+        return "OK"
+    except grpc.RpcError as exc:
+        return exc.code().name
+with concurrent.futures.ThreadPoolExecutor(n) as pool:
+    print(" ".join(sorted(pool.map(one, range(n)))))
+"""
+
+
+def grpc_flood_argv(target: str, method: str, n: int, size: int) -> list[str]:
+    import sys
+
+    return [sys.executable, "-c", GRPC_FLOOD, target, method, str(n), str(size)]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
-from pdserve.kvtransfer.codec import (DigestMismatch, UnauthenticatedRecord, decode_record, layout_of,
+from pdserve.kvtransfer.codec import (RecordReads, decode_record, layout_of,
                                       record_nbytes, split_records)
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.wire import WireError, WireLimits
@@ -64,8 +64,7 @@ class DiskStore(BlockStore):
         self.prune_interval_s = prune_interval_s
         self._clock = clock
         self.mac_key = mac_key
-        self.num_unauthenticated = 0
-        self.num_digest_mismatches = 0
+        self._reads = RecordReads("disk store")
         self.health = BackendHealth(self.name, health_policy, clock)
         self._lock = threading.Lock()  # guards the estimate below, not the files
         self._est_bytes = 0
@@ -150,23 +149,20 @@ class DiskStore(BlockStore):
                 out[i] = self._check(path, data, limits, key, digests[i] if digests is not None else None)
         return out
 
+    @property
+    def num_unauthenticated(self) -> int:
+        """Records refused for their MAC (and dropped)."""
+        return self._reads.num_unauthenticated
+
+    @property
+    def num_digest_mismatches(self) -> int:
+        """Records under a matching key holding another prefix's block (kept)."""
+        return self._reads.num_digest_mismatches
+
     def _check(self, path: Path, data: bytes, limits: WireLimits, key: int,
                digest: bytes | None) -> memoryview | None:
-        try:
-            payload = decode_record(data, limits, key, self.mac_key, digest)
-        except DigestMismatch as exc:  # another prefix's block under a colliding key: kept for it
-            self.num_digest_mismatches += 1
-            if self.num_digest_mismatches == 1:
-                log.warning("disk store: refusing record %s: %s (logged once)", path, exc)
-            return None
-        except UnauthenticatedRecord as exc:
-            self.num_unauthenticated += 1
-            log.warning("disk store: refusing record %s: %s", path, exc)
-            _unlink(path)
-            return None
-        except WireError as exc:
-            log.warning("disk store: dropping corrupt record %s: %s", path, exc)
-            _unlink(path)
+        payload = self._reads.payload(data, limits, key, self.mac_key, digest, path, lambda: _unlink(path))
+        if payload is None:
             return None
         _touch(path)
         return payload

@@ -15,9 +15,9 @@ import logging
 from typing import Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
-from pdserve.kvtransfer.codec import DigestMismatch, UnauthenticatedRecord, decode_record, layout_of, split_records
+from pdserve.kvtransfer.codec import RecordReads, layout_of, split_records
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
-from pdserve.kvtransfer.wire import WireError, WireLimits
+from pdserve.kvtransfer.wire import WireLimits
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ class RedisStore(BlockStore):
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
         self._closed = False
         self.mac_key = mac_key
-        self.num_unauthenticated = 0
-        self.num_digest_mismatches = 0
+        self._reads = RecordReads("redis store")
 
     def _ttl_ms(self, key: int) -> int:
         return self.ephemeral_ttl_ms if key < 0 else self.ttl_ms
@@ -115,24 +114,20 @@ class RedisStore(BlockStore):
         self.health.record_success()
         return out
 
+    @property
+    def num_unauthenticated(self) -> int:
+        """Records refused for their MAC (and dropped)."""
+        return self._reads.num_unauthenticated
+
+    @property
+    def num_digest_mismatches(self) -> int:
+        """Records under a matching key holding another prefix's block (kept)."""
+        return self._reads.num_digest_mismatches
+
     def _check(self, value: bytes, limits: WireLimits, key: int, name: str,
                digest: bytes | None) -> memoryview | None:
-        try:
-            return decode_record(value, limits, key, self.mac_key, digest)
-        except DigestMismatch as exc:  # another prefix's block under a colliding key: kept for it
-            self.num_digest_mismatches += 1
-            if self.num_digest_mismatches == 1:
-                log.warning("redis store: refusing record %s: %s (logged once)", name, exc)
-            return None
-        except UnauthenticatedRecord as exc:
-            self.num_unauthenticated += 1
-            log.warning("redis store: refusing record %s: %s", name, exc)
-            self._client.delete(name)
-            return None
-        except WireError as exc:
-            log.warning("redis store: dropping corrupt record %s: %s", name, exc)
-            self._client.delete(name)
-            return None
+        return self._reads.payload(value, limits, key, self.mac_key, digest, name,
+                                   lambda: self._client.delete(name))
 
     def count_prefix_hits(self, block_hashes: Sequence[int], compat_hash: int) -> int:
         if not block_hashes or not self.can_serve():

@@ -17,13 +17,13 @@ import os
 import secrets
 import socket
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 from harness import MODEL, UpProcess, children_of, deploy_workers, pick_free_port
+from support import grpc_flood_argv
 
 from pdserve.kvtransfer.local_redis import redis_server_binary
 
@@ -35,21 +35,7 @@ CALL_BYTES = 60 << 20
 REDIS_PASSWORD = "rp-" + secrets.token_hex(12)
 API_KEY = "sk-" + secrets.token_hex(12)
 CHAT = [{"role": "user", "content": "Name three colours."}]
-FLOOD = """
-import concurrent.futures, sys, grpc
-target, method, n, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-big = b"x" * size
-channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 30)])
-call = channel.unary_unary(method, request_serializer=bytes, response_deserializer=bytes)
-def one(_):
-    try:
-        call(big, timeout=120)
-        return "OK"
-    except grpc.RpcError as exc:
-        return exc.code().name
-with concurrent.futures.ThreadPoolExecutor(n) as pool:
-    print(" ".join(sorted(pool.map(one, range(n)))))
-"""
+
 
 
 class Relay:
@@ -177,7 +163,7 @@ def listening_ports(pid: int) -> set[int]:
 
 
 def flood_grpc(target: str, method: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", FLOOD, target, method, str(NUM_CALLS), str(CALL_BYTES)],
+    out = subprocess.run(grpc_flood_argv(target, method, NUM_CALLS, CALL_BYTES),
                          capture_output=True, text=True, timeout=300)
     return out.stdout.split()
 

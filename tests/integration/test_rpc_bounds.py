@@ -9,33 +9,17 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 
-import grpc
 import pytest
 
 from pdserve.common.auth import ClusterSecret
 from pdserve.proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth
 from pdserve.rpc.server import WORKER_MAX_RECEIVE_BYTES, internal_server, service_name
+from support import grpc_flood_argv
 
 NUM_CALLS = 16
-FLOOD = """
-import concurrent.futures, sys, grpc
-port, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-big = b"x" * size
-channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 1 << 30)])
-call = channel.unary_unary("/pdserve.v1.Prefill/Prefill", request_serializer=bytes,
-                           response_deserializer=bytes)
-def one(_):
-    try:
-        call(big, timeout=60)
-        return "OK"
-    except grpc.RpcError as exc:
-        return exc.code().name
-with concurrent.futures.ThreadPoolExecutor(n) as pool:
-    print(" ".join(sorted(pool.map(one, range(n)))))
-"""
+
 
 
 def rss_mib() -> float:
@@ -49,8 +33,8 @@ class Echo(prefill_pb2_grpc.PrefillServicer):
 
 
 async def flood(port: int, size: int) -> list[str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", FLOOD, str(port), str(NUM_CALLS), str(size),
-                                                stdout=subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        *grpc_flood_argv(f"127.0.0.1:{port}", "/pdserve.v1.Prefill/Prefill", NUM_CALLS, size), stdout=subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 120)
     return out.decode().split()
 
