@@ -27,6 +27,8 @@ class LLM:
         cache = {k: v for k, v in overrides.items() if k in cache_keys}
         sched = {k: v for k, v in overrides.items() if k in sched_keys}
         rest = {k: v for k, v in overrides.items() if k not in cache_keys | sched_keys}
+        if "dtype" in overrides:  # the model's and its KV cache's, as the workers' --dtype sets both
+            rest["dtype"] = overrides["dtype"]
         config = replace(config, cache=replace(config.cache, **cache),
                          scheduler=replace(config.scheduler, **sched), **rest)
         self.engine = LLMEngine(config, connector=connector, loaded=loaded)

@@ -555,3 +555,15 @@ def test_stats_report_queued_prompt_tokens_and_the_prefill_rate(llama_dir):
     assert rate.tokens_per_s == 100
     rate.note(100, 0.25)  # one half-life of tokens at 400/s: halfway there
     assert rate.tokens_per_s == pytest.approx(250)
+
+
+def test_offline_dtype_sets_the_model_and_its_cache(llama_dir):
+    """`LLM(dtype=...)` is the model's dtype and its KV cache's, as the workers' --dtype is
+    (it once reached only the cache: a bfloat16 cache under a float32 model, refused at the
+    first KV write)."""
+    llm = make_llm(llama_dir, dtype="bfloat16")
+    assert llm.engine.model.embed.dtype == torch.bfloat16
+    assert llm.engine.kv.kv_caches[0].dtype == torch.bfloat16
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    llm.engine.assert_no_leaks()
