@@ -192,6 +192,22 @@ class RecordReads:
         return None
 
 
+class CountsRecordReads:
+    """A store's counts of the records its `_reads` (a RecordReads) refused."""
+
+    _reads: RecordReads
+
+    @property
+    def num_unauthenticated(self) -> int:
+        """Records refused for their MAC (and dropped)."""
+        return self._reads.num_unauthenticated
+
+    @property
+    def num_digest_mismatches(self) -> int:
+        """Records under a matching key holding another prefix's block (kept)."""
+        return self._reads.num_digest_mismatches
+
+
 @dataclass(frozen=True, slots=True)
 class DecodedMessage:
     header: BlockHeader

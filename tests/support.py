@@ -50,6 +50,16 @@ def write_gguf(path: Path, arch: str = "llama", *, shape_keys: bool = True,
     return path
 
 
+def wait_until(condition, what: str, timeout: float = 30.0, poll_s: float = 0.01) -> None:
+    """Poll `condition` until it holds; AssertionError naming `what` after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+
+
 # A child process that makes `n` concurrent anonymous gRPC calls of `size` bytes to `method` on
 # `target` (the bytes are sent raw, no credential) and prints each call's status, sorted.
 GRPC_FLOOD = """

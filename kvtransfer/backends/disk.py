@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
-from pdserve.kvtransfer.codec import (RecordReads, decode_record, layout_of,
+from pdserve.kvtransfer.codec import (CountsRecordReads, RecordReads, decode_record, layout_of,
                                       record_nbytes, split_records)
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.wire import WireError, WireLimits
@@ -45,7 +45,7 @@ _TEMP_MAX_AGE_S = 600.0  # a temp file this old belongs to a writer that died
 _LOW_WATERMARK = 0.9  # pruning goes down to this share of each budget
 
 
-class DiskStore(BlockStore):
+class DiskStore(CountsRecordReads, BlockStore):
     name = "disk"
 
     def __init__(self, root: str | os.PathLike, *, max_bytes: int = 20 * 2**30,
@@ -148,16 +148,6 @@ class DiskStore(BlockStore):
             if data is not None:
                 out[i] = self._check(path, data, limits, key, digests[i] if digests is not None else None)
         return out
-
-    @property
-    def num_unauthenticated(self) -> int:
-        """Records refused for their MAC (and dropped)."""
-        return self._reads.num_unauthenticated
-
-    @property
-    def num_digest_mismatches(self) -> int:
-        """Records under a matching key holding another prefix's block (kept)."""
-        return self._reads.num_digest_mismatches
 
     def _check(self, path: Path, data: bytes, limits: WireLimits, key: int,
                digest: bytes | None) -> memoryview | None:

@@ -15,7 +15,7 @@ import logging
 from typing import Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
-from pdserve.kvtransfer.codec import RecordReads, layout_of, split_records
+from pdserve.kvtransfer.codec import CountsRecordReads, RecordReads, layout_of, split_records
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.wire import WireLimits
 
@@ -42,7 +42,7 @@ def redis_key(compat_hash: int, key: int) -> str:
     return prefix + (f"t{-key:016x}" if key < 0 else f"{key:016x}")
 
 
-class RedisStore(BlockStore):
+class RedisStore(CountsRecordReads, BlockStore):
     name = "redis"
 
     def __init__(self, url: str, *, ttl_s: float = 3600.0, ephemeral_ttl_s: float = 120.0,
@@ -113,16 +113,6 @@ class RedisStore(BlockStore):
             return [None] * len(block_hashes)
         self.health.record_success()
         return out
-
-    @property
-    def num_unauthenticated(self) -> int:
-        """Records refused for their MAC (and dropped)."""
-        return self._reads.num_unauthenticated
-
-    @property
-    def num_digest_mismatches(self) -> int:
-        """Records under a matching key holding another prefix's block (kept)."""
-        return self._reads.num_digest_mismatches
 
     def _check(self, value: bytes, limits: WireLimits, key: int, name: str,
                digest: bytes | None) -> memoryview | None:

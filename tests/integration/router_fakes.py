@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import openai
+import support
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pdserve.common.auth import CallSigner
@@ -276,11 +276,7 @@ class Cluster:
 
 
 def wait_until(predicate, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+    support.wait_until(predicate, what, timeout, poll_s=0.02)
 
 
 def chat_body(**extra: Any) -> dict[str, Any]:

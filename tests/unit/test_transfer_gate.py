@@ -11,6 +11,7 @@ import time
 import pytest
 
 from pdserve.kvtransfer.backends import _gate, _p2p
+from support import wait_until
 
 KEY = os.urandom(32)
 WAIT_S = 10.0
@@ -42,13 +43,6 @@ def connect_and_prove(port: int, key: bytes = KEY) -> tuple[socket.socket, _p2p.
     sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
     deadline = time.monotonic() + WAIT_S
     return sock, _p2p.authenticate_receiver(sock, key, f"127.0.0.1:{port}", deadline)
-
-
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
