@@ -84,11 +84,11 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     """x [..., in_features] float32 -> [..., out_features], exact mode. A few rows (decode):
     the native kernel, which reads the blocks only. Prompt-sized batches are bound by
     arithmetic, not weight bytes: there the weights are expanded once per call and multiplied
-    by oneDNN (1.2-1.3x faster than the native kernel's own tiles through MKL at 64-512 rows)."""
+    by oneDNN (1.2-1.3x faster than expanding them into MKL's GEMM at 64-512 rows)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     module = cpu_native.quant_module()
-    if x2.shape[0] >= GEMM_ROWS and _ONEDNN:
+    if x2.shape[0] >= GEMM_ROWS:
         y = _expanded_linear(module, x2, weight, bias)
     elif torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
         with torch.profiler.record_function(GEMM_EVENT):
@@ -108,15 +108,21 @@ def _expanded_linear(module, x: torch.Tensor, weight: QuantWeight, bias: torch.T
     scratch = _scratch(min(n, rows) * weight.in_features)
     if n <= rows:
         w = module.dequantize_rows_into(weight.blocks, weight.qtype, 0, scratch.view(n, weight.in_features))
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+        return _gemm(x, w, bias)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     for start in range(0, n, rows):
         end = min(n, start + rows)
         w = module.dequantize_rows_into(weight.blocks, weight.qtype, start,
                                         scratch[:(end - start) * weight.in_features].view(end - start, -1))
-        y[:, start:end] = torch.ops.mkldnn._linear_pointwise(
-            x, w, None if bias is None else bias[start:end], "none", [], "")
+        y[:, start:end] = _gemm(x, w, None if bias is None else bias[start:end])
     return y
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + bias: oneDNN where torch has it (it reorders w itself), else torch's GEMM."""
+    if _ONEDNN:
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return torch.nn.functional.linear(x, w, bias)
 
 
 _local = threading.local()
@@ -158,9 +164,8 @@ class Int4Pack:
         kernel and 215 for float32 at 256 rows)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        if x2.shape[0] >= GEMM_ROWS and _ONEDNN:
-            w = self.blocks.dequantize().to(torch.bfloat16)
-            y = torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "").float()
+        if x2.shape[0] >= GEMM_ROWS:
+            y = _gemm(x2, self.blocks.dequantize().to(torch.bfloat16), None).float()
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, BLOCK, self.scales_zeros).float()
         if bias is not None:

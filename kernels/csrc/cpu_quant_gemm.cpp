@@ -16,8 +16,8 @@
 // A decode step has a few rows: there the step is bound by weight bytes, and reading four or
 // eight bits per weight instead of 32 is the whole gain. Each weight row is expanded once per
 // tile of up to kRows activation rows, which reuse it from registers. With many rows (a
-// prefill) expanding per group would redo the work M / kRows times, so tiles of rows are
-// expanded into a float32 buffer that fits in cache and multiplied by the CPU GEMM.
+// prefill) that would redo the expansion M / kRows times: `kernels.quant` then expands the
+// weights once (dequantize_rows_into) for the CPU GEMM instead.
 // Both vector paths (AVX-512, AVX2) and a scalar one are picked at compile time
 // (-march=native); `kernels.cpu_native` builds one per CPU.
 
@@ -241,10 +241,6 @@ int64_t checked_k(const at::Tensor& blocks, int64_t qtype) {
   return blocks.size(1) / bb * kBlock;
 }
 
-// W expanded at once, float32, when no larger (a decoder layer's linears); a larger one (an
-// output projection) in tiles of this many bytes
-constexpr int64_t kTileBytes = 32 << 20;
-
 }  // namespace
 
 // Rows [begin, begin + out.size(0)) of W into `out` (float32 [rows, K] contiguous): a caller
@@ -267,8 +263,6 @@ at::Tensor dequantize_rows(at::Tensor blocks, int64_t qtype, int64_t begin, int6
   return dequantize_rows_into(blocks, qtype, begin, at::empty({end - begin, checked_k(blocks, qtype)}, at::kFloat));
 }
 
-// Rows at or above which a call expands tiles of W and runs the CPU GEMM instead.
-constexpr int64_t kGemmRows = 32;
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype, c10::optional<at::Tensor> bias) {
   const int64_t K = checked_k(blocks, qtype), N = blocks.size(0);
@@ -277,22 +271,10 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype, c10::opt
   const int64_t M = x.size(0);
   // no Python object is touched from here: let the service's event loop run meanwhile
   pybind11::gil_scoped_release no_gil;
-  at::Tensor y;
-  if (M < kGemmRows) {
-    y = at::empty({M, N}, at::kFloat);
-    by_type(qtype, [&](auto qt) {
-      gemv_rows<decltype(qt)::value>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
-    });
-  } else if (N * K * 4 <= kTileBytes) {
-    y = at::mm(x, dequantize_rows(blocks, qtype, 0, N).t());
-  } else {
-    y = at::empty({M, N}, at::kFloat);
-    const int64_t tile = std::max<int64_t>(16, kTileBytes / (K * 4));
-    for (int64_t n = 0; n < N; n += tile) {
-      const int64_t hi = std::min(N, n + tile);
-      y.narrow(1, n, hi - n).copy_(at::mm(x, dequantize_rows(blocks, qtype, n, hi).t()));
-    }
-  }
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  by_type(qtype, [&](auto qt) {
+    gemv_rows<decltype(qt)::value>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
+  });
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N, "bias: float32 [N]");
     y.add_(*bias);
