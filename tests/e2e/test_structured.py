@@ -32,7 +32,7 @@ HISTORY = [{"role": "user", "content": "What is the weather in Oslo and Lima?"},
 
 @pytest.fixture(scope="module")
 def cluster():
-    d = deploy()
+    d = deploy(static_routing=True)  # the tests assert a transfer: no TTFT prediction may keep a prompt local
     yield d
     from pdserve.deploy import up
 
