@@ -86,7 +86,7 @@ class BenchSink:
 
         parse_index(header, index, self._limits.max_blocks)
 
-    def staging(self, header):
+    def staging(self, header, on_device=False):
         import torch
 
         if header.payload_len not in self._staging:

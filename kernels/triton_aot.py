@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 
 from pdserve.kernels import triton_attention as attention
 from pdserve.kernels import triton_block_copy as block_copy
+from pdserve.kernels import triton_digest as digest
 from pdserve.kernels import triton_kv_store as kv_store
 
 _TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -74,6 +75,12 @@ def _copy(kernel, dtype: torch.dtype, block_numel: int) -> tuple:
     return kernel, types, consts, 4
 
 
+def _digest() -> tuple:
+    types = dict(words_ptr="*i32", key_ptr="*i64", out_ptr="*i64", num_words="i64")
+    consts = dict(KEY_PAIRS=digest.KEY_PAIRS, PAIRS=digest.PAIRS, LANES=digest.LANES)
+    return digest._nh16_kernel, types, consts, 8
+
+
 def specs() -> list[tuple]:
     """(kernel, argument types, constexprs, num_warps) for the shapes pdserve serves."""
     bf16 = torch.bfloat16
@@ -89,6 +96,7 @@ def specs() -> list[tuple]:
         _store(torch.float32, 3, 64, 32),
         _copy(block_copy._gather_layer_kernel, bf16, 2 * 16 * 8 * 128),
         _copy(block_copy._scatter_layer_kernel, bf16, 2 * 16 * 3 * 64),
+        _digest(),
     ]
 
 

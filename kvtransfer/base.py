@@ -57,18 +57,24 @@ class BlockSink(Protocol):
         """Raise WireError/TransferError unless this transfer id is expected (not a duplicate,
         not aborted, not past its deadline) and the index names its reserved blocks."""
 
-    def staging(self, header: BlockHeader) -> object:
-        """A writable contiguous buffer of header.payload_len bytes to receive into."""
+    def staging(self, header: BlockHeader, on_device: bool = False) -> object:
+        """A writable contiguous buffer of header.payload_len bytes to receive into. With
+        `on_device` (a transport that receives into GPU memory) a sink whose cache is on a
+        GPU returns a tensor there; other sinks return host memory all the same."""
 
     def commit(self, header: BlockHeader, index: bytes, payload: object) -> None:
-        """Verify the checksum and scatter into the destination blocks. Idempotence is the
-        sink's job: a second commit of the same transfer id is refused."""
+        """Verify the checksum and scatter into the destination blocks (`payload`: host bytes,
+        or the tensor `staging` gave). Idempotence is the sink's job: a second commit of the
+        same transfer id is refused."""
 
 
 class KVTransport(abc.ABC):
     """Point-to-point transport. Thread-safe; every blocking call takes a deadline."""
 
     name: str = ""
+    # True when the transport sends and receives GPU tensors as they are (no host staging):
+    # a sender should hand it payloads on the GPU
+    device_direct: bool = False
 
     @abc.abstractmethod
     def open_receiver(self, sink: BlockSink) -> str:

@@ -26,6 +26,22 @@ def gather_to_host(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) 
     return out if out.device.type == "cpu" else out.cpu()
 
 
+def gather_for_send(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], keep_on_device: bool
+                    ) -> tuple[torch.Tensor, object | None]:
+    """`block_ids` of every layer `[N, L, 2, BS, H, D]`, to send. With `keep_on_device` (a
+    device-direct transport) and the cache on a GPU: a new GPU tensor and a CUDA event
+    recorded behind the gather, which the sending thread waits on before it reads the tensor
+    (it may run on another stream). Otherwise a host tensor and None."""
+    if not (keep_on_device and kv_caches[0].is_cuda):
+        return gather_to_host(kv_caches, block_ids), None
+    from pdserve.kernels import gather_blocks
+
+    out = gather_blocks(kv_caches, _ids(kv_caches, block_ids))
+    ready = torch.cuda.Event()
+    ready.record()
+    return out, ready
+
+
 def scatter_from_host(buffer: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                       block_ids: Sequence[int]) -> None:
     """Write `buffer` `[N, L, 2, BS, H, D]` (any device) into `block_ids` of every layer."""
@@ -36,12 +52,15 @@ def scatter_from_host(buffer: torch.Tensor, kv_caches: Sequence[torch.Tensor],
     scatter_blocks(buffer, kv_caches, _ids(kv_caches, block_ids))
 
 
-def buffer_from_bytes(payload: memoryview, num_blocks: int, kv_caches: Sequence[torch.Tensor]
+def buffer_from_bytes(payload: memoryview | torch.Tensor, num_blocks: int, kv_caches: Sequence[torch.Tensor]
                       ) -> torch.Tensor:
-    """View raw payload bytes as the `[N, L, 2, BS, H, D]` buffer of these caches, without
-    copying. The result is only read (scatter), so a read-only buffer is fine."""
+    """View raw payload bytes (host bytes, or a uint8 tensor on any device) as the
+    `[N, L, 2, BS, H, D]` buffer of these caches, without copying. The result is only read
+    (scatter), so a read-only buffer is fine."""
     cache = kv_caches[0]
     shape = (num_blocks, len(kv_caches), *cache.shape[1:])
+    if isinstance(payload, torch.Tensor):
+        return payload.reshape(-1).view(torch.uint8).view(cache.dtype).view(shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
         flat = torch.frombuffer(payload, dtype=torch.uint8)

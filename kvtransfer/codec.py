@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from pdserve.common.auth import Mac
-from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.wire import (
     DTYPE_NAMES, HEADER, HEADER_SIZE, INDEX_ENTRY, NO_BLOCK, BlockHeader, WireError, WireLimits,
-    encode_header, encode_index, parse_header, parse_index, verify_payload,
+    encode_header, encode_index, is_device_payload, parse_header, parse_index, verify_payload,
 )
 from pdserve.common.block_hash import DIGEST_BYTES, stable_hash64
 
@@ -44,28 +43,30 @@ def ephemeral_key(transfer_id: bytes, index: int) -> int:
 
 
 def as_bytes_view(buf: object) -> memoryview:
-    """A flat byte view of bytes / bytearray / memoryview / a contiguous CPU tensor (no copy)."""
+    """A flat byte view of bytes / bytearray / memoryview / a contiguous CPU tensor (no copy).
+    A tensor on a GPU is copied to the host (a device-direct send falling back to a store
+    or a host transport)."""
     if hasattr(buf, "element_size"):  # a torch tensor
-        if buf.device.type != "cpu":
-            raise TransferError(f"payload must be in host memory, not {buf.device}")
         import torch
 
-        return memoryview(buf.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
+        return memoryview(buf.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def encode_message(limits: WireLimits, transfer_id: bytes, dst_block_ids: Sequence[int],
-                   block_hashes: Sequence[int], payload: object, layers: range | None = None) -> BlockMessage:
-    """`payload`: the blocks `[N, S, 2, BS, H, D]` as bytes or a contiguous CPU tensor, for
-    the S layers of `layers` (default: all of them)."""
+                   block_hashes: Sequence[int], payload: object, layers: range | None = None,
+                   digest: bool | None = None) -> BlockMessage:
+    """`payload`: the blocks `[N, S, 2, BS, H, D]` as bytes or a contiguous tensor (a GPU one
+    stays there: its checksum is its digest's, see `wire`), for the S layers of `layers`
+    (default: all of them). `digest`: as `wire.encode_header`."""
     index = encode_index(dst_block_ids, block_hashes)
-    view = as_bytes_view(payload)
+    view = payload if is_device_payload(payload) else as_bytes_view(payload)  # a GPU one stays there
     header = encode_header(
         transfer_id=transfer_id, compat_hash=limits.compat_hash, dtype=limits.dtype,
         num_blocks=len(dst_block_ids), num_layers=limits.num_layers,
         block_size=limits.block_size, num_kv_heads=limits.num_kv_heads,
-        head_dim=limits.head_dim, index=index, payload=view, layers=layers)
+        head_dim=limits.head_dim, index=index, payload=view, layers=layers, digest=digest)
     return BlockMessage(transfer_id, header, index, payload)
 
 

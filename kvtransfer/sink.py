@@ -31,7 +31,9 @@ from pdserve.engine.connector import KVCacheLayout
 from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.blocks import buffer_from_bytes, scatter_from_host
 from pdserve.kvtransfer.codec import as_bytes_view, decode_message
-from pdserve.kvtransfer.wire import BlockHeader, WireError, WireLimits, parse_index, verify_payload
+from pdserve.kvtransfer.wire import (
+    BlockHeader, WireError, WireLimits, is_device_payload, parse_index, verify_payload,
+)
 
 _HISTORY = 4096  # finished transfer ids remembered to refuse duplicates and late writes
 
@@ -156,13 +158,15 @@ class CacheSink:
         with self._lock:
             self._check_locked(header, index)
 
-    def staging(self, header: BlockHeader) -> torch.Tensor:
+    def staging(self, header: BlockHeader, on_device: bool = False) -> torch.Tensor:
         # header passed `limits` already: payload_len is bounded by the pool size
-        return torch.empty(header.payload_len, dtype=torch.uint8)
+        device = self.kv_caches[0].device if on_device and self.kv_caches[0].is_cuda else "cpu"
+        return torch.empty(header.payload_len, dtype=torch.uint8, device=device)
 
     def commit(self, header: BlockHeader, index: bytes | memoryview, payload: object) -> None:
         try:
-            view = as_bytes_view(payload)
+            # a GPU payload (device-direct nccl) is checked and scattered where it is
+            view = payload if is_device_payload(payload) else as_bytes_view(payload)
             verify_payload(header, index, view)  # outside the lock: it does not touch the cache
             layers = header.layers
             caches = self.kv_caches[layers.start:layers.stop]

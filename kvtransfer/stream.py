@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 
 from pdserve.engine.connector import LayerSaveContext
-from pdserve.kvtransfer.blocks import gather_to_host
+from pdserve.kvtransfer.blocks import gather_for_send
 from pdserve.kvtransfer.chain import FallbackChain, SendJob
 from pdserve.kvtransfer.codec import encode_message
 from pdserve.kvtransfer.params import TransferParams
@@ -54,8 +54,8 @@ class _Part:
 
     first: int
     layers: range
-    data: torch.Tensor  # [n, len(layers), 2, BS, H, D], host memory (once `ready` has fired)
-    ready: object | None = None  # a CUDA event: the device-to-host copy is done
+    data: torch.Tensor  # [n, len(layers), 2, BS, H, D]: host memory, or GPU for a device-direct backend
+    ready: object | None = None  # a CUDA event: `data` is written (its copy or gather is done)
     final: bool = False  # from the prompt's last step
 
     def follows(self, other: "_Part") -> bool:
@@ -68,11 +68,14 @@ class LayerStream:
     def __init__(self, request_id: str, params: TransferParams, keys: Sequence[int],
                  num_prompt_tokens: int, backend: str, chain: FallbackChain, limits: WireLimits,
                  kv_caches: Sequence[torch.Tensor], submit: Callable[..., object],
-                 on_verdict: Callable[[str, TransferVerdict], None], digests: Sequence[bytes] = ()) -> None:
+                 on_verdict: Callable[[str, TransferVerdict], None], digests: Sequence[bytes] = (),
+                 on_device: bool = False) -> None:
         """`keys`: the store key of each block of the send (for a fallback to a store), and
         `digests` the prefix digest of its leading full blocks (kept with them there);
         `submit(fn)` runs `fn` on a pool thread; `on_verdict(request_id, verdict)` is called
-        once, with the stream's verdict, unless the stream is cancelled first."""
+        once, with the stream's verdict, unless the stream is cancelled first. `on_device`:
+        the backend moves GPU tensors as they are, so parts stay on the GPU (no host copy)."""
+        self.on_device = on_device
         self.request_id = request_id
         self.params = params
         self.keys = tuple(keys)
@@ -125,9 +128,9 @@ class LayerStream:
         first, stop, src, final = self._step
         num_layers = self._limits.num_layers
         if final:
-            part = self._take(first, layer, kv_layer, src)
+            part = self._take(first, layer, kv_layer, src, self.on_device)
         elif layer == num_layers - 1:
-            part = _Part(first, range(num_layers), gather_to_host(self._kv_caches, src.tolist()))
+            part = _Part(first, range(num_layers), *gather_for_send(self._kv_caches, src.tolist(), self.on_device))
         else:
             return
         if layer == num_layers - 1:
@@ -145,12 +148,17 @@ class LayerStream:
             self._submit(self._drain)
 
     @staticmethod
-    def _take(first: int, layer: int, kv_layer: torch.Tensor, src: torch.Tensor) -> _Part:
-        """Layer `layer`'s KV of blocks `src` ([n, 1, 2, BS, H, D] on the host)."""
+    def _take(first: int, layer: int, kv_layer: torch.Tensor, src: torch.Tensor, on_device: bool = False) -> _Part:
+        """Layer `layer`'s KV of blocks `src` ([n, 1, 2, BS, H, D] on the host, or on the
+        GPU for a device-direct backend)."""
         layers = range(layer, layer + 1)
         part = kv_layer.index_select(0, src.to(kv_layer.device)).unsqueeze(1)
         if kv_layer.device.type != "cuda":
             return _Part(first, layers, part, final=True)
+        if on_device:  # the sending thread waits for this event, then reads the GPU copy
+            ready = torch.cuda.Event()
+            ready.record()
+            return _Part(first, layers, part, ready, final=True)
         # on a GPU: copy to pinned host memory behind this layer's kernels, without waiting
         host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
         host.copy_(part, non_blocking=True)
@@ -268,7 +276,7 @@ def assemble(parts: Sequence[_Part], num_blocks: int, num_layers: int) -> torch.
     if not parts:
         raise ValueError("no parts to assemble")
     sample = parts[0].data
-    whole = torch.empty((num_blocks, num_layers, *sample.shape[2:]), dtype=sample.dtype)
+    whole = torch.empty((num_blocks, num_layers, *sample.shape[2:]), dtype=sample.dtype, device=sample.device)
     covered = torch.zeros(num_blocks, num_layers, dtype=torch.bool)
     for part in parts:
         n, layers = part.data.shape[0], slice(part.layers.start, part.layers.stop)

@@ -4,7 +4,7 @@
     0       4     magic b"PDKV"
     4       2     format version (2)
     6       1     dtype code (DTYPE_CODES)
-    7       1     flags (reserved, 0)
+    7       1     flags: 0, or FLAG_DEVICE_DIGEST (the checksum covers the payload's digest)
     8       8     compatibility hash, int64 (KVCacheLayout.compatibility_hash)
     16      16    transfer id (16 raw bytes, a uuid)
     32      4     num_blocks N
@@ -16,7 +16,7 @@
     46      2     layers in the slice S (F + S <= L; a whole block: F = 0, S = L)
     48      4     reserved, 0
     52      8     payload length in bytes = N * S * 2 * BS * H * D * itemsize
-    60      8     checksum: xxh64 of index section + payload
+    60      8     checksum: xxh64 of index section + payload (+ digest, see below)
     68      4     crc32 of bytes [0, 68)
     -- 72 bytes; then the index section, N entries of 16 bytes:
     +0      4     destination block id (uint32; 0xFFFFFFFF = none, content-addressed stores)
@@ -27,6 +27,12 @@
 A message carries layers [F, F + S) of its blocks: a whole-block message all of them, a
 streamed one (layer-wise transfer, `connector_worker._Stream`) one layer of one prefill
 chunk's blocks. Store records are always whole blocks.
+
+A payload that lives on a GPU (the nccl backend's device-direct path) is not read by the
+host: its header sets FLAG_DEVICE_DIGEST and the checksum is xxh64 of the index section and
+of the payload's NH digest under a public key (`kernels.digest`, computed on the GPU; 64
+bytes per 16 KiB go to the host). A receiver verifies whichever the header names, wherever
+the payload landed.
 
 The checksum (keyless xxh64) and the crc catch corruption, not an attacker, who could
 recompute both: against tampering, a point-to-point transfer's frames and payloads carry
@@ -39,6 +45,7 @@ against `WireLimits` (what the receiver expects) BEFORE anything is allocated or
 from __future__ import annotations
 
 import struct
+import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -54,6 +61,8 @@ _CRC_AT = HEADER_SIZE - 4
 INDEX_ENTRY = struct.Struct("<IIq")
 INDEX_ENTRY_SIZE = INDEX_ENTRY.size  # 16
 NO_BLOCK = 0xFFFFFFFF
+FLAG_DEVICE_DIGEST = 0x01
+_PUBLIC_DIGEST_KEY = b"pdserve-kv-checksum"  # corruption check only: anyone may compute it
 
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
@@ -80,6 +89,7 @@ class BlockHeader:
     checksum: int
     first_layer: int = 0
     layer_count: int = 0  # 0: num_layers (a whole block)
+    device_digest: bool = False  # the checksum covers the payload's digest (FLAG_DEVICE_DIGEST)
 
     @property
     def layers(self) -> range:
@@ -126,6 +136,38 @@ def checksum(index: bytes | memoryview, payload: bytes | memoryview) -> int:
     return h.intdigest()
 
 
+def is_device_payload(payload: object) -> bool:
+    """A tensor outside host memory: its checksum is taken over its digest, on its device."""
+    return hasattr(payload, "element_size") and payload.device.type != "cpu"
+
+
+def digest_checksum(index: bytes | memoryview, payload) -> int:
+    """The FLAG_DEVICE_DIGEST checksum of a payload tensor (any device; host bytes are
+    viewed as a tensor)."""
+    import torch
+
+    from pdserve.kernels import digest
+
+    if not hasattr(payload, "element_size"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: only read here
+            payload = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    rows = digest.payload_digest(payload, _public_key(payload.device))
+    return checksum(index, rows.cpu().numpy().tobytes())
+
+
+_KEYS: dict = {}
+
+
+def _public_key(device):
+    key = _KEYS.get(str(device))
+    if key is None:
+        from pdserve.kernels import digest
+
+        key = _KEYS[str(device)] = digest.digest_key(_PUBLIC_DIGEST_KEY, device)
+    return key
+
+
 def encode_index(dst_block_ids, block_hashes) -> bytes:
     if len(dst_block_ids) != len(block_hashes):
         raise ValueError("dst_block_ids and block_hashes differ in length")
@@ -134,20 +176,30 @@ def encode_index(dst_block_ids, block_hashes) -> bytes:
 
 def encode_header(*, transfer_id: bytes, compat_hash: int, dtype: str, num_blocks: int,
                   num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                  index: bytes, payload: bytes | memoryview, layers: range | None = None) -> bytes:
-    """The header for `index` + `payload` (already laid out as documented above);
-    `layers`: the slice carried (default all `num_layers`)."""
+                  index: bytes, payload, layers: range | None = None, digest: bool | None = None) -> bytes:
+    """The header for `index` + `payload` (already laid out as documented above: bytes, or
+    a tensor); `layers`: the slice carried (default all `num_layers`); `digest`: whether the
+    checksum covers the payload's digest (FLAG_DEVICE_DIGEST; None: exactly when the
+    payload is on a GPU, which the host never reads)."""
     if len(transfer_id) != 16:
         raise ValueError("transfer_id must be 16 bytes")
     layers = range(num_layers) if layers is None else layers
     if not (len(layers) and 0 <= layers.start and layers.stop <= num_layers and layers.step == 1):
         raise ValueError(f"layers {layers} is not a slice of {num_layers} layers")
     expected = payload_nbytes(num_blocks, len(layers), block_size, num_kv_heads, head_dim, dtype)
-    if len(payload) != expected or len(index) != num_blocks * INDEX_ENTRY_SIZE:
-        raise ValueError(f"payload {len(payload)} B / index {len(index)} B do not match the shape")
-    body = HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], 0, compat_hash, transfer_id,
+    on_device = is_device_payload(payload)
+    nbytes = payload.numel() * payload.element_size() if on_device else len(payload)
+    if nbytes != expected or len(index) != num_blocks * INDEX_ENTRY_SIZE:
+        raise ValueError(f"payload {nbytes} B / index {len(index)} B do not match the shape")
+    if on_device and digest is False:
+        raise ValueError("a payload on a GPU takes the digest checksum")
+    if on_device or digest:
+        flags, csum = FLAG_DEVICE_DIGEST, digest_checksum(index, payload)
+    else:
+        flags, csum = 0, checksum(index, payload)
+    body = HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], flags, compat_hash, transfer_id,
                        num_blocks, num_layers, block_size, num_kv_heads, head_dim,
-                       layers.start, len(layers), 0, len(payload), checksum(index, payload), 0)
+                       layers.start, len(layers), 0, nbytes, csum, 0)
     return body[:_CRC_AT] + struct.pack("<I", zlib.crc32(body[:_CRC_AT]))
 
 
@@ -169,7 +221,7 @@ def parse_header(data: bytes | memoryview, limits: WireLimits) -> BlockHeader:
         raise WireError("header checksum mismatch")
     if version != FORMAT_VERSION:
         raise WireError(f"unsupported wire format version {version} (this side speaks {FORMAT_VERSION})")
-    if flags != 0 or reserved != 0:
+    if flags & ~FLAG_DEVICE_DIGEST or reserved != 0:
         raise WireError(f"unknown flags {flags:#x} / reserved bits {reserved:#x}")
     dtype = DTYPE_NAMES.get(dtype_code)
     if dtype is None:
@@ -188,7 +240,8 @@ def parse_header(data: bytes | memoryview, limits: WireLimits) -> BlockHeader:
     if payload_len != expected:
         raise WireError(f"payload length {payload_len} != {expected} implied by the shape")
     return BlockHeader(transfer_id, compat, dtype, num_blocks, num_layers, block_size,
-                       num_kv_heads, head_dim, payload_len, csum, first_layer, layer_count)
+                       num_kv_heads, head_dim, payload_len, csum, first_layer, layer_count,
+                       bool(flags & FLAG_DEVICE_DIGEST))
 
 
 def parse_index(header: BlockHeader, index: bytes | memoryview,
@@ -212,9 +265,18 @@ def parse_index(header: BlockHeader, index: bytes | memoryview,
     return block_ids, hashes
 
 
-def verify_payload(header: BlockHeader, index: bytes | memoryview,
-                   payload: bytes | memoryview) -> None:
-    if len(payload) != header.payload_len:
-        raise WireError(f"truncated payload: {len(payload)} of {header.payload_len} bytes")
-    if checksum(index, payload) != header.checksum:
+def verify_payload(header: BlockHeader, index: bytes | memoryview, payload) -> None:
+    """`payload`: host bytes, or a tensor on any device (a GPU one only under a
+    FLAG_DEVICE_DIGEST header: its plain checksum would need every byte on the host)."""
+    on_device = is_device_payload(payload)
+    nbytes = payload.numel() * payload.element_size() if hasattr(payload, "element_size") else len(payload)
+    if nbytes != header.payload_len:
+        raise WireError(f"truncated payload: {nbytes} of {header.payload_len} bytes")
+    if header.device_digest:
+        got = digest_checksum(index, payload)
+    elif on_device:
+        raise WireError("a payload on a device under a header without FLAG_DEVICE_DIGEST")
+    else:
+        got = checksum(index, payload)
+    if got != header.checksum:
         raise WireError("payload checksum mismatch")

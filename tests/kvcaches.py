@@ -41,7 +41,7 @@ def block_digests(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -
     for b in block_ids:
         h = xxhash.xxh64()
         for cache in kv_caches:
-            h.update(cache[b].contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(cache[b].contiguous().view(torch.uint8).cpu().numpy().tobytes())
         out.append(h.hexdigest())
     return out
 
@@ -50,10 +50,10 @@ def message_from_cache(kv_caches: Sequence[torch.Tensor], layout: KVCacheLayout,
                        transfer_id: bytes, src_block_ids: Sequence[int],
                        dst_block_ids: Sequence[int],
                        block_hashes: Sequence[int] | None = None,
-                       layers: range | None = None) -> BlockMessage:
+                       layers: range | None = None, digest: bool | None = None) -> BlockMessage:
     """Blocks `src_block_ids` of `kv_caches` bound for `dst_block_ids`: every layer, or the
     slice `layers` (a streamed message)."""
     hashes = list(block_hashes) if block_hashes is not None else [0] * len(src_block_ids)
     chosen = kv_caches if layers is None else kv_caches[layers.start:layers.stop]
     payload = gather_to_host(chosen, src_block_ids)
-    return encode_message(limits_for(layout), transfer_id, dst_block_ids, hashes, payload, layers)
+    return encode_message(limits_for(layout), transfer_id, dst_block_ids, hashes, payload, layers, digest)

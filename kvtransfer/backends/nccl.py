@@ -17,6 +17,14 @@ One message on a pair, sequence n (every TCP frame sealed with the session's tag
     R            the payload's tag checked, then sink.commit(header, index, staging)
     R -> S  TCP  reply: the verdict
 
+On NCCL (CUDA) the payload goes device to device and is never read by the host: the sender
+gathers the blocks into a GPU tensor (`blocks.gather_for_send`: this transport is
+`device_direct`), tags the payload's NH digest (`kernels.digest`, computed on the GPU; 64 bytes
+per 16 KiB cross to the host), and the receiver lands it in a GPU staging tensor of the sink
+(`staging(header, on_device=True)`), checks the tag and the header's digest checksum there,
+and the sink scatters it into the cache on the GPU. gloo (CPU) is unchanged: host tensors,
+Poly1305 over the bytes.
+
 Accepting: `_gate.Gate` runs the challenge of every new connection on one thread (at most
 MAX_PENDING waiting, CHALLENGE_TIMEOUT_S each); a pair gets its own thread only once it proved
 the key, at most MAX_PEERS of them.
@@ -188,9 +196,11 @@ class _Pair:
 
     def exchange(self, message: BlockMessage, deadline: float) -> None:
         seq, self.seq = self.seq, (self.seq + 1) & MAX_SEQ
-        send_all(self.sock, _p2p.encode_request(self.session, seq, message, deadline), deadline)
-        _p2p.raise_if_refused(_p2p.read_reply(self.sock, self.session, deadline, "nccl"), self.endpoint)
         tensor = _payload_tensor(message.payload, self.backend)
+        request = _p2p.encode_request(self.session, seq, message, deadline, payload=tensor,
+                                      on_device=tensor.is_cuda)
+        send_all(self.sock, request, deadline)
+        _p2p.raise_if_refused(_p2p.read_reply(self.sock, self.session, deadline, "nccl"), self.endpoint)
         try:
             _settle(self.group.send([tensor], 1, seq), tensor, deadline)
         except RuntimeError as exc:
@@ -340,7 +350,7 @@ class _Receiver:
         try:
             header, index = _p2p.parse_body(body, index_len, self.sink.limits)
             self.sink.check(header, index)
-            staging = self.sink.staging(header)
+            staging = self.sink.staging(header, on_device=True) if self.backend == "nccl" else self.sink.staging(header)
             target = _staging_tensor(staging)
             if target.numel() != header.payload_len:
                 raise TransferError(f"staging is {target.numel()} bytes, payload {header.payload_len}")
@@ -354,10 +364,10 @@ class _Receiver:
         except RuntimeError as exc:  # a gloo timeout or error breaks the pair
             log.warning("nccl receiver: payload did not arrive: %s", exc)
             return False
-        if landing is not target:
-            target.copy_(landing)
         try:
-            session.check_payload(seq, body[:HEADER_SIZE], index, target, payload_tag)
+            session.check_payload(seq, body[:HEADER_SIZE], index, landing, payload_tag, on_device=landing.is_cuda)
+            if landing is not target:  # a sink that stages in host memory
+                target.copy_(landing)
             self.sink.commit(header, index, staging)
         except Exception as exc:  # noqa: BLE001 - the sink's refusal, whatever it is, goes back to the sender
             send_all(sock, _p2p.refusal(session, exc), deadline)
@@ -372,6 +382,11 @@ class NcclTransport(KVTransport):
     default), port `port` (0: any). `backend`: gloo, nccl, or None for PDSERVE_NCCL_BACKEND."""
 
     name = "nccl"
+
+    @property
+    def device_direct(self) -> bool:
+        """On NCCL, GPU payloads go device to device: senders should keep them there."""
+        return self.backend == "nccl"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, backend: str | None = None,
                  key: bytes | None = None) -> None:

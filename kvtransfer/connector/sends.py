@@ -30,7 +30,7 @@ import torch
 
 from pdserve.common.util import cdiv
 from pdserve.engine.connector import KVCacheLayout, LayerSaveContext
-from pdserve.kvtransfer.blocks import gather_to_host
+from pdserve.kvtransfer.blocks import gather_for_send
 from pdserve.kvtransfer.chain import FallbackChain, SendJob
 from pdserve.kvtransfer.codec import encode_message, ephemeral_key
 from pdserve.kvtransfer.config import KVTransferConfig
@@ -181,7 +181,8 @@ class PrefillSends:
             self._streams[rid] = LayerStream(
                 rid, params, keys, spec.num_prompt_tokens, backend, self.chain,
                 self.limits, self._kv_caches, submit=self._streams_bg.submit, on_verdict=self._finish_send,
-                digests=spec.block_digests[params.num_leading_blocks:])
+                digests=spec.block_digests[params.num_leading_blocks:],
+                on_device=self._device_direct(backend))
 
     def _send_keys(self, spec: SendSpec) -> tuple[int, ...]:
         """The store key of each block sent: its content hash, or a short-lived key."""
@@ -200,14 +201,25 @@ class PrefillSends:
         problem = self._refuse_reason(params, len(src))
         try:
             if not problem:
-                blocks = gather_to_host(self._kv_caches, src)
+                blocks, ready = gather_for_send(self._kv_caches, src, self._device_direct())
                 self._sends_bg.submit(self._run_send, rid, params, self._send_keys(spec), blocks, forward_end,
-                                      spec.block_digests[params.num_leading_blocks:])
+                                      spec.block_digests[params.num_leading_blocks:], ready)
                 return
         except RuntimeError as exc:  # the pool is shut down: the engine must still get the request back
             problem = f"{exc.__class__.__name__}: {exc}"
         self._finish_send(rid, TransferVerdict(params.transfer_id.hex(), Outcome.FAILED, "",
                                                fallbacks=(Fallback("sender", problem),)))
+
+    def _device_direct(self, backend: str | None = None) -> bool:
+        """Whether sends keep their blocks on the GPU: the cache is there and `backend` (any
+        opened transport when None) moves GPU tensors as they are. A host backend later in
+        the chain copies them to the host itself."""
+        if not (self._kv_caches and self._kv_caches[0].is_cuda):
+            return False
+        transports = self.backends.transports
+        if backend is not None:
+            return getattr(transports.get(backend), "device_direct", False)
+        return any(t.device_direct for t in transports.values())
 
     def _refuse_reason(self, params: TransferParams, num_src: int) -> str:
         if params.compat_hash != self.limits.compat_hash:
@@ -218,9 +230,13 @@ class PrefillSends:
         return ""
 
     def _run_send(self, rid: str, params: TransferParams, keys: tuple[int, ...],
-                  blocks: torch.Tensor, forward_end: float, digests: tuple[bytes, ...] = ()) -> None:
-        """`digests`: those of the leading full blocks sent (a store keeps them with the blocks)."""
+                  blocks: torch.Tensor, forward_end: float, digests: tuple[bytes, ...] = (),
+                  ready: object | None = None) -> None:
+        """`digests`: those of the leading full blocks sent (a store keeps them with the blocks);
+        `ready`: the CUDA event behind the gather of GPU `blocks`."""
         try:
+            if ready is not None:
+                ready.synchronize()
             message = encode_message(self.limits, params.transfer_id, params.dst_block_ids, keys, blocks)
             verdict = self.chain.send(SendJob(params.transfer_id, message, keys, params.endpoint_map,
                                               params.backends, params.monotonic_deadline(), digests))

@@ -433,7 +433,8 @@ def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatc
     altered[5] ^= 0x40
     as_sent = _p2p.Session.payload_tag
     monkeypatch.setattr(_p2p.Session, "payload_tag",
-                        lambda self, seq, header, index, _payload: as_sent(self, seq, header, index, message.payload))
+                        lambda self, seq, header, index, _payload, on_device=False:
+                        as_sent(self, seq, header, index, message.payload, on_device))
     try:
         with pytest.raises(TransferError, match="payload MAC mismatch"):
             sender.send(endpoint, with_payload(message, altered), time.monotonic() + DEADLINE_S)

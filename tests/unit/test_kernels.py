@@ -437,4 +437,42 @@ def test_triton_kernels_compile_for_h100_without_a_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     compiled = [line.split(":")[0] for line in proc.stdout.splitlines() if " ok in " in line]
     assert {"_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel",
-            "_gather_layer_kernel", "_scatter_layer_kernel"} <= set(compiled), proc.stdout
+            "_gather_layer_kernel", "_scatter_layer_kernel", "_nh16_kernel"} <= set(compiled), proc.stdout
+
+
+# -- the payload digest (kernels.digest) ----------------------------------------------------------
+def _digest_payloads() -> list[bytes]:
+    from pdserve.kernels.digest import PAIRS
+
+    g = torch.Generator().manual_seed(11)
+    sized = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+             for n in (4, 4 * PAIRS, 4 * PAIRS * 3 + 8)]
+    return sized + [b"\xff" * (4 * PAIRS + 4)]  # every half at its largest: no overflow, no sign
+
+
+@pytest.mark.parametrize("case", range(4), ids=lambda i: f"digest{i}")
+def test_payload_digest_matches_reference(path, case):
+    from pdserve.kernels import digest
+
+    data = _digest_payloads()[case]
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    got = digest.payload_digest(tensor, digest.digest_key(b"secret"))
+    assert got.shape == (digest.num_chunks(len(data)), digest.LANES)
+    assert got.tolist() == digest.reference_digest(data, b"secret")
+
+
+def test_payload_digest_sees_every_bit_and_depends_on_the_key():
+    from pdserve.kernels import digest
+
+    data = bytearray(_digest_payloads()[2])
+    key = digest.digest_key(b"k")
+    base = digest.payload_digest(torch.frombuffer(bytearray(data), dtype=torch.uint8), key)
+    for position in (0, 1, 2, 3, len(data) // 2, len(data) - 1):
+        for bit in (0, 7):
+            altered = bytearray(data)
+            altered[position] ^= 1 << bit
+            assert not torch.equal(digest.payload_digest(torch.frombuffer(altered, dtype=torch.uint8), key), base)
+    other = digest.payload_digest(torch.frombuffer(bytearray(data), dtype=torch.uint8), digest.digest_key(b"k2"))
+    assert not torch.equal(other, base)
+    with pytest.raises(ValueError, match="32-bit words"):
+        digest.payload_digest(torch.zeros(6, dtype=torch.uint8), key)

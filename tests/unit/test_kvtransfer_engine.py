@@ -7,24 +7,14 @@ tokens must equal a plain local engine's, and every block must be back in both p
 """
 from __future__ import annotations
 
-import contextlib
-import time
-
 import pytest
 import torch
 
 from pdserve.engine.llm import LLM
-from pdserve.engine.sampling_params import SamplingParams
-
-from pdserve.kvtransfer import KVTransferConfig, ReceiveParams, connector_factory
-from pdserve.kvtransfer.codec import new_transfer_id
+from pdserve.kvtransfer import KVTransferConfig, connector_factory
 from pdserve.kvtransfer.backend_loader import is_importable
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
-
-BLOCK = 16
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
+from engine_pair import BLOCK, GREEDY, assert_all_blocks_back, disaggregated, engines
 
 def _params():
     out = ["disk"]
@@ -32,65 +22,6 @@ def _params():
         ok, why = is_importable(name)
         out.append(pytest.param(name, marks=pytest.mark.skipif(not ok, reason=f"{name}: {why}")))
     return out
-
-
-def run_until(llm, done, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    outputs = []
-    while not done():
-        assert time.monotonic() < deadline, "engine did not finish in time"
-        outputs += llm.step()
-    return outputs
-
-
-@contextlib.contextmanager
-def engines(model_dir, config: KVTransferConfig, **prefill_overrides):
-    """(prefill, decode, local): two engines joined by `config`'s chain and a plain one;
-    the connectors are closed on the way out."""
-    prefill = LLM(str(model_dir), connector=connector_factory(config, listen=False),
-                  num_blocks=64, block_size=BLOCK, **prefill_overrides)
-    decode = LLM(str(model_dir), connector=connector_factory(config), num_blocks=64, block_size=BLOCK)
-    try:
-        yield prefill, decode, LLM(str(model_dir), num_blocks=64, block_size=BLOCK)
-    finally:
-        prefill.engine.connector.worker.close()
-        decode.engine.connector.worker.close()
-
-
-def assert_all_blocks_back(prefill, decode) -> None:
-    for llm in (prefill, decode):
-        llm.engine.assert_no_leaks()
-    assert decode.engine.connector.receives.sink.reserved_block_ids == set()
-
-
-def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None):
-    """One request, decode-first hand-off. Returns (tokens, sender verdict, receiver verdict)."""
-    d_engine, p_engine = decode.engine, prefill.engine
-    tid = new_transfer_id()
-    d_engine.add_request(prompt, GREEDY, request_id=rid, remote_prefill=True,
-                         transfer_params=ReceiveParams(tid))
-    waiting = []
-    run_until(decode, lambda: waiting or waiting.extend(d_engine.step()[1]))
-    request = waiting[0]
-    num_leading = max(0, request.num_cached_tokens) // BLOCK
-    params = d_engine.connector.receives.prepare_receive(
-        rid, d_engine.remote_block_ids(rid), len(prompt), num_leading, time.time() + 30, tid)
-
-    p_engine.add_request(prompt, FIRST_TOKEN, request_id=f"p-{rid}", transfer_params=params)
-    outs = prefill.step()
-    after_first_step()
-    outs += run_until(prefill, lambda: not p_engine.has_unfinished())
-    first = [t for o in outs if o.request_id == f"p-{rid}" for t in o.new_token_ids]
-    sent = p_engine.connector.sends.wait_verdict(f"p-{rid}", 10)
-    received = d_engine.connector.receives.complete_receive(rid, sent)
-    if received.ok:
-        assert d_engine.finish_remote_prefill(rid, first[0])
-    else:
-        assert d_engine.recompute_remote_prefill(rid)
-    outs = run_until(decode, lambda: not d_engine.has_unfinished())
-    # (finish_remote_prefill emits the prefill's first token as the request's first delta)
-    tokens = [t for o in outs if o.request_id == rid for t in o.new_token_ids]
-    return tokens, sent, received
 
 
 @pytest.mark.parametrize("backend", _params())
@@ -220,11 +151,12 @@ def test_a_payload_altered_in_flight_fails_its_mac_and_falls_back(tiny_model_fac
                               step_timeout_s=5, transfer_key=os.urandom(32), store_key=os.urandom(32))
     tag_request = _p2p.encode_request
 
-    def tagged_for_other_bytes(session, seq, message, deadline):  # what arrives differs from what was tagged
-        payload = message.payload.clone()
-        payload.view(-1).view(torch.uint8)[0] ^= 1
-        other = BlockMessage(message.transfer_id, message.header, message.index, payload)
-        return tag_request(session, seq, other, deadline)
+    def tagged_for_other_bytes(session, seq, message, deadline, payload=None, on_device=False):
+        # what arrives differs from what was tagged
+        altered = (message.payload if payload is None else payload).clone()
+        altered.view(-1).view(torch.uint8)[0] ^= 1
+        other = BlockMessage(message.transfer_id, message.header, message.index, altered)
+        return tag_request(session, seq, other, deadline, on_device=on_device)
 
     monkeypatch.setattr(_p2p, "encode_request", tagged_for_other_bytes)
     prompt = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(7)).tolist()

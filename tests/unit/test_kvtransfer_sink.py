@@ -213,3 +213,34 @@ def test_blocks_under_other_hashes_than_reserved_are_refused(sink, clock):
     assert tid in sink.pending_transfer_ids
     sink.deliver(wire(message_from_cache(SOURCE, LAYOUT, tid, [1, 2], [4, 5], block_hashes=[111, 222])))
     assert sink.is_complete(tid) and sink.reserved_block_ids == set()
+
+
+def test_a_digest_checksum_message_lands_and_its_corruption_is_refused(sink, clock):
+    """FLAG_DEVICE_DIGEST (what a GPU payload carries, built here from host memory): the
+    checksum covers the payload's digest, checked wherever the payload landed — host bytes
+    or a staging tensor — and a flipped bit anywhere is refused."""
+    from pdserve.kvtransfer.wire import FLAG_DEVICE_DIGEST
+
+    tid = new_transfer_id()
+    sink.expect(tid, [2, 5, 6], clock.now + 5)
+    message = message_from_cache(SOURCE, LAYOUT, tid, [1, 3], [2, 5], digest=True)
+    assert message.header[7] == FLAG_DEVICE_DIGEST
+    header = parse_header(message.header, sink.limits)
+    assert header.device_digest
+    good = wire(message)
+    for position in (-1, -message.payload_nbytes // 2 - 1, -message.payload_nbytes):  # last, middle, first byte
+        flipped = bytearray(good)
+        flipped[position] ^= 0x10
+        with pytest.raises(WireError, match="checksum"):
+            sink.deliver(bytes(flipped))
+    assert block_digests(sink.kv_caches, [2, 5]) == [ZERO, ZERO]
+    sink.deliver(good)
+    assert block_digests(sink.kv_caches, [2, 5]) == block_digests(SOURCE, [1, 3])
+    staged = message_from_cache(SOURCE, LAYOUT, tid, [4], [6], digest=True)  # the transport path
+    header = parse_header(staged.header, sink.limits)
+    sink.check(header, staged.index)
+    staging = sink.staging(header, on_device=True)  # a host cache: host staging all the same
+    assert staging.device.type == "cpu"
+    staging.copy_(staged.payload.view(-1).view(staging.dtype))
+    sink.commit(header, staged.index, staging)
+    assert sink.is_complete(tid) and block_digests(sink.kv_caches, [6]) == block_digests(SOURCE, [4])
