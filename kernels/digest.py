@@ -12,15 +12,19 @@ pairs (klo, khi)::
 computed exactly in int64 (each product < 2^32, the sum < 2^44; words past the end count
 as 0). For a key drawn uniformly, two different chunks collide in one lane with probability
 at most 2^-16, in all LANES lanes (the Toeplitz shift) at most 2^-(16 * LANES) = 2^-128.
-The digest is small (LANES int64 per 16 KiB) and goes to the host, where the caller hashes
-or MACs it: under a secret one-time key (the transfer session's) the pair (digest, MAC of
-the digest) is a MAC of the buffer; under a public key it is a corruption check only.
+`keyed_digest` applies it twice, the second time (under a second key) to the first one's
+rows, and hands the host 64 bytes per 4 MiB of buffer; where the two buffers differ, their
+first-level rows collide with probability at most 2^-128 and, if not, their second-level
+rows at most 2^-128 again. The caller hashes or MACs those bytes: under a secret one-time
+key (the transfer session's) that is a MAC of the buffer; under a public key a corruption
+check only.
 
 The buffer's length is not in the digest (trailing zero words are invisible): callers bind
 it separately (the KV wire header carries it).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -41,6 +45,22 @@ def digest_key(secret: bytes, device: torch.device | str = "cpu") -> torch.Tenso
     raw = hashlib.shake_256(b"pdserve-nh16\x00" + secret).digest(4 * KEY_PAIRS)
     words = np.frombuffer(raw, dtype="<u2").astype(np.int64).reshape(2, KEY_PAIRS)
     return torch.from_numpy(words).to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _level_key(secret: bytes, level: int, device: str) -> torch.Tensor:
+    return digest_key(secret + bytes([level]), device)
+
+
+def keyed_digest(payload: torch.Tensor, secret: bytes, cache_key: bool = False) -> bytes:
+    """The two-level digest of a tensor's bytes under keys from `secret`, as host bytes
+    (64 per 4 MiB of payload, at least 64). `cache_key`: keep the expanded keys (a public
+    secret used for every message)."""
+    device = str(payload.device)
+    keys = [_level_key(secret, level, device) if cache_key else digest_key(secret + bytes([level]), device)
+            for level in (0, 1)]
+    rows = payload_digest(payload_digest(payload, keys[0]), keys[1])
+    return rows.cpu().numpy().tobytes()
 
 
 def num_chunks(nbytes: int) -> int:

@@ -76,9 +76,10 @@ def _copy(kernel, dtype: torch.dtype, block_numel: int) -> tuple:
 
 
 def _digest() -> tuple:
-    types = dict(words_ptr="*i32", key_ptr="*i64", out_ptr="*i64", num_words="i64")
-    consts = dict(KEY_PAIRS=digest.KEY_PAIRS, PAIRS=digest.PAIRS, LANES=digest.LANES)
-    return digest._nh16_kernel, types, consts, 8
+    types = dict(words_ptr="*i32", key_ptr="*i32", out_ptr="*i64", num_words="i64", num_chunks="i64")
+    consts = dict(KEY_PAIRS=digest.KEY_PAIRS, PAIRS=digest.PAIRS, LANES=digest.LANES, TILE=digest.TILE,
+                  GROUP=digest.GROUP)
+    return digest._nh16_kernel, types, consts, 4
 
 
 def specs() -> list[tuple]:

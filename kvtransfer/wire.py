@@ -30,8 +30,8 @@ chunk's blocks. Store records are always whole blocks.
 
 A payload that lives on a GPU (the nccl backend's device-direct path) is not read by the
 host: its header sets FLAG_DEVICE_DIGEST and the checksum is xxh64 of the index section and
-of the payload's NH digest under a public key (`kernels.digest`, computed on the GPU; 64
-bytes per 16 KiB go to the host). A receiver verifies whichever the header names, wherever
+of the payload's NH digest under a public key (`kernels.digest.keyed_digest`, computed on the
+GPU; 64 bytes per 4 MiB go to the host). A receiver verifies whichever the header names, wherever
 the payload landed.
 
 The checksum (keyless xxh64) and the crc catch corruption, not an attacker, who could
@@ -152,20 +152,7 @@ def digest_checksum(index: bytes | memoryview, payload) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: only read here
             payload = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-    rows = digest.payload_digest(payload, _public_key(payload.device))
-    return checksum(index, rows.cpu().numpy().tobytes())
-
-
-_KEYS: dict = {}
-
-
-def _public_key(device):
-    key = _KEYS.get(str(device))
-    if key is None:
-        from pdserve.kernels import digest
-
-        key = _KEYS[str(device)] = digest.digest_key(_PUBLIC_DIGEST_KEY, device)
-    return key
+    return checksum(index, digest.keyed_digest(payload, _PUBLIC_DIGEST_KEY, cache_key=True))
 
 
 def encode_index(dst_block_ids, block_hashes) -> bytes:

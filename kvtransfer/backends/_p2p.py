@@ -154,7 +154,7 @@ class Session:
         `on_device` (a GPU tensor, nccl's device-direct path): Poly1305 over the payload's NH
         digest (`kernels.digest`, computed on the GPU) under a second one-time key, so the
         payload never crosses to the host; a forgery must collide the digest (2^-128 per
-        16 KiB chunk for a key it never sees) or break Poly1305."""
+        level for keys it never sees) or break Poly1305."""
         from cryptography.hazmat.primitives.poly1305 import Poly1305
 
         context = struct.pack("<Q", seq) + header + index
@@ -165,9 +165,8 @@ class Session:
         from pdserve.kernels import digest
 
         secret = hmac.new(self._key, b"payload-nh16" + context, hashlib.sha256).digest()
-        rows = digest.payload_digest(payload, digest.digest_key(secret, payload.device))
         mac.update(b"nh16")
-        mac.update(rows.cpu().numpy().tobytes())
+        mac.update(digest.keyed_digest(payload, secret))
         return mac
 
     def payload_tag(self, seq: int, header: bytes, index: bytes, payload: object, on_device: bool = False) -> bytes:

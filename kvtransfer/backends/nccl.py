@@ -20,7 +20,7 @@ One message on a pair, sequence n (every TCP frame sealed with the session's tag
 On NCCL (CUDA) the payload goes device to device and is never read by the host: the sender
 gathers the blocks into a GPU tensor (`blocks.gather_for_send`: this transport is
 `device_direct`), tags the payload's NH digest (`kernels.digest`, computed on the GPU; 64 bytes
-per 16 KiB cross to the host), and the receiver lands it in a GPU staging tensor of the sink
+per 4 MiB cross to the host), and the receiver lands it in a GPU staging tensor of the sink
 (`staging(header, on_device=True)`), checks the tag and the header's digest checksum there,
 and the sink scatters it into the cache on the GPU. gloo (CPU) is unchanged: host tensors,
 Poly1305 over the bytes.

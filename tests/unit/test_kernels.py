@@ -476,3 +476,16 @@ def test_payload_digest_sees_every_bit_and_depends_on_the_key():
     assert not torch.equal(other, base)
     with pytest.raises(ValueError, match="32-bit words"):
         digest.payload_digest(torch.zeros(6, dtype=torch.uint8), key)
+
+
+def test_keyed_digest_is_the_digest_of_the_digest_under_a_second_key():
+    from pdserve.kernels import digest
+
+    data = torch.randint(0, 256, (300 * 16384,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    first = digest.payload_digest(data, digest.digest_key(b"s\x00"))
+    second = digest.payload_digest(first, digest.digest_key(b"s\x01"))
+    got = digest.keyed_digest(data, b"s")
+    assert got == second.numpy().tobytes() and len(got) == 2 * 64  # 300 rows of 64 B: two chunks
+    assert digest.keyed_digest(data, b"s", cache_key=True) == got
+    data[123456] ^= 1
+    assert digest.keyed_digest(data, b"s") != got
