@@ -64,6 +64,7 @@ inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 // 16 unsigned (or signed) bytes -> 16 / kLanes vectors
 inline void u8_to_f(__m128i b, vf* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
@@ -79,6 +80,7 @@ inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline float vsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -104,6 +106,7 @@ inline vf vload(const float* p) { return *p; }
 inline void vstore(float* p, vf v) { *p = v; }
 inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vadd(vf a, vf b) { return a + b; }
 inline float vsum(vf v) { return v; }
 #endif
 
@@ -144,36 +147,60 @@ inline void expand(const uint8_t* blk, vf* w) {
 #endif
 }
 
+// UB blocks from b of the NR weight rows against the MR activation rows, each vector i of
+// them into chain i % C of its output.
+template <int64_t QT, int NR, int MR, int UB, int C>
+inline void blocks_dot(const uint8_t* w0, int64_t row_bytes, int64_t b, const float* x, int64_t ldx,
+                       vf (&acc)[NR][MR][C]) {
+  constexpr int64_t bb = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
+  vf w[NR][UB * kPerBlock];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 4
+    for (int u = 0; u < UB; ++u) expand<QT>(w0 + j * row_bytes + (b + u) * bb, w[j] + u * kPerBlock);
+  const float* xb = x + b * kBlock;
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 32
+    for (int i = 0; i < UB * kPerBlock; ++i) {
+      const vf xv = vload(xb + r * ldx + i * kLanes);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[j][r][i % C] = vfma(xv, w[j][i], acc[j][r][i % C]);
+    }
+}
+
 // y[r * ldy + j] = x[r] . W[j] for the NR weight rows j (row_bytes apart) and MR activation
 // rows r (ldx apart) of one tile: each block of a weight row is expanded once and used by
 // every activation row, each activation vector loaded once for every weight row.
+// An FMA waits 4 cycles for its accumulator: with one chain per output a one-row tile ran
+// at ~10 cycles a block (decode at batch 1). Small tiles therefore take two blocks a step
+// and keep C independent chains per output, summed at the end (C = 4 with AVX-512, 4 with
+// AVX2, whose 16 registers hold no more); larger tiles have chains enough in their outputs.
 template <int64_t QT, int NR, int MR>
 inline void tile_dot(const uint8_t* w0, int64_t row_bytes, int64_t nblocks, const float* x, int64_t ldx,
                      float* y, int64_t ldy) {
-  constexpr int64_t bb = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
-  vf acc[NR][MR];
+  constexpr bool small = NR * MR <= 2;
+  constexpr int UB = small && kPerBlock <= 2 ? 2 : 1;  // blocks a step
+  constexpr int C = small ? UB * kPerBlock : 1;       // chains per output
+  vf acc[NR][MR][C];
 #pragma GCC unroll 16
   for (int j = 0; j < NR; ++j)
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) acc[j][r] = vzero();
-  for (int64_t b = 0; b < nblocks; ++b) {
-    vf w[NR][kPerBlock];
-#pragma GCC unroll 16
-    for (int j = 0; j < NR; ++j) expand<QT>(w0 + j * row_bytes + b * bb, w[j]);
-    const float* xb = x + b * kBlock;
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 32
-      for (int i = 0; i < kPerBlock; ++i) {
-        const vf xv = vload(xb + r * ldx + i * kLanes);
-#pragma GCC unroll 16
-        for (int j = 0; j < NR; ++j) acc[j][r] = vfma(xv, w[j][i], acc[j][r]);
-      }
-  }
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[j][r][c] = vzero();
+  int64_t b = 0;
+  for (; b + UB <= nblocks; b += UB) blocks_dot<QT, NR, MR, UB, C>(w0, row_bytes, b, x, ldx, acc);
+  for (; b < nblocks; ++b) blocks_dot<QT, NR, MR, 1, C>(w0, row_bytes, b, x, ldx, acc);
 #pragma GCC unroll 16
   for (int j = 0; j < NR; ++j)
 #pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) y[r * ldy + j] = vsum(acc[j][r]);
+    for (int r = 0; r < MR; ++r) {
+      vf s = acc[j][r][0];
+#pragma GCC unroll 8
+      for (int c = 1; c < C; ++c) s = vadd(s, acc[j][r][c]);
+      y[r * ldy + j] = vsum(s);
+    }
 }
 
 // A tile of NR weight rows and `rows` (<= MR) activation rows.
@@ -186,16 +213,23 @@ void tile(const uint8_t* w0, int64_t row_bytes, int64_t nblocks, const float* x,
   tile_dot<QT, NR, MR>(w0, row_bytes, nblocks, x, ldx, y, ldy);
 }
 
-// Up to 3 activation rows: one weight row per tile. More: two weight rows per tile, which
-// halves the activation loads: they come from L2 once a tile's rows are wider than L1 holds
-// (a 1B model at batch 8: 46.8 against 33.5 tok/s; SmolLM2's linears at 8 rows 15.9 against
-// 16.9 ms a step, 2 Zen 4 threads).
+// 2 or 3 activation rows: one weight row per tile. One row, or 4 and more: two weight rows
+// per tile, which halves the activation loads: they come from L2 once a tile's rows are
+// wider than L1 holds (a 1B model at batch 8: 46.8 against 33.5 tok/s; SmolLM2's linears at
+// 8 rows 15.9 against 16.9 ms a step, 2 Zen 4 threads); at one row the two rows' chains also
+// overlap (Q4_1 at batch 1, one Zen 4 thread: 16 cycles a block with one chain per output,
+// 10 with four, 8.7 with two weight rows).
 template <int64_t QT>
 void gemv_rows(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = K / kBlock, row_bytes = nblocks * block_bytes(QT);
-  const bool pairs = M >= 4 && N % 2 == 0;
+  const bool pairs = (M >= 4 || M == 1) && N % 2 == 0;
   at::parallel_for(0, pairs ? N / 2 : N, 16, [&](int64_t begin, int64_t end) {
+    const int64_t tile_bytes = (pairs ? 2 : 1) * row_bytes;
     for (int64_t t = begin; t < end; ++t) {
+      if (M < 4 && t + 1 < end) {  // a few rows wait on memory: ask for the next tile now
+        const char* next = reinterpret_cast<const char*>(blocks + (t + 1) * tile_bytes);
+        for (int64_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
+      }
       for (int64_t m = 0; m < M; m += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
         if (pairs) {

@@ -41,7 +41,7 @@ def test_blocks_expand_to_exactly_the_dequantized_weights(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 31, 32, 100])  # 1 row, tiles, remainders, the GEMM path
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 31, 32, 100])  # 1-2 rows, tiles, remainders, the GEMM path
 def test_matmul_matches_dequantize_then_float32(name, rows):
     weight, reference = random_weight(TYPES[name], 94, 160, seed=rows)  # odd pairs of rows, 5 blocks
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
