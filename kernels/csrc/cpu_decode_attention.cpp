@@ -15,6 +15,7 @@
 // positions >= len - W. Scores and softmax in float32, exactly as the torch path.
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -130,6 +131,185 @@ void decode_attention(float* out, const float* query, const scalar_t* cache, con
   });
 }
 
+// ---- float32 caches: a task per (sequence, KV head), K and V read straight from the cache ----
+// The generic kernel above copies each token's K and V into a float row and lets the
+// compiler vectorise per-head loops; at SmolLM2's shape that ran ~550 cycles a token (one
+// Zen 4 thread, cache-resident). Here a task holds one KV head's G query heads: each K row
+// is loaded once as NV vectors and dotted with the G queries (one horizontal sum per head
+// and token), each V row loaded once and accumulated into the G outputs, in registers where
+// they fit (~330 cycles a token; 8 sequences of 230 tokens: 284 -> 163 us a layer, 1 thread;
+// 189 -> 84 us, 2 threads). In a decode step the KV comes from memory, not cache: there the
+// layer's attention went 16.8 -> 13.1 ms at batch 8, 1 thread. Softmax as the generic
+// kernel's; the dot products sum in another order.
+namespace f32 {  // its own names: the three sources build as one translation unit
+#if defined(__AVX512F__)
+#define PDA_SIMD 1
+using vf = __m512;
+constexpr int kLanes = 16;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset(float v) { return _mm512_set1_ps(v); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PDA_SIMD 1
+using vf = __m256;
+constexpr int kLanes = 8;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset(float v) { return _mm256_set1_ps(v); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vf v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
+#if defined(PDA_SIMD)
+// Where one (sequence, KV head) task reads: its KV head's K rows (V rows `half` further on).
+struct Task {
+  const float* q;  // [G, HEAD_DIM] queries, already scaled
+  float* out;      // [G, HEAD_DIM]
+  const float* head;
+  const int32_t* table;
+  int64_t first, len, block_size, token_stride, block_stride, half;
+};
+
+// fn(t, row) for each visited token t (0-based from `first`) and its K (or V, `offset`) row:
+// block by block, one table read per block.
+template <typename F>
+inline void each_row(const Task& task, int64_t offset, F&& fn) {
+  for (int64_t pos = task.first, t = 0; pos < task.len;) {
+    const int64_t blk = pos / task.block_size, stop = std::min(task.len, (blk + 1) * task.block_size);
+    const float* row = task.head + task.table[blk] * task.block_stride + offset +
+                       (pos - blk * task.block_size) * task.token_stride;
+    for (; pos < stop; ++pos, ++t, row += task.token_stride) fn(t, row);
+  }
+}
+
+// scores [group, n] -> probabilities, per head (the generic kernel's softmax).
+inline void softmax_rows(float* scores, int64_t group, int64_t n) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * n;
+    float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_nonpositive(s[t] - top);
+      sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  }
+}
+
+// G query heads known at compile time: queries and output accumulators live in registers.
+template <int HEAD_DIM, int G>
+void task_in_registers(const Task& task, float* scores) {
+  constexpr int NV = HEAD_DIM / kLanes;
+  const int64_t n = task.len - task.first;
+  vf q[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) q[g][v] = vload(task.q + g * HEAD_DIM + v * kLanes);
+  each_row(task, 0, [&](int64_t t, const float* k) {
+    vf kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = vload(k + v * kLanes);
+    for (int g = 0; g < G; ++g) {
+      vf dot = vmul(q[g][0], kv[0]);
+      for (int v = 1; v < NV; ++v) dot = vfma(q[g][v], kv[v], dot);
+      scores[g * n + t] = vsum(dot);
+    }
+  });
+  softmax_rows(scores, G, n);
+  vf acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) acc[g][v] = vset(0.0f);
+  each_row(task, task.half, [&](int64_t t, const float* row) {
+    vf vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = vload(row + v * kLanes);
+    for (int g = 0; g < G; ++g) {
+      const vf p = vset(scores[g * n + t]);
+      for (int v = 0; v < NV; ++v) acc[g][v] = vfma(p, vv[v], acc[g][v]);
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) vstore(task.out + g * HEAD_DIM + v * kLanes, acc[g][v]);
+}
+
+// Any group size: output accumulators in memory (`acc`, [group, HEAD_DIM]).
+template <int HEAD_DIM>
+void task_any_group(const Task& task, int64_t group, float* scores, float* acc) {
+  constexpr int NV = HEAD_DIM / kLanes;
+  const int64_t n = task.len - task.first;
+  each_row(task, 0, [&](int64_t t, const float* k) {
+    vf kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = vload(k + v * kLanes);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = task.q + g * HEAD_DIM;
+      vf dot = vmul(vload(qg), kv[0]);
+      for (int v = 1; v < NV; ++v) dot = vfma(vload(qg + v * kLanes), kv[v], dot);
+      scores[g * n + t] = vsum(dot);
+    }
+  });
+  softmax_rows(scores, group, n);
+  std::fill(acc, acc + group * HEAD_DIM, 0.0f);
+  each_row(task, task.half, [&](int64_t t, const float* row) {
+    vf vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = vload(row + v * kLanes);
+    for (int64_t g = 0; g < group; ++g) {
+      const vf p = vset(scores[g * n + t]);
+      float* a = acc + g * HEAD_DIM;
+      for (int v = 0; v < NV; ++v) vstore(a + v * kLanes, vfma(p, vv[v], vload(a + v * kLanes)));
+    }
+  });
+  std::copy(acc, acc + group * HEAD_DIM, task.out);
+}
+
+template <int HEAD_DIM, int G>
+constexpr bool fits_registers() { return G * (HEAD_DIM / kLanes) <= 16; }
+
+template <int HEAD_DIM>
+void decode_attention_f32(float* out, const float* query, const float* cache, const int32_t* tables,
+                          int64_t table_width, const int32_t* lens, int64_t num_seqs, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t block_size, int64_t window) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * HEAD_DIM;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [group, n]: scores, then probabilities
+    std::vector<float> acc(group * HEAD_DIM);
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t seq = index / num_kv_heads, kv_head = index % num_kv_heads;
+      const int64_t len = lens[seq];
+      Task task{query + (seq * num_heads + kv_head * group) * HEAD_DIM,
+                out + (seq * num_heads + kv_head * group) * HEAD_DIM, cache + kv_head * HEAD_DIM,
+                tables + seq * table_width, window > 0 ? std::max<int64_t>(0, len - window) : 0, len,
+                block_size, token_stride, 2 * block_size * token_stride, block_size * token_stride};
+      if (len <= 0) {
+        std::fill(task.out, task.out + group * HEAD_DIM, 0.0f);
+        continue;
+      }
+      scores.resize(group * (len - task.first));
+      if constexpr (fits_registers<HEAD_DIM, 4>()) {
+        if (group == 4) { task_in_registers<HEAD_DIM, 4>(task, scores.data()); continue; }
+        if (group == 3) { task_in_registers<HEAD_DIM, 3>(task, scores.data()); continue; }
+      }
+      if constexpr (fits_registers<HEAD_DIM, 2>()) {
+        if (group == 2) { task_in_registers<HEAD_DIM, 2>(task, scores.data()); continue; }
+        if (group == 1) { task_in_registers<HEAD_DIM, 1>(task, scores.data()); continue; }
+      }
+      task_any_group<HEAD_DIM>(task, group, scores.data(), acc.data());
+    }
+  });
+}
+#endif
+}  // namespace f32
+
 }  // namespace
 
 // The Python wrapper (`kernels.attention.paged_decode_attention`) has checked shapes, dtypes
@@ -158,6 +338,17 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor kv_cache, at::Ten
              block_tables.data_ptr<int32_t>(), block_tables.size(1), context_lens.data_ptr<int32_t>(),
              query.size(0), query.size(1), kv_cache.size(3), head_dim, kv_cache.size(2), window);
     };
+#if defined(PDA_SIMD)
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (head_dim == 64 || head_dim == 128) {
+        auto fast = head_dim == 64 ? f32::decode_attention_f32<64> : f32::decode_attention_f32<128>;
+        fast(out.data_ptr<float>(), query.data_ptr<float>(), kv_cache.data_ptr<float>(),
+             block_tables.data_ptr<int32_t>(), block_tables.size(1), context_lens.data_ptr<int32_t>(),
+             query.size(0), query.size(1), kv_cache.size(3), kv_cache.size(2), window);
+        return;
+      }
+    }
+#endif
     if (head_dim == 64) {
       run(decode_attention<scalar_t, 64>);
     } else if (head_dim == 128) {

@@ -66,6 +66,11 @@ DECODE_CASES = [
     (8, 2, 128, 16, 40, [16, 41, 150]),
     (8, 8, 64, 16, 50, [3, 70]),              # 8 KV heads: the torch path's head-major branch
     (4, 2, 96, 16, None, [20, 70]),           # head dim not a power of two (padded lanes)
+    # the native float32 kernel's group sizes: in registers (1-4 heads of 64, 1-2 of 128), any other
+    (8, 4, 64, 16, None, [9, 77]),
+    (16, 4, 64, 16, 30, [40, 3]),
+    (14, 2, 64, 16, None, [25, 60]),
+    (4, 4, 128, 16, None, [30, 1]),
 ]
 
 
