@@ -187,6 +187,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")
+        if self.quantization == "none":  # the flag's name for no quantization
+            object.__setattr__(self, "quantization", "")
         if self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(f"unsupported quantization {self.quantization!r} "
                                       f"(none, {', '.join(q for q in QUANTIZATIONS if q)})")

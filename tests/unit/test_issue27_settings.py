@@ -45,3 +45,9 @@ def test_auto_quantization_is_blocks_on_decode_and_float32_on_prefill():
     for role in ("prefill", "decode"):
         assert WorkerSettings(role, quantization="gguf").engine_config().quantization == "gguf"
         assert WorkerSettings(role, quantization="none").engine_config().quantization == ""
+    from pdserve.common.errors import InvalidRequestError
+    from pdserve.engine.config import EngineConfig
+
+    assert EngineConfig(quantization="none").quantization == ""  # what LLM(quantization="none") passes
+    with pytest.raises(InvalidRequestError, match="unsupported quantization 'bogus'"):
+        EngineConfig(quantization="bogus")
