@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -167,6 +168,12 @@ class CacheSink:
         try:
             # a GPU payload (device-direct nccl) is checked and scattered where it is
             view = payload if is_device_payload(payload) else as_bytes_view(payload)
+            if header.device_digest and not is_device_payload(view) and self.kv_caches[0].is_cuda:
+                # a GPU sender's message that came through a host transport: its digest is
+                # quick on the GPU (slow on the CPU), and the bytes go there anyway
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # read-only bytes: only read
+                    view = torch.frombuffer(view, dtype=torch.uint8).to(self.kv_caches[0].device)
             verify_payload(header, index, view)  # outside the lock: it does not touch the cache
             layers = header.layers
             caches = self.kv_caches[layers.start:layers.stop]

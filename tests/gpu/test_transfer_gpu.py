@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from pdserve.common.errors import TransferError
 from pdserve.kernels import digest
 from pdserve.kvtransfer.backends import _p2p, nccl
 from pdserve.kvtransfer.codec import encode_message, new_transfer_id
@@ -154,7 +155,7 @@ def test_nccl_device_direct_lands_on_the_gpu_and_refuses_a_flipped_bit(loopback)
         sink.expect(tid, [3], time.monotonic() + DEADLINE_S)
         (group,) = loopback.values()  # the pair the first send opened
         group.corrupt_next = True
-        with pytest.raises(Exception, match="payload MAC mismatch"):
+        with pytest.raises(TransferError, match="payload MAC mismatch"):
             sender.send(endpoint, _device_message(layout, source, tid, [6], [3]), time.monotonic() + DEADLINE_S)
         assert block_digests(sink.kv_caches, [3]) == block_digests(make_caches(layout), [3])
         sender.send(endpoint, _device_message(layout, source, tid, [6], [3]), time.monotonic() + DEADLINE_S)
@@ -162,6 +163,34 @@ def test_nccl_device_direct_lands_on_the_gpu_and_refuses_a_flipped_bit(loopback)
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_gpu_message_through_a_host_path_is_checked_on_the_gpu(monkeypatch):
+    """A GPU sender's message (digest checksum) that a GPU decode received into host staging
+    (a fallback through ucx or gloo: check, staging, commit) is moved to the GPU and checked
+    there, not by the slow CPU digest; a corrupt one is still refused."""
+    from pdserve.kvtransfer.wire import WireError
+
+    layout = tiny_layout(num_blocks=16, dtype="bfloat16")
+    source = [c.cuda() for c in make_caches(layout, seed=7)]
+    sink = CacheSink([c.cuda() for c in make_caches(layout)], layout)
+    tid = new_transfer_id()
+    sink.expect(tid, [2, 8], time.monotonic() + DEADLINE_S)
+    message = _device_message(layout, source, tid, [3, 11], [2, 8])
+    header = parse_header(message.header, sink.limits)
+    monkeypatch.setattr(digest, "_torch_digest", lambda *a: (_ for _ in ()).throw(AssertionError("CPU digest")))
+    for corrupt in (True, False):
+        sink.check(header, message.index)
+        staging = sink.staging(header)  # what a host transport asks for
+        assert staging.device.type == "cpu"
+        staging.copy_(message.payload.reshape(-1).view(torch.uint8).cpu())
+        if corrupt:
+            staging[-3] ^= 1
+            with pytest.raises(WireError, match="checksum"):
+                sink.commit(header, message.index, staging)
+        else:
+            sink.commit(header, message.index, staging)
+    assert sink.is_complete(tid) and block_digests(sink.kv_caches, [2, 8]) == block_digests(source, [3, 11])
 
 
 def test_disaggregated_engines_on_the_gpu_over_nccl_equal_local_greedy(loopback, tiny_model_factory):
