@@ -31,7 +31,8 @@ from pdserve.common import envs, progress
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                 for name in ("cpu_decode_attention.cpp", "cpu_fused_layer.cpp", "cpu_quant_gemm.cpp"))
+                 for name in ("cpu_vectors.cpp", "cpu_decode_attention.cpp", "cpu_fused_layer.cpp",
+                              "cpu_quant_gemm.cpp"))
 _FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rope_store_kv", "quant_linear", "dequantize_rows",
               "dequantize_rows_into"]
 _ISAS = {"native": [], "avx2": ["-mno-avx512f"]}  # PDSERVE_CPU_ISA -> flags after -march=native

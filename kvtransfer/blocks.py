@@ -59,9 +59,13 @@ def buffer_from_bytes(payload: memoryview | torch.Tensor, num_blocks: int, kv_ca
     (scatter), so a read-only buffer is fine."""
     cache = kv_caches[0]
     shape = (num_blocks, len(kv_caches), *cache.shape[1:])
-    if isinstance(payload, torch.Tensor):
-        return payload.reshape(-1).view(torch.uint8).view(cache.dtype).view(shape)
+    flat = payload.reshape(-1).view(torch.uint8) if isinstance(payload, torch.Tensor) else bytes_tensor(payload)
+    return flat.view(cache.dtype).view(shape)
+
+
+def bytes_tensor(payload: memoryview) -> torch.Tensor:
+    """Host bytes as a flat uint8 tensor sharing their memory, to be read only (a read-only
+    buffer is fine)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
-        flat = torch.frombuffer(payload, dtype=torch.uint8)
-    return flat.view(cache.dtype).view(shape)
+        return torch.frombuffer(payload, dtype=torch.uint8)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -30,7 +29,7 @@ import torch
 
 from pdserve.engine.connector import KVCacheLayout
 from pdserve.common.errors import TransferError
-from pdserve.kvtransfer.blocks import buffer_from_bytes, scatter_from_host
+from pdserve.kvtransfer.blocks import buffer_from_bytes, bytes_tensor, scatter_from_host
 from pdserve.kvtransfer.codec import as_bytes_view, decode_message
 from pdserve.kvtransfer.wire import (
     BlockHeader, WireError, WireLimits, is_device_payload, parse_index, verify_payload,
@@ -171,9 +170,7 @@ class CacheSink:
             if header.device_digest and not is_device_payload(view) and self.kv_caches[0].is_cuda:
                 # a GPU sender's message that came through a host transport: its digest is
                 # quick on the GPU (slow on the CPU), and the bytes go there anyway
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # read-only bytes: only read
-                    view = torch.frombuffer(view, dtype=torch.uint8).to(self.kv_caches[0].device)
+                view = bytes_tensor(view).to(self.kv_caches[0].device)
             verify_payload(header, index, view)  # outside the lock: it does not touch the cache
             layers = header.layers
             caches = self.kv_caches[layers.start:layers.stop]

@@ -45,7 +45,6 @@ against `WireLimits` (what the receiver expects) BEFORE anything is allocated or
 from __future__ import annotations
 
 import struct
-import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -144,14 +143,11 @@ def is_device_payload(payload: object) -> bool:
 def digest_checksum(index: bytes | memoryview, payload) -> int:
     """The FLAG_DEVICE_DIGEST checksum of a payload tensor (any device; host bytes are
     viewed as a tensor)."""
-    import torch
-
     from pdserve.kernels import digest
+    from pdserve.kvtransfer.blocks import bytes_tensor
 
     if not hasattr(payload, "element_size"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: only read here
-            payload = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        payload = bytes_tensor(payload)
     return checksum(index, digest.keyed_digest(payload, _PUBLIC_DIGEST_KEY, cache_key=True))
 
 

@@ -15,7 +15,6 @@
 // positions >= len - W. Scores and softmax in float32, exactly as the torch path.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -141,34 +140,10 @@ void decode_attention(float* out, const float* query, const scalar_t* cache, con
 // 189 -> 84 us, 2 threads). In a decode step the KV comes from memory, not cache: there the
 // layer's attention went 16.8 -> 13.1 ms at batch 8, 1 thread. Softmax as the generic
 // kernel's; the dot products sum in another order.
-namespace f32 {  // its own names: the three sources build as one translation unit
-#if defined(__AVX512F__)
-#define PDA_SIMD 1
-using vf = __m512;
-constexpr int kLanes = 16;
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vset(float v) { return _mm512_set1_ps(v); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PDA_SIMD 1
-using vf = __m256;
-constexpr int kLanes = 8;
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vset(float v) { return _mm256_set1_ps(v); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vf v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-#endif
+namespace f32 {
+using namespace pdvec;  // cpu_vectors.cpp
 
-#if defined(PDA_SIMD)
+#if defined(PD_SIMD)
 // Where one (sequence, KV head) task reads: its KV head's K rows (V rows `half` further on).
 struct Task {
   const float* q;  // [G, HEAD_DIM] queries, already scaled
@@ -338,7 +313,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor kv_cache, at::Ten
              block_tables.data_ptr<int32_t>(), block_tables.size(1), context_lens.data_ptr<int32_t>(),
              query.size(0), query.size(1), kv_cache.size(3), head_dim, kv_cache.size(2), window);
     };
-#if defined(PDA_SIMD)
+#if defined(PD_SIMD)
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (head_dim == 64 || head_dim == 128) {
         auto fast = head_dim == 64 ? f32::decode_attention_f32<64> : f32::decode_attention_f32<128>;

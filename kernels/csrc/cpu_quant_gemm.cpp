@@ -53,40 +53,15 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
-// ---- one vector of float32 lanes, per instruction set -----------------------------------
+// ---- per instruction set: the vector helpers of cpu_vectors.cpp, and bytes -> floats ------
+using namespace pdvec;
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr int kRows = 8;  // activation rows per tile: 2 x 8 accumulators + 4 weight vectors of 32 registers
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset(float v) { return _mm512_set1_ps(v); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 // 16 unsigned (or signed) bytes -> 16 / kLanes vectors
 inline void u8_to_f(__m128i b, vf* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 inline void i8_to_f(__m128i b, vf* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
-#define PDQ_SIMD 1
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
+#elif defined(PD_SIMD)
 constexpr int kRows = 4;  // 2 x 4 accumulators + 8 weight vectors: all 16 registers
-using vf = __m256;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vset(float v) { return _mm256_set1_ps(v); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline float vsum(vf v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 inline void u8_to_f(__m128i b, vf* out) {
   out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
   out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
@@ -95,19 +70,8 @@ inline void i8_to_f(__m128i b, vf* out) {
   out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
 }
-#define PDQ_SIMD 1
 #else
-constexpr int kLanes = 1;
 constexpr int kRows = 4;
-using vf = float;
-inline vf vzero() { return 0.0f; }
-inline vf vset(float v) { return v; }
-inline vf vload(const float* p) { return *p; }
-inline void vstore(float* p, vf v) { *p = v; }
-inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
-inline vf vmul(vf a, vf b) { return a * b; }
-inline vf vadd(vf a, vf b) { return a + b; }
-inline float vsum(vf v) { return v; }
 #endif
 
 constexpr int kPerBlock = kBlock / kLanes;  // vectors per block
@@ -116,7 +80,7 @@ constexpr int kPerBlock = kBlock / kLanes;  // vectors per block
 template <int64_t QT>
 inline void expand(const uint8_t* blk, vf* w) {
   const float d = half_at(blk);
-#if defined(PDQ_SIMD)
+#if defined(PD_SIMD)
   if constexpr (QT == kQ8_0) {
     i8_to_f(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)), w);
     i8_to_f(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)), w + kPerBlock / 2);
