@@ -46,6 +46,23 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// scores [rows, n] -> e^(score - its row's maximum), in place; inv_total[r] = 1 / row r's sum.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n, float* inv_total) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * n;
+    float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_nonpositive(s[t] - top);
+      sum += s[t];
+    }
+    inv_total[r] = 1.0f / sum;
+  }
+}
+
 // One task per sequence, all heads: a token's K (and V) for every KV head is one contiguous
 // row, so each task streams its blocks front to back. HEAD_DIM > 0 fixes the head size at
 // compile time (unrolled, register-resident loops); 0 reads it from `head_dim`.
@@ -91,20 +108,7 @@ void decode_attention(float* out, const float* query, const scalar_t* cache, con
           scores[h * n + t] = dot;
         }
       }
-      // softmax over t, per head
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* s = scores.data() + h * n;
-        float top = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-        for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = exp_nonpositive(s[t] - top);
-          sum += s[t];
-        }
-        inv_total[h] = 1.0f / sum;
-      }
+      softmax_rows(scores.data(), num_heads, n, inv_total.data());  // over t, per head
       // out[h] = sum_t p[h, t] V[first + t, h / group] / total[h]
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t t = 0; t < n; ++t) {
@@ -138,8 +142,8 @@ void decode_attention(float* out, const float* query, const scalar_t* cache, con
 // and token), each V row loaded once and accumulated into the G outputs, in registers where
 // they fit (~330 cycles a token; 8 sequences of 230 tokens: 284 -> 163 us a layer, 1 thread;
 // 189 -> 84 us, 2 threads). In a decode step the KV comes from memory, not cache: there the
-// layer's attention went 16.8 -> 13.1 ms at batch 8, 1 thread. Softmax as the generic
-// kernel's; the dot products sum in another order.
+// layer's attention went 16.8 -> 13.1 ms at batch 8, 1 thread. Softmax is the generic
+// kernel's (`softmax_rows`); the dot products sum in another order.
 namespace f32 {
 using namespace pdvec;  // cpu_vectors.cpp
 
@@ -165,28 +169,9 @@ inline void each_row(const Task& task, int64_t offset, F&& fn) {
   }
 }
 
-// scores [group, n] -> probabilities, per head (the generic kernel's softmax).
-inline void softmax_rows(float* scores, int64_t group, int64_t n) {
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * n;
-    float top = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = exp_nonpositive(s[t] - top);
-      sum += s[t];
-    }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-  }
-}
-
 // G query heads known at compile time: queries and output accumulators live in registers.
 template <int HEAD_DIM, int G>
-void task_in_registers(const Task& task, float* scores) {
+void task_in_registers(const Task& task, float* scores, float* inv_total) {
   constexpr int NV = HEAD_DIM / kLanes;
   const int64_t n = task.len - task.first;
   vf q[G][NV];
@@ -201,7 +186,7 @@ void task_in_registers(const Task& task, float* scores) {
       scores[g * n + t] = vsum(dot);
     }
   });
-  softmax_rows(scores, G, n);
+  softmax_rows(scores, G, n, inv_total);
   vf acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < NV; ++v) acc[g][v] = vset(0.0f);
@@ -213,13 +198,15 @@ void task_in_registers(const Task& task, float* scores) {
       for (int v = 0; v < NV; ++v) acc[g][v] = vfma(p, vv[v], acc[g][v]);
     }
   });
-  for (int g = 0; g < G; ++g)
-    for (int v = 0; v < NV; ++v) vstore(task.out + g * HEAD_DIM + v * kLanes, acc[g][v]);
+  for (int g = 0; g < G; ++g) {
+    const vf inv = vset(inv_total[g]);
+    for (int v = 0; v < NV; ++v) vstore(task.out + g * HEAD_DIM + v * kLanes, vmul(acc[g][v], inv));
+  }
 }
 
 // Any group size: output accumulators in memory (`acc`, [group, HEAD_DIM]).
 template <int HEAD_DIM>
-void task_any_group(const Task& task, int64_t group, float* scores, float* acc) {
+void task_any_group(const Task& task, int64_t group, float* scores, float* inv_total, float* acc) {
   constexpr int NV = HEAD_DIM / kLanes;
   const int64_t n = task.len - task.first;
   each_row(task, 0, [&](int64_t t, const float* k) {
@@ -232,7 +219,7 @@ void task_any_group(const Task& task, int64_t group, float* scores, float* acc) 
       scores[g * n + t] = vsum(dot);
     }
   });
-  softmax_rows(scores, group, n);
+  softmax_rows(scores, group, n, inv_total);
   std::fill(acc, acc + group * HEAD_DIM, 0.0f);
   each_row(task, task.half, [&](int64_t t, const float* row) {
     vf vv[NV];
@@ -243,7 +230,8 @@ void task_any_group(const Task& task, int64_t group, float* scores, float* acc) 
       for (int v = 0; v < NV; ++v) vstore(a + v * kLanes, vfma(p, vv[v], vload(a + v * kLanes)));
     }
   });
-  std::copy(acc, acc + group * HEAD_DIM, task.out);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < HEAD_DIM; ++d) task.out[g * HEAD_DIM + d] = acc[g * HEAD_DIM + d] * inv_total[g];
 }
 
 template <int HEAD_DIM, int G>
@@ -258,6 +246,7 @@ void decode_attention_f32(float* out, const float* query, const float* cache, co
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [group, n]: scores, then probabilities
     std::vector<float> acc(group * HEAD_DIM);
+    std::vector<float> inv_total(group);
     for (int64_t index = begin; index < end; ++index) {
       const int64_t seq = index / num_kv_heads, kv_head = index % num_kv_heads;
       const int64_t len = lens[seq];
@@ -271,14 +260,14 @@ void decode_attention_f32(float* out, const float* query, const float* cache, co
       }
       scores.resize(group * (len - task.first));
       if constexpr (fits_registers<HEAD_DIM, 4>()) {
-        if (group == 4) { task_in_registers<HEAD_DIM, 4>(task, scores.data()); continue; }
-        if (group == 3) { task_in_registers<HEAD_DIM, 3>(task, scores.data()); continue; }
+        if (group == 4) { task_in_registers<HEAD_DIM, 4>(task, scores.data(), inv_total.data()); continue; }
+        if (group == 3) { task_in_registers<HEAD_DIM, 3>(task, scores.data(), inv_total.data()); continue; }
       }
       if constexpr (fits_registers<HEAD_DIM, 2>()) {
-        if (group == 2) { task_in_registers<HEAD_DIM, 2>(task, scores.data()); continue; }
-        if (group == 1) { task_in_registers<HEAD_DIM, 1>(task, scores.data()); continue; }
+        if (group == 2) { task_in_registers<HEAD_DIM, 2>(task, scores.data(), inv_total.data()); continue; }
+        if (group == 1) { task_in_registers<HEAD_DIM, 1>(task, scores.data(), inv_total.data()); continue; }
       }
-      task_any_group<HEAD_DIM>(task, group, scores.data(), acc.data());
+      task_any_group<HEAD_DIM>(task, group, scores.data(), inv_total.data(), acc.data());
     }
   });
 }
