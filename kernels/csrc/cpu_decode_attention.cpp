@@ -142,7 +142,10 @@ void decode_attention(float* out, const float* query, const scalar_t* cache, con
 // and token), each V row loaded once and accumulated into the G outputs, in registers where
 // they fit (~330 cycles a token; 8 sequences of 230 tokens: 284 -> 163 us a layer, 1 thread;
 // 189 -> 84 us, 2 threads). In a decode step the KV comes from memory, not cache: there the
-// layer's attention went 16.8 -> 13.1 ms at batch 8, 1 thread. Softmax is the generic
+// layer's attention went 16.8 -> 13.1 ms at batch 8, 1 thread; asking for each row of the
+// next block while the same row of this one is read (blocks lie anywhere in the cache, so
+// the hardware prefetcher loses the stream at every block) took it to 10.7 ms (30 layers of
+// 8 x 250 tokens, scattered blocks: 463 -> 288 us a layer). Softmax is the generic
 // kernel's (`softmax_rows`); the dot products sum in another order.
 namespace f32 {
 using namespace pdvec;  // cpu_vectors.cpp
@@ -155,6 +158,7 @@ struct Task {
   const float* head;
   const int32_t* table;
   int64_t first, len, block_size, token_stride, block_stride, half;
+  int64_t head_bytes;  // of one row
 };
 
 // fn(t, row) for each visited token t (0-based from `first`) and its K (or V, `offset`) row:
@@ -165,7 +169,19 @@ inline void each_row(const Task& task, int64_t offset, F&& fn) {
     const int64_t blk = pos / task.block_size, stop = std::min(task.len, (blk + 1) * task.block_size);
     const float* row = task.head + task.table[blk] * task.block_stride + offset +
                        (pos - blk * task.block_size) * task.token_stride;
-    for (; pos < stop; ++pos, ++t, row += task.token_stride) fn(t, row);
+    // the next block lies elsewhere in memory: each row asks for the same row of it
+    const char* next = stop < task.len
+        ? reinterpret_cast<const char*>(task.head + task.table[blk + 1] * task.block_stride + offset +
+                                        (pos - blk * task.block_size) * task.token_stride)
+        : nullptr;
+    const int64_t step = task.token_stride * static_cast<int64_t>(sizeof(float));
+    for (; pos < stop; ++pos, ++t, row += task.token_stride) {
+      if (next != nullptr) {
+        for (int64_t b = 0; b < task.head_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+        next += step;
+      }
+      fn(t, row);
+    }
   }
 }
 
@@ -253,7 +269,8 @@ void decode_attention_f32(float* out, const float* query, const float* cache, co
       Task task{query + (seq * num_heads + kv_head * group) * HEAD_DIM,
                 out + (seq * num_heads + kv_head * group) * HEAD_DIM, cache + kv_head * HEAD_DIM,
                 tables + seq * table_width, window > 0 ? std::max<int64_t>(0, len - window) : 0, len,
-                block_size, token_stride, 2 * block_size * token_stride, block_size * token_stride};
+                block_size, token_stride, 2 * block_size * token_stride, block_size * token_stride,
+                HEAD_DIM * static_cast<int64_t>(sizeof(float))};
       if (len <= 0) {
         std::fill(task.out, task.out + group * HEAD_DIM, 0.0f);
         continue;

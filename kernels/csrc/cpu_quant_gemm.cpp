@@ -90,11 +90,23 @@ inline void expand(const uint8_t* blk, vf* w) {
     const uint8_t* qs = blk + (QT == kQ4_1 ? 4 : 2);
     const float m = QT == kQ4_1 ? half_at(blk + 2) : -8.0f * d;
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+#if defined(__AVX512F__)
+    // A 4-bit block holds 16 values at most: compute them once (d * q + m for q = 0..15,
+    // rounded as the float32 model's weights) and pick each weight from that table, instead
+    // of converting 32 integers (SmolLM2's Q4_1 linears, one thread: 8.4 -> 7.6 ms a step at
+    // one row, 13.8 -> 12.9 ms at four).
+    const vf table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     vset(d), vset(m));
+    const __m512i q = _mm512_cvtepu8_epi32(bytes);  // permutexvar reads the low 4 bits of each lane
+    w[0] = _mm512_permutexvar_ps(q, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+#else
     const __m128i low4 = _mm_set1_epi8(0x0F);
     u8_to_f(_mm_and_si128(bytes, low4), w);
     u8_to_f(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), w + kPerBlock / 2);
     const vf vd = vset(d), vm = vset(m);
     for (int i = 0; i < kPerBlock; ++i) w[i] = vfma(w[i], vd, vm);
+#endif
   }
 #else
   if constexpr (QT == kQ8_0) {
@@ -182,7 +194,9 @@ void tile(const uint8_t* w0, int64_t row_bytes, int64_t nblocks, const float* x,
 // wider than L1 holds (a 1B model at batch 8: 46.8 against 33.5 tok/s; SmolLM2's linears at
 // 8 rows 15.9 against 16.9 ms a step, 2 Zen 4 threads); at one row the two rows' chains also
 // overlap (Q4_1 at batch 1, one Zen 4 thread: 16 cycles a block with one chain per output,
-// 10 with four, 8.7 with two weight rows).
+// 10 with four, 8.7 with two weight rows). The next tile's blocks are asked for while one
+// is computed, at any row count: weights stream from memory (SmolLM2's 30 layers, 60 MB of
+// Q4_1, one Zen 4 thread: 14.5 -> 13.8 ms at 4 rows; the Q8_0 output projection 5.9 -> 3.9 ms).
 template <int64_t QT>
 void gemv_rows(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = K / kBlock, row_bytes = nblocks * block_bytes(QT);
@@ -190,7 +204,7 @@ void gemv_rows(const float* x, const uint8_t* blocks, float* y, int64_t M, int64
   at::parallel_for(0, pairs ? N / 2 : N, 16, [&](int64_t begin, int64_t end) {
     const int64_t tile_bytes = (pairs ? 2 : 1) * row_bytes;
     for (int64_t t = begin; t < end; ++t) {
-      if (M < 4 && t + 1 < end) {  // a few rows wait on memory: ask for the next tile now
+      if (t + 1 < end) {
         const char* next = reinterpret_cast<const char*>(blocks + (t + 1) * tile_bytes);
         for (int64_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
       }
