@@ -249,13 +249,15 @@ def test_planner_routes_by_predicted_time_to_first_token(registry):
     assert plan.prefill is None and plan.prefill_reason == "predicted_faster_local"
     assert plan.prediction.local_s == pytest.approx(0.5) and plan.prediction.remote_s == pytest.approx(5.5)  # the new report has no transfers yet
     assert plan.prediction.stall_s == pytest.approx(0.5)
-    # A decode with 8 streams decoding would stall each for the prompt's 0.5 s: it takes the
-    # prompt only behind a prefill queue longer than those 4 s.
-    registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=1200))
+    # A decode with 8 streams decoding pauses them all for the prompt's 0.5 s, side by side:
+    # the stall is charged once, so it takes the prompt once the prefill queue ahead is
+    # longer than that stall plus its own compute.
+    registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=200))
     registry.heartbeat("d", Load(prefill_tokens_per_s=400.0, num_decoding=8))
     plan = planner.plan("r8b", "m", 200, 4, [70], "")
     assert plan.prefill.worker_id == "p" and plan.prediction.num_stalled == 8
-    registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=1800))
+    assert plan.prediction.local_s + plan.prediction.stall_s == pytest.approx(plan.prediction.remote_s)
+    registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=400))
     registry.heartbeat("d", Load(prefill_tokens_per_s=400.0, num_decoding=8))
     assert planner.plan("r8c", "m", 200, 4, [71], "").prefill_reason == "predicted_faster_local"
     registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=200))
