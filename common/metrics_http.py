@@ -55,6 +55,8 @@ class _Server(http.server.HTTPServer):
         self.render = render
         self._token = f"Bearer {token}".encode() if token else None
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self.num_serving = 0  # connections held by a handler thread now
 
     def authorized(self, header: str | None) -> bool:
         return self._token is None or hmac.compare_digest((header or "").encode(), self._token)
@@ -63,11 +65,13 @@ class _Server(http.server.HTTPServer):
         if not self._slots.acquire(blocking=False):
             self.shutdown_request(request)  # busy: this scrape fails, the next one gets in
             return
+        self._count(+1)
         try:
             threading.Thread(target=self._serve, args=(request, client_address), daemon=True,
                              name="pdserve-metrics").start()
         except RuntimeError as exc:  # out of threads: drop this one, keep serving
             log.warning("metrics: cannot serve a scrape: %s", exc)
+            self._count(-1)
             self._slots.release()
             self.shutdown_request(request)
 
@@ -78,7 +82,12 @@ class _Server(http.server.HTTPServer):
             self.handle_error(request, client_address)
         finally:
             self.shutdown_request(request)
+            self._count(-1)
             self._slots.release()
+
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            self.num_serving += delta
 
     def handle_error(self, request, client_address) -> None:
         log.debug("metrics: a scrape from %s failed", client_address)
@@ -95,6 +104,11 @@ class MetricsServer:
         self._thread = threading.Thread(target=self._server.serve_forever, name="pdserve-metrics-accept",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def num_serving(self) -> int:
+        """Connections a handler thread holds now (at most `max_connections`)."""
+        return self._server.num_serving
 
     def shutdown(self) -> None:
         self._server.shutdown()

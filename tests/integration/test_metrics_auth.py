@@ -51,11 +51,14 @@ def test_without_a_token_the_worker_metrics_stay_open():
 
 def test_idle_connections_take_no_thread_each_and_scrapes_resume():
     server = MetricsServer("127.0.0.1", 0, lambda: b"up 1\n", token=None, max_connections=4)
-    before = threading.active_count()
+    def handlers() -> int:  # this process's metrics handler threads (other tests' may linger)
+        return sum(t.name == "pdserve-metrics" for t in threading.enumerate())
+
+    before = handlers()
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(100)]
     try:
-        wait_until(lambda: threading.active_count() >= before + 4, "the first connections were not served")
-        assert threading.active_count() <= before + 4
+        wait_until(lambda: server.num_serving == 4, "the first connections were not served")
+        assert handlers() <= before + 4
         def scrape_ok() -> bool:
             try:
                 return httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=2).text == "up 1\n"
