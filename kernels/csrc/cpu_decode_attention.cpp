@@ -158,27 +158,22 @@ struct Task {
   const float* head;
   const int32_t* table;
   int64_t first, len, block_size, token_stride, block_stride, half;
-  int64_t head_bytes;  // of one row
 };
 
-// fn(t, row) for each visited token t (0-based from `first`) and its K (or V, `offset`) row:
-// block by block, one table read per block.
-template <typename F>
+// fn(t, row) for each visited token t (0-based from `first`) and its K (or V, `offset`) row
+// of HEAD_DIM floats: block by block, one table read per block. The next block lies
+// elsewhere in memory, so each row asks for the same row of it.
+template <int HEAD_DIM, typename F>
 inline void each_row(const Task& task, int64_t offset, F&& fn) {
   for (int64_t pos = task.first, t = 0; pos < task.len;) {
     const int64_t blk = pos / task.block_size, stop = std::min(task.len, (blk + 1) * task.block_size);
     const float* row = task.head + task.table[blk] * task.block_stride + offset +
                        (pos - blk * task.block_size) * task.token_stride;
-    // the next block lies elsewhere in memory: each row asks for the same row of it
-    const char* next = stop < task.len
-        ? reinterpret_cast<const char*>(task.head + task.table[blk + 1] * task.block_stride + offset +
-                                        (pos - blk * task.block_size) * task.token_stride)
-        : nullptr;
-    const int64_t step = task.token_stride * static_cast<int64_t>(sizeof(float));
+    const int64_t to_next = stop < task.len ? (task.table[blk + 1] - task.table[blk]) * task.block_stride : 0;
     for (; pos < stop; ++pos, ++t, row += task.token_stride) {
-      if (next != nullptr) {
-        for (int64_t b = 0; b < task.head_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
-        next += step;
+      if (to_next != 0) {
+        const char* ahead = reinterpret_cast<const char*>(row + to_next);
+        for (int b = 0; b < HEAD_DIM * static_cast<int>(sizeof(float)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
       }
       fn(t, row);
     }
@@ -193,7 +188,7 @@ void task_in_registers(const Task& task, float* scores, float* inv_total) {
   vf q[G][NV];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < NV; ++v) q[g][v] = vload(task.q + g * HEAD_DIM + v * kLanes);
-  each_row(task, 0, [&](int64_t t, const float* k) {
+  each_row<HEAD_DIM>(task, 0, [&](int64_t t, const float* k) {
     vf kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = vload(k + v * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -205,8 +200,8 @@ void task_in_registers(const Task& task, float* scores, float* inv_total) {
   softmax_rows(scores, G, n, inv_total);
   vf acc[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int v = 0; v < NV; ++v) acc[g][v] = vset(0.0f);
-  each_row(task, task.half, [&](int64_t t, const float* row) {
+    for (int v = 0; v < NV; ++v) acc[g][v] = vzero();
+  each_row<HEAD_DIM>(task, task.half, [&](int64_t t, const float* row) {
     vf vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = vload(row + v * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -225,7 +220,7 @@ template <int HEAD_DIM>
 void task_any_group(const Task& task, int64_t group, float* scores, float* inv_total, float* acc) {
   constexpr int NV = HEAD_DIM / kLanes;
   const int64_t n = task.len - task.first;
-  each_row(task, 0, [&](int64_t t, const float* k) {
+  each_row<HEAD_DIM>(task, 0, [&](int64_t t, const float* k) {
     vf kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = vload(k + v * kLanes);
     for (int64_t g = 0; g < group; ++g) {
@@ -237,7 +232,7 @@ void task_any_group(const Task& task, int64_t group, float* scores, float* inv_t
   });
   softmax_rows(scores, group, n, inv_total);
   std::fill(acc, acc + group * HEAD_DIM, 0.0f);
-  each_row(task, task.half, [&](int64_t t, const float* row) {
+  each_row<HEAD_DIM>(task, task.half, [&](int64_t t, const float* row) {
     vf vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = vload(row + v * kLanes);
     for (int64_t g = 0; g < group; ++g) {
@@ -269,8 +264,7 @@ void decode_attention_f32(float* out, const float* query, const float* cache, co
       Task task{query + (seq * num_heads + kv_head * group) * HEAD_DIM,
                 out + (seq * num_heads + kv_head * group) * HEAD_DIM, cache + kv_head * HEAD_DIM,
                 tables + seq * table_width, window > 0 ? std::max<int64_t>(0, len - window) : 0, len,
-                block_size, token_stride, 2 * block_size * token_stride, block_size * token_stride,
-                HEAD_DIM * static_cast<int64_t>(sizeof(float))};
+                block_size, token_stride, 2 * block_size * token_stride, block_size * token_stride};
       if (len <= 0) {
         std::fill(task.out, task.out + group * HEAD_DIM, 0.0f);
         continue;
