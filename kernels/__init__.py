@@ -6,12 +6,12 @@ arguments (`KernelArgumentError`, a ValueError), then runs the Triton kernel or 
 path as `PDSERVE_USE_TRITON` says (see `dispatch`). `reference` holds the loop-by-loop
 versions the tests compare against. triton is imported only when a kernel runs.
 """
-from pdserve.kernels.attention import paged_decode_attention, paged_prefill_attention
+from pdserve.kernels.attention import DecodeAttention, paged_decode_attention, paged_prefill_attention
 from pdserve.kernels.block_copy import buffer_shape, gather_blocks, scatter_blocks
 from pdserve.kernels.checks import KernelArgumentError
 from pdserve.kernels.kv_store import store_kv
 
 __all__ = [
-    "KernelArgumentError", "buffer_shape", "gather_blocks", "paged_decode_attention",
+    "DecodeAttention", "KernelArgumentError", "buffer_shape", "gather_blocks", "paged_decode_attention",
     "paged_prefill_attention", "scatter_blocks", "store_kv",
 ]

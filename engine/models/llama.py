@@ -117,6 +117,10 @@ class CausalLM:
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         eps = c.rms_norm_eps
         delta = None  # the previous layer's MLP output, not yet added to h
+        decode = None  # the decode rows' attention, checked once for every layer
+        if meta.num_decode_tokens:
+            decode = kernels.DecodeAttention(kv_caches[0], meta.decode_block_tables, meta.decode_context_lens,
+                                             self.scale, window=meta.window)
         for i, w in enumerate(self.layers):
             connector.wait_for_layer_load(i)
             x = add_rms_norm(h, delta, w.input_norm, eps)
@@ -125,7 +129,7 @@ class CausalLM:
                 qkv = self._norm_qk(qkv, w)
             q = rope_store_kv(qkv, cos, sin, kv_caches[i], meta.slot_mapping, c.num_heads, c.num_kv_heads)
             connector.save_kv_layer(i, kv_caches[i], save_context)  # its KV is final: it may leave
-            attn = self._attention(q, kv_caches[i], meta)
+            attn = self._attention(q, kv_caches[i], meta, decode)
             x = add_rms_norm(h, w.o_proj(attn.reshape(T, self._q_size)), w.post_norm, eps)
             gate, up = w.gate_up(x).chunk(2, dim=-1)
             delta = w.down(F.silu(gate) * up)
@@ -140,13 +144,12 @@ class CausalLM:
         k = rms_norm(k.reshape(T, c.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
         return torch.cat([q.reshape(T, -1), k.reshape(T, -1), v], dim=-1)
 
-    def _attention(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                   decode: kernels.DecodeAttention | None) -> torch.Tensor:
         nd = meta.num_decode_tokens
         parts = []
         if nd:
-            parts.append(kernels.paged_decode_attention(
-                q[:nd], cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
-                window=meta.window))
+            parts.append(decode(q[:nd], cache))
         if q.shape[0] > nd:
             parts.append(kernels.paged_prefill_attention(
                 q[nd:], cache, meta.prefill_block_tables, meta.prefill_query_start_loc,

@@ -278,6 +278,24 @@ def test_decode_rejects_bad_arguments(change, monkeypatch):
         kernels.paged_decode_attention(**_decode_args(**change))
 
 
+def test_decode_attention_planned_once_serves_every_layer(path):
+    """One plan (tables checked once) over several layers' caches equals the one-call wrapper
+    on each; a layer's cache of another shape, or a query of another batch, is refused."""
+    lens = [37, 5, 90]
+    layers = [synthetic.random_paged_batch(lens, 3, 64, 16) for _ in range(3)]
+    tables, context_lens = layers[0].block_tables, layers[0].context_lens
+    plan = kernels.DecodeAttention(layers[0].kv_cache, tables, context_lens, 0.125, window=None)
+    for layer in layers:
+        query = synthetic.random_queries(len(lens), 9, 64)
+        close(plan(query, layer.kv_cache),
+              kernels.paged_decode_attention(query, layer.kv_cache, tables, context_lens, 0.125))
+    query = synthetic.random_queries(len(lens), 9, 64)
+    with pytest.raises(kernels.KernelArgumentError, match="planned"):
+        plan(query, torch.zeros(4, 2, 16, 3, 64))
+    with pytest.raises(kernels.KernelArgumentError, match="sequences"):
+        plan(synthetic.random_queries(2, 9, 64), layers[1].kv_cache)
+
+
 def test_prefill_rejects_inconsistent_query_start_loc(monkeypatch):
     monkeypatch.setenv("PDSERVE_USE_TRITON", "0")
     batch = synthetic.random_paged_batch([20, 5], 2, 64, 16)
