@@ -34,7 +34,7 @@ _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                  for name in ("cpu_vectors.cpp", "cpu_decode_attention.cpp", "cpu_fused_layer.cpp",
                               "cpu_quant_gemm.cpp"))
 _FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rope_store_kv", "quant_linear", "dequantize_rows",
-              "dequantize_rows_into"]
+              "dequantize_rows_into", "has_bf16_gemm", "quant_linear_bf16"]
 _ISAS = {"native": [], "avx2": ["-mno-avx512f"]}  # PDSERVE_CPU_ISA -> flags after -march=native
 _MODES = ("auto", "native", "torch")
 BUILD_LOCK_TIMEOUT_S = 900.0  # the longest wait on another process's compile

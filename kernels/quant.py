@@ -8,9 +8,12 @@ are dequantized at load. Two activation modes:
   accumulated in float32. The expanded weights are bit-identical to the float32 weights the
   GGUF dequantizes to (d and m are half floats, q at most 8 bits: d * q is exact in float32),
   so only the order of summation differs from the float32 model.
-- **fast** (`gguf-fast`): bfloat16 activations through torch's int4 weight-pack GEMM for the
-  4-bit types (a Q4_1 block of 32 is one group: d * q + m = d * (q - 8) + (m + 8 d)); Q8_0 and
-  anything the pack cannot hold run exact.
+- **fast** (`gguf-fast`, `FastLinear`): bfloat16 activations for the 4-bit types. Where the
+  CPU has AVX-512 BF16, a native kernel expands each block to bfloat16 (d * q + m in float32,
+  rounded once) and multiplies with one dot-product instruction a block and row; elsewhere
+  torch's int4 weight-pack GEMM (a Q4_1 block of 32 is one group: d * q + m = d * (q - 8) +
+  (m + 8 d)). Q8_0 runs exact: in SmolLM2's file it is the output projection, whose logits
+  pick the token, and in bfloat16 it took greedy agreement with float32 from 79 to 54 of 100.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 BLOCK = 32
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 MODES = ("gguf", "gguf-fast")
+FAST_TYPES = (Q4_0, Q4_1)  # what the fast mode runs in bfloat16 (see FastLinear)
 GEMM_EVENT = "pdserve::quant_linear"  # the profiler's name for the native block GEMM
 GEMM_ROWS = 32  # rows from which a call expands the weights and runs oneDNN's GEMM
 EXPAND_BYTES = 16 << 20  # ... at most this much of them at a time, as float32
@@ -90,31 +94,47 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     module = cpu_native.quant_module()
     if x2.shape[0] >= GEMM_ROWS:
         y = _expanded_linear(module, x2, weight, bias)
-    elif torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
-        with torch.profiler.record_function(GEMM_EVENT):
-            y = module.quant_linear(x2, weight.blocks, weight.qtype, bias)
     else:
-        y = module.quant_linear(x2, weight.blocks, weight.qtype, bias)
+        y = _native_gemm(module.quant_linear, x2, weight, bias)
     return y.reshape(*lead, weight.out_features)
 
 
-def _expanded_linear(module, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def _native_gemm(kernel, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
+        with torch.profiler.record_function(GEMM_EVENT):
+            return kernel(x, weight.blocks, weight.qtype, bias)
+    return kernel(x, weight.blocks, weight.qtype, bias)
+
+
+def _expanded_linear(module, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None,
+                     bf16: bool = False) -> torch.Tensor:
     """oneDNN's GEMM over the weights expanded to float32, at most EXPAND_BYTES of them at a
     time (an output projection in tiles of rows), into one reused buffer: a fresh one per call
     faulted in its pages every time (SmolLM2's 49,152-row output projection at 32 rows took
-    40 ms that way, against 10 ms for float32)."""
+    40 ms that way, against 10 ms for float32). `bf16` (the fast mode): each tile and x rounded
+    to bfloat16 for oneDNN's bfloat16 GEMM (about 400 GFLOP/s on 2 Zen 4 cores against 215 for
+    float32 at 256 rows); float32 out."""
     rows = max(1, EXPAND_BYTES // (weight.in_features * 4))
     n = weight.out_features
     scratch = _scratch(min(n, rows) * weight.in_features)
+    if bf16:
+        x = x.to(torch.bfloat16)
+
+    def tile(start: int, end: int) -> torch.Tensor:
+        w = module.dequantize_rows_into(weight.blocks, weight.qtype, start,
+                                        scratch[:(end - start) * weight.in_features].view(end - start, -1))
+        b = None if bias is None else bias[start:end]
+        if not bf16:
+            return _gemm(x, w, b)
+        y = _gemm(x, w.to(torch.bfloat16), None).float()
+        return y if b is None else y.add_(b)
+
     if n <= rows:
-        w = module.dequantize_rows_into(weight.blocks, weight.qtype, 0, scratch.view(n, weight.in_features))
-        return _gemm(x, w, bias)
+        return tile(0, n)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     for start in range(0, n, rows):
         end = min(n, start + rows)
-        w = module.dequantize_rows_into(weight.blocks, weight.qtype, start,
-                                        scratch[:(end - start) * weight.in_features].view(end - start, -1))
-        y[:, start:end] = _gemm(x, w, None if bias is None else bias[start:end])
+        y[:, start:end] = tile(start, end)
     return y
 
 
@@ -136,19 +156,75 @@ def _scratch(numel: int) -> torch.Tensor:
     return buffer[:numel]
 
 
+class FastLinear:
+    """The fast mode's linear over a 4-bit weight's blocks (bfloat16 activations): the native
+    bfloat16 kernel where the CPU has AVX-512 BF16, else torch's int4 GEMM (rows a multiple of
+    16). `build` returns None for other types or shapes: that linear runs exact."""
+
+    __slots__ = ("weight", "int4")
+
+    def __init__(self, weight: QuantWeight, int4: Int4Pack | None) -> None:
+        self.weight, self.int4 = weight, int4
+
+    @classmethod
+    def build(cls, weight: QuantWeight) -> FastLinear | None:
+        if weight.qtype not in FAST_TYPES:
+            return None
+        if bf16_kernel_available():
+            return cls(weight, None)
+        if weight.out_features % 16 == 0:  # the int4 pack's tiles
+            return cls(weight, Int4Pack(weight))
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes if self.int4 is None else self.int4.nbytes
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.in_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Prompt-sized batches: the blocks expanded to bfloat16 for oneDNN's bfloat16 GEMM
+        (`_expanded_linear`). One row
+        (decode at batch 1) is bound by weight bytes: there the exact kernel is as fast (SmolLM2's
+        120 Q4_1 linears, one Zen 4 thread: 7.7 ms exact, 8.3 bfloat16) and exact. A few rows:
+        the bfloat16 kernel (8 rows: 22.6 ms exact, 16.9 bfloat16, 23.0 torch's int4 GEMM)."""
+        if self.int4 is not None:
+            return self.int4(x, bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        module = cpu_native.quant_module()
+        if x2.shape[0] >= GEMM_ROWS:
+            y = _expanded_linear(module, x2, self.weight, bias, bf16=True)
+        elif x2.shape[0] == 1:
+            y = _native_gemm(module.quant_linear, x2, self.weight, bias)
+        else:
+            y = _native_gemm(module.quant_linear_bf16, x2.to(torch.bfloat16), self.weight, bias)
+        return y.reshape(*lead, self.weight.out_features)
+
+
+def bf16_kernel_available() -> bool:
+    """Whether this CPU's native build has the fast mode's bfloat16 kernel (AVX-512 BF16)."""
+    return bool(cpu_native.quant_module().has_bf16_gemm())
+
+
 class Int4Pack:
     """A 4-bit weight packed for torch's int4 weight-only GEMM (bfloat16 activations), one
-    group per GGML block: the fast mode's linear."""
+    group per GGML block: the fast mode's linear where the CPU lacks AVX-512 BF16."""
 
     __slots__ = ("packed", "scales_zeros", "out_features", "in_features", "blocks")
-    QTYPES = (Q4_0, Q4_1)
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
     def __init__(self, weight: QuantWeight) -> None:
-        if weight.qtype not in self.QTYPES:
+        if weight.qtype not in FAST_TYPES:
             raise ValueError("only 4-bit blocks pack into int4")
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.blocks = weight  # prompt-sized batches: expanded to bfloat16 for oneDNN's GEMM
@@ -159,15 +235,16 @@ class Int4Pack:
         self.scales_zeros = torch.stack([d, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """A few rows: the int4 GEMM. Prompt-sized batches: the blocks expanded to bfloat16 and
-        oneDNN's bfloat16 GEMM (about 400 GFLOP/s on 2 Zen 4 cores against 155 for the int4
-        kernel and 215 for float32 at 256 rows)."""
+        """A few rows: the int4 GEMM. Prompt-sized batches: the blocks expanded to bfloat16 for
+        oneDNN's bfloat16 GEMM (`_expanded_linear`: about 400 GFLOP/s on 2 Zen 4 cores against
+        155 for the int4 kernel at 256 rows)."""
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
         if x2.shape[0] >= GEMM_ROWS:
-            y = _gemm(x2, self.blocks.dequantize().to(torch.bfloat16), None).float()
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, BLOCK, self.scales_zeros).float()
+            return _expanded_linear(cpu_native.quant_module(), x2, self.blocks, bias, bf16=True).reshape(
+                *lead, self.out_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, BLOCK,
+                                                       self.scales_zeros).float()
         if bias is not None:
             y += bias
         return y.reshape(*lead, self.out_features)

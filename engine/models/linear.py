@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.common import envs
-from pdserve.kernels.quant import Int4Pack, QuantWeight, quant_linear
+from pdserve.kernels.quant import FastLinear, QuantWeight, quant_linear
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -32,7 +32,7 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 class Linear:
     """y = x @ weight.T (+ bias); weight [out, in] as in the checkpoint."""
 
-    __slots__ = ("weight", "bias", "_packed", "_int8", "_blocks", "_int4")
+    __slots__ = ("weight", "bias", "_packed", "_int8", "_blocks", "_fast")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  prepack: bool = False, batch_hint: int = 8, quantize: str = "") -> None:
@@ -41,7 +41,7 @@ class Linear:
         self._packed = None
         self._int8 = None
         self._blocks: QuantWeight | None = None
-        self._int4: Int4Pack | None = None
+        self._fast: FastLinear | None = None
         if quantize == "int8":
             self._int8 = _pack_int8(weight, bias)
             self.weight = None
@@ -52,18 +52,18 @@ class Linear:
     @classmethod
     def from_blocks(cls, blocks: QuantWeight, bias: torch.Tensor | None = None, fast: bool = False) -> Linear:
         """A linear over GGUF blocks: exact (float32 activations, the native kernel) or, with
-        `fast` and 4-bit blocks, bfloat16 activations through torch's int4 GEMM."""
+        `fast`, bfloat16 activations where this CPU has a kernel for them (`FastLinear`)."""
         linear = cls.__new__(cls)
         linear.weight, linear.bias, linear._packed, linear._int8 = None, bias, None, None
-        linear._blocks, linear._int4 = blocks, None
-        if fast and blocks.qtype in Int4Pack.QTYPES:
-            linear._int4, linear._blocks = Int4Pack(blocks), None
+        linear._blocks, linear._fast = blocks, FastLinear.build(blocks) if fast else None
+        if linear._fast is not None:
+            linear._blocks = None
         return linear
 
     @property
     def macs_per_row(self) -> int:
         """Multiply-adds per input row: out_features x in_features."""
-        for held in (self._blocks, self._int4):
+        for held in (self._blocks, self._fast):
             if held is not None:
                 return held.out_features * held.in_features
         if self.weight is not None:
@@ -75,7 +75,7 @@ class Linear:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights one call reads (the bound of a memory-bound step)."""
-        for held in (self._blocks, self._int4):
+        for held in (self._blocks, self._fast):
             if held is not None:
                 return held.nbytes
         if self.weight is not None:
@@ -88,8 +88,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._blocks is not None:
             return quant_linear(x, self._blocks, self.bias)
-        if self._int4 is not None:
-            return self._int4(x, self.bias)
+        if self._fast is not None:
+            return self._fast(x, self.bias)
         if self._int8 is not None:
             # reduce_range: 7-bit activations, which x86's int8 dot products need to avoid overflow
             return torch.ops.quantized.linear_dynamic(x, self._int8, True)

@@ -235,6 +235,110 @@ void expand_rows(const uint8_t* blocks, float* out, int64_t begin, int64_t end, 
   });
 }
 
+#if defined(__AVX512BF16__)
+// ---- fast mode (`gguf-fast`): bfloat16 activations, one dot-product instruction a block --
+// Each block is expanded to 32 bfloat16 weights (d * q + m computed in float32, as the exact
+// mode does, then rounded once to bfloat16), and VDPBF16PS multiplies them with the block's
+// 32 bfloat16 activations, summing pairs into 16 float32 lanes: one instruction per block and
+// row where the exact mode needs two FMAs, and half the activation bytes. Where the CPU has
+// no AVX-512 BF16 the fast mode runs torch's int4 GEMM instead (`kernels.quant`).
+namespace bf16 {
+
+constexpr int kRows = 8;  // activation rows per tile, as the float32 kernel
+
+template <int64_t QT>
+inline __m512i expand(const uint8_t* blk) {
+  const float d = half_at(blk);
+  if constexpr (QT == kQ8_0) {
+    const __m512 vd = _mm512_set1_ps(d);
+    const __m128i* qs = reinterpret_cast<const __m128i*>(blk + 2);
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs))), vd);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1))), vd);
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  } else {
+    const float m = QT == kQ4_1 ? half_at(blk + 2) : -8.0f * d;
+    const __m512 values = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_ps(d), _mm512_set1_ps(m));
+    // the 16 values twice over: a 16-bit lane holding a whole byte indexes by its low 5 bits,
+    // the low nibble plus one bit of the high one, which then picks the same value
+    const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(values, values));
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == kQ4_1 ? 4 : 2))));
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+    return _mm512_permutexvar_epi16(q, table);
+  }
+}
+
+// As the float32 tile_dot, with C chains per output for tiles too small to hide the
+// instruction's latency in their own outputs.
+template <int64_t QT, int NR, int MR>
+inline void tile_dot(const uint8_t* w0, int64_t row_bytes, int64_t nblocks, const uint16_t* x, int64_t ldx,
+                     float* y, int64_t ldy) {
+  constexpr int64_t bb = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
+  constexpr int C = NR * MR <= 2 ? 4 : NR * MR <= 4 ? 2 : 1;
+  __m512 acc[NR][MR][C];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < C; ++c) acc[j][r][c] = _mm512_setzero_ps();
+  auto step = [&](int64_t b, int c) __attribute__((always_inline)) {
+    __m512i w[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) w[j] = expand<QT>(w0 + j * row_bytes + b * bb);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * ldx + b * kBlock));
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) acc[j][r][c] = _mm512_dpbf16_ps(acc[j][r][c], xv, reinterpret_cast<__m512bh>(w[j]));
+    }
+  };
+  int64_t b = 0;
+  for (; b + C <= nblocks; b += C)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) step(b + c, c);
+  for (; b < nblocks; ++b) step(b, 0);
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) {
+      __m512 s = acc[j][r][0];
+      for (int c = 1; c < C; ++c) s = _mm512_add_ps(s, acc[j][r][c]);
+      y[r * ldy + j] = _mm512_reduce_add_ps(s);
+    }
+}
+
+template <int64_t QT, int NR, int MR>
+void tile(const uint8_t* w0, int64_t row_bytes, int64_t nblocks, const uint16_t* x, int64_t ldx, float* y,
+          int64_t ldy, int rows) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return tile<QT, NR, MR - 1>(w0, row_bytes, nblocks, x, ldx, y, ldy, rows);
+  }
+  tile_dot<QT, NR, MR>(w0, row_bytes, nblocks, x, ldx, y, ldy);
+}
+
+// Two weight rows a tile at every row count, the next tile's blocks asked for meanwhile.
+template <int64_t QT>
+void gemv_rows(const uint16_t* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t nblocks = K / kBlock, row_bytes = nblocks * block_bytes(QT);
+  const bool pairs = N % 2 == 0;
+  at::parallel_for(0, pairs ? N / 2 : N, 16, [&](int64_t begin, int64_t end) {
+    const int64_t tile_bytes = (pairs ? 2 : 1) * row_bytes;
+    for (int64_t t = begin; t < end; ++t) {
+      if (t + 1 < end) {
+        const char* next = reinterpret_cast<const char*>(blocks + (t + 1) * tile_bytes);
+        for (int64_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
+      }
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
+        if (pairs) {
+          tile<QT, 2, kRows>(blocks + 2 * t * row_bytes, row_bytes, nblocks, x + m * K, K, y + m * N + 2 * t, N, rows);
+        } else {
+          tile<QT, 1, kRows>(blocks + t * row_bytes, row_bytes, nblocks, x + m * K, K, y + m * N + t, N, rows);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace bf16
+#endif
+
 template <typename F>
 void by_type(int64_t qtype, F&& f) {
   switch (qtype) {
@@ -292,4 +396,37 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype, c10::opt
     y.add_(*bias);
   }
   return y;
+}
+
+
+// Whether this build has the fast mode's kernel (`quant_linear_bf16`): AVX-512 BF16.
+bool has_bf16_gemm() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// quant_linear with bfloat16 activations x [M, K] (the fast mode); y float32 [M, N].
+at::Tensor quant_linear_bf16(at::Tensor x, at::Tensor blocks, int64_t qtype, c10::optional<at::Tensor> bias) {
+  const int64_t K = checked_k(blocks, qtype), N = blocks.size(0);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() &&
+                  x.size(1) == K, "x must be a contiguous bfloat16 [M, ", K, "] CPU tensor");
+#if defined(__AVX512BF16__)
+  const int64_t M = x.size(0);
+  pybind11::gil_scoped_release no_gil;
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  by_type(qtype, [&](auto qt) {
+    bf16::gemv_rows<decltype(qt)::value>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                                         blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
+  });
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N, "bias: float32 [N]");
+    y.add_(*bias);
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "quant_linear_bf16 needs AVX-512 BF16, which this build lacks (has_bf16_gemm())");
+#endif
 }

@@ -1,6 +1,7 @@
 """GGUF blocks served as they are (`kernels.quant`, `csrc/cpu_quant_gemm.cpp`): each native
 type's matmul against gguf-py's dequantize-then-float32 on random blocks, in both CPU paths
-this machine has (AVX-512 where present, AVX2 always on x86), and the fast mode's int4 pack.
+this machine has (AVX-512 where present, AVX2 always on x86), and the fast mode's kernels
+(bfloat16 with AVX-512 BF16, torch's int4 pack elsewhere).
 
 Tolerances: the expanded weights are exact (d and m are half floats, q at most 8 bits), so the
 exact mode differs from float64 over the dequantized weights by float32 summation only
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.kernels import quant
+from pdserve.kernels import cpu_native, quant
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
@@ -109,6 +110,41 @@ def test_fast_mode_int4_pack_is_close(name):
     assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
 
 
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 31, 40])  # exact at 1, tiles, remainders, the GEMM path
+def test_fast_linear_is_close_and_built_for_this_cpu(name, rows):
+    """The fast mode's linear, whichever kernel this build gives it (the bfloat16 kernel with
+    AVX-512 BF16, torch's int4 GEMM without), within bfloat16's rounding; Q8_0 stays exact."""
+    weight, reference = random_weight(TYPES[name], 96, 160, seed=rows)
+    fast = quant.FastLinear.build(weight)
+    assert (fast is None) == (name == "Q8_0")
+    if fast is None:
+        return
+    if not quant.bf16_kernel_available():
+        assert fast.int4 is not None
+        assert quant.FastLinear.build(random_weight(TYPES[name], 94, 160)[0]) is None  # not the pack's tiles
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(96)
+    expected = x @ reference.T + bias
+    got = fast(x, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    assert (got - expected).abs().max() <= 1e-2 * expected.abs().max()
+
+
+@pytest.mark.skipif(not quant.bf16_kernel_available(), reason="this CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [2, 5, 8, 9, 16, 31])
+def test_bf16_kernel_is_the_bf16_product_in_float32(name, rows):
+    """The native bfloat16 kernel (every type it takes): each weight d * q + m rounded once
+    to bfloat16, products summed in float32, so it equals the bfloat16 operands' product in
+    float64 up to float32 summation order."""
+    weight, reference = random_weight(TYPES[name], 94, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    expected = x.double() @ reference.bfloat16().double().T
+    got = cpu_native.quant_module().quant_linear_bf16(x, weight.blocks, weight.qtype, None)
+    assert (got.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
 def test_avx2_path_in_a_child_process():
     """PDSERVE_CPU_ISA=avx2 builds the native kernels without AVX-512 (their own build dir):
@@ -117,6 +153,7 @@ def test_avx2_path_in_a_child_process():
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "PDSERVE_CPU_ISA": "avx2", "PDSERVE_CPU_ATTENTION": "native"}
     tests = [f"{__file__}::test_matmul_matches_dequantize_then_float32",
+             f"{__file__}::test_fast_linear_is_close_and_built_for_this_cpu",
              f"{__file__}::test_blocks_expand_to_exactly_the_dequantized_weights",
              str(REPO / "tests/unit/test_kernels.py") + "::test_decode_matches_reference"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
