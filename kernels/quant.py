@@ -117,8 +117,11 @@ def _expanded_linear(module, x: torch.Tensor, weight: QuantWeight, bias: torch.T
     rows = max(1, EXPAND_BYTES // (weight.in_features * 4))
     n = weight.out_features
     scratch = _scratch(min(n, rows) * weight.in_features)
+    direct = bf16 and bool(module.has_bf16_gemm())  # the kernel writes bfloat16 itself
     if bf16:
         x = x.to(torch.bfloat16)
+        if direct:
+            scratch = scratch.view(torch.bfloat16)[:scratch.numel()]
 
     def tile(start: int, end: int) -> torch.Tensor:
         w = module.dequantize_rows_into(weight.blocks, weight.qtype, start,
@@ -126,7 +129,7 @@ def _expanded_linear(module, x: torch.Tensor, weight: QuantWeight, bias: torch.T
         b = None if bias is None else bias[start:end]
         if not bf16:
             return _gemm(x, w, b)
-        y = _gemm(x, w.to(torch.bfloat16), None).float()
+        y = _gemm(x, w if direct else w.to(torch.bfloat16), None).float()
         return y if b is None else y.add_(b)
 
     if n <= rows:

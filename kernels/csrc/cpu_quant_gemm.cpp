@@ -336,6 +336,18 @@ void gemv_rows(const uint16_t* x, const uint8_t* blocks, float* y, int64_t M, in
   });
 }
 
+// Rows [begin, end) of W as bfloat16 into `out` [end - begin, K]: the fast mode's prompts
+// multiply them with oneDNN's bfloat16 GEMM.
+template <int64_t QT>
+void expand_rows(const uint8_t* blocks, uint16_t* out, int64_t begin, int64_t end, int64_t K) {
+  const int64_t nblocks = K / kBlock, bb = block_bytes(QT), row_bytes = nblocks * bb;
+  at::parallel_for(begin, end, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n)
+      for (int64_t b = 0; b < nblocks; ++b)
+        _mm512_storeu_si512(out + (n - begin) * K + b * kBlock, expand<QT>(blocks + n * row_bytes + b * bb));
+  });
+}
+
 }  // namespace bf16
 #endif
 
@@ -361,14 +373,28 @@ int64_t checked_k(const at::Tensor& blocks, int64_t qtype) {
 
 // Rows [begin, begin + out.size(0)) of W into `out` (float32 [rows, K] contiguous): a caller
 // that expands weights on every call reuses one buffer instead of faulting in fresh pages.
+// `out` may also be bfloat16 where the build has AVX-512 BF16 (has_bf16_gemm()): each weight
+// rounded once from its float32 value, as the fast mode's kernel does.
 at::Tensor dequantize_rows_into(at::Tensor blocks, int64_t qtype, int64_t begin, at::Tensor out) {
   const int64_t K = checked_k(blocks, qtype);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(1) == K && out.is_contiguous(),
-              "out must be a contiguous float32 [rows, ", K, "] tensor");
+#if defined(__AVX512BF16__)
+  const bool bf16_out = out.scalar_type() == at::kBFloat16;
+#else
+  const bool bf16_out = false;
+#endif
+  TORCH_CHECK((out.scalar_type() == at::kFloat || bf16_out) && out.dim() == 2 && out.size(1) == K && out.is_contiguous(),
+              "out must be a contiguous float32 (or, with AVX-512 BF16, bfloat16) [rows, ", K, "] tensor");
   const int64_t end = begin + out.size(0);
   TORCH_CHECK(0 <= begin && end <= blocks.size(0), "row range out of bounds");
   pybind11::gil_scoped_release no_gil;
   by_type(qtype, [&](auto qt) {
+#if defined(__AVX512BF16__)
+    if (bf16_out) {
+      bf16::expand_rows<decltype(qt)::value>(blocks.data_ptr<uint8_t>(),
+                                            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), begin, end, K);
+      return;
+    }
+#endif
     expand_rows<decltype(qt)::value>(blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), begin, end, K);
   });
   return out;

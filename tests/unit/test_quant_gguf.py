@@ -145,6 +145,17 @@ def test_bf16_kernel_is_the_bf16_product_in_float32(name, rows):
     assert (got.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
 
 
+@pytest.mark.skipif(not quant.bf16_kernel_available(), reason="this CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("name", TYPES)
+def test_blocks_expand_to_bf16_as_their_float32_weights_round(name):
+    """The fast mode's prompts expand blocks straight to bfloat16: the float32 weights each
+    rounded once, bit for bit (so prompts multiply the same numbers as before)."""
+    weight, reference = random_weight(TYPES[name], 70, 96)
+    out = torch.empty(50, 96, dtype=torch.bfloat16)
+    cpu_native.quant_module().dequantize_rows_into(weight.blocks, weight.qtype, 20, out)
+    assert torch.equal(out, reference[20:].bfloat16())
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
 def test_avx2_path_in_a_child_process():
     """PDSERVE_CPU_ISA=avx2 builds the native kernels without AVX-512 (their own build dir):
