@@ -8,11 +8,11 @@ are dequantized at load. Two activation modes:
   accumulated in float32. The expanded weights are bit-identical to the float32 weights the
   GGUF dequantizes to (d and m are half floats, q at most 8 bits: d * q is exact in float32),
   so only the order of summation differs from the float32 model.
-- **fast** (`gguf-fast`, `FastLinear`): bfloat16 activations for the 4-bit types. Where the
-  CPU has AVX-512 BF16, a native kernel expands each block to bfloat16 (d * q + m in float32,
-  rounded once) and multiplies with one dot-product instruction a block and row; elsewhere
-  torch's int4 weight-pack GEMM (a Q4_1 block of 32 is one group: d * q + m = d * (q - 8) +
-  (m + 8 d)). Q8_0 runs exact: in SmolLM2's file it is the output projection, whose logits
+- **fast** (`gguf-fast`, `FastLinear`): bfloat16 activations for the 4-bit types. A few rows:
+  where the CPU has AVX-512 BF16, a native kernel that expands each block to bfloat16 (d * q +
+  m in float32, rounded once) and multiplies with one dot-product instruction a block and row;
+  one or two rows, or without it, torch's int4 weight-pack GEMM (a Q4_1 block of 32 is one
+  group: d * q + m = d * (q - 8) + (m + 8 d)). Q8_0 runs exact: in SmolLM2's file it is the output projection, whose logits
   pick the token, and in bfloat16 it took greedy agreement with float32 from 79 to 54 of 100.
 """
 from __future__ import annotations
@@ -160,27 +160,37 @@ def _scratch(numel: int) -> torch.Tensor:
 
 
 class FastLinear:
-    """The fast mode's linear over a 4-bit weight's blocks (bfloat16 activations): the native
-    bfloat16 kernel where the CPU has AVX-512 BF16, else torch's int4 GEMM (rows a multiple of
-    16). `build` returns None for other types or shapes: that linear runs exact."""
+    """The fast mode's linear over a 4-bit weight's blocks, bfloat16 activations, by row count:
 
-    __slots__ = ("weight", "int4")
+    - one or two rows (decode at batch 1-2, bound by weight bytes): torch's int4 GEMM, whose
+      packed layout streams faster than the native kernels expand blocks (a 1B model's
+      linears, 2 Zen 4 threads, one row: 7.2 ms int4, 10.2 exact, 12.7 bfloat16; SmolLM2's
+      narrower ones: 7.8 / 7.7 / 8.3);
+    - three to GEMM_ROWS - 1: the native bfloat16 kernel where the CPU has AVX-512 BF16
+      (8 rows, SmolLM2's 120 Q4_1 linears, one thread: 16.9 ms against 22.6 exact and 23.0
+      int4; the 1B model's: 20.2 against 27.0 and 24.7), else the int4 GEMM;
+    - prompts: the blocks expanded to bfloat16 for oneDNN's GEMM (`_expanded_linear`).
 
-    def __init__(self, weight: QuantWeight, int4: Int4Pack | None) -> None:
-        self.weight, self.int4 = weight, int4
+    The int4 pack needs rows a multiple of 16; without it the few-row cases run exact or
+    bfloat16. `build` returns None where nothing applies (other types): that linear runs exact."""
+
+    __slots__ = ("weight", "int4", "bf16")
+    INT4_ROWS = 2  # at most this many rows take the int4 GEMM when the bfloat16 kernel exists
+
+    def __init__(self, weight: QuantWeight, int4: Int4Pack | None, bf16: bool) -> None:
+        self.weight, self.int4, self.bf16 = weight, int4, bf16
 
     @classmethod
     def build(cls, weight: QuantWeight) -> FastLinear | None:
         if weight.qtype not in FAST_TYPES:
             return None
-        if bf16_kernel_available():
-            return cls(weight, None)
-        if weight.out_features % 16 == 0:  # the int4 pack's tiles
-            return cls(weight, Int4Pack(weight))
-        return None
+        int4 = Int4Pack(weight) if weight.out_features % 16 == 0 else None  # the pack's tiles
+        bf16 = bf16_kernel_available()
+        return cls(weight, int4, bf16) if int4 is not None or bf16 else None
 
     @property
     def nbytes(self) -> int:
+        """What a one-row call reads."""
         return self.weight.nbytes if self.int4 is None else self.int4.nbytes
 
     @property
@@ -192,22 +202,18 @@ class FastLinear:
         return self.weight.in_features
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Prompt-sized batches: the blocks expanded to bfloat16 for oneDNN's bfloat16 GEMM
-        (`_expanded_linear`). One row
-        (decode at batch 1) is bound by weight bytes: there the exact kernel is as fast (SmolLM2's
-        120 Q4_1 linears, one Zen 4 thread: 7.7 ms exact, 8.3 bfloat16) and exact. A few rows:
-        the bfloat16 kernel (8 rows: 22.6 ms exact, 16.9 bfloat16, 23.0 torch's int4 GEMM)."""
-        if self.int4 is not None:
-            return self.int4(x, bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        rows = x2.shape[0]
         module = cpu_native.quant_module()
-        if x2.shape[0] >= GEMM_ROWS:
+        if rows >= GEMM_ROWS:
             y = _expanded_linear(module, x2, self.weight, bias, bf16=True)
-        elif x2.shape[0] == 1:
-            y = _native_gemm(module.quant_linear, x2, self.weight, bias)
-        else:
+        elif self.int4 is not None and (rows <= self.INT4_ROWS or not self.bf16):
+            y = self.int4(x2, bias)
+        elif self.bf16 and rows > self.INT4_ROWS:
             y = _native_gemm(module.quant_linear_bf16, x2.to(torch.bfloat16), self.weight, bias)
+        else:
+            y = _native_gemm(module.quant_linear, x2, self.weight, bias)
         return y.reshape(*lead, self.weight.out_features)
 
 
@@ -218,7 +224,7 @@ def bf16_kernel_available() -> bool:
 
 class Int4Pack:
     """A 4-bit weight packed for torch's int4 weight-only GEMM (bfloat16 activations), one
-    group per GGML block: the fast mode's linear where the CPU lacks AVX-512 BF16."""
+    group per GGML block (see `FastLinear`)."""
 
     __slots__ = ("packed", "scales_zeros", "out_features", "in_features", "blocks")
 

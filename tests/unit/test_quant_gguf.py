@@ -111,24 +111,24 @@ def test_fast_mode_int4_pack_is_close(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 31, 40])  # exact at 1, tiles, remainders, the GEMM path
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 31, 40])  # int4 at 1-2, tiles, remainders, prompts
 def test_fast_linear_is_close_and_built_for_this_cpu(name, rows):
-    """The fast mode's linear, whichever kernel this build gives it (the bfloat16 kernel with
-    AVX-512 BF16, torch's int4 GEMM without), within bfloat16's rounding; Q8_0 stays exact."""
-    weight, reference = random_weight(TYPES[name], 96, 160, seed=rows)
-    fast = quant.FastLinear.build(weight)
-    assert (fast is None) == (name == "Q8_0")
-    if fast is None:
-        return
-    if not quant.bf16_kernel_available():
-        assert fast.int4 is not None
-        assert quant.FastLinear.build(random_weight(TYPES[name], 94, 160)[0]) is None  # not the pack's tiles
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
-    bias = torch.randn(96)
-    expected = x @ reference.T + bias
-    got = fast(x, bias)
-    assert got.dtype == torch.float32 and got.shape == (rows, 96)
-    assert (got - expected).abs().max() <= 1e-2 * expected.abs().max()
+    """The fast mode's linear at each row count, whichever kernels this build gives it (torch's
+    int4 GEMM, the bfloat16 kernel with AVX-512 BF16), within bfloat16's rounding; rows the
+    int4 pack cannot hold take the bfloat16 kernel or run exact; Q8_0 stays exact."""
+    for out_features in (96, 94):  # 94: not the int4 pack's tiles
+        weight, reference = random_weight(TYPES[name], out_features, 160, seed=rows)
+        fast = quant.FastLinear.build(weight)
+        assert (fast is None) == (name == "Q8_0" or (out_features == 94 and not quant.bf16_kernel_available()))
+        if fast is None:
+            continue
+        assert (fast.int4 is None) == (out_features == 94)
+        x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+        bias = torch.randn(out_features)
+        expected = x @ reference.T + bias
+        got = fast(x, bias)
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        assert (got - expected).abs().max() <= 1e-2 * expected.abs().max()
 
 
 @pytest.mark.skipif(not quant.bf16_kernel_available(), reason="this CPU has no AVX-512 BF16")
