@@ -189,6 +189,25 @@ void tile(const uint8_t* w0, int64_t row_bytes, int64_t nblocks, const float* x,
   tile_dot<QT, NR, MR>(w0, row_bytes, nblocks, x, ldx, y, ldy);
 }
 
+// The row loop of both kernels: tiles of one or two weight rows (`pairs`), each run against
+// the activation rows ROWS at a time by `run(w, x, y, rows)`, the next tile's blocks asked for
+// while one is computed.
+template <int ROWS, typename In, typename F>
+void each_tile(const In* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K, int64_t row_bytes,
+               bool pairs, F&& run) {
+  const int64_t width = pairs ? 2 : 1, tile_bytes = width * row_bytes;
+  at::parallel_for(0, N / width, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (t + 1 < end) {
+        const char* next = reinterpret_cast<const char*>(blocks + (t + 1) * tile_bytes);
+        for (int64_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
+      }
+      for (int64_t m = 0; m < M; m += ROWS)
+        run(blocks + t * tile_bytes, x + m * K, y + m * N + width * t, static_cast<int>(std::min<int64_t>(ROWS, M - m)));
+    }
+  });
+}
+
 // 2 or 3 activation rows: one weight row per tile. One row, or 4 and more: two weight rows
 // per tile, which halves the activation loads: they come from L2 once a tile's rows are
 // wider than L1 holds (a 1B model at batch 8: 46.8 against 33.5 tok/s; SmolLM2's linears at
@@ -201,21 +220,11 @@ template <int64_t QT>
 void gemv_rows(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = K / kBlock, row_bytes = nblocks * block_bytes(QT);
   const bool pairs = (M >= 4 || M == 1) && N % 2 == 0;
-  at::parallel_for(0, pairs ? N / 2 : N, 16, [&](int64_t begin, int64_t end) {
-    const int64_t tile_bytes = (pairs ? 2 : 1) * row_bytes;
-    for (int64_t t = begin; t < end; ++t) {
-      if (t + 1 < end) {
-        const char* next = reinterpret_cast<const char*>(blocks + (t + 1) * tile_bytes);
-        for (int64_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
-      }
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
-        if (pairs) {
-          tile<QT, 2, kRows>(blocks + 2 * t * row_bytes, row_bytes, nblocks, x + m * K, K, y + m * N + 2 * t, N, rows);
-        } else {
-          tile<QT, 1, kRows>(blocks + t * row_bytes, row_bytes, nblocks, x + m * K, K, y + m * N + t, N, rows);
-        }
-      }
+  each_tile<kRows>(x, blocks, y, M, N, K, row_bytes, pairs, [&](const uint8_t* w, const float* xm, float* ym, int rows) {
+    if (pairs) {
+      tile<QT, 2, kRows>(w, row_bytes, nblocks, xm, K, ym, N, rows);
+    } else {
+      tile<QT, 1, kRows>(w, row_bytes, nblocks, xm, K, ym, N, rows);
     }
   });
 }
@@ -312,26 +321,16 @@ void tile(const uint8_t* w0, int64_t row_bytes, int64_t nblocks, const uint16_t*
   tile_dot<QT, NR, MR>(w0, row_bytes, nblocks, x, ldx, y, ldy);
 }
 
-// Two weight rows a tile at every row count, the next tile's blocks asked for meanwhile.
+// Two weight rows a tile at every row count.
 template <int64_t QT>
 void gemv_rows(const uint16_t* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = K / kBlock, row_bytes = nblocks * block_bytes(QT);
   const bool pairs = N % 2 == 0;
-  at::parallel_for(0, pairs ? N / 2 : N, 16, [&](int64_t begin, int64_t end) {
-    const int64_t tile_bytes = (pairs ? 2 : 1) * row_bytes;
-    for (int64_t t = begin; t < end; ++t) {
-      if (t + 1 < end) {
-        const char* next = reinterpret_cast<const char*>(blocks + (t + 1) * tile_bytes);
-        for (int64_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
-      }
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
-        if (pairs) {
-          tile<QT, 2, kRows>(blocks + 2 * t * row_bytes, row_bytes, nblocks, x + m * K, K, y + m * N + 2 * t, N, rows);
-        } else {
-          tile<QT, 1, kRows>(blocks + t * row_bytes, row_bytes, nblocks, x + m * K, K, y + m * N + t, N, rows);
-        }
-      }
+  each_tile<kRows>(x, blocks, y, M, N, K, row_bytes, pairs, [&](const uint8_t* w, const uint16_t* xm, float* ym, int rows) {
+    if (pairs) {
+      tile<QT, 2, kRows>(w, row_bytes, nblocks, xm, K, ym, N, rows);
+    } else {
+      tile<QT, 1, kRows>(w, row_bytes, nblocks, xm, K, ym, N, rows);
     }
   });
 }
