@@ -60,6 +60,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
+        self._base_threads = self._threads = torch.get_num_threads()
         self.device = torch.device(self.config.device)
         dtype = DTYPES[self.config.dtype]
         self.loaded = loaded or load_model(self.config.model, dtype=self.config.dtype)
@@ -229,6 +230,7 @@ class LLMEngine:
             # no forward this step, but loads for a request that waits for a remote prefill
             self.connector.worker.start_load_kv(plan.connector_meta)
         if plan.chunks:
+            self._pick_threads()
             started = time.perf_counter()
             computed_before = self._num_prompt_computed
             result = self.runner.execute(plan)
@@ -318,6 +320,22 @@ class LLMEngine:
             first_token_time=request.first_token_time)
 
     # -- introspection ------------------------------------------------------------------
+    def _pick_threads(self) -> None:
+        """`burst_threads` for a step while no request waits on a remote prefill, else the
+        base count. The switch costs no thread start after the first: the pool keeps them."""
+        burst = self.config.burst_threads
+        if not burst:
+            return
+        wanted = self._base_threads if self.scheduler.remote else burst
+        if wanted != self._threads:
+            torch.set_num_threads(wanted)
+            self._threads = wanted
+
+    @property
+    def num_threads(self) -> int:
+        """Intra-op threads the last step ran with."""
+        return self._threads
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in itertools.chain(s.waiting, s.running))

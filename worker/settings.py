@@ -106,6 +106,10 @@ class WorkerSettings:
     transfer_port: int = setting(0, "decode: UCX listener port; the NCCL/gloo store listens on the next port (0 "
                                  "picks free ones)", "worker")  # from_settings: DECODE_TRANSFER_PORT for decode
     max_queue: int = setting(64, "prefills in flight before refusing", "worker", roles=("prefill",))
+    burst_threads: int = setting(
+        0, "intra-op threads for a step while none of this worker's requests waits on a remote prefill (0: "
+        "always --num-threads); `up` sets it on decode workers beside their prefill workers, whose cores are "
+        "then idle", "worker", roles=("decode",))
     # -- common: every process, `up` included
     host: str = setting("127.0.0.1", "address to bind listeners to", "common")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING, ERROR", "common")
@@ -194,6 +198,7 @@ class WorkerSettings:
             block_hash_key=block_hash_key(secret),
             quantization=self.engine_quantization(),
             num_threads=self.num_threads or None,
+            burst_threads=self.burst_threads or None,
             cache=CacheConfig(block_size=self.block_size, max_tokens=self.max_kv_tokens or None,
                               free_memory_fraction=self.free_memory_fraction, dtype=self.dtype,
                               attention_window=self.attention_window or None),

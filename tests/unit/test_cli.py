@@ -47,9 +47,10 @@ def test_up_takes_only_flags_it_uses():
     from pdserve.deploy.cli import router_pass_through, worker_pass_through
 
     assert _dests("up") - own == (set(worker_pass_through()) | set(router_pass_through())) - {"log_level"}
-    # every engine and transfer flag of a worker reaches the workers `up` starts
+    # every engine and transfer flag of a worker reaches the workers `up` starts (burst_threads:
+    # `up` sets it itself, on decode workers only)
     assert _dests("decode") - {"metrics_port", "metrics_token", "grpc_port", "advertise_host", "router", "worker_id",
-                               "transfer_port"} - own <= set(worker_pass_through())
+                               "transfer_port", "burst_threads"} - own <= set(worker_pass_through())
     assert "attention_window" in worker_pass_through() and "lenient_json_schema" in router_pass_through()
 
 
@@ -223,6 +224,32 @@ def test_up_shares_the_kv_memory_fraction_among_its_workers():
 
     assert fractions("--num-decode", "2") == [0.3, 0.3, 0.3]  # 0.9 of what is available, in 3
     assert fractions("--free-memory-fraction", "0.5") == [0.5, 0.5]  # given: as given
+
+
+def test_up_lends_the_prefill_workers_cores_to_decode_steps(monkeypatch):
+    """With the default thread count (one per engine), decode workers may take the prefill
+    workers' cores while none of their prompts is there; prefill workers never take more."""
+    from pdserve.deploy import up
+
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
+
+    def threads(*argv):
+        children, _ = up.plan(dict(resolve(build_parser().parse_args(["up", *argv]), environ={}),
+                                   cluster_secret_file="/s"))
+        out = {}
+        for child in children[1:]:
+            parsed = resolve(build_parser().parse_args(child.argv[3:]), environ={})
+            out[child.name] = (parsed["num_threads"], parsed.get("burst_threads", 0))
+        return out
+
+    assert threads() == {"prefill-0": (1, 0), "decode-0": (1, 2)}
+    assert threads("--num-prefill", "2", "--num-decode", "2") == {
+        "prefill-0": (1, 0), "prefill-1": (1, 0), "decode-0": (1, 2), "decode-1": (1, 2)}
+    assert threads("--num-decode", "2") == {"prefill-0": (1, 0), "decode-0": (1, 0), "decode-1": (1, 0)}
+    assert threads("--num-threads", "2") == {"prefill-0": (2, 0), "decode-0": (2, 0)}  # as given
+    assert threads("--local-prefill") == {"decode-0": (1, 0)}
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 1)
+    assert threads() == {"prefill-0": (1, 0), "decode-0": (1, 0)}
 
 
 def test_up_banner_names_the_served_model_and_the_key_it_needs():

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from pdserve.engine.llm import LLM
-from pdserve.kvtransfer import KVTransferConfig, connector_factory
+from pdserve.kvtransfer import KVTransferConfig, ReceiveParams, connector_factory
+from pdserve.kvtransfer.codec import new_transfer_id
 from pdserve.kvtransfer.backend_loader import is_importable
 from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
-from engine_pair import BLOCK, GREEDY, assert_all_blocks_back, disaggregated, engines
+from engine_pair import BLOCK, GREEDY, assert_all_blocks_back, disaggregated, engines, run_until
 
 def _params():
     out = ["disk"]
@@ -44,6 +45,43 @@ def test_disaggregated_greedy_equals_local(tiny_model_factory, tmp_path, backend
         # the second prompt's first 2 blocks were a prefix hit on the decode side: not sent
         assert sent.num_blocks == 1
         assert_all_blocks_back(prefill, decode)
+
+
+def test_decode_steps_take_burst_threads_only_while_no_prompt_is_remote(tiny_model_factory, tmp_path):
+    """`burst_threads` (what `up` gives a decode worker beside its prefill worker): a step
+    runs with them while none of the engine's requests waits on a remote prefill, with
+    `num_threads` while one does; the tokens are the same either way."""
+    model_dir = tiny_model_factory("llama")
+    config = KVTransferConfig(backends=("disk", RECOMPUTE), disk_store=str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(5)
+    prompt_a, prompt_b = (torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 24))
+    before = torch.get_num_threads()
+    decode = LLM(str(model_dir), connector=connector_factory(config), num_blocks=64, block_size=BLOCK,
+                 num_threads=1, burst_threads=2)
+    try:
+        d = decode.engine
+        d.add_request(prompt_a, GREEDY, request_id="a")
+        outputs = decode.step()
+        assert d.num_threads == torch.get_num_threads() == 2
+        d.add_request(prompt_b, GREEDY, request_id="b", remote_prefill=True,
+                      transfer_params=ReceiveParams(new_transfer_id()))
+        remote = []
+        while not remote:
+            out, ready = d.step()
+            outputs += out
+            remote += ready
+        outputs += decode.step()  # "a" decodes while "b" waits on its prefill
+        assert d.num_threads == torch.get_num_threads() == 1
+        assert d.abort("b")
+        outputs += run_until(decode, lambda: not d.has_unfinished())
+        assert d.num_threads == 2
+        tokens = [t for o in outputs if o.request_id == "a" for t in o.new_token_ids]
+        assert tuple(tokens) == LLM(str(model_dir), num_blocks=64, block_size=BLOCK).generate(
+            prompt_a, GREEDY)[0].token_ids
+        d.assert_no_leaks()
+    finally:
+        decode.engine.connector.worker.close()
+        torch.set_num_threads(before)
 
 
 def test_failed_transfer_is_recomputed_by_the_decode_side(tiny_model_factory, tmp_path):
