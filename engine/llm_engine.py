@@ -319,7 +319,6 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time)
 
-    # -- introspection ------------------------------------------------------------------
     def _pick_threads(self) -> None:
         """`burst_threads` for a step while no request waits on a remote prefill, else the
         base count. The switch costs no thread start after the first: the pool keeps them."""
@@ -331,6 +330,7 @@ class LLMEngine:
             torch.set_num_threads(wanted)
             self._threads = wanted
 
+    # -- introspection ------------------------------------------------------------------
     @property
     def num_threads(self) -> int:
         """Intra-op threads the last step ran with."""
