@@ -17,6 +17,7 @@ are dequantized at load. Two activation modes:
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -117,7 +118,7 @@ def _expanded_linear(module, x: torch.Tensor, weight: QuantWeight, bias: torch.T
     rows = max(1, EXPAND_BYTES // (weight.in_features * 4))
     n = weight.out_features
     scratch = _scratch(min(n, rows) * weight.in_features)
-    direct = bf16 and bool(module.has_bf16_gemm())  # the kernel writes bfloat16 itself
+    direct = bf16 and bf16_kernel_available()  # the kernel writes bfloat16 itself
     if bf16:
         x = x.to(torch.bfloat16)
         if direct:
@@ -217,6 +218,7 @@ class FastLinear:
         return y.reshape(*lead, self.weight.out_features)
 
 
+@functools.cache
 def bf16_kernel_available() -> bool:
     """Whether this CPU's native build has the fast mode's bfloat16 kernel (AVX-512 BF16)."""
     return bool(cpu_native.quant_module().has_bf16_gemm())
@@ -226,7 +228,7 @@ class Int4Pack:
     """A 4-bit weight packed for torch's int4 weight-only GEMM (bfloat16 activations), one
     group per GGML block (see `FastLinear`)."""
 
-    __slots__ = ("packed", "scales_zeros", "out_features", "in_features", "blocks")
+    __slots__ = ("packed", "scales_zeros", "out_features", "in_features")
 
     @property
     def nbytes(self) -> int:
@@ -236,7 +238,6 @@ class Int4Pack:
         if weight.qtype not in FAST_TYPES:
             raise ValueError("only 4-bit blocks pack into int4")
         self.out_features, self.in_features = weight.out_features, weight.in_features
-        self.blocks = weight  # prompt-sized batches: expanded to bfloat16 for oneDNN's GEMM
         q, d, m = _unpack_4bit(weight)
         # torch's convention: w = (q - 8) * scale + zero, per group of 32
         zero = m + 8 * d if weight.qtype == Q4_1 else torch.zeros_like(d)
@@ -244,19 +245,10 @@ class Int4Pack:
         self.scales_zeros = torch.stack([d, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """A few rows: the int4 GEMM. Prompt-sized batches: the blocks expanded to bfloat16 for
-        oneDNN's bfloat16 GEMM (`_expanded_linear`: about 400 GFLOP/s on 2 Zen 4 cores against
-        155 for the int4 kernel at 256 rows)."""
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        if x2.shape[0] >= GEMM_ROWS:
-            return _expanded_linear(cpu_native.quant_module(), x2, self.blocks, bias, bf16=True).reshape(
-                *lead, self.out_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, BLOCK,
+        """x [rows, in_features] (a few rows: prompts take oneDNN, see `FastLinear`)."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, BLOCK,
                                                        self.scales_zeros).float()
-        if bias is not None:
-            y += bias
-        return y.reshape(*lead, self.out_features)
+        return y if bias is None else y.add_(bias)
 
 
 def _unpack_4bit(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

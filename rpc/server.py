@@ -29,9 +29,20 @@ WORKER_MAX_RECEIVE_BYTES = 16 * 1024 * 1024  # Decode and Prefill requests, with
 REGISTRY_MAX_RECEIVE_BYTES = 1024 * 1024  # Register / Heartbeat / Deregister
 MAX_CONCURRENT_RPCS = 1024  # per internal server: well above a decode's streams in flight
 NO_PORT_SHARING = (("grpc.so_reuseport", 0),)  # a second listener on a used port fails to bind
-SERVER_OPTIONS = (("grpc.max_receive_message_length", WORKER_MAX_RECEIVE_BYTES),
-                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.http2.bdp_probe", 0)) + NO_PORT_SHARING
+
+
+def server_options(max_receive_bytes: int) -> tuple[tuple[str, int], ...]:
+    """An internal server's gRPC options. HTTP/2 flow-control windows stay at their initial
+    size (no bandwidth-delay probing): probing grew them while anonymous calls were still
+    sending, so a refused call's bytes arrived anyway (16 calls of 15 MiB: the server's RSS
+    grew 7-57 MiB; 0.2-1.6 MiB with fixed windows). Internal messages are small (a
+    131,072-token DecodeRequest is 0.55 MB; KV never goes over gRPC)."""
+    return (("grpc.max_receive_message_length", max_receive_bytes),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.http2.bdp_probe", 0)) + NO_PORT_SHARING
+
+
+SERVER_OPTIONS = server_options(WORKER_MAX_RECEIVE_BYTES)
 CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0))  # callers decide about retries
@@ -40,15 +51,9 @@ CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 def internal_server(max_receive_bytes: int, interceptors: Sequence[Any] = ()) -> grpc.aio.Server:
     """A grpc.aio server for internal services: `interceptors` (the credential check first),
     then malformed-request refusal; messages up to `max_receive_bytes`; at most
-    MAX_CONCURRENT_RPCS calls at once. HTTP/2 flow-control windows stay at their initial
-    size (no bandwidth-delay probing): probing grew them while anonymous calls were still
-    sending, so a refused call's bytes arrived anyway (16 calls of 15 MiB: the server's RSS
-    grew 7-57 MiB; 0.2-1.6 MiB with fixed windows). Internal messages are small (a
-    131,072-token DecodeRequest is 0.55 MB; KV never goes over gRPC)."""
-    options = (("grpc.max_receive_message_length", max_receive_bytes),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.http2.bdp_probe", 0)) + NO_PORT_SHARING
-    return grpc.aio.server(options=options, interceptors=[*interceptors, MalformedRequestInterceptor()],
+    MAX_CONCURRENT_RPCS calls at once (options: `server_options`)."""
+    return grpc.aio.server(options=server_options(max_receive_bytes),
+                           interceptors=[*interceptors, MalformedRequestInterceptor()],
                            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
 
 

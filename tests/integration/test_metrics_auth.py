@@ -50,6 +50,7 @@ def test_without_a_token_the_worker_metrics_stay_open():
 
 def test_idle_connections_take_no_thread_each_and_scrapes_resume():
     server = MetricsServer("127.0.0.1", 0, lambda: b"up 1\n", token=None, max_connections=4)
+
     def handlers() -> int:  # this process's metrics handler threads (other tests' may linger)
         return sum(t.name == "pdserve-metrics" for t in threading.enumerate())
 
