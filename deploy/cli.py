@@ -7,6 +7,7 @@ Role mains are imported lazily so `pdserve router` never imports torch.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 from dataclasses import fields
 from typing import Any, Callable, Sequence
@@ -229,6 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "prepare":
         return prepare.main(args)
     settings = resolve(args)
+    # a crash in native code (a kernel, UCX, gloo) prints every thread's Python stack on the
+    # service's stderr instead of leaving only an exit status of -11
+    if sys.__stderr__ is not None:
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     try:
         return _role_main(args.command)(settings) or 0
     except PdserveError as exc:  # a setting it cannot take, a model it cannot load: one line

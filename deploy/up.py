@@ -36,6 +36,7 @@ SECURITY_FLAGS = ("cluster_secret_file", "insecure_internal", "internal_tls_cert
 NUM_PREFILL = 1
 NUM_DECODE = 1
 READY_TIMEOUT_S = 300.0
+DRAIN_TIMEOUT_S = 2.0  # how long a dead child's remaining output is waited for
 @dataclass
 class Child:
     name: str
@@ -43,6 +44,7 @@ class Child:
     proc: subprocess.Popen | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     lines: list[str] = field(default_factory=list)
+    drained: threading.Event = field(default_factory=threading.Event)  # its output read to the end
     env: dict[str, str] = field(default_factory=dict)  # added to the environment (secrets stay out of argv)
 
 
@@ -105,15 +107,18 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
 
 def _pump(child: Child) -> None:
     assert child.proc is not None and child.proc.stdout is not None
-    for line in child.proc.stdout:
-        line = line.rstrip("\n")
-        child.lines.append(line)
-        del child.lines[:-200]
-        if "ready on" in line or "Uvicorn running" in line or "router ready" in line:
-            child.ready.set()
-        with _OUTPUT:  # one write per line: two children's lines never run together
-            sys.stdout.write(f"[{child.name}] {line}\n")
-            sys.stdout.flush()
+    try:
+        for line in child.proc.stdout:
+            line = line.rstrip("\n")
+            child.lines.append(line)
+            del child.lines[:-200]
+            if "ready on" in line or "Uvicorn running" in line or "router ready" in line:
+                child.ready.set()
+            with _OUTPUT:  # one write per line: two children's lines never run together
+                sys.stdout.write(f"[{child.name}] {line}\n")
+                sys.stdout.flush()
+    finally:
+        child.drained.set()
 
 
 def _router_ready(base_url: str, num_workers: int) -> bool:
@@ -179,6 +184,7 @@ def banner(url: str, model: str, api_key: bool) -> str:
 def spawn(child: Child) -> None:
     """Start (or start again) `child`'s process, its output pumped into `child.lines`."""
     child.ready.clear()
+    child.drained.clear()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **child.env)
     child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, env=env, preexec_fn=_die_with_parent)
@@ -205,7 +211,8 @@ def wait_ready(children: list[Child], url: str, timeout_s: float, supervisor: Su
         else:
             for child in children:
                 if child.proc.poll() is not None:
-                    tail = "\n".join(child.lines[-20:])
+                    child.drained.wait(DRAIN_TIMEOUT_S)  # its last words (a crash's stacks) too
+                    tail = "\n".join(child.lines[-40:])
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{tail}")
         if all(c.ready.is_set() for c in workers) and _router_ready(url, len(workers)):
             return

@@ -143,6 +143,7 @@ def spawn(child) -> None:
     import threading
 
     child.ready.clear()
+    child.drained.clear()
     child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
     threading.Thread(target=up._pump, args=(child,), daemon=True).start()

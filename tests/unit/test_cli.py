@@ -346,3 +346,22 @@ def test_a_new_worker_setting_is_one_field():
         parsed = resolve(build_parser().parse_args(child.argv[3:]), environ={})
         assert WorkerSettings.from_settings(child.argv[3], parsed).engine_config().seed == 7
     assert resolve(build_parser().parse_args(["decode"]), environ={"PDSERVE_SEED": "3"})["seed"] in (3, "3")
+
+
+def test_a_service_that_crashes_in_native_code_leaves_its_python_stacks_in_the_start_error():
+    # a service killed by SIGSEGV (a kernel, UCX, gloo) must say where, not only "exited with -11"
+    import sys
+
+    import pytest
+
+    from pdserve.deploy import up
+
+    crash = ("import ctypes, pdserve.deploy.cli as c; "
+             "c._role_main = lambda command: (lambda settings: ctypes.string_at(0)); c.main(['decode'])")
+    child = up.Child("decode-0", [sys.executable, "-c", crash])
+    up.spawn(child)
+    with pytest.raises(RuntimeError) as err:
+        up.wait_ready([child], "http://127.0.0.1:9", timeout_s=60)
+    message = str(err.value)
+    assert "decode-0 exited with -11" in message
+    assert "Segmentation fault" in message and "string_at" in message
