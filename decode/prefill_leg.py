@@ -109,9 +109,11 @@ class PrefillLeg:
 
     async def run(self, request_id: str, prompt_ids: list[int], block_hashes: list[int],
                   sampling: common_pb2.SamplingParams, choice, block_ids: Sequence[int],
-                  num_cached_tokens: int, cache_salt: str = "") -> LegResult:
+                  num_cached_tokens: int, cache_salt: str = "", decode_idle: bool = False) -> LegResult:
         """`block_hashes`: this decode's own hashes of the prompt's full blocks (cache salt
-        included): the hand-off's signature binds them, the receiver accepts only them."""
+        included): the hand-off's signature binds them, the receiver accepts only them.
+        `decode_idle`: this decode steps nothing else until the KV arrives (a hint the prefill
+        may lend its burst threads on)."""
         from pdserve.worker.transfer import params_to_handoff, sign_handoff, verdict_from_proto
 
         start = time.monotonic()
@@ -120,7 +122,7 @@ class PrefillLeg:
         handoff = params_to_handoff(tp, block_ids, self.block_size, self.worker_id)
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                              block_hashes=block_hashes, sampling=sampling, handoff=handoff,
-                                             cache_salt=cache_salt)
+                                             cache_salt=cache_salt, decode_idle=decode_idle)
         if self._handoff_mac is not None:
             sign_handoff(request, self._handoff_mac)
         failed = TransferVerdict(handoff.transfer_id, Outcome.FAILED, "", peer=choice.worker_id)
@@ -198,7 +200,8 @@ class RemotePrefill:
         hashes = hash_prompt_blocks(request.prompt_token_ids, engine.kv.block_size, engine.compat_hash,
                                     engine.config.block_hash_key, request.cache_salt)
         result = await self.leg.run(rid, list(request.prompt_token_ids), hashes, request.sampling,
-                                    request.prefill, block_ids, num_cached, request.cache_salt)
+                                    request.prefill, block_ids, num_cached, request.cache_salt,
+                                    decode_idle=engine.lends_core_to(rid))
         timings.prefill_ms = (time.monotonic() - t_admitted) * 1000
         timings.transfer_ms = result.tail_ms  # the transfer's tail: not overlapped with compute
         if result.aborted:

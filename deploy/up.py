@@ -79,13 +79,17 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
         router += ["--log-level", str(settings["log_level"])]
     children = [Child("router", router, env={"PDSERVE_API_KEY": settings["api_key"]} if settings.get("api_key") else {})]
     decode_extra: list[str] = []
+    prefill_extra: list[str] = []
     if settings.get("num_threads") is None:
         # several engines share this machine's cores: one torch thread each avoids thrashing;
-        # a decode step takes the prefill workers' share while none of its prompts is with them
+        # a decode step takes the prefill workers' share while none of its prompts is with them,
+        # a prefill step the core of the one idle decode that sent its prompts
         settings = dict(settings, num_threads=1)
         burst = min(os.cpu_count() or 1, 1 + num_prefill // num_decode)
         if burst > 1:
             decode_extra = ["--burst-threads", str(burst)]
+        if num_prefill and (os.cpu_count() or 1) > 1:
+            prefill_extra = ["--burst-threads", "2"]
     if settings.get("free_memory_fraction") is None:
         # ... and its memory: each KV cache takes an even share of the default fraction
         share = WorkerSettings("decode").free_memory_fraction / (num_prefill + num_decode)
@@ -97,7 +101,7 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     if local:
         worker_common += ["--kv-backends", ""]
     for i in range(num_prefill):
-        children.append(Child(f"prefill-{i}", [*py, "prefill", *worker_common,
+        children.append(Child(f"prefill-{i}", [*py, "prefill", *worker_common, *prefill_extra,
                                                "--worker-id", f"prefill-{i}", "--transfer-port", "0"], env=worker_env))
     for i in range(num_decode):
         children.append(Child(f"decode-{i}", [*py, "decode", *worker_common, *decode_extra,

@@ -27,6 +27,7 @@ from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step_threads import StepThreads
 from pdserve.common.block_hash import check_cache_salt, prompt_blocks
 
 log = logging.getLogger("pdserve.engine")
@@ -58,9 +59,7 @@ class LLMEngine:
         from pdserve.engine.loader import load_model, weight_files
 
         self.config = config or EngineConfig()
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
-        self._base_threads = self._threads = torch.get_num_threads()
+        self._threads = StepThreads(self.config.num_threads, self.config.burst_threads)
         self.device = torch.device(self.config.device)
         dtype = DTYPES[self.config.dtype]
         self.loaded = loaded or load_model(self.config.model, dtype=self.config.dtype)
@@ -126,12 +125,13 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, remote_prefill: bool = False,
                     transfer_params: object | None = None, resumed: Sequence[int] = (),
-                    cache_salt: str = "") -> Request:
+                    cache_salt: str = "", sender_idle: bool = True) -> Request:
         """Queue a request. `resumed`: tokens it already generated elsewhere (a decode that
         died mid-stream); they count as its output (max_tokens, penalties, the seeded draw's
         index, grammar and stop-string state), their KV is computed here with the prompt's,
         and generation goes on after them. Such a request prefills locally. `cache_salt`:
-        the tenant salt; prompts with different salts share no cached block."""
+        the tenant salt; prompts with different salts share no cached block. `sender_idle`
+        (False: the engine that sent it keeps stepping meanwhile) lets a step take burst threads."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -141,7 +141,8 @@ class LLMEngine:
         check_cache_salt(cache_salt)
         resumed = self._validate_resumed(resumed, params)
         request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,
-                          transfer_params=transfer_params, remote_prefill=remote_prefill)
+                          transfer_params=transfer_params, remote_prefill=remote_prefill,
+                          sender_idle=sender_idle)
         blocks = prompt_blocks(ids, self.kv.block_size, self.compat_hash, self.config.block_hash_key, cache_salt)
         request.block_hashes, request.block_digests, request.cache_salt = blocks.hashes, blocks.digests, cache_salt
         request.grammar = self.grammars.matcher(params.constraint)
@@ -155,6 +156,7 @@ class LLMEngine:
             request.grammar.advance(token)
             detok.push(token)
         self.scheduler.add(request)
+        self._threads.added(self.scheduler)
         self._requests[request_id] = request
         self._detok[request_id] = detok
         return request
@@ -230,7 +232,7 @@ class LLMEngine:
             # no forward this step, but loads for a request that waits for a remote prefill
             self.connector.worker.start_load_kv(plan.connector_meta)
         if plan.chunks:
-            self._pick_threads()
+            self._threads.pick(self.scheduler)
             started = time.perf_counter()
             computed_before = self._num_prompt_computed
             result = self.runner.execute(plan)
@@ -319,22 +321,16 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time)
 
-    def _pick_threads(self) -> None:
-        """`burst_threads` for a step while no request waits on a remote prefill, else the
-        base count. The switch costs no thread start after the first: the pool keeps them."""
-        burst = self.config.burst_threads
-        if not burst:
-            return
-        wanted = self._base_threads if self.scheduler.remote else burst
-        if wanted != self._threads:
-            torch.set_num_threads(wanted)
-            self._threads = wanted
-
     # -- introspection ------------------------------------------------------------------
+    def lends_core_to(self, request_id: str) -> bool:
+        """Whether the remote prefill of `request_id` may take this engine's core
+        (`StepThreads.lends_core`): a hint, safe to ask from another thread."""
+        return self._threads.lends_core(self.scheduler, request_id)
+
     @property
     def num_threads(self) -> int:
         """Intra-op threads the last step ran with."""
-        return self._threads
+        return self._threads.current
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -44,6 +44,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     transfer_params: object | None = None  # connector hand-off, opaque to the engine
     remote_prefill: bool = False  # decode side: the prompt's KV arrives from a prefill service
+    # prefill side: the engine that sent it steps nothing else meanwhile (PrefillRequest.decode_idle),
+    # so a step may borrow its core; True for a request no other engine sent
+    sender_idle: bool = True
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -105,7 +105,8 @@ class PrefillRunner:
         self.num_inflight += 1
         try:
             stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
-                                                 transfer_params=tp, cache_salt=request.cache_salt)
+                                                 transfer_params=tp, cache_salt=request.cache_salt,
+                                                 sender_idle=request.decode_idle)
             try:
                 out = await stream.next(remaining_s)
             except asyncio.TimeoutError:

@@ -107,9 +107,10 @@ class WorkerSettings:
                                  "picks free ones)", "worker")  # from_settings: DECODE_TRANSFER_PORT for decode
     max_queue: int = setting(64, "prefills in flight before refusing", "worker", roles=("prefill",))
     burst_threads: int = setting(
-        0, "intra-op threads for a step while none of this worker's requests waits on a remote prefill (0: "
-        "always --num-threads); `up` sets it on decode workers beside their prefill workers, whose cores are "
-        "then idle", "worker", roles=("decode",))
+        0, "intra-op threads for a step while the engines that work for this one's requests are idle (0: "
+        "always --num-threads): on a decode, none of its requests waits on a remote prefill; on a prefill, "
+        "every prompt it holds came from a decode that steps nothing else meanwhile. `up` sets it when its "
+        "workers share one machine's cores", "worker", roles=("decode", "prefill"))
     # -- common: every process, `up` included
     host: str = setting("127.0.0.1", "address to bind listeners to", "common")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING, ERROR", "common")

@@ -226,9 +226,10 @@ def test_up_shares_the_kv_memory_fraction_among_its_workers():
     assert fractions("--free-memory-fraction", "0.5") == [0.5, 0.5]  # given: as given
 
 
-def test_up_lends_the_prefill_workers_cores_to_decode_steps(monkeypatch):
+def test_up_lends_cores_between_its_workers_when_it_picks_the_thread_counts(monkeypatch):
     """With the default thread count (one per engine), decode workers may take the prefill
-    workers' cores while none of their prompts is there; prefill workers never take more."""
+    workers' cores while none of their prompts is there, and prefill workers one more thread
+    (the core of an idle decode that sent the prompt)."""
     from pdserve.deploy import up
 
     monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
@@ -242,10 +243,11 @@ def test_up_lends_the_prefill_workers_cores_to_decode_steps(monkeypatch):
             out[child.name] = (parsed["num_threads"], parsed.get("burst_threads", 0))
         return out
 
-    assert threads() == {"prefill-0": (1, 0), "decode-0": (1, 2)}
+    assert threads() == {"prefill-0": (1, 2), "decode-0": (1, 2)}
     assert threads("--num-prefill", "2", "--num-decode", "2") == {
-        "prefill-0": (1, 0), "prefill-1": (1, 0), "decode-0": (1, 2), "decode-1": (1, 2)}
-    assert threads("--num-decode", "2") == {"prefill-0": (1, 0), "decode-0": (1, 0), "decode-1": (1, 0)}
+        "prefill-0": (1, 2), "prefill-1": (1, 2), "decode-0": (1, 2), "decode-1": (1, 2)}
+    assert threads("--num-decode", "2") == {"prefill-0": (1, 2), "decode-0": (1, 0), "decode-1": (1, 0)}
+    assert threads("--num-prefill", "2") == {"prefill-0": (1, 2), "prefill-1": (1, 2), "decode-0": (1, 3)}
     assert threads("--num-threads", "2") == {"prefill-0": (2, 0), "decode-0": (2, 0)}  # as given
     assert threads("--local-prefill") == {"decode-0": (1, 0)}
     monkeypatch.setattr(up.os, "cpu_count", lambda: 1)

@@ -84,6 +84,65 @@ def test_decode_steps_take_burst_threads_only_while_no_prompt_is_remote(tiny_mod
         torch.set_num_threads(before)
 
 
+def test_prefill_steps_borrow_the_idle_senders_core_only_while_every_sender_is_idle(tiny_model_factory):
+    """A prefill worker's `burst_threads`: a step runs with them while every request it holds
+    came from a decode that steps nothing else (`sender_idle`, the Prefill call's hint), with
+    `num_threads` while any came from a busy one; the tokens are the same either way."""
+    model_dir = tiny_model_factory("llama")
+    g = torch.Generator().manual_seed(6)
+    prompt_a, prompt_b = (torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 24))
+    before = torch.get_num_threads()
+    llm = LLM(str(model_dir), num_blocks=64, block_size=BLOCK, num_threads=1, burst_threads=2)
+    try:
+        e = llm.engine
+        e.add_request(prompt_a, GREEDY, request_id="a", sender_idle=True)
+        outputs = llm.step()
+        assert e.num_threads == torch.get_num_threads() == 2
+        e.add_request(prompt_b, GREEDY, request_id="b", sender_idle=False)
+        outputs += llm.step()
+        assert e.num_threads == torch.get_num_threads() == 1
+        assert e.abort("b")
+        outputs += llm.step()
+        assert e.num_threads == 2
+        outputs += run_until(llm, lambda: not e.has_unfinished())
+        tokens = [t for o in outputs if o.request_id == "a" for t in o.new_token_ids]
+        assert tuple(tokens) == LLM(str(model_dir), num_blocks=64, block_size=BLOCK).generate(
+            prompt_a, GREEDY)[0].token_ids
+        e.assert_no_leaks()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_decode_lends_its_core_only_to_its_only_request_and_not_right_after_a_clump(
+        tiny_model_factory, tmp_path, monkeypatch):
+    """What a decode tells the prefill worker in `decode_idle`: the remote prompt is the only
+    request it holds (it steps nothing until that KV arrives), and it held no two at once for
+    LEND_QUIET_S (requests in clumps would be stepped here on the lent core meanwhile)."""
+    from pdserve.engine import step_threads
+
+    model_dir = tiny_model_factory("llama")
+    config = KVTransferConfig(backends=("disk", RECOMPUTE), disk_store=str(tmp_path / "store"))
+    decode = LLM(str(model_dir), connector=connector_factory(config), num_blocks=64, block_size=BLOCK)
+    try:
+        d = decode.engine
+        d.add_request(list(range(3, 43)), GREEDY, request_id="r", remote_prefill=True,
+                      transfer_params=ReceiveParams(new_transfer_id()))
+        assert not d.lends_core_to("r")  # not admitted yet: no blocks of its own
+        run_until(decode, lambda: "r" in d.scheduler.remote)
+        assert d.lends_core_to("r") and not d.lends_core_to("other")
+        d.add_request(list(range(3, 20)), GREEDY, request_id="local")
+        assert not d.lends_core_to("r")
+        assert d.abort("local")
+        assert not d.lends_core_to("r")  # alone again, but a second request came just now
+        monkeypatch.setattr(step_threads, "LEND_QUIET_S", 0.0)
+        assert d.lends_core_to("r")
+        assert d.abort("r")
+        run_until(decode, lambda: not d.has_unfinished())
+        d.assert_no_leaks()
+    finally:
+        decode.engine.connector.worker.close()
+
+
 def test_failed_transfer_is_recomputed_by_the_decode_side(tiny_model_factory, tmp_path):
     model_dir = tiny_model_factory("llama")
     broken = tmp_path / "not-a-dir"

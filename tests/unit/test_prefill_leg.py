@@ -22,8 +22,10 @@ class SlowPrefill(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, delay_s: float, skip: bool = False) -> None:
         self.delay_s = delay_s
         self.skip = skip
+        self.requests: list[prefill_pb2.PrefillRequest] = []
 
     async def Prefill(self, request, context):
+        self.requests.append(request)
         await asyncio.sleep(self.delay_s)
         if self.skip:  # what a prefill with no usable backend answers, having computed nothing
             return prefill_pb2.PrefillResponse(skipped=True, verdict=common_pb2.TransferVerdict(
@@ -62,11 +64,12 @@ class Choice:
     address: str
 
 
-async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = False):
+async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = False, decode_idle: bool = False):
     # the hand-off message itself is the transfer layer's business, not this test's
     monkeypatch.setattr("pdserve.worker.transfer.params_to_handoff", lambda *a: prefill_pb2.KVHandoff())
     server = grpc.aio.server()
-    prefill_pb2_grpc.add_PrefillServicer_to_server(SlowPrefill(delay_s, skip), server)
+    servicer = SlowPrefill(delay_s, skip)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     receiver = RecordingReceiver()
@@ -74,7 +77,8 @@ async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = Fa
     try:
         start = time.monotonic()
         result = await leg.run("req-1", [1, 2, 3], [], common_pb2.SamplingParams(),
-                               Choice("prefill-0", f"127.0.0.1:{port}"), [1], 0)
+                               Choice("prefill-0", f"127.0.0.1:{port}"), [1], 0, decode_idle=decode_idle)
+        assert [r.decode_idle for r in servicer.requests] == [decode_idle]  # the hint reaches the prefill
         return result, time.monotonic() - start, receiver
     finally:
         await leg.close()
@@ -91,8 +95,10 @@ async def test_a_prefill_slower_than_the_deadline_fails_the_leg_at_the_deadline(
     assert receiver.cancelled == ["req-1"]
 
 
-async def test_a_slow_prefill_inside_the_deadline_completes(monkeypatch):
-    result, elapsed, receiver = await run_leg(delay_s=1.0, timeout_s=10.0, monkeypatch=monkeypatch)
+@pytest.mark.parametrize("decode_idle", [False, True])
+async def test_a_slow_prefill_inside_the_deadline_completes(monkeypatch, decode_idle):
+    result, elapsed, receiver = await run_leg(delay_s=1.0, timeout_s=10.0, monkeypatch=monkeypatch,
+                                              decode_idle=decode_idle)
     assert result.ok, result.verdict
     assert result.first_token_id == 7 and result.verdict.peer == "prefill-0"
     assert elapsed >= 1.0 and receiver.cancelled == []

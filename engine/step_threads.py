@@ -1,0 +1,55 @@
+"""How many intra-op threads an engine's step takes when engines share one machine's cores.
+
+`up` runs one torch thread per engine, so that a prefill and a decode on two cores do not
+thrash; an engine with `burst_threads` takes more while the other engines working for its
+requests are idle: a decode while none of its prompts is at a prefill worker, a prefill
+while every prompt it holds came from a decode that steps nothing else meanwhile (the
+Prefill call's `decode_idle`, which `lends_core`'s answer fills in).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+# a decode lends its core to the prefill of its only request after this long with no second
+# one: one stream at a time gets its prompts on two cores, clumps of requests do not
+LEND_QUIET_S = 2.0
+
+
+class StepThreads:
+    def __init__(self, num_threads: int | None, burst_threads: int | None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.base = self.current = torch.get_num_threads()
+        self.burst = burst_threads
+        self._crowded_at = -LEND_QUIET_S  # when the engine last held two requests or more
+
+    def added(self, scheduler) -> None:
+        """After a request joined `scheduler`."""
+        if scheduler.num_unfinished > 1:
+            self._crowded_at = time.monotonic()
+
+    def pick(self, scheduler) -> None:
+        """Before a step's forward: `burst` threads while no request of `scheduler` waits on
+        a remote prefill and every one came from an idle sender, else the base count. The
+        switch costs no thread start after the first: the pool keeps them."""
+        if not self.burst:
+            return
+        s = scheduler
+        lent = not s.remote and all(r.sender_idle for r in itertools.chain(s.running, s.waiting))
+        wanted = self.burst if lent else self.base
+        if wanted != self.current:
+            torch.set_num_threads(wanted)
+            self.current = wanted
+
+    def lends_core(self, scheduler, request_id: str) -> bool:
+        """Whether the remote prefill of `request_id` may take this engine's core: it is the
+        only request of `scheduler`, and the engine held no two at once for LEND_QUIET_S
+        (requests that come in clumps would be stepped here meanwhile, on the lent core, and
+        a forward on more threads than cores stalls both). Safe to ask from another thread:
+        a hint, whose answer may change at once."""
+        s = scheduler
+        alone = not s.running and not s.waiting and len(s.remote) == 1 and request_id in s.remote
+        return alone and time.monotonic() - self._crowded_at >= LEND_QUIET_S
