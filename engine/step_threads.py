@@ -8,7 +8,10 @@ Prefill call's `decode_idle`, which `lends_core`'s answer fills in).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
+import os
 import time
 
 import torch
@@ -53,3 +56,29 @@ class StepThreads:
         s = scheduler
         alone = not s.running and not s.waiting and len(s.remote) == 1 and request_id in s.remote
         return alone and time.monotonic() - self._crowded_at >= LEND_QUIET_S
+
+
+def one_intra_op_thread() -> None:
+    """Run this thread's torch ops on it alone: for the threads beside an engine that move
+    blocks (transfer senders and receivers, stores), as a pool's initializer. A large op on
+    such a thread (a block gather or scatter) would start an OpenMP team of its own, and once
+    a process holds more OpenMP threads than cores, libgomp stops keeping idle ones spinning:
+    every parallel region of the engine's steps then waits for a worker to wake (a batch-1
+    decode step at two threads went from 10 to 16-22 ms, for the rest of the process's life,
+    after receiving whole-prompt messages). Best effort: without a known OpenMP runtime, as before."""
+    set_threads = _omp_set_num_threads()
+    if set_threads is None:
+        return
+    torch.get_num_threads()  # torch sizes a thread's OpenMP team on its first use: now, then
+    set_threads(1)  # this size sticks (torch does not size it again in this thread)
+
+
+@functools.cache
+def _omp_set_num_threads():
+    """`omp_set_num_threads` of the OpenMP runtime torch loaded, or None."""
+    for name in ("libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib"):
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+    return None

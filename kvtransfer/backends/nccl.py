@@ -49,6 +49,7 @@ import time
 
 from pdserve.common import envs
 from pdserve.common.errors import TransferError
+from pdserve.engine.step_threads import one_intra_op_thread
 from pdserve.kvtransfer.backends import _gate, _p2p
 from pdserve.kvtransfer.backends._p2p import (  # noqa: F401  (re-exported: shared frames)
     CLOSE_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAX_BUDGET_MS, MAX_REASON, REPLY, REQUEST,
@@ -274,6 +275,7 @@ class _Receiver:
             raise
 
     def _serve(self, sock: socket.socket, session: _p2p.Session) -> None:
+        one_intra_op_thread()  # it scatters received blocks into the cache beside the engine
         group = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

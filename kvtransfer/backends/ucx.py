@@ -53,6 +53,7 @@ from typing import Any, Callable, Coroutine
 from pdserve.common import envs
 from pdserve.common.auth import is_loopback
 from pdserve.common.errors import TransferError
+from pdserve.engine.step_threads import one_intra_op_thread
 from pdserve.kvtransfer.backends import _p2p
 from pdserve.kvtransfer.backends._p2p import (  # noqa: F401  (re-exported: shared frames)
     CLOSE_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAX_BUDGET_MS, MAX_REASON, REPLY, REQUEST,
@@ -327,7 +328,8 @@ class _Receiver:
         self.key = key
         self.sink = sink
         self.error_handling = error_handling
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-ucx-sink")
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-ucx-sink",
+                                       initializer=one_intra_op_thread)
         self.server: asyncio.AbstractServer | None = None
         self.tasks: set[asyncio.Task] = set()
         self.num_pending = 0  # connections that have not proved the key yet

@@ -25,6 +25,7 @@ import torch
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.connector import ConnectorRequest, KVCacheLayout, LayerSaveContext
+from pdserve.engine.step_threads import one_intra_op_thread
 from pdserve.kvtransfer.base import BlockStore
 from pdserve.kvtransfer.blocks import buffer_from_bytes, gather_to_host, scatter_from_host
 from pdserve.kvtransfer.codec import encode_message, new_transfer_id
@@ -126,7 +127,8 @@ class StoreSaves:
         self._limits = limits_for(layout)
         self._kv_caches: list[torch.Tensor] = []
         self._saves: dict[str, _SaveState] = {}
-        self._background = Background(ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-store"))
+        self._background = Background(ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-store",
+                                                         initializer=one_intra_op_thread))
 
     def attach(self, kv_caches: Sequence[torch.Tensor]) -> None:
         self._kv_caches = list(kv_caches)

@@ -30,6 +30,7 @@ import torch
 
 from pdserve.common.util import cdiv
 from pdserve.engine.connector import KVCacheLayout, LayerSaveContext
+from pdserve.engine.step_threads import one_intra_op_thread
 from pdserve.kvtransfer.blocks import gather_for_send
 from pdserve.kvtransfer.chain import FallbackChain, SendJob
 from pdserve.kvtransfer.codec import encode_message, ephemeral_key
@@ -87,9 +88,12 @@ class PrefillSends:
         self.verdicts = VerdictBoard()
         self._kv_caches: list[torch.Tensor] = []
         self._lock = threading.Lock()
-        self._sends_bg = Background(ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-send"))
-        self._streams_bg = Background(ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-stream"))
-        self._connect_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect")
+        self._sends_bg = Background(ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-send",
+                                                       initializer=one_intra_op_thread))
+        self._streams_bg = Background(ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-stream",
+                                                         initializer=one_intra_op_thread))
+        self._connect_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect",
+                                                initializer=one_intra_op_thread)
         self._streams: dict[str, LayerStream] = {}  # announced sends going out layer-wise
         self._step_streams: list[LayerStream] = []  # those this step's forward feeds
         self._connected: set[tuple[str, str]] = set()  # (backend, endpoint) warmed or warming
