@@ -112,6 +112,9 @@ class ConnectorRequest:
     block_hashes: tuple[int, ...]  # hash of each *full* prompt block, chained (block_pool)
     transfer_params: object | None = None  # backend-specific typed params (a handoff), opaque here
     block_digests: tuple[bytes, ...] = ()  # each full block's digest (common.block_hash): what a store hit must match
+    # a sender may stream the KV layer by layer as the forward computes it (False: the forward
+    # takes every core it was lent, none is left to overlap a transfer on: send it whole after)
+    stream_layers: bool = True
 
 
 @dataclass(slots=True)

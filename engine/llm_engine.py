@@ -142,7 +142,7 @@ class LLMEngine:
         resumed = self._validate_resumed(resumed, params)
         request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,
                           transfer_params=transfer_params, remote_prefill=remote_prefill,
-                          sender_idle=sender_idle)
+                          sender_idle=sender_idle, stream_layers=self._threads.streams_layers(sender_idle))
         blocks = prompt_blocks(ids, self.kv.block_size, self.compat_hash, self.config.block_hash_key, cache_salt)
         request.block_hashes, request.block_digests, request.cache_salt = blocks.hashes, blocks.digests, cache_salt
         request.grammar = self.grammars.matcher(params.constraint)

@@ -47,6 +47,7 @@ class Request:
     # prefill side: the engine that sent it steps nothing else meanwhile (PrefillRequest.decode_idle),
     # so a step may borrow its core; True for a request no other engine sent
     sender_idle: bool = True
+    stream_layers: bool = True  # prefill side: its KV may stream per layer (ConnectorRequest.stream_layers)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

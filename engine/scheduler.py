@@ -54,7 +54,7 @@ class SchedulerOutput:
 def connector_view(request: Request) -> ConnectorRequest:
     return ConnectorRequest(request.request_id, tuple(request.prompt_token_ids),
                             tuple(request.block_hashes), request.transfer_params,
-                            tuple(request.block_digests))
+                            tuple(request.block_digests), request.stream_layers)
 
 # SHORTEST_FIRST: a step that carries the shortest prompt left holds at most this many times
 # its tokens (`pdserve bench mixed-prefill`: a 40-token chat behind a 2,000-token prompt)

@@ -47,6 +47,13 @@ class StepThreads:
             torch.set_num_threads(wanted)
             self.current = wanted
 
+    def streams_layers(self, sender_idle: bool) -> bool:
+        """Whether a prompt's KV may go layer by layer while its forward runs. Not when the
+        forward takes the idle sender's core too: the sends would then preempt its threads
+        (a 200-token prompt on two threads: 450-590 ms streamed, 290-350 ms sent whole
+        after the forward), and the sender has nothing to overlap the tail with."""
+        return not (sender_idle and self.burst)
+
     def lends_core(self, scheduler, request_id: str) -> bool:
         """Whether the remote prefill of `request_id` may take this engine's core: it is the
         only request of `scheduler`, and the engine held no two at once for LEND_QUIET_S

@@ -35,6 +35,7 @@ class SendSpec:
     num_prompt_tokens: int
     block_hashes: tuple[int, ...]
     block_digests: tuple[bytes, ...] = ()  # stored with blocks a store carries: a later hit must match
+    layerwise: bool = True  # may stream per layer (ConnectorRequest.stream_layers); False: whole after the forward
 
 
 @dataclass(slots=True)

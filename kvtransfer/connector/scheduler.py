@@ -50,7 +50,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
         if isinstance(params, TransferParams):
             self._announce(request.request_id, SendSpec(
                 request.request_id, params, len(request.prompt_token_ids), request.block_hashes,
-                request.block_digests))
+                request.block_digests, request.stream_layers))
         load = self.loads.load_spec(request.request_id, block_ids, num_external_tokens)
         if load is not None:
             self._meta.loads.append(load)

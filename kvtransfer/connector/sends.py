@@ -169,9 +169,10 @@ class PrefillSends:
     # -- sending ---------------------------------------------------------------------------
     def _open_stream(self, spec: SendSpec) -> None:
         """Send `spec` layer-wise when a point-to-point backend leads the chain for it now
-        (else, or if the hand-off is refused, it goes whole after the forward)."""
+        (else, or if the hand-off is refused, it goes whole after the forward); not when the
+        config or the request (`SendSpec.layerwise`) says whole."""
         rid, params = spec.request_id, spec.params
-        if not self.config.layerwise or self._closed:
+        if not (self.config.layerwise and spec.layerwise) or self._closed:
             return
         keys = self._send_keys(spec)
         if self._refuse_reason(params, len(keys)):

@@ -113,6 +113,30 @@ def test_prefill_steps_borrow_the_idle_senders_core_only_while_every_sender_is_i
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("backend", _params()[1:])
+def test_a_prompt_on_borrowed_cores_goes_whole_after_its_forward(tiny_model_factory, tmp_path, backend):
+    """A layer stream's sends need a core beside the forward; a prefill whose step takes the
+    idle decode's core too leaves none, so that prompt's KV goes whole after the forward (a
+    busy decode's prompt still streams). Greedy tokens equal a local engine's either way."""
+    model_dir = tiny_model_factory("llama")
+    config = KVTransferConfig(backends=(backend, RECOMPUTE), disk_store=str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(3, 256, (40,), generator=g).tolist()
+    before = torch.get_num_threads()
+    try:
+        with engines(model_dir, config, num_threads=1, burst_threads=2) as (prefill, decode, local):
+            tokens, sent, received = disaggregated(prefill, decode, prompt, "idle", sender_idle=True)
+            assert sent.ok and received.ok and sent.backend == backend
+            assert sent.num_messages == 0  # whole: no layer messages
+            assert tuple(tokens) == local.generate(prompt, GREEDY)[0].token_ids
+            tokens, sent, received = disaggregated(prefill, decode, prompt + [5], "busy", sender_idle=False)
+            assert sent.ok and received.ok and sent.num_messages >= 1  # streamed
+            assert tuple(tokens) == local.generate(prompt + [5], GREEDY)[0].token_ids
+            assert_all_blocks_back(prefill, decode)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_decode_lends_its_core_only_to_its_only_request_and_not_right_after_a_clump(
         tiny_model_factory, tmp_path, monkeypatch):
     """What a decode tells the prefill worker in `decode_idle`: the remote prompt is the only
