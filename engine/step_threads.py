@@ -22,6 +22,9 @@ LEND_QUIET_S = 2.0
 
 
 class StepThreads:
+    """One engine's thread policy: its base count, its burst count and when to take it,
+    whether it lends its core to a prompt's prefill, whether a prompt's KV may stream."""
+
     def __init__(self, num_threads: int | None, burst_threads: int | None) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
