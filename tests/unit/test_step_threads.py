@@ -11,15 +11,16 @@ from pdserve.engine.step_threads import _omp_set_num_threads, one_intra_op_threa
 
 
 def _threads_started_by_a_large_op(initializer) -> int:
-    """Threads the process gained while a fresh thread ran one large parallel op."""
+    """Threads that started while a fresh thread ran one large parallel op (by id, so that
+    other threads of the process ending meanwhile do not count)."""
     out = []
 
     def run() -> None:
         if initializer is not None:
             initializer()
-        before = len(os.listdir("/proc/self/task"))
+        before = set(os.listdir("/proc/self/task"))
         torch.ones(4_000_000).mul_(2.0)  # far above torch's grain: parallel when it may be
-        out.append(len(os.listdir("/proc/self/task")) - before)
+        out.append(len(set(os.listdir("/proc/self/task")) - before))
 
     thread = threading.Thread(target=run)
     thread.start()
