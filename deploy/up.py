@@ -85,10 +85,11 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
         # a decode step takes the prefill workers' share while none of its prompts is with them,
         # a prefill step the core of the one idle decode that sent its prompts
         settings = dict(settings, num_threads=1)
-        burst = min(os.cpu_count() or 1, 1 + num_prefill // num_decode)
+        cores = os.cpu_count() or 1
+        burst = min(cores, 1 + num_prefill // num_decode)
         if burst > 1:
             decode_extra = ["--burst-threads", str(burst)]
-        if num_prefill and (os.cpu_count() or 1) > 1:
+        if num_prefill and cores > 1:
             prefill_extra = ["--burst-threads", "2"]
     if settings.get("free_memory_fraction") is None:
         # ... and its memory: each KV cache takes an even share of the default fraction

@@ -176,9 +176,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     use_build_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    # intra-op threads for the steps taken while none of this engine's requests waits on a
-    # remote prefill: a decode worker on the same cores as the prefill worker it calls takes
-    # that worker's cores while it is idle (None: always num_threads)
+    # intra-op threads for the steps taken while the engines working for this one's requests
+    # are idle, whose cores it then borrows (engine.step_threads; None: always num_threads)
     burst_threads: int | None = None
     # "" (float32 weights) | "int8" (CPU, fp32: dynamic int8 GEMMs) | "gguf" (a GGUF model's own
     # blocks, float32 activations) | "gguf-fast" (the same, bfloat16 activations for 4-bit

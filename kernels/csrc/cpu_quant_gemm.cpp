@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -190,22 +191,33 @@ void tile(const uint8_t* w0, int64_t row_bytes, int64_t nblocks, const float* x,
 }
 
 // The row loop of both kernels: tiles of one or two weight rows (`pairs`), each run against
-// the activation rows ROWS at a time by `run(w, x, y, rows)`, the next tile's blocks asked for
-// while one is computed.
-template <int ROWS, typename In, typename F>
-void each_tile(const In* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K, int64_t row_bytes,
-               bool pairs, F&& run) {
-  const int64_t width = pairs ? 2 : 1, tile_bytes = width * row_bytes;
-  at::parallel_for(0, N / width, 16, [&](int64_t begin, int64_t end) {
+// the activation rows ROWS at a time by `run(nr, w, x, y, rows)` (nr: the tile's weight rows,
+// a std::integral_constant), the next tile's blocks asked for while one is computed.
+template <int ROWS, int NR, typename In, typename F>
+void each_tile_of(const In* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K, int64_t row_bytes,
+                  F& run) {
+  const int64_t tile_bytes = NR * row_bytes;
+  at::parallel_for(0, N / NR, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (t + 1 < end) {
         const char* next = reinterpret_cast<const char*>(blocks + (t + 1) * tile_bytes);
         for (int64_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
       }
       for (int64_t m = 0; m < M; m += ROWS)
-        run(blocks + t * tile_bytes, x + m * K, y + m * N + width * t, static_cast<int>(std::min<int64_t>(ROWS, M - m)));
+        run(std::integral_constant<int, NR>{}, blocks + t * tile_bytes, x + m * K, y + m * N + NR * t,
+            static_cast<int>(std::min<int64_t>(ROWS, M - m)));
     }
   });
+}
+
+template <int ROWS, typename In, typename F>
+void each_tile(const In* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K, int64_t row_bytes,
+               bool pairs, F&& run) {
+  if (pairs) {
+    each_tile_of<ROWS, 2>(x, blocks, y, M, N, K, row_bytes, run);
+  } else {
+    each_tile_of<ROWS, 1>(x, blocks, y, M, N, K, row_bytes, run);
+  }
 }
 
 // 2 or 3 activation rows: one weight row per tile. One row, or 4 and more: two weight rows
@@ -220,12 +232,8 @@ template <int64_t QT>
 void gemv_rows(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = K / kBlock, row_bytes = nblocks * block_bytes(QT);
   const bool pairs = (M >= 4 || M == 1) && N % 2 == 0;
-  each_tile<kRows>(x, blocks, y, M, N, K, row_bytes, pairs, [&](const uint8_t* w, const float* xm, float* ym, int rows) {
-    if (pairs) {
-      tile<QT, 2, kRows>(w, row_bytes, nblocks, xm, K, ym, N, rows);
-    } else {
-      tile<QT, 1, kRows>(w, row_bytes, nblocks, xm, K, ym, N, rows);
-    }
+  each_tile<kRows>(x, blocks, y, M, N, K, row_bytes, pairs, [&](auto nr, const uint8_t* w, const float* xm, float* ym, int rows) {
+    tile<QT, decltype(nr)::value, kRows>(w, row_bytes, nblocks, xm, K, ym, N, rows);
   });
 }
 
@@ -325,13 +333,8 @@ void tile(const uint8_t* w0, int64_t row_bytes, int64_t nblocks, const uint16_t*
 template <int64_t QT>
 void gemv_rows(const uint16_t* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = K / kBlock, row_bytes = nblocks * block_bytes(QT);
-  const bool pairs = N % 2 == 0;
-  each_tile<kRows>(x, blocks, y, M, N, K, row_bytes, pairs, [&](const uint8_t* w, const uint16_t* xm, float* ym, int rows) {
-    if (pairs) {
-      tile<QT, 2, kRows>(w, row_bytes, nblocks, xm, K, ym, N, rows);
-    } else {
-      tile<QT, 1, kRows>(w, row_bytes, nblocks, xm, K, ym, N, rows);
-    }
+  each_tile<kRows>(x, blocks, y, M, N, K, row_bytes, N % 2 == 0, [&](auto nr, const uint8_t* w, const uint16_t* xm, float* ym, int rows) {
+    tile<QT, decltype(nr)::value, kRows>(w, row_bytes, nblocks, xm, K, ym, N, rows);
   });
 }
 
@@ -405,22 +408,30 @@ at::Tensor dequantize_rows(at::Tensor blocks, int64_t qtype, int64_t begin, int6
 }
 
 
-at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype, c10::optional<at::Tensor> bias) {
+// Both linears: x [M, K] of `dtype` against W's blocks, y float32 [M, N] = run(qt, y, M, N, K)
+// (+ bias), everything checked before the work.
+template <typename Run>
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
+                        const c10::optional<at::Tensor>& bias, at::ScalarType dtype, const char* dtype_name,
+                        Run&& run) {
   const int64_t K = checked_k(blocks, qtype), N = blocks.size(0);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
-                  x.size(1) == K, "x must be a contiguous float32 [M, ", K, "] CPU tensor");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype && x.dim() == 2 && x.is_contiguous() &&
+                  x.size(1) == K, "x must be a contiguous ", dtype_name, " [M, ", K, "] CPU tensor");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N),
+              "bias: float32 [N]");
   const int64_t M = x.size(0);
   // no Python object is touched from here: let the service's event loop run meanwhile
   pybind11::gil_scoped_release no_gil;
   at::Tensor y = at::empty({M, N}, at::kFloat);
-  by_type(qtype, [&](auto qt) {
-    gemv_rows<decltype(qt)::value>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
-  });
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N, "bias: float32 [N]");
-    y.add_(*bias);
-  }
+  by_type(qtype, [&](auto qt) { run(qt, y.data_ptr<float>(), M, N, K); });
+  if (bias.has_value()) y.add_(*bias);
   return y;
+}
+
+at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype, c10::optional<at::Tensor> bias) {
+  return block_linear(x, blocks, qtype, bias, at::kFloat, "float32", [&](auto qt, float* y, int64_t M, int64_t N, int64_t K) {
+    gemv_rows<decltype(qt)::value>(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), y, M, N, K);
+  });
 }
 
 
@@ -435,22 +446,11 @@ bool has_bf16_gemm() {
 
 // quant_linear with bfloat16 activations x [M, K] (the fast mode); y float32 [M, N].
 at::Tensor quant_linear_bf16(at::Tensor x, at::Tensor blocks, int64_t qtype, c10::optional<at::Tensor> bias) {
-  const int64_t K = checked_k(blocks, qtype), N = blocks.size(0);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() &&
-                  x.size(1) == K, "x must be a contiguous bfloat16 [M, ", K, "] CPU tensor");
 #if defined(__AVX512BF16__)
-  const int64_t M = x.size(0);
-  pybind11::gil_scoped_release no_gil;
-  at::Tensor y = at::empty({M, N}, at::kFloat);
-  by_type(qtype, [&](auto qt) {
+  return block_linear(x, blocks, qtype, bias, at::kBFloat16, "bfloat16", [&](auto qt, float* y, int64_t M, int64_t N, int64_t K) {
     bf16::gemv_rows<decltype(qt)::value>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-                                         blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K);
+                                         blocks.data_ptr<uint8_t>(), y, M, N, K);
   });
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N, "bias: float32 [N]");
-    y.add_(*bias);
-  }
-  return y;
 #else
   TORCH_CHECK(false, "quant_linear_bf16 needs AVX-512 BF16, which this build lacks (has_bf16_gemm())");
 #endif

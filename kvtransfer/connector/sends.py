@@ -92,8 +92,7 @@ class PrefillSends:
                                                        initializer=one_intra_op_thread))
         self._streams_bg = Background(ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-stream",
                                                          initializer=one_intra_op_thread))
-        self._connect_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect",
-                                                initializer=one_intra_op_thread)
+        self._connect_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect")
         self._streams: dict[str, LayerStream] = {}  # announced sends going out layer-wise
         self._step_streams: list[LayerStream] = []  # those this step's forward feeds
         self._connected: set[tuple[str, str]] = set()  # (backend, endpoint) warmed or warming
