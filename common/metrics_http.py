@@ -2,7 +2,7 @@
 `--metrics-port`): GET /metrics only, a bearer token when one is set, and bounded work
 before it is checked: at most `max_connections` handler threads (one more connection is
 closed at once, where prometheus_client's server starts a thread per connection) and
-`timeout_s` for a client to send its request."""
+`request_timeout_s` for a client to send its request."""
 from __future__ import annotations
 
 import hmac
@@ -21,8 +21,11 @@ REQUEST_TIMEOUT_S = 5.0
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    timeout = REQUEST_TIMEOUT_S  # a client that does not send its request in time is dropped
     server: "_Server"
+
+    @property
+    def timeout(self) -> float:  # read by setup(): a client that does not send its request in time is dropped
+        return self.server.request_timeout_s
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         if self.path.split("?", 1)[0] != "/metrics":
@@ -48,11 +51,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 class _Server(http.server.HTTPServer):
     daemon_threads = True
+    # A burst of connections waits in the kernel's queue to be accepted (and closed when every
+    # slot is busy) instead of having its SYNs dropped and retried seconds later.
+    request_queue_size = 128
 
-    def __init__(self, address, render: Callable[[], bytes], token: str | None, max_connections: int) -> None:
+    def __init__(self, address, render: Callable[[], bytes], token: str | None, max_connections: int,
+                 request_timeout_s: float) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, _Handler)
         self.render = render
+        self.request_timeout_s = request_timeout_s
         self._token = f"Bearer {token}".encode() if token else None
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
@@ -98,8 +106,8 @@ class MetricsServer:
     only to `Authorization: Bearer <token>`."""
 
     def __init__(self, host: str, port: int, render: Callable[[], bytes], token: str | None = None,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
-        self._server = _Server((host, port), render, token, max_connections)
+                 max_connections: int = MAX_CONNECTIONS, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self._server = _Server((host, port), render, token, max_connections, request_timeout_s)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="pdserve-metrics-accept",
                                         daemon=True)

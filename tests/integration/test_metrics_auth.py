@@ -48,26 +48,50 @@ def test_without_a_token_the_worker_metrics_stay_open():
     assert metrics.serve("127.0.0.1", 0) is None
 
 
-def test_idle_connections_take_no_thread_each_and_scrapes_resume():
-    server = MetricsServer("127.0.0.1", 0, lambda: b"up 1\n", token=None, max_connections=4)
+def closed_by_server(sock: socket.socket, timeout_s: float = 10.0) -> bool:
+    """Whether the server closes `sock` (EOF or reset) before `timeout_s`; sends nothing."""
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_connections_take_no_thread_each():
+    # The held connections must stay held for the whole test: a long request timeout.
+    server = MetricsServer("127.0.0.1", 0, lambda: b"up 1\n", token=None, max_connections=4,
+                           request_timeout_s=120.0)
 
     def handlers() -> int:  # this process's metrics handler threads (other tests' may linger)
         return sum(t.name == "pdserve-metrics" for t in threading.enumerate())
 
     before = handlers()
-    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(100)]
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    extra = []
     try:
         wait_until(lambda: server.num_serving == 4, "the first connections were not served")
-        assert handlers() <= before + 4
-        def scrape_ok() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=2).text == "up 1\n"
-            except httpx.HTTPError:
-                return False
-        wait_until(scrape_ok, "no scrape got through once idle connections timed out", timeout=20.0)
+        extra = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(60)]
+        assert all(closed_by_server(sock) for sock in extra), "a connection past the limit was kept"
+        assert server.num_serving == 4 and handlers() <= before + 4
     finally:
-        for sock in idle:
+        for sock in held + extra:
             sock.close()
+        server.shutdown()
+
+
+def test_a_silent_client_is_dropped_and_scrapes_resume():
+    server = MetricsServer("127.0.0.1", 0, lambda: b"up 1\n", token=None, max_connections=1,
+                           request_timeout_s=0.5)
+    silent = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        wait_until(lambda: server.num_serving == 1, "the silent connection was not served")
+        assert closed_by_server(silent), "a client that sent nothing was not dropped"
+        wait_until(lambda: server.num_serving == 0, "the dropped connection still holds its slot")
+        assert httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=5).text == "up 1\n"
+    finally:
+        silent.close()
         server.shutdown()
 
 
