@@ -32,7 +32,9 @@ KNOWN = {
     # kv transfer, ucx backend: read once, when the process's UCX context starts
     "PDSERVE_UCX_TLS": ("auto", "UCX transports for KV transfer; auto: tcp,posix,sysv,self (no cma: a "
                                 "sender dying mid-read aborts the receiver) "
-                                "(+cuda_copy,cuda_ipc where CUDA is available)"),
+                                "(+cuda_copy,cuda_ipc where CUDA is available); with host "
+                                "transports only, UCX's memory hooks stay off (UCX_MEM_EVENTS=no "
+                                "unless the environment sets it)"),
     "PDSERVE_UCX_NET_DEVICES": ("auto", "network devices UCX may use; auto: lo when the transfer "
                                         "host is a loopback address, else all"),
     "PDSERVE_UCX_RNDV_THRESH": ("8192", "UCX rendezvous threshold (bytes, or auto)"),

@@ -43,6 +43,7 @@ import contextlib
 import importlib.util
 import itertools
 import logging
+import os
 import struct
 import threading
 import time
@@ -119,6 +120,25 @@ class UcxSettings:
         return options
 
 
+# Transports that move host memory without registering it: they need no memory hooks.
+_HOST_TLS = frozenset({"tcp", "posix", "sysv", "self", "sm", "shm", "mm", "cma"})
+
+
+def keep_libc_unpatched(tls: str) -> bool:
+    """Turn off UCX's memory hooks (`UCX_MEM_EVENTS=no`, unless the environment says otherwise)
+    when every transport in `tls` moves host memory unregistered, as the CPU default does.
+    Otherwise UCX installs them when its context starts by overwriting the first instructions
+    of libc's mmap, munmap, madvise, brk, sbrk and mremap with jumps, while this process's
+    other threads (gRPC, a gloo receiver, the engine's allocator) may be running those very
+    functions: a worker at start died of SIGSEGV in exactly that window once in CI. The hooks
+    only keep a registration cache of RDMA or GPU memory valid; transports that register
+    memory (rc, ud, dc, cuda_*) keep them. UCX reads the setting when it is first loaded:
+    call this before the process's first `import ucxx`. True when the hooks stay off."""
+    if not set(tls.replace(" ", "").split(",")) <= _HOST_TLS:
+        return False
+    return os.environ.setdefault("UCX_MEM_EVENTS", "no").lower() in ("n", "no", "0", "off", "false")
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -189,6 +209,7 @@ class _Runtime:
         return next(self._conn_ids) & 0xFFFFFFFF
 
     async def _init(self) -> bytes:
+        keep_libc_unpatched(self.settings.tls)
         import ucxx  # inside the loop: ucxx binds its progress and notifier to the running loop
 
         ucxx.init(options=self.settings.ucx_options(), enable_python_future=True,
