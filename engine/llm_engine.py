@@ -223,9 +223,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending) or bool(self._sending)
 
+    def take_outputs(self) -> list[RequestOutput]:
+        """The deltas decided between steps (a remote prefill's first token, an abort's end),
+        now rather than with the next step's."""
+        outputs, self._pending = self._pending, []
+        return outputs
+
     def step(self) -> tuple[list[RequestOutput], list[Request]]:
         """Run one step. Returns (deltas, requests that now wait for a remote prefill)."""
-        outputs, self._pending = self._pending, []
+        outputs = self.take_outputs()
         plan = self.scheduler.schedule()
         self.last_step_ran = bool(plan.chunks)
         if not plan.chunks and plan.connector_meta.request_ids:

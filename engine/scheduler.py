@@ -194,13 +194,24 @@ class Scheduler:
         out.preempted_ids.append(request.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in arrival order while the budget lasts. A request whose
+        prompt a prefill worker computes costs this step no tokens: once the budget is spent
+        it is still admitted past the prompts that wait for the next step's, so that its
+        prefill starts now instead of after theirs (at 8 concurrent streams such requests
+        waited 1.3-2.2 s behind the decode's own prompts before their prefill was asked for).
+        A passed prompt keeps its slot in the batch (not its blocks); the first request that
+        cannot be admitted (blocks, batch size) stops the scan."""
         prefilling = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
-        while self.waiting and budget > 0:
-            if len(self.running) + len(self.remote) >= self.config.max_batch_size:
-                return
+        passed: list[Request] = []  # prompts left for a later step's budget, in order
+        while self.waiting:
+            if len(self.running) + len(self.remote) + len(passed) >= self.config.max_batch_size:
+                break  # (a passed prompt keeps its place in the batch)
             request = self.waiting[0]
-            if not self._admit(request, out, budget, prefilling + len(self.waiting)):
-                return
+            if budget <= 0 and not (request.remote_prefill and request.num_output_tokens == 0):
+                passed.append(self.waiting.popleft())
+                continue
+            if not self._admit(request, out, budget, prefilling + len(self.waiting) + len(passed)):
+                break
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.remote[request.request_id] = request
@@ -209,6 +220,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= out.chunks[-1].num_new_tokens
+        self.waiting.extendleft(reversed(passed))
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int,
                num_prefilling: int) -> bool:

@@ -46,3 +46,47 @@ def test_a_request_parked_on_a_remote_prefill_does_not_spin_the_engine_thread(ti
     twenty_steps = asyncio.run(scenario())
     assert twenty_steps >= 20 * engine_loop.PARKED_WAIT_S * 0.9
     engine.assert_no_leaks()
+
+
+def test_a_remote_prefills_first_token_goes_out_before_the_next_step(tiny_model_factory):
+    """The first token a prefill worker chose reaches the request's stream as soon as the
+    engine thread takes it, not with the outputs of the step after (which, on a decode busy
+    with a prompt of its own, took up to a second)."""
+    engine = LLM(str(tiny_model_factory("llama")), num_blocks=32, block_size=16).engine
+    handed_over = threading.Event()  # set by the command that hands the first token over
+    release = threading.Event()  # the step after the hand-over waits for it
+    step = engine.step
+
+    def held():
+        if handed_over.is_set():
+            release.wait(20)
+        return step()
+
+    engine.step = held
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.start(asyncio.get_running_loop())
+        try:
+            stream = await loop.add_request(list(range(3, 40)), SamplingParams(max_tokens=2),
+                                            request_id="r", remote_prefill=True)
+            assert await asyncio.wait_for(stream.remote_ready, 10)
+
+            def hand_over() -> bool:
+                done = engine.finish_remote_prefill("r", 5)
+                handed_over.set()
+                return done
+
+            assert await loop.call(hand_over)
+            first = await stream.next(10)  # the step after the hand-over has not run
+            release.set()
+            rest = await stream.next(10)
+            return first, rest
+        finally:
+            release.set()
+            loop.stop()
+
+    first, rest = asyncio.run(scenario())
+    assert tuple(first.new_token_ids) == (5,) and not first.finished
+    assert len(rest.new_token_ids) == 1 and rest.finished
+    engine.assert_no_leaks()

@@ -33,9 +33,10 @@ class Driver:
         self.sched = Scheduler(SchedulerConfig(**sched), self.kv, NoopConnectorScheduler(), max_model_len)
         self.finished: list[Request] = []
 
-    def add(self, rid: str, prompt_len: int, max_tokens: int = 4, first_token: int = 1) -> Request:
+    def add(self, rid: str, prompt_len: int, max_tokens: int = 4, first_token: int = 1,
+            remote: bool = False) -> Request:
         prompt = list(range(first_token, first_token + prompt_len))
-        r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+        r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), remote_prefill=remote)
         r.block_hashes = hash_prompt_blocks(prompt, BS, salt=1)
         self.sched.add(r)
         return r
@@ -276,3 +277,35 @@ def test_prefill_service_default_lets_a_short_prompt_pass_a_long_one():
     assert [r.request_id for r in d.finished] == ["short"]
     d.run()
     assert d.kv.get_num_free_blocks() == d.kv.get_max_resource_count()
+
+
+def test_a_remote_prefill_is_admitted_past_prompts_that_wait_for_budget():
+    """A decode whose step budget its own prompts spent still admits a request whose prompt a
+    prefill worker computes (it costs the step no tokens), so that its prefill is asked for
+    now; the prompts it passed keep their order and get the next steps' budget."""
+    d = Driver(max_num_tokens=20)
+    d.add("a", 30)
+    d.add("b", 10, first_token=100)
+    r = d.add("r", 16, first_token=200, remote=True)
+    out = d.step()
+    assert shape(out) == {"a": 20}  # the budget, spent on the oldest prompt
+    assert out.remote_ready == [r] and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [q.request_id for q in d.sched.waiting] == ["b"]
+    assert shape(d.step()) == {"a": 10, "b": 10}
+    # the remote prefill's blocks are filled: it decodes with the others, and all end
+    r.num_computed_tokens = r.num_prompt_tokens
+    d.sched.finish_remote("r")
+    r.output_token_ids.append(7)
+    d.kv.update_resources(r)
+    d.run()
+    assert sorted(q.request_id for q in d.finished) == ["a", "b", "r"]
+
+
+def test_a_remote_prefill_that_does_not_fit_stops_the_scan():
+    d = Driver(max_num_tokens=8, max_batch_size=2)
+    d.add("a", 30)
+    d.add("b", 10, first_token=100)
+    d.add("r", 16, first_token=200, remote=True)
+    out = d.step()
+    assert shape(out) == {"a": 8} and out.remote_ready == []  # the second slot is b's: it came first
+    assert [q.request_id for q in d.sched.waiting] == ["b", "r"]
