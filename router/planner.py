@@ -9,7 +9,8 @@ shares a usable KV backend with D by their last reports ("no_usable_kv_backend":
 backend down would mean computing the prompt twice). Between those bounds the path with
 the shorter predicted time to first token wins (`predict_ttft`: each side's queued prompt
 tokens over its measured prefill rate, plus the transfer on the remote side, plus on the
-local side the stall its compute costs the streams decoding there): when 8 prompts arrive at once
+local side the stall its compute costs the streams decoding there; before either side has
+measured a rate, by queued tokens alone, as both run the same model): when 8 prompts arrive at once
 the decode takes its share instead of idling while one prefill worker queues them all
 ("predicted_faster_local"); an idle prefill worker keeps every prompt. This is the only place that decides local vs
 remote; decode follows it unless it cannot receive KV at all. Every decision is logged and
@@ -36,6 +37,10 @@ NO_USABLE_KV_BACKEND = "no_usable_kv_backend"
 PREDICTED_FASTER_LOCAL = "predicted_faster_local"
 MIGRATED = "migrated"  # a request continued after its decode was lost: decode recomputes it
 
+# The prefill rate assumed on both sides before either has measured one: any positive value
+# ranks the two paths the same (by queued tokens); the logged seconds are not a forecast then.
+UNMEASURED_TOKENS_PER_S = 1000.0
+
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
@@ -57,6 +62,7 @@ class TTFTPrediction:
     remote_s: float
     stall_s: float  # the local prefill's own compute: every stream decoding there waits it out
     num_stalled: int = 1  # those streams, at least one (logged: how many a local prefill pauses)
+    measured: bool = True  # False: no rate measured yet, the seconds only rank the two paths
 
     @property
     def local_faster(self) -> bool:
@@ -77,17 +83,20 @@ def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int) -
     recent prefill rate; the remote side adds the mean transfer time its decode has seen, the
     local side the time its own compute holds up each of the decode's decoding streams
     (`stall_s`, `num_stalled`, by its last report).
-    A decode that has not prefilled yet is taken to prefill at the prefill worker's rate (same
-    model; its own rate replaces the guess after its first prompt). None while the prefill
-    worker has no measured rate: then the thresholds alone decide."""
-    remote_rate = prefill.load.prefill_tokens_per_s
-    if remote_rate <= 0:
-        return None
+    A side that has not prefilled yet is taken to prefill at the other's rate (same model; its
+    own rate replaces the guess after its first prompt), and before either has, at a stand-in
+    rate (`measured` False): the first burst after start is then split by queued tokens
+    instead of queueing whole on one prefill worker while the decode idles (8 prompts at
+    once: the last first token came after 4.9 s, every prompt on the prefill worker's core)."""
+    remote_rate = prefill.load.prefill_tokens_per_s or decode.load.prefill_tokens_per_s
+    measured = remote_rate > 0
+    if not measured:
+        remote_rate = UNMEASURED_TOKENS_PER_S
     local_rate = decode.load.prefill_tokens_per_s or remote_rate
     remote = (prefill.queued_prompt_tokens() + num_tokens) / remote_rate + mean_transfer_s(decode)
     local = (decode.queued_prompt_tokens() + num_tokens) / local_rate
     return TTFTPrediction(local_s=local, remote_s=remote, stall_s=num_tokens / local_rate,
-                          num_stalled=max(1, decode.load.num_decoding))
+                          num_stalled=max(1, decode.load.num_decoding), measured=measured)
 
 
 def mean_transfer_s(record: WorkerRecord) -> float:
@@ -159,6 +168,7 @@ class RoutePlanner:
                  f" predicted TTFT local {prediction.local_s:.2f} s (+{prediction.stall_s:.2f} s stall of "
                  f"{prediction.num_stalled} streams), "
                  f"remote {prediction.remote_s:.2f} s"
+                 f"{'' if prediction.measured else ' (no measured rate yet: by queued tokens)'}"
                  if prediction else "")
         return RoutePlan(decode.record.worker, decode.reason, prefill, prefill_reason, queue_length, num_matched,
                          prediction)

@@ -267,15 +267,33 @@ def test_planner_routes_by_predicted_time_to_first_token(registry):
     assert plan.prediction.local_s == pytest.approx(2.0) and plan.prediction.remote_s == pytest.approx(1.0)
 
 
+def test_the_first_burst_is_split_before_any_rate_is_measured(registry):
+    """Just after start neither worker has measured its prefill rate: 8 prompts at once are
+    ranked by queued tokens (the same model on both sides), so the idle decode takes its
+    share instead of waiting while one prefill worker computes all eight."""
+    planner, metrics = make_planner(registry, threshold=8, queue_threshold=100)
+    registry.register(worker("d"), Load())
+    registry.register(worker("p", Role.PREFILL), Load())
+    paths = []
+    for i in range(8):
+        plan = planner.plan(f"r{i}", "m", 200, 4, [2000 + 100 * i + j for j in range(50)], "")
+        assert plan.prediction is not None and not plan.prediction.measured
+        paths.append(plan.prefill.worker_id if plan.prefill else plan.prefill_reason)
+    # local once the prefill queue ahead is longer than the decode's own plus the stall
+    assert paths == ["p", "p"] + ["predicted_faster_local", "p"] * 3
+    assert registry.get("d").queued_prompt_tokens() == 600 and registry.get("p").queued_prompt_tokens() == 1000
+
+
 def test_planner_thresholds_bound_the_prediction(registry):
     """A short uncached prompt stays local and a queue at the threshold sends it local
-    whatever the prediction says; with no measured prefill rate yet there is no prediction
-    and the prefill worker is asked, as before."""
+    whatever the prediction says; a prefill worker that has not measured its rate yet is
+    taken to prefill at the decode's."""
     planner, _ = make_planner(registry, threshold=8, queue_threshold=4)
     registry.register(worker("d"), Load(prefill_tokens_per_s=1.0))
     registry.register(worker("p", Role.PREFILL), Load())
     plan = planner.plan("r1", "m", 200, 4, [1], "")
-    assert plan.prefill.worker_id == "p" and plan.prediction is None
+    assert plan.prefill.worker_id == "p" and plan.prediction.measured
+    assert plan.prediction.remote_s == pytest.approx(200.0)  # the decode's 1 token/s
     registry.heartbeat("p", Load(prefill_tokens_per_s=1e6))
     assert planner.plan("r2", "m", 8, 4, [2], "").prefill_reason == "short_uncached_prompt"
     registry.heartbeat("p", Load(num_queued=4, prefill_tokens_per_s=1e6))
