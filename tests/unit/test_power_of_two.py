@@ -54,7 +54,9 @@ def test_the_planner_routes_decode_and_prefill_by_power_of_two():
     registry = _registry({f"d{i}": Load() for i in range(3)})
     for i in range(2):
         registry.register(Worker(f"p{i}", Role.PREFILL, f"p{i}.local:1", "m", block_size=4), Load())
-    planner = RoutePlanner(registry, make_policy("power_of_two"), make_policy("power_of_two"), 0, 8, RouterMetrics())
+    # every prompt to a prefill worker (no TTFT prediction): the policies' choices are the test
+    planner = RoutePlanner(registry, make_policy("power_of_two"), make_policy("power_of_two"), 0, 8, RouterMetrics(),
+                           predict=False)
     decodes: collections.Counter = collections.Counter()
     prefills: collections.Counter = collections.Counter()
     for i in range(40):
