@@ -4,6 +4,7 @@ SIGINT/SIGTERM, stop cleanly."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -103,6 +104,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     from pdserve.worker.metrics import WorkerMetrics
     from pdserve.engine.engine_loop import EngineLoop
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.step_threads import on_passing_thread
 
     setup_logging(settings.log_level)
     tls = InternalTLS.load(settings.internal_tls_cert, settings.internal_tls_key, settings.internal_tls_ca)
@@ -110,7 +112,8 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
                                       settings.insecure_internal, tls)
     connector = build.make_connector(settings, auth.secret)
     with progress.step(f"{role}: loading model {settings.model}"):
-        engine = await asyncio.to_thread(LLMEngine, settings.engine_config(auth.secret), connector=connector)
+        engine = await on_passing_thread(functools.partial(LLMEngine, settings.engine_config(auth.secret),
+                                                          connector=connector))
     states = engine.connector.worker.backend_states()
     log.info("%s: kv backends: %s", role, ", ".join(
         f"{b.name} ok" if b.usable else f"{b.name} off ({b.detail})" for b in states) or "none")

@@ -1,13 +1,17 @@
-"""The threads beside an engine run their torch ops alone (`one_intra_op_thread`)."""
+"""The threads beside an engine run their torch ops alone (`one_intra_op_thread`), and the
+thread that loads it leaves no OpenMP team behind (`on_passing_thread`)."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import threading
+import time
 
 import pytest
 import torch
 
-from pdserve.engine.step_threads import _omp_set_num_threads, one_intra_op_thread
+from pdserve.engine.step_threads import _omp_set_num_threads, on_passing_thread, one_intra_op_thread
 
 
 def _threads_started_by_a_large_op(initializer) -> int:
@@ -41,3 +45,46 @@ def test_a_block_mover_thread_starts_no_openmp_team_of_its_own():
         assert _threads_started_by_a_large_op(None) >= 1  # what it prevents (a new team)
     finally:
         torch.set_num_threads(before)
+
+
+def _large_parallel_op() -> float:
+    return float(torch.ones(4_000_000).mul_(2.0)[0])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or _omp_set_num_threads() is None,
+                    reason="needs /proc and torch's OpenMP runtime")
+def test_loading_on_a_passing_thread_leaves_no_openmp_team_behind():
+    """A worker loads its engine off the event loop. On an executor thread, which lives on,
+    the load's parallel ops leave that thread's OpenMP team in the process for good (and
+    libgomp then lets the engine's own workers sleep at every step's barriers); on the
+    passing thread the team is gone with the thread once the result is back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        async def passing() -> tuple[float, set[str]]:
+            start = set(os.listdir("/proc/self/task"))
+            value = await on_passing_thread(_large_parallel_op)
+            return value, start
+
+        value, start = asyncio.run(passing())
+        assert value == 2.0
+        # the team's workers were let go by the ended thread; they finish exiting at once
+        deadline = time.monotonic() + 10
+        while set(os.listdir("/proc/self/task")) - start and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert set(os.listdir("/proc/self/task")) - start == set()
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # what it avoids
+            start = set(os.listdir("/proc/self/task"))
+            assert pool.submit(_large_parallel_op).result(timeout=60) == 2.0
+            assert len(set(os.listdir("/proc/self/task")) - start) >= 2  # the thread and its team
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_passing_threads_exception_reaches_the_caller():
+    def fail() -> None:
+        raise ValueError("bad model file")
+
+    with pytest.raises(ValueError, match="bad model file"):
+        asyncio.run(on_passing_thread(fail))
