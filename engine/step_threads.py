@@ -103,11 +103,13 @@ async def on_passing_thread(fn: Callable[..., Any], *args: Any, name: str = "pds
 
     def run() -> None:
         try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting caller
-            loop.call_soon_threadsafe(_settle, done, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, done, result, None)
+            result, exc = fn(*args), None
+        except BaseException as err:  # noqa: BLE001 - delivered to the awaiting caller
+            result, exc = None, err
+        try:
+            loop.call_soon_threadsafe(_settle, done, result, exc)
+        except RuntimeError:  # the loop closed meanwhile (the worker was stopped while loading)
+            pass
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
