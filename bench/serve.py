@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pdserve.bench.cli import HelpFormatter
 from pdserve.bench.report import (
@@ -200,10 +200,18 @@ async def run_benchmark(endpoint: Endpoint, plan: LoadPlan, workload: Workload, 
 
 
 async def run_side_by_side(endpoints: Sequence[Endpoint], plan: LoadPlan, workload: Workload, slo: Slo,
-                           progress: bool = False) -> list[tuple[str, list[BenchRun]]]:
+                           progress: bool = False, rounds: int = 1,
+                           on_round: Callable[[int, int, list[BenchRun]], None] | None = None,
+                           ) -> list[tuple[str, list[BenchRun]]]:
     """Every run of `plan` against each endpoint: at each load the same requests go to one
-    endpoint after the other, so both see the machine in the same state. Returns (model used,
-    runs) per endpoint, in order."""
+    endpoint after the other, so both see the machine in the same state. With `rounds` > 1
+    each load runs that many times on fresh requests, the endpoints taking turns at going
+    first (whichever goes first measures differently on a shared machine), and each
+    endpoint's rounds are pooled into one run: their requests together over their summed
+    time. `on_round(load index, round, runs in endpoint order)` sees each round. Returns
+    (model used, runs) per endpoint, in order."""
+    if rounds < 1:
+        raise BenchConfigError("rounds must be >= 1")
     max_connections = max(64, int(max((x for x in plan.loads if math.isfinite(x)), default=0)),
                           plan.num_requests if plan.arrival != "closed" else 0)
     async with contextlib.AsyncExitStack() as stack:
@@ -218,10 +226,36 @@ async def run_side_by_side(endpoints: Sequence[Endpoint], plan: LoadPlan, worklo
                           f"at {client.endpoint.base_url}", file=sys.stderr)
         runs: list[list[BenchRun]] = [[] for _ in clients]
         for k, load in enumerate(plan.loads):
-            requests = workload.requests(k * plan.num_requests, plan.num_requests)
-            for client, out in zip(clients, runs):
-                out.append(await run_load(client, plan, load, requests, slo, k, progress))
+            per_round: list[list[BenchRun]] = [[] for _ in clients]
+            for r in range(rounds):
+                requests = workload.requests((k * rounds + r) * plan.num_requests, plan.num_requests)
+                order = list(range(len(clients)))[::-1 if r % 2 else 1]
+                done: dict[int, BenchRun] = {}
+                for i in order:
+                    done[i] = await run_load(clients[i], plan, load, requests, slo, k * rounds + r, progress)
+                for i, run in done.items():
+                    per_round[i].append(run)
+                if on_round is not None:
+                    on_round(k, r, [done[i] for i in range(len(clients))])
+            for out, mine in zip(runs, per_round):
+                out.append(mine[0] if rounds == 1 else pool_runs(mine, slo))
         return list(zip(models, runs))
+
+
+def pool_runs(runs: Sequence[BenchRun], slo: Slo) -> BenchRun:
+    """Rounds of one load as one run: every request of each, over their summed durations."""
+    first = runs[0].summary
+    results = tuple(r for run in runs for r in run.results)
+    duration = sum(run.summary.duration_s for run in runs)
+    return BenchRun(summarize(first.label, first.arrival, first.load, results, duration, slo), results)
+
+
+def _print_round(load_index: int, round_index: int, runs: list[BenchRun]) -> None:
+    a, b = (run.summary for run in runs)
+    first = "first" if round_index % 2 == 0 else "second"
+    ratio = f"{a.output_throughput / b.output_throughput:.2f}x" if b.output_throughput else "-"
+    print(f"{a.label} round {round_index + 1} (base URL {first}): out tok/s {a.output_throughput:.1f} vs "
+          f"{b.output_throughput:.1f} ({ratio})", flush=True)
 
 
 def format_ratios(label_a: str, a: Sequence[BenchRun], label_b: str, b: Sequence[BenchRun]) -> str:
@@ -297,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "each load, right after --base-url, and the ratios are printed")
     g.add_argument("--compare-model", help="model name there (default: the first of its /models)")
     g.add_argument("--compare-api-key", help="its key (default: --api-key)")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="with --compare-url: run each load this many times on fresh requests, the two "
+                        "servers taking turns at going first (on a shared machine the first measures "
+                        "differently), and pool each server's rounds")
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rates", type=_float_list,
                    help="open loop: req/s, comma separated, 'inf' = all at once (default 1)")
@@ -368,8 +406,11 @@ def main(argv: Sequence[str]) -> int:
             endpoints.append(dataclasses.replace(settings.endpoint, base_url=args.compare_url,
                                                  model=args.compare_model,
                                                  api_key=args.compare_api_key or args.api_key))
+        if args.rounds > 1 and not args.compare_url:
+            raise BenchConfigError("--rounds takes turns between two servers: give --compare-url")
         results = asyncio.run(run_side_by_side(endpoints, settings.plan, workload, settings.slo,
-                                               progress=not args.no_progress))
+                                               progress=not args.no_progress, rounds=args.rounds,
+                                               on_round=_print_round if args.rounds > 1 else None))
     except BenchConfigError as e:
         print(f"pdserve bench serve: {e}", file=sys.stderr)
         return 2

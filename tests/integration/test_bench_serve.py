@@ -287,3 +287,60 @@ def test_compare_url_sends_the_same_requests_to_both_servers_and_prints_ratios(f
     for doc in (json.loads((out / "serve_results.json").read_text()),
                 json.loads((out / "compare" / "serve_results.json").read_text())):
         assert [r["summary"]["num_succeeded"] for r in doc["runs"]] == [6, 6]
+
+
+class _Arrivals(dict):
+    """A fake server's record of what it sent, which also logs the order prompts arrived in
+    across both servers (`log`: (server, prompt))."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self._name, self._log = name, log
+
+    def __setitem__(self, prompt, value) -> None:
+        self._log.append((self._name, prompt))
+        super().__setitem__(prompt, value)
+
+
+def test_rounds_take_turns_going_first_on_fresh_requests_and_pool_each_side(free_port, tmp_path, capsys):
+    """`--rounds 2`: at each load the base server goes first in round 1 and second in round 2,
+    each round on requests of its own (no prompt twice at one server); each side's JSON holds
+    one pooled run per load with every request of both rounds; a line per round gives its
+    throughput ratio."""
+    log: list[tuple[str, str]] = []
+    base_sent, other_sent = _Arrivals("base", log), _Arrivals("other", log)
+    out = tmp_path / "out"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with serving(make_app(base_sent), free_port) as base_url, \
+            serving(make_app(other_sent, api_key="other-key"), port) as other_url:
+        rc = pdserve_main(["bench", "serve", "--base-url", base_url, "--api-key", API_KEY,
+                           "--compare-url", other_url, "--compare-api-key", "other-key", "--rounds", "2",
+                           "--concurrency", "2,3", "--num-requests", "4", "--input-len", "5-20",
+                           "--output-len", "3-6", "--out-dir", str(out), "--no-plots", "--no-progress"])
+    assert rc == 0
+    assert base_sent == other_sent and len(base_sent) == 2 * 2 * 4  # loads x rounds x requests
+    assert len(log) == 2 * len(base_sent)  # no prompt was sent twice to one server
+    blocks = [log[i:i + 4] for i in range(0, len(log), 4)]  # one server's run of one round each
+    firsts = [block[0][0] for block in blocks[::2]]
+    assert all(len({name for name, _ in block}) == 1 for block in blocks)
+    assert firsts == ["base", "other", "base", "other"]  # load 1 rounds 1-2, load 2 rounds 1-2
+    text = capsys.readouterr().out
+    assert [line.split()[0:3] for line in text.splitlines() if " round " in line] == [
+        ["concurrency=2", "round", "1"], ["concurrency=2", "round", "2"],
+        ["concurrency=3", "round", "1"], ["concurrency=3", "round", "2"]]
+    for doc in (json.loads((out / "serve_results.json").read_text()),
+                json.loads((out / "compare" / "serve_results.json").read_text())):
+        assert [r["summary"]["num_succeeded"] for r in doc["runs"]] == [8, 8]
+        for run in doc["runs"]:
+            s = run["summary"]
+            assert s["output_throughput"] == pytest.approx(s["total_output_tokens"] / s["duration_s"])
+
+
+def test_rounds_without_a_second_server_exit_2(fake_server, capsys):
+    base_url, sent = fake_server
+    rc = pdserve_main(["bench", "serve", "--base-url", base_url, "--api-key", API_KEY, "--rounds", "2",
+                       "--concurrency", "2", "--num-requests", "2", "--no-progress"])
+    assert rc == 2 and not sent
+    assert "--compare-url" in capsys.readouterr().err
