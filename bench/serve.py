@@ -206,9 +206,9 @@ async def run_side_by_side(endpoints: Sequence[Endpoint], plan: LoadPlan, worklo
     """Every run of `plan` against each endpoint: at each load the same requests go to one
     endpoint after the other, so both see the machine in the same state. With `rounds` > 1
     each load runs that many times on fresh requests, the endpoints taking turns at going
-    first (whichever goes first measures differently on a shared machine), and each
-    endpoint's rounds are pooled into one run: their requests together over their summed
-    time. `on_round(load index, round, runs in endpoint order)` sees each round. Returns
+    first (so that an effect of the order shows apart from a difference between the
+    servers), and each endpoint's rounds are pooled into one run: their requests together
+    over their summed time. `on_round(load index, round, runs in endpoint order)` sees each round. Returns
     (model used, runs) per endpoint, in order."""
     if rounds < 1:
         raise BenchConfigError("rounds must be >= 1")
@@ -333,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-api-key", help="its key (default: --api-key)")
     g.add_argument("--rounds", type=int, default=1,
                    help="with --compare-url: run each load this many times on fresh requests, the two "
-                        "servers taking turns at going first (on a shared machine the first measures "
-                        "differently), and pool each server's rounds")
+                        "servers taking turns at going first (an effect of the order then shows apart "
+                        "from a difference between them), and pool each server's rounds")
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rates", type=_float_list,
                    help="open loop: req/s, comma separated, 'inf' = all at once (default 1)")

@@ -136,6 +136,7 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
     else:
         fut.set_result(result)
 
+
 @functools.cache
 def _omp_set_num_threads():
     """`omp_set_num_threads` of the OpenMP runtime torch loaded, or None."""
