@@ -9,11 +9,11 @@ Prefill call's `decode_idle`, which `lends_core`'s answer fills in).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import functools
 import itertools
 import os
-import threading
 import time
 from typing import Any, Callable
 
@@ -22,8 +22,6 @@ import torch
 # a decode lends its core to the prefill of its only request after this long with no second
 # one: one stream at a time gets its prompts on two cores, clumps of requests do not
 LEND_QUIET_S = 2.0
-# how long `on_passing_thread` waits for its thread to end once it has its result
-PASSING_EXIT_S = 5.0
 
 
 class StepThreads:
@@ -89,52 +87,20 @@ def one_intra_op_thread() -> None:
 
 
 async def on_passing_thread(fn: Callable[..., Any], *args: Any, name: str = "pdserve-load") -> Any:
-    """`fn(*args)` on a thread of its own that has ended when this returns: for work with
-    parallel torch ops done off the event loop before an engine steps (loading it). On an
-    executor thread, which lives on, such ops leave an OpenMP team that libgomp counts for
-    the rest of the process's life: with more OpenMP threads than cores it stops keeping
-    idle workers spinning, and every parallel region of the engine's steps waits for one to
-    wake. An engine loaded so ran 20-25% slower at two threads (SmolLM2 from its blocks,
-    200-token prompts + 64 tokens: 91-96 against 114-115 tok/s at batch 8, 24-25 against
-    29-31 at batch 1), its threads sleeping ~20,000 times a run at those waits against none.
-    A thread that ends takes its team with it."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def run() -> None:
-        try:
-            result, exc = fn(*args), None
-        except BaseException as err:  # noqa: BLE001 - delivered to the awaiting caller
-            result, exc = None, err
-        try:
-            loop.call_soon_threadsafe(_settle, done, result, exc)
-        except RuntimeError:  # the loop closed meanwhile (the worker was stopped while loading)
-            pass
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    result = await done
-    # its team goes as the thread exits, just after it handed the result over (waited for
-    # here, not on an executor thread: that would be one more thread that lives on)
-    deadline = time.monotonic() + PASSING_EXIT_S
-    while not _ended(thread) and time.monotonic() < deadline:
-        await asyncio.sleep(0.001)
-    return result
-
-
-def _ended(thread: threading.Thread) -> bool:
-    """Whether the OS thread is gone, where /proc says (Python calls it dead a little
-    earlier, before the thread's exit handlers, libgomp's among them, have run)."""
-    return not thread.is_alive() and not os.path.exists(f"/proc/self/task/{thread.native_id}")
-
-
-def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
+    """`fn(*args)` on a thread of its own, which ends as this returns: for work with parallel
+    torch ops done off the event loop before an engine steps (loading it). On the loop's
+    default executor, whose threads live on, such ops leave an OpenMP team that libgomp
+    counts for the rest of the process's life: with more OpenMP threads than cores it stops
+    keeping idle workers spinning, and every parallel region of the engine's steps waits for
+    one to wake. An engine loaded so ran 20-25% slower at two threads (SmolLM2 from its
+    blocks, 200-token prompts + 64 tokens: 91-96 against 114-115 tok/s at batch 8, 24-25
+    against 29-31 at batch 1), its threads sleeping ~20,000 times a run at those waits
+    against none. A thread that ends takes its team with it."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    finally:
+        pool.shutdown(wait=False)  # its one thread exits now, and the team with it
 
 
 @functools.cache

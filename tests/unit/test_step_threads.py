@@ -6,12 +6,12 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-import time
 
 import pytest
 import torch
 
 from pdserve.engine.step_threads import _omp_set_num_threads, on_passing_thread, one_intra_op_thread
+from support import wait_until
 
 
 def _threads_started_by_a_large_op(initializer) -> int:
@@ -68,11 +68,9 @@ def test_loading_on_a_passing_thread_leaves_no_openmp_team_behind():
 
         value, start = asyncio.run(passing())
         assert value == 2.0
-        # the team's workers were let go by the ended thread; they finish exiting at once
-        deadline = time.monotonic() + 10
-        while set(os.listdir("/proc/self/task")) - start and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert set(os.listdir("/proc/self/task")) - start == set()
+        # the loading thread and its team's workers exit once the work is done
+        wait_until(lambda: not set(os.listdir("/proc/self/task")) - start,
+                   "the loading thread and its OpenMP team to exit", timeout=10)
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # what it avoids
             start = set(os.listdir("/proc/self/task"))
