@@ -18,12 +18,12 @@ from pdserve.engine import gguf_weights
 from pdserve.engine.constraints import GrammarCompiler
 from pdserve.engine.fingerprint import weights_fingerprint
 from pdserve.engine.detokenizer import Detokenizer
-from pdserve.common.errors import InvalidRequestError, PromptTooLongError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.kv_cache_manager import DTYPES, KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.outputs import PrefillRate, RequestOutput
-from pdserve.engine.request import Request, RequestStatus, TokenLogprob
+from pdserve.engine.request import Request, RequestStatus, TokenLogprob, check_prompt, check_resumed
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -137,9 +137,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        self.validate_prompt(ids, params)
+        check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len)
         check_cache_salt(cache_salt)
-        resumed = self._validate_resumed(resumed, params)
+        resumed = check_resumed(resumed, params, self.model_config.vocab_size)
         request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,
                           transfer_params=transfer_params, remote_prefill=remote_prefill,
                           sender_idle=sender_idle, stream_layers=self._threads.streams_layers(sender_idle))
@@ -160,33 +160,6 @@ class LLMEngine:
         self._requests[request_id] = request
         self._detok[request_id] = detok
         return request
-
-    def _validate_resumed(self, resumed: Sequence[int], params: SamplingParams) -> list[int]:
-        tokens = [int(t) for t in resumed]
-        if not tokens:
-            return tokens
-        if len(tokens) >= params.max_tokens:
-            raise InvalidRequestError(f"{len(tokens)} resumed tokens leave nothing of max_tokens "
-                                      f"({params.max_tokens}) to generate")
-        if min(tokens) < 0 or max(tokens) >= self.model_config.vocab_size:
-            raise InvalidRequestError(f"resumed token ids must be in [0, {self.model_config.vocab_size})")
-        return tokens
-
-    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens")
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; its blocks go back now. False if unknown/finished."""
@@ -241,7 +214,7 @@ class LLMEngine:
             self._threads.pick(self.scheduler)
             started = time.perf_counter()
             computed_before = self._num_prompt_computed
-            result = self.runner.execute(plan)
+            result = self.runner.execute(plan, self._threads.between_layers if self._threads.burst else None)
             for chunk in plan.chunks:
                 req = chunk.request
                 if req.num_computed_tokens < req.num_prompt_tokens:
@@ -332,6 +305,16 @@ class LLMEngine:
         """Whether the remote prefill of `request_id` may take this engine's core
         (`StepThreads.lends_core`): a hint, safe to ask from another thread."""
         return self._threads.lends_core(self.scheduler, request_id)
+
+    def sender_busy(self, request_id: str) -> bool:
+        """The engine that sent `request_id` (with `sender_idle`) has taken other work: steps
+        stop borrowing its core, the running one from its next layer on. Safe to call from
+        another thread: it clears one flag. False when the request is not here or had no such hint."""
+        request = self._requests.get(request_id)
+        if request is None or not request.sender_idle:
+            return False
+        request.sender_idle = False
+        return True
 
     @property
     def num_threads(self) -> int:

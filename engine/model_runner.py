@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -39,7 +40,8 @@ class ModelRunner:
             # builds (first start on a machine) or loads the native kernel now, not mid-request
             log.info("decode attention on CPU: %s path", cpu_native.backend_name())
 
-    def execute(self, step: SchedulerOutput) -> StepResult:
+    def execute(self, step: SchedulerOutput, between_layers: Callable[[], None] | None = None) -> StepResult:
+        """`between_layers`: run before each layer of the forward (CausalLM.forward)."""
         # decodes first, then prefill chunks (AttentionMetadata's packing order)
         chunks = sorted(step.chunks, key=lambda c: c.num_new_tokens > 1)
         input_ids, positions, slots = [], [], []
@@ -85,7 +87,7 @@ class ModelRunner:
         self.connector.start_load_kv(step.connector_meta)
         hidden = self.model.forward(self._tensor(input_ids, torch.int64),
                                     self._tensor(positions, torch.int64), meta,
-                                    self.kv.kv_caches, self.connector, save_ctx)
+                                    self.kv.kv_caches, self.connector, save_ctx, between_layers)
         self.connector.wait_for_save()
         if logit_rows:
             logits = self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)])

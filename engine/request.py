@@ -4,7 +4,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
+from pdserve.common.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.constraints import NO_GRAMMAR
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -98,3 +100,33 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
+
+
+def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """A prompt an engine can take with `params`: typed errors (InvalidRequestError,
+    PromptTooLongError) name what is wrong."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+    if any(t >= vocab_size for t, _ in params.logit_bias):
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's context is {max_model_len}")
+    if len(ids) + params.max_tokens > max_model_len:
+        raise PromptTooLongError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                 f"context of {max_model_len} tokens")
+
+
+def check_resumed(resumed: Sequence[int], params: SamplingParams, vocab_size: int) -> list[int]:
+    """The tokens a request already generated elsewhere, as ints: some of max_tokens must be
+    left, each a token of the vocabulary."""
+    tokens = [int(t) for t in resumed]
+    if not tokens:
+        return tokens
+    if len(tokens) >= params.max_tokens:
+        raise InvalidRequestError(f"{len(tokens)} resumed tokens leave nothing of max_tokens "
+                                  f"({params.max_tokens}) to generate")
+    if min(tokens) < 0 or max(tokens) >= vocab_size:
+        raise InvalidRequestError(f"resumed token ids must be in [0, {vocab_size})")
+    return tokens

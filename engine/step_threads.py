@@ -4,7 +4,9 @@
 thrash; an engine with `burst_threads` takes more while the other engines working for its
 requests are idle: a decode while none of its prompts is at a prefill worker, a prefill
 while every prompt it holds came from a decode that steps nothing else meanwhile (the
-Prefill call's `decode_idle`, which `lends_core`'s answer fills in).
+Prefill call's `decode_idle`, which `lends_core`'s answer fills in, and which the decode ends
+with DecodeBusy as soon as a request joins it: the prefill's step goes back to its base
+count at its next layer, `between_layers`).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class StepThreads:
         self.base = self.current = torch.get_num_threads()
         self.burst = burst_threads
         self._crowded_at = -LEND_QUIET_S  # when the engine last held two requests or more
+        self._borrowed_from: tuple = ()  # the requests whose senders lent the running step's extra threads
 
     def added(self, scheduler) -> None:
         """After a request joined `scheduler`."""
@@ -47,8 +50,24 @@ class StepThreads:
         if not self.burst:
             return
         s = scheduler
-        lent = not s.remote and all(r.sender_idle for r in itertools.chain(s.running, s.waiting))
+        held = tuple(itertools.chain(s.running, s.waiting))
+        lent = not s.remote and all(r.sender_idle for r in held)
         wanted = self.burst if lent else self.base
+        self._borrowed_from = held if wanted != self.base else ()
+        self._set(wanted)
+
+    def between_layers(self) -> None:
+        """Within a step, before each layer: back to the base count once a sender whose core
+        the step took has taken other work (its request's `sender_idle` cleared, from another
+        thread, by `LLMEngine.sender_busy`). A step on more threads than the machine has free
+        cores would stall at every parallel region: a burst of prompts that follows a lone one
+        found the prefill on both cores while its decode prefilled the rest beside it, and the
+        lone prompt's 256-token step took ~1.1 s instead of ~0.5 s on one thread."""
+        if self._borrowed_from and not all(r.sender_idle for r in self._borrowed_from):
+            self._borrowed_from = ()
+            self._set(self.base)
+
+    def _set(self, wanted: int) -> None:
         if wanted != self.current:
             torch.set_num_threads(wanted)
             self.current = wanted

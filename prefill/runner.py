@@ -55,6 +55,7 @@ class PrefillRunner:
         self.metrics = metrics
         self.max_queue = max_queue
         self.num_inflight = 0
+        self._senders: dict[str, str] = {}  # request id -> the decode it came from, while it is here
 
     def _check(self, request: prefill_pb2.PrefillRequest, caller: str) -> float:
         """Seconds left of the hand-off's deadline, after the checks that need no model work:
@@ -103,6 +104,7 @@ class PrefillRunner:
         params = first_token_params(sampling_from_proto(request.sampling))
         tp = self.sender.transfer_params(rid, handoff)
         self.num_inflight += 1
+        self._senders[rid] = handoff.decode_worker_id
         try:
             stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
                                                  transfer_params=tp, cache_salt=request.cache_salt,
@@ -125,6 +127,7 @@ class PrefillRunner:
             raise
         finally:
             self.num_inflight -= 1
+            self._senders.pop(rid, None)
 
     def _response(self, rid: str, out, verdict, compute_ms: float,
                   tail_ms: float) -> prefill_pb2.PrefillResponse:
@@ -139,6 +142,19 @@ class PrefillRunner:
         if out.prompt_logprobs is not None:
             resp.prompt_logprobs.extend(logprob_to_proto(lp, tok) for lp in out.prompt_logprobs)
         return resp
+
+    def decode_busy(self, request_ids, caller: str = "") -> int:
+        """The decode `caller` has taken other work: its prompts here that came with
+        `decode_idle` stop borrowing its core. With a cluster secret only the decode that sent
+        a prompt ends its hint (the hand-off named it, and the call's credential must). Returns
+        how many were here and had the hint."""
+        found = 0
+        for rid in request_ids:
+            sender = self._senders.get(rid)
+            if sender is None or (self.handoff_mac is not None and sender != caller):
+                continue
+            found += self.loop.engine.sender_busy(rid)
+        return found
 
     async def abort(self, rid: str) -> bool:
         self.sender.abort(rid)

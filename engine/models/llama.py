@@ -8,6 +8,7 @@ carry a bias), `qk_norm` (Qwen3: RMSNorm over each head of q and k before RoPE),
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -106,8 +107,9 @@ class CausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor], connector: KVConnectorWorker,
-                save_context: LayerSaveContext) -> torch.Tensor:
+                save_context: LayerSaveContext, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden].
+        `between_layers`, if given, runs before each layer (the engine's thread count may change there).
 
         Each residual add is fused with the RMSNorm after it (`add_rms_norm`), and the
         rotary embedding with the KV-cache write (`rope_store_kv`)."""
@@ -122,6 +124,8 @@ class CausalLM:
             decode = kernels.DecodeAttention(kv_caches[0], meta.decode_block_tables, meta.decode_context_lens,
                                              self.scale, window=meta.window)
         for i, w in enumerate(self.layers):
+            if between_layers is not None:
+                between_layers()
             connector.wait_for_layer_load(i)
             x = add_rms_norm(h, delta, w.input_norm, eps)
             qkv = w.qkv(x)

@@ -113,6 +113,44 @@ def test_prefill_steps_borrow_the_idle_senders_core_only_while_every_sender_is_i
         torch.set_num_threads(before)
 
 
+def test_a_step_on_a_borrowed_core_gives_it_back_at_the_next_layer_once_its_sender_is_busy(tiny_model_factory):
+    """`sender_busy` (the prefill's answer to a decode's DecodeBusy) mid-step: the layers after
+    it run on `num_threads`, those before it ran on `burst_threads`; later steps stay there,
+    and the tokens are the same."""
+    model_dir = tiny_model_factory("llama")
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    before = torch.get_num_threads()
+    llm = LLM(str(model_dir), num_blocks=64, block_size=BLOCK, num_threads=1, burst_threads=2)
+    try:
+        e = llm.engine
+        layers = e.runner.model.layers
+        assert len(layers) >= 2
+        seen: list[int] = []  # the threads each layer's first projection ran with
+
+        def watched(i, qkv):
+            def call(x):
+                seen.append(torch.get_num_threads())
+                if i == 0 and len(seen) == 1:  # the decode took other work, during layer 0
+                    assert e.sender_busy("a") and not e.sender_busy("a") and not e.sender_busy("nope")
+                return qkv(x)
+            return call
+
+        for i, w in enumerate(layers):
+            w.qkv = watched(i, w.qkv)
+        e.add_request(prompt, GREEDY, request_id="a", sender_idle=True)
+        outputs = llm.step()
+        assert seen == [2] + [1] * (len(layers) - 1)
+        assert e.num_threads == torch.get_num_threads() == 1
+        outputs += run_until(llm, lambda: not e.has_unfinished())
+        assert set(seen[len(layers):]) == {1}
+        tokens = [t for o in outputs for t in o.new_token_ids]
+        assert tuple(tokens) == LLM(str(model_dir), num_blocks=64, block_size=BLOCK).generate(
+            prompt, GREEDY)[0].token_ids
+        e.assert_no_leaks()
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("backend", _params()[1:])
 def test_a_prompt_on_borrowed_cores_goes_whole_after_its_forward(tiny_model_factory, tmp_path, backend):
     """A layer stream's sends need a core beside the forward; a prefill whose step takes the

@@ -2,6 +2,8 @@
 carry is answered at once as skipped, with the sender's reasons, and nothing is computed."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 
 from pdserve.worker.transfer import Sender
@@ -90,3 +92,74 @@ async def test_a_handoff_from_another_caller_is_refused_before_any_work():
     with pytest.raises(HandoffCallerError, match="names decode 'decode-0'; the caller is 'prefill-1'"):
         await runner.run(request, caller="prefill-1")
     assert runner.num_inflight == 0 and len(runner.ledger) == 0  # a refused hand-off is not spent
+
+
+class HoldingLoop:
+    """Takes a prompt and never finishes it; its engine keeps each request's `sender_idle`."""
+
+    def __init__(self) -> None:
+        self.engine = HintEngine()
+        self.added = asyncio.Event()
+
+    async def add_request(self, prompt, params, *, request_id, sender_idle, **kwargs):
+        self.engine.idle[request_id] = sender_idle
+        self.added.set()
+        return NeverDone()
+
+    async def abort(self, request_id):
+        return self.engine.idle.pop(request_id, None) is not None
+
+
+class HintEngine(Engine):
+    def __init__(self) -> None:
+        self.idle: dict[str, bool] = {}
+
+    def sender_busy(self, request_id):  # LLMEngine.sender_busy's contract
+        had = self.idle.get(request_id, False)
+        if had:
+            self.idle[request_id] = False
+        return had
+
+
+class NeverDone:
+    async def next(self, timeout):
+        await asyncio.Event().wait()
+
+
+class OpenSends:
+    """The transfer layer's send side, every backend usable; it is never reached here."""
+
+    def refusal(self, handoff):
+        return None
+
+    def transfer_params(self, request_id, handoff):
+        return None
+
+    def abort(self, request_id):
+        pass
+
+
+async def test_only_the_decode_that_sent_a_prompt_ends_its_decode_idle_hint():
+    """DecodeBusy with a cluster secret: the caller must be the decode the prompt's hand-off
+    named; another worker's call finds nothing, and a prompt that left finds nothing."""
+    from pdserve.common.auth import ClusterSecret, Mac
+    from pdserve.worker.transfer import sign_handoff
+
+    mac = Mac(ClusterSecret(b"s" * 32).key("handoff"))
+    loop = HoldingLoop()
+    runner = PrefillRunner(loop, OpenSends(), WorkerMetrics("prefill"), max_queue=4, handoff_mac=mac)
+    h = handoff()
+    h.decode_worker_id = "decode-0"
+    request = prefill_pb2.PrefillRequest(request_id="r1", prompt_token_ids=list(range(20)), handoff=h,
+                                         decode_idle=True)
+    sign_handoff(request, mac)
+    running = asyncio.ensure_future(runner.run(request, caller="decode-0"))
+    await asyncio.wait_for(loop.added.wait(), 10)
+    assert loop.engine.idle == {"r1": True}
+    assert runner.decode_busy(["r1", "r2"], caller="decode-1") == 0 and loop.engine.idle["r1"]
+    assert runner.decode_busy(["r1", "r2"], caller="decode-0") == 1 and not loop.engine.idle["r1"]
+    assert runner.decode_busy(["r1"], caller="decode-0") == 0  # once
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    assert runner.num_inflight == 0 and runner.decode_busy(["r1"], caller="decode-0") == 0

@@ -55,6 +55,18 @@ class PrefillRequest(_message.Message):
     decode_idle: bool
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_idle: _Optional[bool] = ...) -> None: ...
 
+class DecodeBusyRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DecodeBusyResponse(_message.Message):
+    __slots__ = ("num_found",)
+    NUM_FOUND_FIELD_NUMBER: _ClassVar[int]
+    num_found: int
+    def __init__(self, num_found: _Optional[int] = ...) -> None: ...
+
 class PrefillTimings(_message.Message):
     __slots__ = ("queue_ms", "compute_ms", "transfer_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
