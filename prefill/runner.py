@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Protocol
 
@@ -16,6 +17,8 @@ from pdserve.worker.transfer import (MAX_HANDOFF_HORIZON_S, HandoffCallerError, 
                                      check_handoff_signature)
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
+
+log = logging.getLogger("pdserve.prefill")
 
 
 class KVSender(Protocol):
@@ -153,7 +156,9 @@ class PrefillRunner:
             sender = self._senders.get(rid)
             if sender is None or (self.handoff_mac is not None and sender != caller):
                 continue
-            found += self.loop.engine.sender_busy(rid)
+            if self.loop.engine.sender_busy(rid):
+                found += 1
+                log.info("request %s: its decode took other work; its prompt stops borrowing that core", rid)
         return found
 
     async def abort(self, rid: str) -> bool:
