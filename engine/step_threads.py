@@ -60,9 +60,10 @@ class StepThreads:
         """Within a step, before each layer: back to the base count once a sender whose core
         the step took has taken other work (its request's `sender_idle` cleared, from another
         thread, by `LLMEngine.sender_busy`). A step on more threads than the machine has free
-        cores would stall at every parallel region: a burst of prompts that follows a lone one
-        found the prefill on both cores while its decode prefilled the rest beside it, and the
-        lone prompt's 256-token step took ~1.1 s instead of ~0.5 s on one thread."""
+        cores would stall at every parallel region: 8 prompts at once after a quiet spell found
+        the first one's prefill on both cores while the decode prefilled its share beside it
+        (2 cores): that prompt's KV arrived 1.7-3.5 s after it was routed, against 0.7-0.9 s
+        with the hint ended at the next layer."""
         if self._borrowed_from and not all(r.sender_idle for r in self._borrowed_from):
             self._borrowed_from = ()
             self._set(self.base)
