@@ -211,10 +211,10 @@ class LLMEngine:
             # no forward this step, but loads for a request that waits for a remote prefill
             self.connector.worker.start_load_kv(plan.connector_meta)
         if plan.chunks:
-            self._threads.pick(self.scheduler)
+            between_layers = self._threads.pick(self.scheduler)
             started = time.perf_counter()
             computed_before = self._num_prompt_computed
-            result = self.runner.execute(plan, self._threads.between_layers if self._threads.burst else None)
+            result = self.runner.execute(plan, between_layers)
             for chunk in plan.chunks:
                 req = chunk.request
                 if req.num_computed_tokens < req.num_prompt_tokens:

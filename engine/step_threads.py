@@ -43,18 +43,21 @@ class StepThreads:
         if scheduler.num_unfinished > 1:
             self._crowded_at = time.monotonic()
 
-    def pick(self, scheduler) -> None:
+    def pick(self, scheduler) -> Callable[[], None] | None:
         """Before a step's forward: `burst` threads while no request of `scheduler` waits on
         a remote prefill and every one came from an idle sender, else the base count. The
-        switch costs no thread start after the first: the pool keeps them."""
+        switch costs no thread start after the first: the pool keeps them. Returns the hook
+        the forward runs before each layer (`between_layers`) when the step takes the burst
+        count, else None."""
         if not self.burst:
-            return
+            return None
         s = scheduler
         held = tuple(itertools.chain(s.running, s.waiting))
         lent = not s.remote and all(r.sender_idle for r in held)
         wanted = self.burst if lent else self.base
         self._borrowed_from = held if wanted != self.base else ()
         self._set(wanted)
+        return self.between_layers if self._borrowed_from else None
 
     def between_layers(self) -> None:
         """Within a step, before each layer: back to the base count once a sender whose core
