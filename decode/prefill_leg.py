@@ -26,9 +26,6 @@ from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.decode.prefill_leg")
 
-# a DecodeBusy call's deadline: a prefill that misses it only keeps a speed hint too long
-DECODE_BUSY_TIMEOUT_S = 2.0
-
 
 class KVReceiver(Protocol):
     """Decode's side of the transfer layer (worker.transfer.Receiver)."""
@@ -105,8 +102,6 @@ class PrefillLeg:
         self.timeout_s = timeout_s
         self._inflight: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
-        self._lent: dict[str, str] = {}  # request id -> prefill address: legs sent with decode_idle
-        self._busy_calls: set[asyncio.Task] = set()
 
     @property
     def can_receive(self) -> bool:
@@ -114,11 +109,9 @@ class PrefillLeg:
 
     async def run(self, request_id: str, prompt_ids: list[int], block_hashes: list[int],
                   sampling: common_pb2.SamplingParams, choice, block_ids: Sequence[int],
-                  num_cached_tokens: int, cache_salt: str = "", decode_idle: bool = False) -> LegResult:
+                  num_cached_tokens: int, cache_salt: str = "") -> LegResult:
         """`block_hashes`: this decode's own hashes of the prompt's full blocks (cache salt
-        included): the hand-off's signature binds them, the receiver accepts only them.
-        `decode_idle`: this decode steps nothing else until the KV arrives (a hint the prefill
-        may lend its burst threads on)."""
+        included): the hand-off's signature binds them, the receiver accepts only them."""
         from pdserve.worker.transfer import params_to_handoff, sign_handoff, verdict_from_proto
 
         start = time.monotonic()
@@ -127,15 +120,13 @@ class PrefillLeg:
         handoff = params_to_handoff(tp, block_ids, self.block_size, self.worker_id)
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                              block_hashes=block_hashes, sampling=sampling, handoff=handoff,
-                                             cache_salt=cache_salt, decode_idle=decode_idle)
+                                             cache_salt=cache_salt)
         if self._handoff_mac is not None:
             sign_handoff(request, self._handoff_mac)
         failed = TransferVerdict(handoff.transfer_id, Outcome.FAILED, "", peer=choice.worker_id)
         call = self._channels.prefill(choice.address).Prefill(request, timeout=self.timeout_s)
         task = asyncio.ensure_future(call)
         self._inflight[request_id] = task
-        if decode_idle:
-            self._lent[request_id] = choice.address
         try:
             resp: prefill_pb2.PrefillResponse = await task
         except asyncio.CancelledError:
@@ -150,7 +141,6 @@ class PrefillLeg:
                 reason=f"prefill_unavailable: {exc.code().name} {exc.details() or ''}".strip()))
         finally:
             self._inflight.pop(request_id, None)
-            self._lent.pop(request_id, None)
         sent = replace(verdict_from_proto(resp.verdict), peer=choice.worker_id)
         if resp.skipped:  # no KV backend could carry the blocks: the prefill computed nothing
             self.receiver.cancel(request_id)
@@ -173,30 +163,7 @@ class PrefillLeg:
             task.cancel()
         self.receiver.cancel(request_id)
 
-    def end_lends(self) -> None:
-        """This decode has taken other work: each prefill holding a prompt sent with
-        `decode_idle` hears that the hint is over (DecodeBusy), so its steps stop taking this
-        decode's core. Not awaited: a prefill that does not hear it keeps the hint until the
-        prompt is done, which costs speed, never a result."""
-        by_address: dict[str, list[str]] = {}
-        for rid, address in self._lent.items():
-            by_address.setdefault(address, []).append(rid)
-        self._lent.clear()
-        for address, rids in by_address.items():
-            task = asyncio.ensure_future(self._decode_busy(address, rids))
-            self._busy_calls.add(task)
-            task.add_done_callback(self._busy_calls.discard)
-
-    async def _decode_busy(self, address: str, rids: list[str]) -> None:
-        try:
-            await self._channels.prefill(address).DecodeBusy(prefill_pb2.DecodeBusyRequest(request_ids=rids),
-                                                             timeout=DECODE_BUSY_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            log.info("prefill %s did not take DecodeBusy for %s: %s", address, ", ".join(rids), exc.code().name)
-
     async def close(self) -> None:
-        for task in list(self._busy_calls):
-            task.cancel()
         await self._channels.close()
 
 
@@ -216,10 +183,6 @@ class RemotePrefill:
     def can_receive(self) -> bool:
         return self.leg.can_receive
 
-    def took_request(self) -> None:
-        """A request joined this decode's engine: the cores it lent to prefills are its own again."""
-        self.leg.end_lends()
-
     async def run(self, rid: str, request, stream, timings: common_pb2.RequestTimings,
                   t_arrival: float) -> RemoteOutcome:
         try:
@@ -235,8 +198,7 @@ class RemotePrefill:
         hashes = hash_prompt_blocks(request.prompt_token_ids, engine.kv.block_size, engine.compat_hash,
                                     engine.config.block_hash_key, request.cache_salt)
         result = await self.leg.run(rid, list(request.prompt_token_ids), hashes, request.sampling,
-                                    request.prefill, block_ids, num_cached, request.cache_salt,
-                                    decode_idle=engine.lends_core_to(rid))
+                                    request.prefill, block_ids, num_cached, request.cache_salt)
         timings.prefill_ms = (time.monotonic() - t_admitted) * 1000
         timings.transfer_ms = result.tail_ms  # the transfer's tail: not overlapped with compute
         if result.aborted:

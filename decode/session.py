@@ -73,7 +73,6 @@ class DecodeSessions:
         except Exception:  # counted, then re-raised
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
-        self.remote.took_request()
         timings = common_pb2.RequestTimings()
         outcome = RemoteOutcome(TransferVerdict("", Outcome.LOCAL, "", reason=placement.reason))
         try:

@@ -78,19 +78,15 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
     children = [Child("router", router, env={"PDSERVE_API_KEY": settings["api_key"]} if settings.get("api_key") else {})]
-    decode_extra: list[str] = []
-    prefill_extra: list[str] = []
+    threads: list[str] = []
     if settings.get("num_threads") is None:
-        # several engines share this machine's cores: one torch thread each avoids thrashing;
-        # a decode step takes the prefill workers' share while none of its prompts is with them,
-        # a prefill step the core of the one idle decode that sent its prompts
-        settings = dict(settings, num_threads=1)
+        # the engines split this machine's cores; with a core share, each takes them all
+        # while every other engine is idle (worker.core_share)
         cores = os.cpu_count() or 1
-        burst = min(cores, 1 + num_prefill // num_decode)
-        if burst > 1:
-            decode_extra = ["--burst-threads", str(burst)]
-        if num_prefill and cores > 1:
-            prefill_extra = ["--burst-threads", "2"]
+        base = max(1, cores // (num_prefill + num_decode))
+        settings = dict(settings, num_threads=base)
+        if settings.get("core_share") and cores > base:
+            threads = ["--core-share", str(settings["core_share"]), "--burst-threads", str(cores)]
     if settings.get("free_memory_fraction") is None:
         # ... and its memory: each KV cache takes an even share of the default fraction
         share = WorkerSettings("decode").free_memory_fraction / (num_prefill + num_decode)
@@ -102,10 +98,10 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     if local:
         worker_common += ["--kv-backends", ""]
     for i in range(num_prefill):
-        children.append(Child(f"prefill-{i}", [*py, "prefill", *worker_common, *prefill_extra,
+        children.append(Child(f"prefill-{i}", [*py, "prefill", *worker_common, *threads,
                                                "--worker-id", f"prefill-{i}", "--transfer-port", "0"], env=worker_env))
     for i in range(num_decode):
-        children.append(Child(f"decode-{i}", [*py, "decode", *worker_common, *decode_extra,
+        children.append(Child(f"decode-{i}", [*py, "decode", *worker_common, *threads,
                                               "--worker-id", f"decode-{i}", "--transfer-port", "0"], env=worker_env))
     return children, http_port
 
@@ -262,8 +258,16 @@ def cluster_secret(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield dict(settings, cluster_secret_file=path)
 
 
+@contextlib.contextmanager
+def core_share(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """`settings` with the file through which this run's workers share the machine's cores
+    (`worker.core_share`), in a private directory deleted when `up` ends."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-cores-") as private:  # 0700
+        yield dict(settings, core_share=os.path.join(private, "core-share"))
+
+
 def main(settings: dict[str, Any]) -> int:
-    with cluster_secret(settings) as settings:
+    with cluster_secret(settings) as settings, core_share(settings) as settings:
         return _run(settings)
 
 

@@ -176,9 +176,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     use_build_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    # intra-op threads for the steps taken while the engines working for this one's requests
-    # are idle, whose cores it then borrows (engine.step_threads; None: always num_threads)
-    burst_threads: int | None = None
     # "" (float32 weights) | "int8" (CPU, fp32: dynamic int8 GEMMs) | "gguf" (a GGUF model's own
     # blocks, float32 activations) | "gguf-fast" (the same, bfloat16 activations for 4-bit
     # blocks) | "auto" ("gguf" for a GGUF model on CPU in float32, else "")
@@ -190,8 +187,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")
-        if self.burst_threads is not None and self.burst_threads < 1:
-            raise InvalidRequestError("burst_threads must be >= 1")
         if self.quantization == "none":  # the flag's name for no quantization
             object.__setattr__(self, "quantization", "")
         if self.quantization not in QUANTIZATIONS:

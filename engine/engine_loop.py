@@ -89,7 +89,7 @@ class EngineLoop:
     async def add_request(self, prompt_token_ids: list[int], params, *, request_id: str,
                           remote_prefill: bool = False,
                           transfer_params: object | None = None, resumed: Sequence[int] = (),
-                          cache_salt: str = "", sender_idle: bool = True) -> RequestStream:
+                          cache_salt: str = "", stream_layers: bool = True) -> RequestStream:
         stream = RequestStream(request_id)
         if remote_prefill:
             stream.remote_ready = asyncio.get_running_loop().create_future()
@@ -98,7 +98,7 @@ class EngineLoop:
             request = self.engine.add_request(prompt_token_ids, params, request_id=request_id,
                                               remote_prefill=remote_prefill,
                                               transfer_params=transfer_params, resumed=resumed,
-                                              cache_salt=cache_salt, sender_idle=sender_idle)
+                                              cache_salt=cache_salt, stream_layers=stream_layers)
             self._streams[request_id] = stream
             return request
 
@@ -127,6 +127,7 @@ class EngineLoop:
                         self._wake.wait(PARKED_WAIT_S)  # commands (a remote prefill's end) wake it
                         self._wake.clear()
                 else:
+                    self.engine.idle()
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                 self.last_stats = self.engine.stats()

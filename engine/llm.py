@@ -18,7 +18,8 @@ class LLM:
     """Runs the engine in the caller's thread until the given prompts are done."""
 
     def __init__(self, model: str = "default", *, config: EngineConfig | None = None,
-                 connector: Connector | ConnectorFactory | None = None, loaded=None, **overrides) -> None:
+                 connector: Connector | ConnectorFactory | None = None, loaded=None,
+                 thread_policy=None, **overrides) -> None:
         config = config or EngineConfig(model=model)
         if config.model != model and model != "default":
             config = replace(config, model=model)
@@ -31,7 +32,7 @@ class LLM:
             rest["dtype"] = overrides["dtype"]
         config = replace(config, cache=replace(config.cache, **cache),
                          scheduler=replace(config.scheduler, **sched), **rest)
-        self.engine = LLMEngine(config, connector=connector, loaded=loaded)
+        self.engine = LLMEngine(config, connector=connector, loaded=loaded, thread_policy=thread_policy)
         self._ids = itertools.count()
         self._prompt_ids: dict[str, tuple[int, ...]] = {}
 

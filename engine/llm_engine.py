@@ -27,7 +27,7 @@ from pdserve.engine.request import Request, RequestStatus, TokenLogprob, check_p
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.step_threads import StepThreads
+from pdserve.engine.step_threads import StepThreads, ThreadPolicy
 from pdserve.common.block_hash import check_cache_salt, prompt_blocks
 
 log = logging.getLogger("pdserve.engine")
@@ -54,12 +54,14 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *,
-                 connector: Connector | ConnectorFactory | None = None, loaded=None) -> None:
-        """`connector`: a ready pair, or a factory the engine calls with its cache layout."""
+                 connector: Connector | ConnectorFactory | None = None, loaded=None,
+                 thread_policy: ThreadPolicy | None = None) -> None:
+        """`connector`: a ready pair, or a factory the engine calls with its cache layout.
+        `thread_policy`: who sets its steps' thread count (None: always `config.num_threads`)."""
         from pdserve.engine.loader import load_model, weight_files
 
         self.config = config or EngineConfig()
-        self._threads = StepThreads(self.config.num_threads, self.config.burst_threads)
+        self._threads = StepThreads(self.config.num_threads, thread_policy)
         self.device = torch.device(self.config.device)
         dtype = DTYPES[self.config.dtype]
         self.loaded = loaded or load_model(self.config.model, dtype=self.config.dtype)
@@ -125,13 +127,14 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, remote_prefill: bool = False,
                     transfer_params: object | None = None, resumed: Sequence[int] = (),
-                    cache_salt: str = "", sender_idle: bool = True) -> Request:
+                    cache_salt: str = "", stream_layers: bool = True) -> Request:
         """Queue a request. `resumed`: tokens it already generated elsewhere (a decode that
         died mid-stream); they count as its output (max_tokens, penalties, the seeded draw's
         index, grammar and stop-string state), their KV is computed here with the prompt's,
         and generation goes on after them. Such a request prefills locally. `cache_salt`:
-        the tenant salt; prompts with different salts share no cached block. `sender_idle`
-        (False: the engine that sent it keeps stepping meanwhile) lets a step take burst threads."""
+        the tenant salt; prompts with different salts share no cached block.
+        `stream_layers` (prefill side): its KV may leave layer by layer while the forward
+        runs; False sends it whole after the forward."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -142,7 +145,7 @@ class LLMEngine:
         resumed = check_resumed(resumed, params, self.model_config.vocab_size)
         request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,
                           transfer_params=transfer_params, remote_prefill=remote_prefill,
-                          sender_idle=sender_idle, stream_layers=self._threads.streams_layers(sender_idle))
+                          stream_layers=stream_layers)
         blocks = prompt_blocks(ids, self.kv.block_size, self.compat_hash, self.config.block_hash_key, cache_salt)
         request.block_hashes, request.block_digests, request.cache_salt = blocks.hashes, blocks.digests, cache_salt
         request.grammar = self.grammars.matcher(params.constraint)
@@ -156,7 +159,6 @@ class LLMEngine:
             request.grammar.advance(token)
             detok.push(token)
         self.scheduler.add(request)
-        self._threads.added(self.scheduler)
         self._requests[request_id] = request
         self._detok[request_id] = detok
         return request
@@ -207,11 +209,11 @@ class LLMEngine:
         outputs = self.take_outputs()
         plan = self.scheduler.schedule()
         self.last_step_ran = bool(plan.chunks)
+        between_layers = self._threads.before_step(forward=self.last_step_ran)
         if not plan.chunks and plan.connector_meta.request_ids:
             # no forward this step, but loads for a request that waits for a remote prefill
             self.connector.worker.start_load_kv(plan.connector_meta)
         if plan.chunks:
-            between_layers = self._threads.pick(self.scheduler)
             started = time.perf_counter()
             computed_before = self._num_prompt_computed
             result = self.runner.execute(plan, between_layers)
@@ -301,20 +303,9 @@ class LLMEngine:
             first_token_time=request.first_token_time)
 
     # -- introspection ------------------------------------------------------------------
-    def lends_core_to(self, request_id: str) -> bool:
-        """Whether the remote prefill of `request_id` may take this engine's core
-        (`StepThreads.lends_core`): a hint, safe to ask from another thread."""
-        return self._threads.lends_core(self.scheduler, request_id)
-
-    def sender_busy(self, request_id: str) -> bool:
-        """The engine that sent `request_id` (with `sender_idle`) has taken other work: steps
-        stop borrowing its core, the running one from its next layer on. Safe to call from
-        another thread: it clears one flag. False when the request is not here or had no such hint."""
-        request = self._requests.get(request_id)
-        if request is None or not request.sender_idle:
-            return False
-        request.sender_idle = False
-        return True
+    def idle(self) -> None:
+        """Nothing to step: the thread policy hears it (the loop calls this while it waits)."""
+        self._threads.before_step(forward=False)
 
     @property
     def num_threads(self) -> int:

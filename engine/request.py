@@ -46,9 +46,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     transfer_params: object | None = None  # connector hand-off, opaque to the engine
     remote_prefill: bool = False  # decode side: the prompt's KV arrives from a prefill service
-    # prefill side: the engine that sent it steps nothing else meanwhile (PrefillRequest.decode_idle),
-    # so a step may borrow its core; True for a request no other engine sent
-    sender_idle: bool = True
     stream_layers: bool = True  # prefill side: its KV may stream per layer (ConnectorRequest.stream_layers)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -25,7 +25,7 @@ class PrefillBuild:
 
         sender = Sender(runtime.engine.connector, runtime.engine.kv.block_size)
         runner = PrefillRunner(runtime.loop, sender, runtime.metrics, max_queue=runtime.settings.max_queue,
-                               handoff_mac=runtime.auth.handoff_mac())
+                               handoff_mac=runtime.auth.handoff_mac(), core_share=runtime.core_share)
         service = PrefillService(runner, runtime.served_name)
 
         def add(server):

@@ -48,9 +48,13 @@ def first_token_params(params):
 
 class PrefillRunner:
     def __init__(self, loop: EngineLoop, sender: KVSender, metrics, *, max_queue: int,
-                 handoff_mac: Mac | None = None, ledger: HandoffLedger | None = None) -> None:
+                 handoff_mac: Mac | None = None, ledger: HandoffLedger | None = None,
+                 core_share=None) -> None:
         """With `handoff_mac`, a hand-off must carry a decode's valid signature over it and its
-        request, and come from the decode it names. Each hand-off is accepted once (`ledger`)."""
+        request, and come from the decode it names. Each hand-off is accepted once (`ledger`).
+        With a `core_share` (worker.core_share), a prompt that arrives while every other
+        worker of the machine is idle is sent whole after its forward: that forward takes
+        their cores too, and per-layer sends would preempt its threads."""
         self.loop = loop
         self.handoff_mac = handoff_mac
         self.ledger = ledger or HandoffLedger()
@@ -58,7 +62,7 @@ class PrefillRunner:
         self.metrics = metrics
         self.max_queue = max_queue
         self.num_inflight = 0
-        self._senders: dict[str, str] = {}  # request id -> the decode it came from, while it is here
+        self.core_share = core_share
 
     def _check(self, request: prefill_pb2.PrefillRequest, caller: str) -> float:
         """Seconds left of the hand-off's deadline, after the checks that need no model work:
@@ -107,11 +111,11 @@ class PrefillRunner:
         params = first_token_params(sampling_from_proto(request.sampling))
         tp = self.sender.transfer_params(rid, handoff)
         self.num_inflight += 1
-        self._senders[rid] = handoff.decode_worker_id
+        stream_layers = self.core_share is None or not self.core_share.others_idle()
         try:
             stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
                                                  transfer_params=tp, cache_salt=request.cache_salt,
-                                                 sender_idle=request.decode_idle)
+                                                 stream_layers=stream_layers)
             try:
                 out = await stream.next(remaining_s)
             except asyncio.TimeoutError:
@@ -130,7 +134,6 @@ class PrefillRunner:
             raise
         finally:
             self.num_inflight -= 1
-            self._senders.pop(rid, None)
 
     def _response(self, rid: str, out, verdict, compute_ms: float,
                   tail_ms: float) -> prefill_pb2.PrefillResponse:
@@ -145,21 +148,6 @@ class PrefillRunner:
         if out.prompt_logprobs is not None:
             resp.prompt_logprobs.extend(logprob_to_proto(lp, tok) for lp in out.prompt_logprobs)
         return resp
-
-    def decode_busy(self, request_ids, caller: str = "") -> int:
-        """The decode `caller` has taken other work: its prompts here that came with
-        `decode_idle` stop borrowing its core. With a cluster secret only the decode that sent
-        a prompt ends its hint (the hand-off named it, and the call's credential must). Returns
-        how many were here and had the hint."""
-        found = 0
-        for rid in request_ids:
-            sender = self._senders.get(rid)
-            if sender is None or (self.handoff_mac is not None and sender != caller):
-                continue
-            if self.loop.engine.sender_busy(rid):
-                found += 1
-                log.info("request %s: its decode took other work; its prompt stops borrowing that core", rid)
-        return found
 
     async def abort(self, rid: str) -> bool:
         self.sender.abort(rid)

@@ -3,7 +3,7 @@ mapped by `rpc.errors.grpc_errors` from the one table."""
 from __future__ import annotations
 
 from pdserve.prefill.runner import PrefillRunner
-from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2_grpc
 from pdserve.worker.convert import load_to_proto, model_info
 from pdserve.rpc.credentials import caller_id
 from pdserve.rpc.errors import grpc_errors
@@ -21,11 +21,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     @grpc_errors
     async def Abort(self, request, context):
         return common_pb2.AbortResponse(found=await self.runner.abort(request.request_id))
-
-    @grpc_errors
-    async def DecodeBusy(self, request, context):
-        return prefill_pb2.DecodeBusyResponse(num_found=self.runner.decode_busy(request.request_ids,
-                                                                               caller_id(context)))
 
     @grpc_errors
     async def ModelInfo(self, request, context):

@@ -46,9 +46,9 @@ def assert_all_blocks_back(prefill, decode) -> None:
     assert decode.engine.connector.receives.sink.reserved_block_ids == set()
 
 
-def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None, sender_idle: bool = True):
+def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None, stream_layers: bool = True):
     """One request, decode-first hand-off. Returns (tokens, sender verdict, receiver verdict).
-    `sender_idle`: what the Prefill call's hint would say of the decode."""
+    `stream_layers`: whether the prefill may send its KV layer by layer."""
     d_engine, p_engine = decode.engine, prefill.engine
     tid = new_transfer_id()
     d_engine.add_request(prompt, GREEDY, request_id=rid, remote_prefill=True,
@@ -61,7 +61,7 @@ def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None, s
         rid, d_engine.remote_block_ids(rid), len(prompt), num_leading, time.time() + 30, tid)
 
     p_engine.add_request(prompt, FIRST_TOKEN, request_id=f"p-{rid}", transfer_params=params,
-                         sender_idle=sender_idle)
+                         stream_layers=stream_layers)
     outs = prefill.step()
     after_first_step()
     outs += run_until(prefill, lambda: not p_engine.has_unfinished())

@@ -81,6 +81,7 @@ class WorkerRuntime:
     worker_id: str = ""
     address: str = ""
     auth: InternalAuth = InternalAuth(None)  # signs this worker's outgoing internal calls
+    core_share: Any = None  # worker.core_share.CoreShare: the machine's cores, shared with its other workers
 
 
 class ServiceBuild(Protocol):
@@ -104,16 +105,17 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     from pdserve.worker.metrics import WorkerMetrics
     from pdserve.engine.engine_loop import EngineLoop
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.step_threads import on_passing_thread
+    from pdserve.kernels.omp import on_passing_thread
 
     setup_logging(settings.log_level)
     tls = InternalTLS.load(settings.internal_tls_cert, settings.internal_tls_key, settings.internal_tls_ca)
     auth = InternalAuth.from_settings(role, settings.host, settings.cluster_secret_file,
                                       settings.insecure_internal, tls)
     connector = build.make_connector(settings, auth.secret)
+    core_share = settings.thread_policy()
     with progress.step(f"{role}: loading model {settings.model}"):
         engine = await on_passing_thread(functools.partial(LLMEngine, settings.engine_config(auth.secret),
-                                                          connector=connector))
+                                                          connector=connector, thread_policy=core_share))
     states = engine.connector.worker.backend_states()
     log.info("%s: kv backends: %s", role, ", ".join(
         f"{b.name} ok" if b.usable else f"{b.name} off ({b.detail})" for b in states) or "none")
@@ -124,7 +126,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     protected = [f"pdserve.v1.{role.capitalize()}"]
     server, port = bind_server(settings, auth.interceptors(protected, metrics.count_auth_refusal), tls)
     host = settings.advertise_host or settings.host
-    runtime = WorkerRuntime(settings, engine, loop, metrics, served, auth=auth,
+    runtime = WorkerRuntime(settings, engine, loop, metrics, served, auth=auth, core_share=core_share,
                             address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}")
     add_servicers, names, on_close = await build.make_service(runtime)
     health = await start_serving(server, add_servicers, names)
@@ -160,4 +162,6 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
         await server.stop(grace=2)
         await on_close()
         loop.stop()
+        if core_share is not None:
+            core_share.close()
     return 0

@@ -106,11 +106,12 @@ class WorkerSettings:
     transfer_port: int = setting(0, "decode: UCX listener port; the NCCL/gloo store listens on the next port (0 "
                                  "picks free ones)", "worker")  # from_settings: DECODE_TRANSFER_PORT for decode
     max_queue: int = setting(64, "prefills in flight before refusing", "worker", roles=("prefill",))
+    core_share: str = setting(
+        "", "a file through which the workers on this machine share its cores (none: no sharing); `up` "
+        "sets it", "worker", roles=("decode", "prefill"))
     burst_threads: int = setting(
-        0, "intra-op threads for a step while the engines that work for this one's requests are idle (0: "
-        "always --num-threads): on a decode, none of its requests waits on a remote prefill; on a prefill, "
-        "every prompt it holds came from a decode that steps nothing else meanwhile. `up` sets it when its "
-        "workers share one machine's cores", "worker", roles=("decode", "prefill"))
+        0, "with --core-share: intra-op threads for a step while every other worker of the share is idle "
+        "(0: --num-threads)", "worker", roles=("decode", "prefill"))
     # -- common: every process, `up` included
     host: str = setting("127.0.0.1", "address to bind listeners to", "common")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING, ERROR", "common")
@@ -188,6 +189,18 @@ class WorkerSettings:
             return ""
         return self.quantization
 
+    def thread_policy(self):
+        """Who sets the engine's step thread count: the machine's core share, or None (a
+        fixed --num-threads)."""
+        if not self.core_share:
+            return None
+        import torch
+
+        from pdserve.worker.core_share import CoreShare
+
+        base = self.num_threads or torch.get_num_threads()
+        return CoreShare(self.core_share, base, max(base, self.burst_threads or base))
+
     def engine_config(self, secret=None):
         """The engine's config; its block-hash key derives from the cluster `secret` when
         there is one (else the public fixed key: `common.block_hash.INSECURE_KEY`)."""
@@ -199,7 +212,6 @@ class WorkerSettings:
             block_hash_key=block_hash_key(secret),
             quantization=self.engine_quantization(),
             num_threads=self.num_threads or None,
-            burst_threads=self.burst_threads or None,
             cache=CacheConfig(block_size=self.block_size, max_tokens=self.max_kv_tokens or None,
                               free_memory_fraction=self.free_memory_fraction, dtype=self.dtype,
                               attention_window=self.attention_window or None),

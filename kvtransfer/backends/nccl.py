@@ -49,7 +49,7 @@ import time
 
 from pdserve.common import envs
 from pdserve.common.errors import TransferError
-from pdserve.engine.step_threads import one_intra_op_thread
+from pdserve.kernels.omp import one_intra_op_thread
 from pdserve.kvtransfer.backends import _gate, _p2p
 from pdserve.kvtransfer.backends._p2p import (  # noqa: F401  (re-exported: shared frames)
     CLOSE_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAX_BUDGET_MS, MAX_REASON, REPLY, REQUEST,

@@ -25,7 +25,7 @@ import torch
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.connector import ConnectorRequest, KVCacheLayout, LayerSaveContext
-from pdserve.engine.step_threads import one_intra_op_thread
+from pdserve.kernels.omp import one_intra_op_thread
 from pdserve.kvtransfer.base import BlockStore
 from pdserve.kvtransfer.blocks import buffer_from_bytes, gather_to_host, scatter_from_host
 from pdserve.kvtransfer.codec import encode_message, new_transfer_id

@@ -30,7 +30,7 @@ import torch
 
 from pdserve.common.util import cdiv
 from pdserve.engine.connector import KVCacheLayout, LayerSaveContext
-from pdserve.engine.step_threads import one_intra_op_thread
+from pdserve.kernels.omp import one_intra_op_thread
 from pdserve.kvtransfer.blocks import gather_for_send
 from pdserve.kvtransfer.chain import FallbackChain, SendJob
 from pdserve.kvtransfer.codec import encode_message, ephemeral_key

@@ -47,10 +47,10 @@ def test_up_takes_only_flags_it_uses():
     from pdserve.deploy.cli import router_pass_through, worker_pass_through
 
     assert _dests("up") - own == (set(worker_pass_through()) | set(router_pass_through())) - {"log_level"}
-    # every engine and transfer flag of a worker reaches the workers `up` starts (burst_threads:
-    # `up` sets it itself, on decode workers only)
+    # every engine and transfer flag of a worker reaches the workers `up` starts (core_share and
+    # burst_threads: `up` sets them itself)
     assert _dests("decode") - {"metrics_port", "metrics_token", "grpc_port", "advertise_host", "router", "worker_id",
-                               "transfer_port", "burst_threads"} - own <= set(worker_pass_through())
+                               "transfer_port", "burst_threads", "core_share"} - own <= set(worker_pass_through())
     assert "attention_window" in worker_pass_through() and "lenient_json_schema" in router_pass_through()
 
 
@@ -226,30 +226,31 @@ def test_up_shares_the_kv_memory_fraction_among_its_workers():
     assert fractions("--free-memory-fraction", "0.5") == [0.5, 0.5]  # given: as given
 
 
-def test_up_lends_cores_between_its_workers_when_it_picks_the_thread_counts(monkeypatch):
-    """With the default thread count (one per engine), decode workers may take the prefill
-    workers' cores while none of their prompts is there, and prefill workers one more thread
-    (the core of an idle decode that sent the prompt)."""
+def test_up_splits_the_cores_and_shares_them_when_it_picks_the_thread_counts(monkeypatch):
+    """With the default thread count, each engine takes its share of the machine's cores and,
+    through the run's core share, all of them while every other engine is idle."""
     from pdserve.deploy import up
 
     monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
 
     def threads(*argv):
-        children, _ = up.plan(dict(resolve(build_parser().parse_args(["up", *argv]), environ={}),
-                                   cluster_secret_file="/s"))
+        settings = resolve(build_parser().parse_args(["up", *argv]), environ={})
+        children, _ = up.plan(dict(settings, cluster_secret_file="/s", core_share="/run/share"))
         out = {}
         for child in children[1:]:
             parsed = resolve(build_parser().parse_args(child.argv[3:]), environ={})
+            assert parsed.get("core_share", "") in ("", "/run/share")
             out[child.name] = (parsed["num_threads"], parsed.get("burst_threads", 0))
         return out
 
-    assert threads() == {"prefill-0": (1, 2), "decode-0": (1, 2)}
+    assert threads() == {"prefill-0": (4, 8), "decode-0": (4, 8)}
     assert threads("--num-prefill", "2", "--num-decode", "2") == {
-        "prefill-0": (1, 2), "prefill-1": (1, 2), "decode-0": (1, 2), "decode-1": (1, 2)}
-    assert threads("--num-decode", "2") == {"prefill-0": (1, 2), "decode-0": (1, 0), "decode-1": (1, 0)}
-    assert threads("--num-prefill", "2") == {"prefill-0": (1, 2), "prefill-1": (1, 2), "decode-0": (1, 3)}
-    assert threads("--num-threads", "2") == {"prefill-0": (2, 0), "decode-0": (2, 0)}  # as given
-    assert threads("--local-prefill") == {"decode-0": (1, 0)}
+        "prefill-0": (2, 8), "prefill-1": (2, 8), "decode-0": (2, 8), "decode-1": (2, 8)}
+    assert threads("--num-threads", "2") == {"prefill-0": (2, 0), "decode-0": (2, 0)}  # as given: no share
+    assert threads("--local-prefill") == {"decode-0": (8, 0)}  # one engine: every core, nothing to share
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 2)
+    assert threads() == {"prefill-0": (1, 2), "decode-0": (1, 2)}
+    assert threads("--num-prefill", "2") == {"prefill-0": (1, 2), "prefill-1": (1, 2), "decode-0": (1, 2)}
     monkeypatch.setattr(up.os, "cpu_count", lambda: 1)
     assert threads() == {"prefill-0": (1, 0), "decode-0": (1, 0)}
 

@@ -47,34 +47,55 @@ def test_disaggregated_greedy_equals_local(tiny_model_factory, tmp_path, backend
         assert_all_blocks_back(prefill, decode)
 
 
-def test_decode_steps_take_burst_threads_only_while_no_prompt_is_remote(tiny_model_factory, tmp_path):
-    """`burst_threads` (what `up` gives a decode worker beside its prefill worker): a step
-    runs with them while none of the engine's requests waits on a remote prefill, with
-    `num_threads` while one does; the tokens are the same either way."""
+class ScriptedPolicy:
+    """A thread policy that answers as the test sets it and records what the engine asked."""
+
+    def __init__(self, base: int, burst: int) -> None:
+        self.base, self.burst = base, burst
+        self.others_idle = True
+        self.asked: list[bool] = []  # `forward` of each step_threads call
+        self.on_layer = lambda: None  # runs in each layer_threads call, before it answers
+
+    def step_threads(self, forward: bool) -> int:
+        self.asked.append(forward)
+        return self.burst if forward and self.others_idle else self.base
+
+    def layer_threads(self):
+        self.on_layer()
+        return None if self.others_idle else self.base
+
+
+def test_decode_steps_take_the_count_their_policy_gives_and_tell_it_when_nothing_is_computed(
+        tiny_model_factory, tmp_path):
+    """The engine obeys its thread policy before each step, and tells it `forward=False` for a
+    step with nothing to compute (every request waits on a remote prefill); the tokens are
+    the same whatever the count."""
     model_dir = tiny_model_factory("llama")
     config = KVTransferConfig(backends=("disk", RECOMPUTE), disk_store=str(tmp_path / "store"))
     g = torch.Generator().manual_seed(5)
     prompt_a, prompt_b = (torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 24))
     before = torch.get_num_threads()
+    policy = ScriptedPolicy(1, 2)
     decode = LLM(str(model_dir), connector=connector_factory(config), num_blocks=64, block_size=BLOCK,
-                 num_threads=1, burst_threads=2)
+                 num_threads=1, thread_policy=policy)
     try:
         d = decode.engine
-        d.add_request(prompt_a, GREEDY, request_id="a")
-        outputs = decode.step()
-        assert d.num_threads == torch.get_num_threads() == 2
         d.add_request(prompt_b, GREEDY, request_id="b", remote_prefill=True,
                       transfer_params=ReceiveParams(new_transfer_id()))
-        remote = []
-        while not remote:
-            out, ready = d.step()
-            outputs += out
-            remote += ready
-        outputs += decode.step()  # "a" decodes while "b" waits on its prefill
+        run_until(decode, lambda: "b" in d.scheduler.remote)
+        assert policy.asked and not any(policy.asked)  # nothing to compute: never a forward
+        d.add_request(prompt_a, GREEDY, request_id="a")
+        outputs = decode.step()
+        assert policy.asked[-1] and d.num_threads == torch.get_num_threads() == 2
+        policy.others_idle = False  # another engine of the machine started computing
+        outputs += decode.step()
         assert d.num_threads == torch.get_num_threads() == 1
         assert d.abort("b")
+        policy.others_idle = True
         outputs += run_until(decode, lambda: not d.has_unfinished())
         assert d.num_threads == 2
+        d.idle()
+        assert policy.asked[-1] is False and d.num_threads == 1
         tokens = [t for o in outputs if o.request_id == "a" for t in o.new_token_ids]
         assert tuple(tokens) == LLM(str(model_dir), num_blocks=64, block_size=BLOCK).generate(
             prompt_a, GREEDY)[0].token_ids
@@ -84,65 +105,44 @@ def test_decode_steps_take_burst_threads_only_while_no_prompt_is_remote(tiny_mod
         torch.set_num_threads(before)
 
 
-def test_prefill_steps_borrow_the_idle_senders_core_only_while_every_sender_is_idle(tiny_model_factory):
-    """A prefill worker's `burst_threads`: a step runs with them while every request it holds
-    came from a decode that steps nothing else (`sender_idle`, the Prefill call's hint), with
-    `num_threads` while any came from a busy one; the tokens are the same either way."""
-    model_dir = tiny_model_factory("llama")
-    g = torch.Generator().manual_seed(6)
-    prompt_a, prompt_b = (torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 24))
-    before = torch.get_num_threads()
-    llm = LLM(str(model_dir), num_blocks=64, block_size=BLOCK, num_threads=1, burst_threads=2)
-    try:
-        e = llm.engine
-        e.add_request(prompt_a, GREEDY, request_id="a", sender_idle=True)
-        outputs = llm.step()
-        assert e.num_threads == torch.get_num_threads() == 2
-        e.add_request(prompt_b, GREEDY, request_id="b", sender_idle=False)
-        outputs += llm.step()
-        assert e.num_threads == torch.get_num_threads() == 1
-        assert e.abort("b")
-        outputs += llm.step()
-        assert e.num_threads == 2
-        outputs += run_until(llm, lambda: not e.has_unfinished())
-        tokens = [t for o in outputs if o.request_id == "a" for t in o.new_token_ids]
-        assert tuple(tokens) == LLM(str(model_dir), num_blocks=64, block_size=BLOCK).generate(
-            prompt_a, GREEDY)[0].token_ids
-        e.assert_no_leaks()
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_a_step_on_a_borrowed_core_gives_it_back_at_the_next_layer_once_its_sender_is_busy(tiny_model_factory):
-    """`sender_busy` (the prefill's answer to a decode's DecodeBusy) mid-step: the layers after
-    it run on `num_threads`, those before it ran on `burst_threads`; later steps stay there,
-    and the tokens are the same."""
+def test_a_step_above_its_base_count_drops_to_it_at_the_next_layer_its_policy_says(tiny_model_factory):
+    """The per-layer hook: a step running above its base count asks the policy before each
+    layer; when another engine starts computing during layer 0, layers 1.. run on the base
+    count, and so do later steps while it computes. Steps at the base count ask nothing per
+    layer. The tokens are the same."""
     model_dir = tiny_model_factory("llama")
     prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     before = torch.get_num_threads()
-    llm = LLM(str(model_dir), num_blocks=64, block_size=BLOCK, num_threads=1, burst_threads=2)
+    policy = ScriptedPolicy(1, 2)
+    llm = LLM(str(model_dir), num_blocks=64, block_size=BLOCK, num_threads=1, thread_policy=policy)
     try:
         e = llm.engine
         layers = e.runner.model.layers
         assert len(layers) >= 2
         seen: list[int] = []  # the threads each layer's first projection ran with
+        layer_calls = []
 
-        def watched(i, qkv):
+        def watched(qkv):
             def call(x):
                 seen.append(torch.get_num_threads())
-                if i == 0 and len(seen) == 1:  # the decode took other work, during layer 0
-                    assert e.sender_busy("a") and not e.sender_busy("a") and not e.sender_busy("nope")
                 return qkv(x)
             return call
 
-        for i, w in enumerate(layers):
-            w.qkv = watched(i, w.qkv)
-        e.add_request(prompt, GREEDY, request_id="a", sender_idle=True)
+        def on_layer():
+            layer_calls.append(len(seen))
+            if len(seen) == 1:  # during layer 0 of the first step
+                policy.others_idle = False
+
+        policy.on_layer = on_layer
+        for w in layers:
+            w.qkv = watched(w.qkv)
+        e.add_request(prompt, GREEDY, request_id="a")
         outputs = llm.step()
         assert seen == [2] + [1] * (len(layers) - 1)
         assert e.num_threads == torch.get_num_threads() == 1
+        num_asked = len(layer_calls)
         outputs += run_until(llm, lambda: not e.has_unfinished())
-        assert set(seen[len(layers):]) == {1}
+        assert set(seen[len(layers):]) == {1} and len(layer_calls) == num_asked  # base steps: no per-layer check
         tokens = [t for o in outputs for t in o.new_token_ids]
         assert tuple(tokens) == LLM(str(model_dir), num_blocks=64, block_size=BLOCK).generate(
             prompt, GREEDY)[0].token_ids
@@ -152,57 +152,23 @@ def test_a_step_on_a_borrowed_core_gives_it_back_at_the_next_layer_once_its_send
 
 
 @pytest.mark.parametrize("backend", _params()[1:])
-def test_a_prompt_on_borrowed_cores_goes_whole_after_its_forward(tiny_model_factory, tmp_path, backend):
-    """A layer stream's sends need a core beside the forward; a prefill whose step takes the
-    idle decode's core too leaves none, so that prompt's KV goes whole after the forward (a
-    busy decode's prompt still streams). Greedy tokens equal a local engine's either way."""
+def test_a_prompt_added_without_layer_streaming_goes_whole_after_its_forward(tiny_model_factory, tmp_path, backend):
+    """`stream_layers=False` (what a prefill worker asks when its forward takes the idle
+    machine's cores): the prompt's KV goes in one message after the forward; with the
+    default it streams per layer. Greedy tokens equal a local engine's either way."""
     model_dir = tiny_model_factory("llama")
     config = KVTransferConfig(backends=(backend, RECOMPUTE), disk_store=str(tmp_path / "store"))
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(3, 256, (40,), generator=g).tolist()
-    before = torch.get_num_threads()
-    try:
-        with engines(model_dir, config, num_threads=1, burst_threads=2) as (prefill, decode, local):
-            tokens, sent, received = disaggregated(prefill, decode, prompt, "idle", sender_idle=True)
-            assert sent.ok and received.ok and sent.backend == backend
-            assert sent.num_messages == 0  # whole: no layer messages
-            assert tuple(tokens) == local.generate(prompt, GREEDY)[0].token_ids
-            tokens, sent, received = disaggregated(prefill, decode, prompt + [5], "busy", sender_idle=False)
-            assert sent.ok and received.ok and sent.num_messages >= 1  # streamed
-            assert tuple(tokens) == local.generate(prompt + [5], GREEDY)[0].token_ids
-            assert_all_blocks_back(prefill, decode)
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_a_decode_lends_its_core_only_to_its_only_request_and_not_right_after_a_clump(
-        tiny_model_factory, tmp_path, monkeypatch):
-    """What a decode tells the prefill worker in `decode_idle`: the remote prompt is the only
-    request it holds (it steps nothing until that KV arrives), and it held no two at once for
-    LEND_QUIET_S (requests in clumps would be stepped here on the lent core meanwhile)."""
-    from pdserve.engine import step_threads
-
-    model_dir = tiny_model_factory("llama")
-    config = KVTransferConfig(backends=("disk", RECOMPUTE), disk_store=str(tmp_path / "store"))
-    decode = LLM(str(model_dir), connector=connector_factory(config), num_blocks=64, block_size=BLOCK)
-    try:
-        d = decode.engine
-        d.add_request(list(range(3, 43)), GREEDY, request_id="r", remote_prefill=True,
-                      transfer_params=ReceiveParams(new_transfer_id()))
-        assert not d.lends_core_to("r")  # not admitted yet: no blocks of its own
-        run_until(decode, lambda: "r" in d.scheduler.remote)
-        assert d.lends_core_to("r") and not d.lends_core_to("other")
-        d.add_request(list(range(3, 20)), GREEDY, request_id="local")
-        assert not d.lends_core_to("r")
-        assert d.abort("local")
-        assert not d.lends_core_to("r")  # alone again, but a second request came just now
-        monkeypatch.setattr(step_threads, "LEND_QUIET_S", 0.0)
-        assert d.lends_core_to("r")
-        assert d.abort("r")
-        run_until(decode, lambda: not d.has_unfinished())
-        d.assert_no_leaks()
-    finally:
-        decode.engine.connector.worker.close()
+    with engines(model_dir, config) as (prefill, decode, local):
+        tokens, sent, received = disaggregated(prefill, decode, prompt, "whole", stream_layers=False)
+        assert sent.ok and received.ok and sent.backend == backend
+        assert sent.num_messages == 0  # whole: no layer messages
+        assert tuple(tokens) == local.generate(prompt, GREEDY)[0].token_ids
+        tokens, sent, received = disaggregated(prefill, decode, prompt + [5], "streamed")
+        assert sent.ok and received.ok and sent.num_messages >= 1
+        assert tuple(tokens) == local.generate(prompt + [5], GREEDY)[0].token_ids
+        assert_all_blocks_back(prefill, decode)
 
 
 def test_failed_transfer_is_recomputed_by_the_decode_side(tiny_model_factory, tmp_path):

@@ -64,7 +64,7 @@ class Choice:
     address: str
 
 
-async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = False, decode_idle: bool = False):
+async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = False):
     # the hand-off message itself is the transfer layer's business, not this test's
     monkeypatch.setattr("pdserve.worker.transfer.params_to_handoff", lambda *a: prefill_pb2.KVHandoff())
     server = grpc.aio.server()
@@ -77,8 +77,8 @@ async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = Fa
     try:
         start = time.monotonic()
         result = await leg.run("req-1", [1, 2, 3], [], common_pb2.SamplingParams(),
-                               Choice("prefill-0", f"127.0.0.1:{port}"), [1], 0, decode_idle=decode_idle)
-        assert [r.decode_idle for r in servicer.requests] == [decode_idle]  # the hint reaches the prefill
+                               Choice("prefill-0", f"127.0.0.1:{port}"), [1], 0)
+        assert [r.request_id for r in servicer.requests] == ["req-1"]
         return result, time.monotonic() - start, receiver
     finally:
         await leg.close()
@@ -95,10 +95,8 @@ async def test_a_prefill_slower_than_the_deadline_fails_the_leg_at_the_deadline(
     assert receiver.cancelled == ["req-1"]
 
 
-@pytest.mark.parametrize("decode_idle", [False, True])
-async def test_a_slow_prefill_inside_the_deadline_completes(monkeypatch, decode_idle):
-    result, elapsed, receiver = await run_leg(delay_s=1.0, timeout_s=10.0, monkeypatch=monkeypatch,
-                                              decode_idle=decode_idle)
+async def test_a_slow_prefill_inside_the_deadline_completes(monkeypatch):
+    result, elapsed, receiver = await run_leg(delay_s=1.0, timeout_s=10.0, monkeypatch=monkeypatch)
     assert result.ok, result.verdict
     assert result.first_token_id == 7 and result.verdict.peer == "prefill-0"
     assert elapsed >= 1.0 and receiver.cancelled == []
@@ -112,58 +110,6 @@ async def test_a_prefill_that_skipped_the_prompt_fails_the_leg_with_its_reason(m
     assert result.verdict.reason == SKIPPED and result.verdict.peer == "prefill-0"
     assert [f.backend for f in result.verdict.fallbacks] == ["disk"]
     assert receiver.cancelled == ["req-1"]
-
-
-class HeldPrefill(prefill_pb2_grpc.PrefillServicer):
-    """Holds every Prefill call until cancelled; queues each call and each DecodeBusy."""
-
-    def __init__(self) -> None:
-        self.arrived: asyncio.Queue = asyncio.Queue()
-        self.busy: asyncio.Queue = asyncio.Queue()
-
-    async def Prefill(self, request, context):
-        await self.arrived.put(request)
-        await asyncio.Event().wait()
-
-    async def DecodeBusy(self, request, context):
-        await self.busy.put(list(request.request_ids))
-        return prefill_pb2.DecodeBusyResponse(num_found=len(request.request_ids))
-
-
-async def test_a_decode_that_takes_other_work_ends_the_hint_of_each_prompt_it_lent_its_core_to(monkeypatch):
-    """`end_lends` (a request joined the decode): one DecodeBusy per prefill, naming the legs
-    sent with `decode_idle` and still running, each once; legs sent busy are not named."""
-    monkeypatch.setattr("pdserve.worker.transfer.params_to_handoff", lambda *a: prefill_pb2.KVHandoff())
-    server = grpc.aio.server()
-    servicer = HeldPrefill()
-    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    leg = PrefillLeg(RecordingReceiver(), worker_id="decode-0", compat_hash=1, block_size=16, timeout_s=30.0)
-    choice = Choice("prefill-0", f"127.0.0.1:{port}")
-
-    async def start(rid: str, decode_idle: bool) -> asyncio.Task:
-        task = asyncio.ensure_future(leg.run(rid, [1, 2, 3], [], common_pb2.SamplingParams(), choice, [1], 0,
-                                             decode_idle=decode_idle))
-        assert (await asyncio.wait_for(servicer.arrived.get(), 10)).request_id == rid
-        return task
-
-    try:
-        legs = [await start("lent", True), await start("busy", False)]
-        leg.end_lends()
-        assert await asyncio.wait_for(servicer.busy.get(), 10) == ["lent"]
-        leg.end_lends()  # nothing lent any more: no call
-        legs.append(await start("lent-2", True))
-        leg.end_lends()
-        assert await asyncio.wait_for(servicer.busy.get(), 10) == ["lent-2"]  # not "lent" again
-        for rid in ("lent", "busy", "lent-2"):
-            await leg.abort(rid)
-        assert all(r.aborted for r in await asyncio.gather(*legs))
-        leg.end_lends()  # ended legs are not named either
-        assert servicer.busy.empty()
-    finally:
-        await leg.close()
-        await server.stop(0)
 
 
 def test_prefill_timeout_is_a_decode_setting(monkeypatch):

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import time
 
+import pytest
+
 from pdserve.worker.transfer import Sender
 from pdserve.prefill.runner import PrefillRunner
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
@@ -95,30 +97,30 @@ async def test_a_handoff_from_another_caller_is_refused_before_any_work():
 
 
 class HoldingLoop:
-    """Takes a prompt and never finishes it; its engine keeps each request's `sender_idle`."""
+    """Takes prompts and never finishes them; keeps what each was added with."""
 
     def __init__(self) -> None:
-        self.engine = HintEngine()
+        self.engine = Engine()
+        self.stream_layers: dict[str, bool] = {}
         self.added = asyncio.Event()
 
-    async def add_request(self, prompt, params, *, request_id, sender_idle, **kwargs):
-        self.engine.idle[request_id] = sender_idle
+    async def add_request(self, prompt, params, *, request_id, stream_layers=True, **kwargs):
+        self.stream_layers[request_id] = stream_layers
         self.added.set()
         return NeverDone()
 
     async def abort(self, request_id):
-        return self.engine.idle.pop(request_id, None) is not None
+        return True
 
 
-class HintEngine(Engine):
-    def __init__(self) -> None:
-        self.idle: dict[str, bool] = {}
+class Share:
+    """A core share whose other members are idle or not, as the test says."""
 
-    def sender_busy(self, request_id):  # LLMEngine.sender_busy's contract
-        had = self.idle.get(request_id, False)
-        if had:
-            self.idle[request_id] = False
-        return had
+    def __init__(self, others_idle: bool) -> None:
+        self.idle = others_idle
+
+    def others_idle(self) -> bool:
+        return self.idle
 
 
 class NeverDone:
@@ -139,27 +141,17 @@ class OpenSends:
         pass
 
 
-async def test_only_the_decode_that_sent_a_prompt_ends_its_decode_idle_hint():
-    """DecodeBusy with a cluster secret: the caller must be the decode the prompt's hand-off
-    named; another worker's call finds nothing, and a prompt that left finds nothing."""
-    from pdserve.common.auth import ClusterSecret, Mac
-    from pdserve.worker.transfer import sign_handoff
-
-    mac = Mac(ClusterSecret(b"s" * 32).key("handoff"))
+@pytest.mark.parametrize("share, streams", [(None, True), (Share(False), True), (Share(True), False)])
+async def test_a_prompt_streams_its_layers_unless_its_forward_takes_the_idle_machines_cores(share, streams):
+    """With a core share whose other workers are all idle, the prompt's forward runs on their
+    cores too: its KV goes whole after the forward, not layer by layer beside it."""
     loop = HoldingLoop()
-    runner = PrefillRunner(loop, OpenSends(), WorkerMetrics("prefill"), max_queue=4, handoff_mac=mac)
-    h = handoff()
-    h.decode_worker_id = "decode-0"
-    request = prefill_pb2.PrefillRequest(request_id="r1", prompt_token_ids=list(range(20)), handoff=h,
-                                         decode_idle=True)
-    sign_handoff(request, mac)
-    running = asyncio.ensure_future(runner.run(request, caller="decode-0"))
+    runner = PrefillRunner(loop, OpenSends(), WorkerMetrics("prefill"), max_queue=4, core_share=share)
+    request = prefill_pb2.PrefillRequest(request_id="r1", prompt_token_ids=list(range(20)), handoff=handoff())
+    running = asyncio.ensure_future(runner.run(request))
     await asyncio.wait_for(loop.added.wait(), 10)
-    assert loop.engine.idle == {"r1": True}
-    assert runner.decode_busy(["r1", "r2"], caller="decode-1") == 0 and loop.engine.idle["r1"]
-    assert runner.decode_busy(["r1", "r2"], caller="decode-0") == 1 and not loop.engine.idle["r1"]
-    assert runner.decode_busy(["r1"], caller="decode-0") == 0  # once
+    assert loop.stream_layers == {"r1": streams}
     running.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await running
-    assert runner.num_inflight == 0 and runner.decode_busy(["r1"], caller="decode-0") == 0
+    assert runner.num_inflight == 0

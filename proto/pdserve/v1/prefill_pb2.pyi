@@ -38,34 +38,20 @@ class KVHandoff(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[TransferEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., compatibility_hash: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "block_hashes", "sampling", "handoff", "cache_salt", "decode_idle")
+    __slots__ = ("request_id", "prompt_token_ids", "block_hashes", "sampling", "handoff", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    DECODE_IDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     handoff: KVHandoff
     cache_salt: str
-    decode_idle: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_idle: _Optional[bool] = ...) -> None: ...
-
-class DecodeBusyRequest(_message.Message):
-    __slots__ = ("request_ids",)
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
-
-class DecodeBusyResponse(_message.Message):
-    __slots__ = ("num_found",)
-    NUM_FOUND_FIELD_NUMBER: _ClassVar[int]
-    num_found: int
-    def __init__(self, num_found: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillTimings(_message.Message):
     __slots__ = ("queue_ms", "compute_ms", "transfer_ms")

@@ -56,11 +56,6 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.WorkerLoad.FromString,
                 _registered_method=True)
-        self.DecodeBusy = channel.unary_unary(
-                '/pdserve.v1.Prefill/DecodeBusy',
-                request_serializer=pdserve_dot_v1_dot_prefill__pb2.DecodeBusyRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.DecodeBusyResponse.FromString,
-                _registered_method=True)
 
 
 class PrefillServicer:
@@ -95,14 +90,6 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def DecodeBusy(self, request, context):
-        """The calling decode took other work: the prompts it sent with decode_idle stop taking
-        its core, from their next layer on. Only the decode that sent a prompt may end its hint.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,11 +112,6 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.LoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.WorkerLoad.SerializeToString,
-            ),
-            'DecodeBusy': grpc.unary_unary_rpc_method_handler(
-                    servicer.DecodeBusy,
-                    request_deserializer=pdserve_dot_v1_dot_prefill__pb2.DecodeBusyRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.DecodeBusyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -241,33 +223,6 @@ class Prefill:
             '/pdserve.v1.Prefill/Load',
             pdserve_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.WorkerLoad.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def DecodeBusy(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Prefill/DecodeBusy',
-            pdserve_dot_v1_dot_prefill__pb2.DecodeBusyRequest.SerializeToString,
-            pdserve_dot_v1_dot_prefill__pb2.DecodeBusyResponse.FromString,
             options,
             channel_credentials,
             insecure,

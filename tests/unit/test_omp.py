@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from pdserve.engine.step_threads import _omp_set_num_threads, on_passing_thread, one_intra_op_thread
+from pdserve.kernels.omp import omp_set_num_threads as _omp_set_num_threads, on_passing_thread, one_intra_op_thread
 from support import wait_until
 
 
