@@ -24,6 +24,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from pdserve.kvtransfer.config import TRANSPORTS
+
 
 @dataclass
 class Row:
@@ -140,7 +142,7 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--prompt-len", type=int, default=2000)
-    p.add_argument("--backends", nargs="+", default=["ucx", "nccl"])
+    p.add_argument("--backends", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
     p.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
     p.add_argument("--step-tokens", type=int, default=256, help="the prefill's step budget")
     p.add_argument("--repeats", type=int, default=3, help="hand-offs per configuration")

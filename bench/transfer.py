@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Callable
 
 from pdserve.bench.child import Child, serve_commands
+from pdserve.kvtransfer.config import BACKENDS, TRANSPORTS
 from pdserve.kvtransfer.local_redis import RedisServer, redis_server_binary
 
-ALL_BACKENDS = ("ucx", "nccl", "redis", "disk")
 # the default model's KV layout (SmolLM2-135M-Instruct)
 LAYOUT = dict(model_name="SmolLM2-135M-Instruct", num_layers=30, block_size=16, num_kv_heads=3,
               head_dim=64, dtype="float32")
@@ -146,7 +146,7 @@ def serve(max_blocks: int) -> int:
             sink = BenchSink(max_blocks)
             for name in cmd["backends"]:
                 try:
-                    if name in ("ucx", "nccl"):
+                    if name in TRANSPORTS:
                         backends[name] = backend_loader.open_transport(name, config)
                         endpoints[name] = backends[name].open_receiver(sink)
                     else:
@@ -253,7 +253,7 @@ class Session:
         config = KVTransferConfig(**settings)
         for name in [b for b in wanted if b not in self.skipped]:
             try:
-                self.opened[name] = (backend_loader.open_transport(name, config) if name in ("ucx", "nccl")
+                self.opened[name] = (backend_loader.open_transport(name, config) if name in TRANSPORTS
                                      else backend_loader.open_store(name, config))
             except Exception as exc:  # noqa: BLE001 - a backend that cannot open is reported, not fatal
                 self.skipped[name] = f"cannot open: {exc.__class__.__name__}: {exc}"
@@ -301,7 +301,7 @@ class Session:
 
     def _backend_round(self, name: str, backend, message, keys: list[int]) -> Callable[[], None]:
         """One round of `backend` moving `message` (encoded once, outside the timing)."""
-        if name in ("ucx", "nccl"):
+        if name in TRANSPORTS:
             endpoint = self.endpoints[name]
             return lambda: backend.send(endpoint, message, time.monotonic() + 120)
         receiver, compat_hash = self.receiver, self.limits.compat_hash
@@ -361,8 +361,8 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench transfer",
                                 description="bytes/s of the KV transfer backends between two processes")
-    p.add_argument("--backends", default=",".join(ALL_BACKENDS),
-                   help="comma separated, of ucx,nccl,redis,disk (default: all)")
+    p.add_argument("--backends", default=",".join(BACKENDS),
+                   help=f"comma separated, of {','.join(BACKENDS)} (default: all)")
     p.add_argument("--blocks", type=_int_list, default=[1, 16, 256],
                    help="message sizes in blocks of the default model (default 1,16,256)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per cell (median; default 5)")
@@ -378,9 +378,9 @@ def main(argv: list[str]) -> int:
     if args.serve:
         return serve(args.max_blocks)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in ALL_BACKENDS]
+    unknown = [b for b in backends if b not in BACKENDS]
     if unknown or args.repeats < 1:
-        print(f"pdserve bench transfer: unknown backends {unknown} (choose from {ALL_BACKENDS})"
+        print(f"pdserve bench transfer: unknown backends {unknown} (choose from {BACKENDS})"
               if unknown else "pdserve bench transfer: --repeats must be >= 1", file=sys.stderr)
         return 2
     cells, skipped = run(backends, args.blocks, args.repeats, progress=not args.no_progress)

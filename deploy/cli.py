@@ -24,7 +24,6 @@ from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PRE
                                      WorkerSettings)  # chart test reads the ports here
 
 TRANSFER_PORT = DECODE_TRANSFER_PORT
-BACKENDS = ("ucx", "nccl", "redis", "disk")
 BENCHMARKS = tuple(bench_cli.BENCHMARKS)  # the one list, in bench/cli.py
 
 

@@ -4,7 +4,9 @@ or optional).
 A transport module `pdserve.kvtransfer.backends.<name>` provides
 `create_transport(config: KVTransferConfig) -> KVTransport`; failing that, its `KVTransport`
 subclass whose `name` matches is built with the keyword arguments it accepts among `host`,
-`port` and `config`.
+`port` and `config`. A store module of the same place provides
+`create_store(config: KVTransferConfig) -> BlockStore`; its `StoreSpec` (config.STORE_SPECS)
+says which setting locates it.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import logging
 from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.base import BlockStore, KVTransport
-from pdserve.kvtransfer.config import STORES, TRANSPORTS, KVTransferConfig
+from pdserve.kvtransfer.config import STORE_SPECS, STORES, TRANSPORTS, KVTransferConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +49,12 @@ def open_store(name: str, config: KVTransferConfig) -> BlockStore:
     if name not in STORES:
         raise ValueError(f"unknown store {name!r}; known: {STORES}")
     if not config.store_configured(name):
-        raise NotConfigured(f"set {'--redis-url' if name == 'redis' else '--disk-store'}")
-    if name == "redis":
-        from pdserve.kvtransfer.backends.redis import RedisStore
-
-        return RedisStore(config.redis_url, ttl_s=config.store_ttl_s,
-                          ephemeral_ttl_s=config.ephemeral_ttl_s, timeout_s=config.redis_timeout_s,
-                          health_policy=config.health_policy, mac_key=config.store_key)
-    from pdserve.kvtransfer.backends.disk import DiskStore
-
-    return DiskStore(config.disk_store, max_bytes=int(config.disk_store_max_gb * 2**30),
-                     max_records=config.disk_store_max_records,
-                     ephemeral_ttl_s=config.ephemeral_ttl_s, health_policy=config.health_policy,
-                     mac_key=config.store_key)
+        raise NotConfigured(f"set {STORE_SPECS[name].flag}")
+    module = _import(name)
+    factory = getattr(module, "create_store", None)
+    if factory is None:
+        raise BackendUnavailable(f"{module.__name__} has no create_store()")
+    return factory(config)
 
 
 @dataclass(slots=True)

@@ -7,10 +7,35 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.kvtransfer.health import HealthPolicy
 from pdserve.kvtransfer.verdict import RECOMPUTE
 
-TRANSPORTS = ("ucx", "nccl")
-STORES = ("redis", "disk")
+
+@dataclass(frozen=True, slots=True)
+class StoreSpec:
+    """A content-addressed store, registered by name. Its module,
+    `pdserve.kvtransfer.backends.<name>`, provides `create_store(config) -> BlockStore` and
+    imports its heavy dependency only there (`backend_loader` imports the module when the
+    store is opened). `location` names the `KVTransferConfig` field (and the worker flag of
+    the same name) that places the store: unset, the store is not configured."""
+
+    name: str
+    location: str
+    # A hand-off names a store, never locates it (each side opens its own): it shows the
+    # location only when the location can carry no secret.
+    shows_location: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.location.replace("_", "-")
+
+
+# The backend names and the defaults below are declared here only: worker flags, the CLI's
+# help, benchmarks and the Helm chart (a test ties its values.yaml) take them from here.
+TRANSPORTS = ("ucx", "nccl")  # point-to-point: modules kvtransfer/backends/<name>.py
+STORE_SPECS = {spec.name: spec for spec in (StoreSpec("redis", "redis_url"),
+                                            StoreSpec("disk", "disk_store", shows_location=True))}
+STORES = tuple(STORE_SPECS)
 BACKENDS = TRANSPORTS + STORES
-DEFAULT_CHAIN = ("ucx", "nccl", "redis", "disk", RECOMPUTE)
+DEFAULT_CHAIN = BACKENDS + (RECOMPUTE,)  # every backend, transports first; recompute ends it
+DISK_STORE_MAX_GB = 10.0  # the disk store's size budget (GiB): pruned least recently used first
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,9 +43,10 @@ class KVTransferConfig:
     """Which backends exist on this worker, and how they behave.
 
     `backends` is the fallback chain in order; "recompute" ends it (leave it out to fail
-    instead). A store backend is only usable when its location is set (`redis_url`,
-    `disk_store`). `prefix_cache` names a store also used as a persistent prefix cache:
-    prompts load matching blocks from it and store their new full blocks in it.
+    instead). A store backend is only usable when its location is set (its
+    `StoreSpec.location`: `redis_url`, `disk_store`). `prefix_cache` names a store also used
+    as a persistent prefix cache: prompts load matching blocks from it and store their new
+    full blocks in it.
     """
 
     backends: tuple[str, ...] = DEFAULT_CHAIN
@@ -29,14 +55,14 @@ class KVTransferConfig:
     redis_url: str | None = field(default=None, repr=False)  # may carry a password: never shown
     redis_timeout_s: float = 2.0
     disk_store: str | None = None
-    disk_store_max_gb: float = 20.0
+    disk_store_max_gb: float = DISK_STORE_MAX_GB
     disk_store_max_records: int = 1_000_000
     store_ttl_s: float = 3600.0  # content blocks in redis
     ephemeral_ttl_s: float = 120.0  # partial blocks parked in a store for one transfer
     step_timeout_s: float = 10.0  # deadline of one backend's attempt
     failure_threshold: int = 3  # failures in a row that mark a backend unhealthy
     probe_cooldown_s: float = 5.0  # how long an unhealthy backend is skipped before a probe
-    prefix_cache: str | None = None  # "disk" | "redis" | None
+    prefix_cache: str | None = None  # one of STORES, or None
     load_timeout_s: float = 10.0  # deadline of a prefix-cache lookup + fetch
     layerwise: bool = True  # a sender streams each layer of each prompt chunk (ucx/nccl)
     # From the cluster secret (None: no secret configured): peers of the ucx/nccl control
@@ -72,4 +98,11 @@ class KVTransferConfig:
         return HealthPolicy(self.failure_threshold, self.probe_cooldown_s)
 
     def store_configured(self, name: str) -> bool:
-        return (name == "redis" and bool(self.redis_url)) or (name == "disk" and bool(self.disk_store))
+        return bool(getattr(self, STORE_SPECS[name].location))
+
+    def store_endpoint(self, name: str) -> str:
+        """What a hand-off shows for store `name` ("" when it is not configured here)."""
+        spec = STORE_SPECS[name]
+        if not self.store_configured(name):
+            return ""
+        return getattr(self, spec.location) if spec.shows_location else name

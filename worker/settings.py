@@ -11,6 +11,8 @@ from typing import Any, Mapping
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.flags import security, setting
 from pdserve.common.values import coerce
+from pdserve.kvtransfer.config import BACKENDS, DEFAULT_CHAIN, DISK_STORE_MAX_GB, STORE_SPECS, STORES, KVTransferConfig
+from pdserve.kvtransfer.verdict import RECOMPUTE
 
 # Default ports of each role's listeners (0 for a port picks a free one).
 PREFILL_GRPC_PORT = 50060
@@ -77,14 +79,17 @@ class WorkerSettings:
     seed: int = setting(0, "the engine's random seed: requests without their own seed draw from it", "engine")
     # -- kv transfer: `up` passes these too
     heartbeat_s: float = setting(2.0, "heartbeat interval to the router; the router's ask caps it", "kv transfer")
-    kv_backends: str = setting("ucx,nccl,redis,disk", "fallback chain, comma separated", "kv transfer")
+    kv_backends: str = setting(",".join(b for b in DEFAULT_CHAIN if b != RECOMPUTE),
+                               f"fallback chain, comma separated, of {', '.join(BACKENDS)}; recompute ends it",
+                               "kv transfer")
     redis_url: str = setting("", "redis://host:port/db for the redis backend", "kv transfer")
     disk_store: str = setting("", "directory of the disk KV store (shared volume in k8s)", "kv transfer")
-    disk_store_max_gb: float = setting(10.0, "disk store size budget", "kv transfer")
-    prefix_store: str = setting("none", "persistent prefix cache in that store (--disk-store / --redis-url): prefill "
+    disk_store_max_gb: float = setting(DISK_STORE_MAX_GB, "disk store size budget in GiB", "kv transfer")
+    prefix_store: str = setting("none", "persistent prefix cache in that store (located by "
+                                f"{' / '.join(spec.flag for spec in STORE_SPECS.values())}): prefill "
                                 "computes only blocks it lacks and writes those it computes; decode loads "
                                 "matching blocks before asking for a prefill", "kv transfer",
-                                choices=("none", "disk", "redis"))
+                                choices=("none", *STORES))
     transfer_timeout_s: float = setting(10.0, "deadline of one transfer step", "kv transfer")
     kv_probe_cooldown_s: float = setting(5.0, "a KV backend that failed 3 times in a row is skipped this long, "
                                          "then the next transfer probes it", "kv transfer")
@@ -153,11 +158,11 @@ class WorkerSettings:
             raise SettingsError("--failure-policy must be recompute or fail")
         if out.attention_window < 0:
             raise SettingsError("--attention-window must be >= 0 (0: none)")
-        if out.prefix_store not in ("none", "disk", "redis"):
-            raise SettingsError("--prefix-store must be disk, redis or none")
-        where = {"disk": ("disk_store", "--disk-store"), "redis": ("redis_url", "--redis-url")}
-        if out.prefix_store in where and not getattr(out, where[out.prefix_store][0]):
-            raise SettingsError(f"--prefix-store {out.prefix_store} needs {where[out.prefix_store][1]}")
+        if out.prefix_store not in ("none", *STORES):
+            raise SettingsError(f"--prefix-store must be {', '.join(sorted(STORES))} or none")
+        spec = STORE_SPECS.get(out.prefix_store)
+        if spec is not None and not getattr(out, spec.location):
+            raise SettingsError(f"--prefix-store {out.prefix_store} needs {spec.flag}")
         return out
 
     @property
@@ -168,7 +173,6 @@ class WorkerSettings:
         """The transfer layer's config (`KVTransferConfig`); its keys derive from the cluster
         `secret` (`common.auth.ClusterSecret`) when there is one."""
         from pdserve.common import envs
-        from pdserve.kvtransfer.config import KVTransferConfig
 
         return KVTransferConfig.from_settings(
             backends=self.kv_backends, host=self.host, transfer_port=self.transfer_port,

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 from pdserve.common.auth import ClusterSecret, Mac
 from pdserve.common.block_hash import hashes_digest, prompt_digest
 from pdserve.common.errors import AuthError, OverloadedError
+from pdserve.kvtransfer.config import STORES
 from pdserve.kvtransfer.connector import PdConnector, connector_factory
 from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.ports import ReceiveControl, SendControl
@@ -202,15 +203,14 @@ class Receiver:
 
     def endpoints(self) -> list[tuple[str, str]]:
         """Where each configured backend reaches us, in chain order: a transport's listener
-        (a wildcard bind is advertised as --advertise-host), a store's location."""
+        (a wildcard bind is advertised as --advertise-host), a store's
+        `KVTransferConfig.store_endpoint`."""
         advertise = self.settings.advertise_host
         listening = self.receives.endpoints
-        # a store is named, never located by url: each side uses its own configured one (a
-        # redis url may carry a password)
-        stores = {"redis": "redis" if self.settings.redis_url else "", "disk": self.settings.disk_store}
+        config = self.settings.transfer_config()
         out = []
         for backend in self.backends:
-            address = listening.get(backend) or stores.get(backend) or ""
+            address = listening.get(backend) or (config.store_endpoint(backend) if backend in STORES else "")
             if not address:
                 continue
             host, sep, port = address.rpartition(":")

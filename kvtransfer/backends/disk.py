@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
 from pdserve.kvtransfer.codec import (CountsRecordReads, RecordReads, decode_record, layout_of,
                                       record_nbytes, split_records)
+from pdserve.kvtransfer.config import DISK_STORE_MAX_GB, KVTransferConfig
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.wire import WireError, WireLimits
 
@@ -48,7 +49,7 @@ _LOW_WATERMARK = 0.9  # pruning goes down to this share of each budget
 class DiskStore(CountsRecordReads, BlockStore):
     name = "disk"
 
-    def __init__(self, root: str | os.PathLike, *, max_bytes: int = 20 * 2**30,
+    def __init__(self, root: str | os.PathLike, *, max_bytes: int = int(DISK_STORE_MAX_GB * 2**30),
                  max_records: int = 1_000_000, ephemeral_ttl_s: float = 120.0,
                  prune_interval_s: float = 30.0, health_policy: HealthPolicy = HealthPolicy(),
                  clock: Callable[[], float] = time.time, mac_key: bytes | None = None) -> None:
@@ -238,6 +239,13 @@ class DiskStore(CountsRecordReads, BlockStore):
     def _trouble(self, what: str, exc: OSError) -> None:
         log.warning("disk store %s: %s failed: %s", self.root, what, exc)
         self.health.record_failure(f"{what}: {exc.__class__.__name__}: {exc}")
+
+
+def create_store(config: KVTransferConfig) -> DiskStore:
+    """Registry factory: the directory `config.disk_store`, within its size and record budgets."""
+    return DiskStore(config.disk_store, max_bytes=int(config.disk_store_max_gb * 2**30),
+                     max_records=config.disk_store_max_records, ephemeral_ttl_s=config.ephemeral_ttl_s,
+                     health_policy=config.health_policy, mac_key=config.store_key)
 
 
 class _NotARecord(OSError):

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from pdserve.kvtransfer.base import BlockMessage, BlockStore
 from pdserve.kvtransfer.codec import CountsRecordReads, RecordReads, layout_of, split_records
+from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.wire import WireLimits
 
@@ -163,3 +164,10 @@ class RedisStore(CountsRecordReads, BlockStore):
     def _trouble(self, what: str, exc: Exception) -> None:
         log.warning("redis store %s: %s failed: %s", self.where, what, exc)
         self.health.record_failure(f"{what}: {exc.__class__.__name__}: {exc}")
+
+
+def create_store(config: KVTransferConfig) -> RedisStore:
+    """Registry factory: the server at `config.redis_url` (the `redis` package loads here)."""
+    return RedisStore(config.redis_url, ttl_s=config.store_ttl_s, ephemeral_ttl_s=config.ephemeral_ttl_s,
+                      timeout_s=config.redis_timeout_s, health_policy=config.health_policy,
+                      mac_key=config.store_key)

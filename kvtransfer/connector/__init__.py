@@ -10,7 +10,7 @@
 
 Two uses, both optional, on the same pair:
 
-* persistent prefix cache (`KVTransferConfig.prefix_cache` = "disk" | "redis"): a prompt's
+* persistent prefix cache (`KVTransferConfig.prefix_cache`, a store's name): a prompt's
   full blocks found in the store beyond the local prefix hit are fetched and verified by the
   scheduler half, scattered into the allocated blocks before the forward, and every newly
   completed full prompt block is stored in the background.

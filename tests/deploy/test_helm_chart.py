@@ -25,6 +25,7 @@ import yaml
 
 from pdserve.deploy import cli
 from pdserve.common import envs
+from pdserve.kvtransfer.config import BACKENDS
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "deploy" / "helm" / "pdserve"
@@ -296,7 +297,9 @@ def test_schema_choices_match_the_cli(chart: helm.Chart) -> None:
     assert set(props["decode"]["properties"]["failurePolicy"]["enum"]) == choices("decode", "failure_policy")
     policies = set(schema["$defs"]["policy"]["enum"])
     assert policies == choices("router", "prefill_policy") == choices("router", "decode_policy")
-    assert set(props["kvTransfer"]["properties"]["backends"]["items"]["enum"]) == set(cli.BACKENDS)
+    assert set(props["kvTransfer"]["properties"]["backends"]["items"]["enum"]) == set(BACKENDS)
+    assert set(props["kvTransfer"]["properties"]["prefixStore"]["enum"]) == \
+        choices("prefill", "prefix_store") - {""} == choices("decode", "prefix_store") - {""}
 
 
 def test_chart_defaults_are_the_cli_ports(chart: helm.Chart) -> None:
