@@ -16,12 +16,11 @@ from typing import Protocol, Sequence
 
 import grpc
 
-from pdserve.common.block_hash import hash_prompt_blocks
 from pdserve.common.errors import DeadlinePassedError, UpstreamFailedError
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.rpc.credentials import InternalAuth
 from pdserve.worker.convert import logprob_from_proto
-from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome, TransferVerdict
+from pdserve.kvtransfer.verdict import Outcome, TransferVerdict, decide
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.decode.prefill_leg")
@@ -49,24 +48,22 @@ class KVReceiver(Protocol):
         """Drop the reservation; later writes are refused. Idempotent."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class LegResult:
-    ok: bool
+    """How a prefill leg ended. From `PrefillLeg.run`, the verdict is what arrived
+    (TRANSFERRED, FAILED: did not land, ABORTED); from `RemotePrefill.run`, the request's
+    decided outcome (`verdict.decide`), or LOCAL for a prompt prefilled here."""
+
     verdict: TransferVerdict
     first_token_id: int = 0
     first_logprob: object | None = None
-    aborted: bool = False  # ended by an abort: nothing to recompute
     tail_ms: float = 0.0  # the transfer after the prefill's forward, to the blocks verified here
     prompt_logprobs: tuple = ()  # sampling.prompt_logprobs: computed by the prefill
     num_cached_tokens: int = 0  # prompt tokens the prefill found cached (its prefix cache, its store)
 
-
-@dataclass(slots=True)
-class RemoteOutcome:
-    """How a remote prefill ended, as `RemotePrefill.run` returns it."""
-
-    verdict: TransferVerdict
-    num_cached_tokens: int = 0  # prompt tokens the prefill did not compute (cached or loaded there)
+    @property
+    def ok(self) -> bool:
+        return self.verdict.ok
 
 
 class NoReceiver:
@@ -133,10 +130,10 @@ class PrefillLeg:
             if request_id not in self._aborted:
                 raise  # our own caller was cancelled
             self._aborted.discard(request_id)
-            return LegResult(False, replace(failed, reason="aborted"), aborted=True)
+            return LegResult(replace(failed, outcome=Outcome.ABORTED, reason="aborted"))
         except grpc.aio.AioRpcError as exc:
             self.receiver.cancel(request_id)
-            return LegResult(False, replace(
+            return LegResult(replace(
                 failed, peer_status=exc.code().name, duration_s=time.monotonic() - start,
                 reason=f"prefill_unavailable: {exc.code().name} {exc.details() or ''}".strip()))
         finally:
@@ -144,14 +141,14 @@ class PrefillLeg:
         sent = replace(verdict_from_proto(resp.verdict), peer=choice.worker_id)
         if resp.skipped:  # no KV backend could carry the blocks: the prefill computed nothing
             self.receiver.cancel(request_id)
-            return LegResult(False, replace(sent, outcome=Outcome.FAILED, duration_s=time.monotonic() - start))
+            return LegResult(replace(sent, outcome=Outcome.FAILED, duration_s=time.monotonic() - start))
         settle_start = time.monotonic()
         final = await asyncio.to_thread(self.receiver.complete, request_id, sent)
         tail_ms = resp.timings.transfer_ms + (time.monotonic() - settle_start) * 1000
         if not final.ok:
-            return LegResult(False, final, tail_ms=tail_ms)
+            return LegResult(final, tail_ms=tail_ms)
         lp = logprob_from_proto(resp.first_token_logprob) if resp.HasField("first_token_logprob") else None
-        return LegResult(True, final, resp.first_token_id, lp, tail_ms=tail_ms,
+        return LegResult(final, resp.first_token_id, lp, tail_ms=tail_ms,
                          prompt_logprobs=tuple(logprob_from_proto(e) for e in resp.prompt_logprobs),
                          num_cached_tokens=resp.num_cached_tokens)
 
@@ -184,44 +181,31 @@ class RemotePrefill:
         return self.leg.can_receive
 
     async def run(self, rid: str, request, stream, timings: common_pb2.RequestTimings,
-                  t_arrival: float) -> RemoteOutcome:
+                  t_arrival: float) -> LegResult:
         try:
             ready = await asyncio.wait_for(stream.remote_ready, self.timeout_s)
         except asyncio.TimeoutError:
             raise DeadlinePassedError(f"not admitted within {self.timeout_s:g} s") from None
         if ready is None:  # aborted while waiting for admission: the stream carries the end
-            return RemoteOutcome(TransferVerdict("", Outcome.ABORTED, "", reason="aborted"))
+            return LegResult(TransferVerdict("", Outcome.ABORTED, "", reason="aborted"))
         block_ids, num_cached = ready
         t_admitted = time.monotonic()
         timings.queue_ms = (t_admitted - t_arrival) * 1000
-        engine = self.loop.engine  # our own hashes, never the router's: the sink checks blocks against them
-        hashes = hash_prompt_blocks(request.prompt_token_ids, engine.kv.block_size, engine.compat_hash,
-                                    engine.config.block_hash_key, request.cache_salt)
-        result = await self.leg.run(rid, list(request.prompt_token_ids), hashes, request.sampling,
+        # the engine's own hashes, never the router's: the sink checks blocks against them
+        result = await self.leg.run(rid, list(request.prompt_token_ids), list(stream.block_hashes), request.sampling,
                                     request.prefill, block_ids, num_cached, request.cache_salt)
         timings.prefill_ms = (time.monotonic() - t_admitted) * 1000
         timings.transfer_ms = result.tail_ms  # the transfer's tail: not overlapped with compute
-        if result.aborted:
-            return RemoteOutcome(result.verdict)  # the engine ends the stream with finish_reason abort
-        if result.ok:
-            engine = self.loop.engine
+        verdict = decide(result.verdict, self.failure_policy)
+        engine = self.loop.engine
+        if verdict.outcome == Outcome.TRANSFERRED:
             await self.loop.call(lambda: engine.finish_remote_prefill(
                 rid, result.first_token_id, result.first_logprob, result.prompt_logprobs))
-            return RemoteOutcome(result.verdict, result.num_cached_tokens)
-        return RemoteOutcome(await self._on_failure(rid, result.verdict))
-
-    async def _on_failure(self, rid: str, verdict: TransferVerdict) -> TransferVerdict:
-        """The request's outcome after a failed leg, decided here and only here."""
-        reason = verdict.reason or _failure_reason(verdict)
-        if self.failure_policy == "recompute":
-            log.warning("request %s: prefill leg failed (%s); recomputing here", rid, reason)
-            engine = self.loop.engine
+        elif verdict.outcome == Outcome.RECOMPUTED:
+            log.warning("request %s: prefill leg failed (%s); recomputing here", rid, verdict.reason)
             await self.loop.call(lambda: engine.recompute_remote_prefill(rid))
-            return replace(verdict, outcome=Outcome.RECOMPUTED, backend=RECOMPUTE, reason=reason)
-        log.warning("request %s: prefill leg failed (%s); failing it", rid, reason)
-        raise UpstreamFailedError(f"prefill failed and failure policy is 'fail': {reason}")
-
-
-def _failure_reason(verdict: TransferVerdict) -> str:
-    last = verdict.fallbacks[-1].reason if verdict.fallbacks else verdict.outcome.value
-    return f"transfer_failed: {last}"
+        elif verdict.outcome == Outcome.FAILED:
+            log.warning("request %s: prefill leg failed (%s); failing it", rid, verdict.reason)
+            raise UpstreamFailedError(f"prefill failed and failure policy is 'fail': {verdict.reason}")
+        # ABORTED: the engine ends the stream with finish_reason abort
+        return replace(result, verdict=verdict)

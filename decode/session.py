@@ -11,7 +11,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from pdserve.common.errors import DeadlinePassedError
 from pdserve.decode.placement import Placement, place
-from pdserve.decode.prefill_leg import RemoteOutcome, RemotePrefill
+from pdserve.decode.prefill_leg import LegResult, RemotePrefill
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvtransfer.verdict import Outcome, TransferVerdict
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
@@ -74,7 +74,7 @@ class DecodeSessions:
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
         timings = common_pb2.RequestTimings()
-        outcome = RemoteOutcome(TransferVerdict("", Outcome.LOCAL, "", reason=placement.reason))
+        outcome = LegResult(TransferVerdict("", Outcome.LOCAL, "", reason=placement.reason))
         try:
             if placement.remote:
                 outcome = await self.remote.run(rid, request, stream, timings, t_arrival)

@@ -35,6 +35,7 @@ class RequestStream:
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     remote_ready: asyncio.Future | None = None  # set with the block ids when admitted
     prompt_token_ids: tuple[int, ...] = ()
+    block_hashes: tuple[int, ...] = ()  # the engine's keys of the prompt's full blocks
 
     async def next(self, timeout: float) -> RequestOutput:
         return await asyncio.wait_for(self.outputs.get(), timeout)
@@ -89,7 +90,7 @@ class EngineLoop:
     async def add_request(self, prompt_token_ids: list[int], params, *, request_id: str,
                           remote_prefill: bool = False,
                           transfer_params: object | None = None, resumed: Sequence[int] = (),
-                          cache_salt: str = "", stream_layers: bool = True) -> RequestStream:
+                          cache_salt: str = "", stream_layers: bool = True, blocks=None) -> RequestStream:
         stream = RequestStream(request_id)
         if remote_prefill:
             stream.remote_ready = asyncio.get_running_loop().create_future()
@@ -98,12 +99,14 @@ class EngineLoop:
             request = self.engine.add_request(prompt_token_ids, params, request_id=request_id,
                                               remote_prefill=remote_prefill,
                                               transfer_params=transfer_params, resumed=resumed,
-                                              cache_salt=cache_salt, stream_layers=stream_layers)
+                                              cache_salt=cache_salt, stream_layers=stream_layers,
+                                              blocks=blocks)
             self._streams[request_id] = stream
             return request
 
         request = await self.call(add)
         stream.prompt_token_ids = tuple(request.prompt_token_ids)
+        stream.block_hashes = tuple(request.block_hashes)
         return stream
 
     async def abort(self, request_id: str) -> bool:

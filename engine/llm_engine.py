@@ -28,7 +28,7 @@ from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_threads import StepThreads, ThreadPolicy
-from pdserve.common.block_hash import check_cache_salt, prompt_blocks
+from pdserve.common.block_hash import PromptBlocks, check_cache_salt, prompt_blocks
 
 log = logging.getLogger("pdserve.engine")
 
@@ -127,14 +127,16 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, remote_prefill: bool = False,
                     transfer_params: object | None = None, resumed: Sequence[int] = (),
-                    cache_salt: str = "", stream_layers: bool = True) -> Request:
+                    cache_salt: str = "", stream_layers: bool = True,
+                    blocks: PromptBlocks | None = None) -> Request:
         """Queue a request. `resumed`: tokens it already generated elsewhere (a decode that
         died mid-stream); they count as its output (max_tokens, penalties, the seeded draw's
         index, grammar and stop-string state), their KV is computed here with the prompt's,
         and generation goes on after them. Such a request prefills locally. `cache_salt`:
         the tenant salt; prompts with different salts share no cached block.
         `stream_layers` (prefill side): its KV may leave layer by layer while the forward
-        runs; False sends it whole after the forward."""
+        runs; False sends it whole after the forward. `blocks`: the prompt's
+        `prompt_blocks`, when the caller computed them already."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -146,7 +148,7 @@ class LLMEngine:
         request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,
                           transfer_params=transfer_params, remote_prefill=remote_prefill,
                           stream_layers=stream_layers)
-        blocks = prompt_blocks(ids, self.kv.block_size, self.compat_hash, self.config.block_hash_key, cache_salt)
+        blocks = blocks or self.prompt_blocks(ids, cache_salt)
         request.block_hashes, request.block_digests, request.cache_salt = blocks.hashes, blocks.digests, cache_salt
         request.grammar = self.grammars.matcher(params.constraint)
         if params.seed is not None:
@@ -162,6 +164,12 @@ class LLMEngine:
         self._requests[request_id] = request
         self._detok[request_id] = detok
         return request
+
+    def prompt_blocks(self, token_ids: Sequence[int], cache_salt: str = "") -> PromptBlocks:
+        """The keys and digests of a prompt's full blocks in this engine's cache (its block
+        size, compatibility hash and block-hash key). Reads only fixed state: any thread."""
+        return prompt_blocks(token_ids, self.kv.block_size, self.compat_hash, self.config.block_hash_key,
+                             cache_salt)
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; its blocks go back now. False if unknown/finished."""

@@ -9,7 +9,8 @@ Per transfer, for each backend of the order (the receiver's, filtered to what th
 * store (redis, disk): `put` every block (full blocks under their content hash, a partial
   block under a short-lived key). Success = all stored; the verdict carries the keys and the
   receiver fetches them through its own sink checks (`receive.land_from_store`);
-* recompute: the receiver computes the prompt itself.
+* recompute: the chain stops; the KV did not go (FAILED), and the receiver's failure
+  policy decides what the request does (`verdict.decide`).
 
 Every attempt that did not carry the transfer becomes a `Fallback` in the verdict.
 """
@@ -70,7 +71,7 @@ class FallbackChain:
         order = job.order or self.order
         for name in order:
             if name == RECOMPUTE:
-                return self._verdict(job, start, Outcome.RECOMPUTED, RECOMPUTE, fallbacks)
+                break
             if broken and name == broken.backend:
                 continue
             now = time.monotonic()

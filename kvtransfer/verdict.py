@@ -2,7 +2,9 @@
 
 Every transfer ends in exactly one verdict, whichever way it ends. A fallback is never
 silent: each backend that was tried (or skipped) before the one that answered is listed with
-its reason.
+its reason. Senders and the receiver's settlement say only whether the KV landed
+(TRANSFERRED, else FAILED, or ABORTED); what the request does about KV that did not land is
+decided once, by `decide` under the decode's failure policy.
 """
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ from dataclasses import dataclass, replace
 
 class Outcome(str, enum.Enum):
     TRANSFERRED = "transferred"  # the blocks landed (point-to-point) or wait in a store
-    RECOMPUTED = "recomputed"  # no backend could move them: the receiver computes the prompt
-    FAILED = "failed"  # nothing worked and recompute is not in the chain
+    RECOMPUTED = "recomputed"  # they did not land; by its policy the decode computes the prompt
+    FAILED = "failed"  # they did not land (and, decided, the request fails)
     ABORTED = "aborted"  # the request ended before the transfer did
     LOCAL = "local"  # no transfer was asked for: the decode prefilled the prompt itself
 
 
-RECOMPUTE = "recompute"  # the pseudo-backend that ends a chain
+RECOMPUTE = "recompute"  # the pseudo-backend that ends a chain, and the failure policy's name
+FAILURE_POLICIES = (RECOMPUTE, "fail")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +73,10 @@ class TransferVerdict:
     def via_store(self) -> bool:
         return self.ok and bool(self.fetch_keys)
 
-    def with_fallback(self, backend: str, reason: str, outcome: Outcome,
-                      duration_s: float = 0.0) -> "TransferVerdict":
-        """This verdict after the receiver could not use `backend` (e.g. a store miss)."""
-        return replace(self, outcome=outcome,
-                       backend=RECOMPUTE if outcome == Outcome.RECOMPUTED else "",
+    def with_fallback(self, backend: str, reason: str, duration_s: float = 0.0) -> "TransferVerdict":
+        """This verdict after the receiver could not use `backend` (e.g. a store miss): the
+        KV did not land."""
+        return replace(self, outcome=Outcome.FAILED, backend="",
                        fallbacks=self.fallbacks + (Fallback(backend, reason, duration_s),),
                        fetch_keys=())
 
@@ -90,3 +92,23 @@ class TransferVerdict:
             return head
         tried = "; ".join(f"{f.backend}: {f.reason}" for f in self.fallbacks)
         return f"{head} (fell back past {tried})"
+
+
+def decide(settled: TransferVerdict, failure_policy: str) -> TransferVerdict:
+    """The request's outcome, decided here only: from what the receiver settled (TRANSFERRED,
+    ABORTED or LOCAL stand; KV that did not land is RECOMPUTED under the "recompute" policy,
+    else FAILED), with the reason a failure carries."""
+    if failure_policy not in FAILURE_POLICIES:
+        raise ValueError(f"unknown failure policy {failure_policy!r}")
+    if settled.outcome in (Outcome.TRANSFERRED, Outcome.ABORTED, Outcome.LOCAL):
+        return settled
+    reason = settled.reason or failure_reason(settled)
+    if failure_policy == RECOMPUTE:
+        return replace(settled, outcome=Outcome.RECOMPUTED, backend=RECOMPUTE, reason=reason)
+    return replace(settled, outcome=Outcome.FAILED, backend="", reason=reason)
+
+
+def failure_reason(verdict: TransferVerdict) -> str:
+    """Why KV did not land, from its last fallback: "transfer_failed: ..."."""
+    last = verdict.fallbacks[-1].reason if verdict.fallbacks else verdict.outcome.value
+    return f"transfer_failed: {last}"

@@ -10,7 +10,7 @@ import time
 from typing import Protocol
 
 from pdserve.common.auth import Mac
-from pdserve.common.block_hash import check_cache_salt, hash_prompt_blocks
+from pdserve.common.block_hash import PromptBlocks, check_cache_salt
 from pdserve.common.errors import DeadlinePassedError, IncompatiblePeerError, InvalidRequestError, OverloadedError
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.worker.transfer import (MAX_HANDOFF_HORIZON_S, HandoffCallerError, HandoffLedger,
@@ -64,9 +64,10 @@ class PrefillRunner:
         self.num_inflight = 0
         self.core_share = core_share
 
-    def _check(self, request: prefill_pb2.PrefillRequest, caller: str) -> float:
-        """Seconds left of the hand-off's deadline, after the checks that need no model work:
-        signed for this request, by the decode that calls, compatible, in time, new."""
+    def _check(self, request: prefill_pb2.PrefillRequest, caller: str) -> tuple[float, PromptBlocks]:
+        """Seconds left of the hand-off's deadline and the prompt's blocks, after the checks
+        that need no model work: signed for this request, by the decode that calls,
+        compatible, in time, new."""
         handoff = request.handoff
         if self.handoff_mac is not None:
             check_handoff_signature(request, self.handoff_mac)
@@ -81,29 +82,27 @@ class PrefillRunner:
             raise DeadlinePassedError("hand-off deadline already passed")
         if remaining_s > MAX_HANDOFF_HORIZON_S:
             raise InvalidRequestError(f"the hand-off's deadline is over {MAX_HANDOFF_HORIZON_S:g} s ahead")
-        self._check_block_hashes(request)
+        blocks = self._check_block_hashes(request)
         if self.num_inflight >= self.max_queue:
             raise OverloadedError("prefill queue is full")
         self.ledger.accept(handoff.transfer_id, handoff.deadline_unix_ms / 1000)
-        return remaining_s
+        return remaining_s, blocks
 
-    def _check_block_hashes(self, request: prefill_pb2.PrefillRequest) -> None:
-        """The decode's block hashes must be ours of the same prompt (and cache salt): they
-        are what the decode's sink will accept, and what its signature bound."""
+    def _check_block_hashes(self, request: prefill_pb2.PrefillRequest) -> PromptBlocks:
+        """Our blocks of the prompt; the decode's block hashes, when it sent them, must be
+        ours of the same prompt (and cache salt): they are what the decode's sink will
+        accept, and what its signature bound."""
         check_cache_salt(request.cache_salt)
-        if not request.block_hashes:
-            return
-        engine = self.loop.engine
-        ours = hash_prompt_blocks(request.prompt_token_ids, engine.kv.block_size, engine.compat_hash,
-                                  engine.config.block_hash_key, request.cache_salt)
-        if list(request.block_hashes) != ours:
+        ours = self.loop.engine.prompt_blocks(request.prompt_token_ids, request.cache_salt)
+        if request.block_hashes and list(request.block_hashes) != ours.hashes:
             raise InvalidRequestError("block_hashes do not match the prompt's blocks", param="block_hashes")
+        return ours
 
     async def run(self, request: prefill_pb2.PrefillRequest, caller: str = "") -> prefill_pb2.PrefillResponse:
         """`caller`: the verified caller id of the call (rpc.credentials.caller_id)."""
         arrival = time.monotonic()
         handoff, rid = request.handoff, request.request_id
-        remaining_s = self._check(request, caller)
+        remaining_s, blocks = self._check(request, caller)
         refusal = self.sender.refusal(handoff)
         if refusal is not None:  # the KV could go nowhere: computing it would be wasted work
             self.metrics.requests.labels(outcome="SKIPPED_NO_USABLE_BACKEND").inc()
@@ -115,7 +114,7 @@ class PrefillRunner:
         try:
             stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
                                                  transfer_params=tp, cache_salt=request.cache_salt,
-                                                 stream_layers=stream_layers)
+                                                 stream_layers=stream_layers, blocks=blocks)
             try:
                 out = await stream.next(remaining_s)
             except asyncio.TimeoutError:

@@ -12,7 +12,7 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.common.flags import security, setting
 from pdserve.common.values import coerce
 from pdserve.kvtransfer.config import BACKENDS, DEFAULT_CHAIN, DISK_STORE_MAX_GB, STORE_SPECS, STORES, KVTransferConfig
-from pdserve.kvtransfer.verdict import RECOMPUTE
+from pdserve.kvtransfer.verdict import FAILURE_POLICIES, RECOMPUTE
 
 # Default ports of each role's listeners (0 for a port picks a free one).
 PREFILL_GRPC_PORT = 50060
@@ -96,8 +96,8 @@ class WorkerSettings:
     prefill_timeout_s: float = setting(60.0, "decode: deadline of a remote prefill, from admission to the KV "
                                        "landing: the prefill service's queue, compute and transfer; past it "
                                        "decode follows --failure-policy", "kv transfer")
-    failure_policy: str = setting("recompute", "decode: what to do when the prefill leg fails", "kv transfer",
-                                  choices=("recompute", "fail"))
+    failure_policy: str = setting(RECOMPUTE, "decode: what to do when the prefill leg fails", "kv transfer",
+                                  choices=FAILURE_POLICIES)
     # -- worker: one process's own
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0: off)", "worker")
     metrics_token: str = setting("", "the metrics port answers only 'Authorization: Bearer TOKEN' (prefer "
@@ -154,8 +154,8 @@ class WorkerSettings:
             except (TypeError, ValueError):
                 raise SettingsError(f"--{f.name.replace('_', '-')}: cannot use {raw!r}") from None
         out = cls(**values)
-        if out.failure_policy not in ("recompute", "fail"):
-            raise SettingsError("--failure-policy must be recompute or fail")
+        if out.failure_policy not in FAILURE_POLICIES:
+            raise SettingsError(f"--failure-policy must be one of {', '.join(FAILURE_POLICIES)}")
         if out.attention_window < 0:
             raise SettingsError("--attention-window must be >= 0 (0: none)")
         if out.prefix_store not in ("none", *STORES):

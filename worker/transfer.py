@@ -21,19 +21,17 @@ from pdserve.kvtransfer.config import STORES
 from pdserve.kvtransfer.connector import PdConnector, connector_factory
 from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.ports import ReceiveControl, SendControl
-from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict
+from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict, failure_reason
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 
 _OUTCOMES = {
     Outcome.TRANSFERRED: common_pb2.TRANSFER_OUTCOME_TRANSFERRED,
     Outcome.RECOMPUTED: common_pb2.TRANSFER_OUTCOME_RECOMPUTED,
     Outcome.FAILED: common_pb2.TRANSFER_OUTCOME_FAILED,
-    Outcome.ABORTED: common_pb2.TRANSFER_OUTCOME_FAILED,
+    Outcome.ABORTED: common_pb2.TRANSFER_OUTCOME_ABORTED,
     Outcome.LOCAL: common_pb2.TRANSFER_OUTCOME_LOCAL,
 }
-_FROM_PROTO = {common_pb2.TRANSFER_OUTCOME_TRANSFERRED: Outcome.TRANSFERRED,
-               common_pb2.TRANSFER_OUTCOME_RECOMPUTED: Outcome.RECOMPUTED,
-               common_pb2.TRANSFER_OUTCOME_LOCAL: Outcome.LOCAL}
+_FROM_PROTO = {wire: outcome for outcome, wire in _OUTCOMES.items()}  # anything else: FAILED
 
 
 def verdict_to_proto(v: TransferVerdict) -> common_pb2.TransferVerdict:
@@ -46,9 +44,8 @@ def verdict_to_proto(v: TransferVerdict) -> common_pb2.TransferVerdict:
         prefill_status_code=v.peer_status,
         fallbacks=[common_pb2.FallbackStep(backend=f.backend, reason=f.reason,
                                            duration_ms=f.duration_s * 1000) for f in v.fallbacks])
-    if not v.reason and v.outcome not in (Outcome.TRANSFERRED, Outcome.LOCAL):
-        last = v.fallbacks[-1].reason if v.fallbacks else v.outcome.value
-        out.reason = f"transfer_failed: {last}"
+    if not v.reason and v.outcome in (Outcome.RECOMPUTED, Outcome.FAILED):
+        out.reason = failure_reason(v)
     return out
 
 

@@ -30,7 +30,7 @@ from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.receive import land_from_store
 from pdserve.kvtransfer.backend_loader import OpenedBackends
 from pdserve.kvtransfer.sink import CacheSink, limits_for
-from pdserve.kvtransfer.verdict import Outcome, TransferVerdict
+from pdserve.kvtransfer.verdict import TransferVerdict
 
 log = logging.getLogger("pdserve.kvtransfer.connector")
 
@@ -119,20 +119,19 @@ class DecodeReceives:
         if not verdict.ok:
             return verdict
         if verdict.transfer_id != receive.transfer_id.hex():
-            return verdict.with_fallback(verdict.backend, "verdict is for another transfer", Outcome.RECOMPUTED)
+            return verdict.with_fallback(verdict.backend, "verdict is for another transfer")
         if self.sink.is_complete(receive.transfer_id):
             return verdict
         if not verdict.via_store:
-            return verdict.with_fallback(verdict.backend, "the receiver did not get every block",
-                                         Outcome.RECOMPUTED)
+            return verdict.with_fallback(verdict.backend, "the receiver did not get every block")
         store = self.backends.stores.get(verdict.backend)
         if store is None:
-            return verdict.with_fallback(verdict.backend, "not configured on the receiver", Outcome.RECOMPUTED)
+            return verdict.with_fallback(verdict.backend, "not configured on the receiver")
         start = time.monotonic()
         try:
             land_from_store(store, self.sink, receive.transfer_id, receive.dst_block_ids, verdict.fetch_keys)
         except TransferError as exc:
-            return verdict.with_fallback(verdict.backend, f"fetch failed: {exc}", Outcome.RECOMPUTED,
+            return verdict.with_fallback(verdict.backend, f"fetch failed: {exc}",
                                          time.monotonic() - start)
         return verdict
 

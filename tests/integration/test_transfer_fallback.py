@@ -24,7 +24,7 @@ from pdserve.kvtransfer.blocks import gather_to_host
 from pdserve.kvtransfer.backend_loader import open_backends
 from pdserve.kvtransfer.sink import limits_for
 from kvcaches import block_digests, make_caches, tiny_layout
-from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
+from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome, decide
 
 LAYOUT = tiny_layout(num_blocks=32, num_layers=2, block_size=16, num_kv_heads=2, head_dim=32)
 COOLDOWN_S = 1.5  # long enough that round 3 sees redis still cooling down
@@ -97,11 +97,14 @@ def test_redis_then_disk_then_recompute(setup):
     shutil.rmtree(disk_dir)
     disk_dir.write_text("not a directory any more")  # unwritable, even for root
     verdict, final, landed = transfer(chain, worker, "r3", 2)
-    assert verdict.outcome == Outcome.RECOMPUTED and verdict.backend == RECOMPUTE, verdict.describe()
-    assert final.outcome == Outcome.RECOMPUTED and not landed
+    assert verdict.outcome == Outcome.FAILED and verdict.backend == "", verdict.describe()
+    assert final.outcome == Outcome.FAILED and not landed
+    decided = decide(final, RECOMPUTE)
+    assert decided.outcome == Outcome.RECOMPUTED and decided.backend == RECOMPUTE
+    assert decided.reason.startswith("transfer_failed: ")
     assert list(reasons(verdict)) == ["ucx", "nccl", "redis", "disk"]
     assert "unhealthy" in reasons(verdict)["redis"]  # failed once: skipped until a probe
-    assert verdict.num_blocks == 0 and "recomputed" in verdict.describe()
+    assert verdict.num_blocks == 0 and "failed" in verdict.describe()
 
     # Redis comes back: after the cool-down a probe succeeds and it carries transfers again.
     redis.start()
@@ -126,6 +129,6 @@ def test_receiver_falls_back_to_recompute_when_the_store_lost_the_blocks(setup):
     assert verdict.backend == "redis"
     redis.flush()  # evicted before the receiver fetched
     final = worker.complete_receive("r9", verdict)
-    assert final.outcome == Outcome.RECOMPUTED
+    assert final.outcome == Outcome.FAILED and decide(final, RECOMPUTE).outcome == Outcome.RECOMPUTED
     assert final.fallbacks[-1].backend == "redis" and "missing 2 of 2" in final.fallbacks[-1].reason
     assert worker.sink.pending_transfer_ids == set()

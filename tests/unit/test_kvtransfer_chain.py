@@ -85,7 +85,7 @@ def test_missing_endpoint_and_unknown_backend_are_skipped():
     ucx = FakeTransport("ucx")
     chain = FallbackChain(("ucx", "nccl", RECOMPUTE), transports={"ucx": ucx})
     verdict = chain.send(job(endpoints={}))
-    assert verdict.outcome == Outcome.RECOMPUTED and verdict.backend == RECOMPUTE
+    assert verdict.outcome == Outcome.FAILED and verdict.backend == ""  # not carried: the receiver decides
     assert [(f.backend, f.reason) for f in verdict.fallbacks] == [
         ("ucx", "the receiver has no endpoint for it"), ("nccl", "not configured on the sender")]
     assert ucx.sent == []
@@ -115,7 +115,7 @@ def test_a_passed_deadline_skips_every_backend():
     ucx = FakeTransport("ucx")
     chain = FallbackChain(("ucx", RECOMPUTE), transports={"ucx": ucx})
     verdict = chain.send(job(deadline=time.monotonic() - 1))
-    assert verdict.outcome == Outcome.RECOMPUTED and ucx.sent == []
+    assert verdict.outcome == Outcome.FAILED and ucx.sent == []
     assert verdict.fallbacks[0].reason == "the transfer's deadline passed"
 
 
@@ -166,7 +166,7 @@ def test_a_backend_bug_does_not_end_the_chain():
     ucx = FakeTransport("ucx", KeyError("oops"))
     chain = FallbackChain(("ucx", RECOMPUTE), transports={"ucx": ucx})
     verdict = chain.send(job())
-    assert verdict.outcome == Outcome.RECOMPUTED and "KeyError" in verdict.fallbacks[0].reason
+    assert verdict.outcome == Outcome.FAILED and "KeyError" in verdict.fallbacks[0].reason
 
 
 def test_health_state_machine():

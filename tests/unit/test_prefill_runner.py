@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from pdserve.common.block_hash import prompt_blocks
 from pdserve.worker.transfer import Sender
 from pdserve.prefill.runner import PrefillRunner
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
@@ -16,6 +17,9 @@ from pdserve.worker.metrics import WorkerMetrics
 
 class Engine:
     compat_hash = 7
+
+    def prompt_blocks(self, token_ids, cache_salt=""):  # LLMEngine.prompt_blocks, 16-token blocks
+        return prompt_blocks(token_ids, 16, self.compat_hash, cache_salt=cache_salt)
 
 
 class NeverRunLoop:

@@ -21,6 +21,7 @@ class TransferOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_OUTCOME_TRANSFERRED: _ClassVar[TransferOutcome]
     TRANSFER_OUTCOME_RECOMPUTED: _ClassVar[TransferOutcome]
     TRANSFER_OUTCOME_FAILED: _ClassVar[TransferOutcome]
+    TRANSFER_OUTCOME_ABORTED: _ClassVar[TransferOutcome]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -30,6 +31,7 @@ TRANSFER_OUTCOME_LOCAL: TransferOutcome
 TRANSFER_OUTCOME_TRANSFERRED: TransferOutcome
 TRANSFER_OUTCOME_RECOMPUTED: TransferOutcome
 TRANSFER_OUTCOME_FAILED: TransferOutcome
+TRANSFER_OUTCOME_ABORTED: TransferOutcome
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "min_tokens", "logprobs", "top_logprobs", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "constraint", "prompt_logprobs")
