@@ -21,9 +21,8 @@ log = logging.getLogger("pdserve.engine.loop")
 
 IDLE_WAIT_S = 0.05  # how long the idle thread sleeps between command checks
 # How long a thread whose requests all wait on something outside the engine (a remote
-# prefill, a send to finish, blocks to free) sleeps between steps: without it the loop
-# spun a core and held the GIL through every remote prefill (on 2 cores the prefill service
-# computed 10% slower beside a spinning decode).
+# prefill, a send to finish, blocks to free) sleeps between steps: without it the loop would
+# spin a core and hold the GIL through every remote prefill.
 PARKED_WAIT_S = 0.002
 
 
@@ -117,9 +116,8 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._drain_commands()
-                # what the commands decided goes out before the next step runs: a remote
-                # prefill's first token waited a whole step for it (at 8 streams a 50-900 ms
-                # step, a prompt chunk of the decode's own)
+                # what the commands decided goes out before the next step runs, or a remote
+                # prefill's first token would wait a whole step (one with a prompt chunk)
                 early = self.engine.take_outputs()
                 if early:
                     self._deliver(early, [])

@@ -197,10 +197,9 @@ class Scheduler:
         """Admit waiting requests in arrival order while the budget lasts. A request whose
         prompt a prefill worker computes costs this step no tokens: once the budget is spent
         it is still admitted past the prompts that wait for the next step's, so that its
-        prefill starts now instead of after theirs (at 8 concurrent streams such requests
-        waited 1.3-2.2 s behind the decode's own prompts before their prefill was asked for).
-        A passed prompt keeps its slot in the batch (not its blocks); the first request that
-        cannot be admitted (blocks, batch size) stops the scan."""
+        prefill starts now instead of after theirs. A passed prompt keeps its slot in the
+        batch (not its blocks); the first request that cannot be admitted (blocks, batch
+        size) stops the scan."""
         prefilling = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
         passed: list[Request] = []  # prompts left for a later step's budget, in order
         while self.waiting:

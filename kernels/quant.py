@@ -111,10 +111,9 @@ def _expanded_linear(module, x: torch.Tensor, weight: QuantWeight, bias: torch.T
                      bf16: bool = False) -> torch.Tensor:
     """oneDNN's GEMM over the weights expanded to float32, at most EXPAND_BYTES of them at a
     time (an output projection in tiles of rows), into one reused buffer: a fresh one per call
-    faulted in its pages every time (SmolLM2's 49,152-row output projection at 32 rows took
-    40 ms that way, against 10 ms for float32). `bf16` (the fast mode): each tile and x rounded
-    to bfloat16 for oneDNN's bfloat16 GEMM (about 400 GFLOP/s on 2 Zen 4 cores against 215 for
-    float32 at 256 rows); float32 out."""
+    would fault its pages in every time. `bf16` (the fast mode): each tile and x rounded to
+    bfloat16 for oneDNN's bfloat16 GEMM, which runs about twice float32's rate on CPUs with
+    AVX-512 BF16; float32 out."""
     rows = max(1, EXPAND_BYTES // (weight.in_features * 4))
     n = weight.out_features
     scratch = _scratch(min(n, rows) * weight.in_features)
@@ -164,12 +163,9 @@ class FastLinear:
     """The fast mode's linear over a 4-bit weight's blocks, bfloat16 activations, by row count:
 
     - one or two rows (decode at batch 1-2, bound by weight bytes): torch's int4 GEMM, whose
-      packed layout streams faster than the native kernels expand blocks (a 1B model's
-      linears, 2 Zen 4 threads, one row: 7.2 ms int4, 10.2 exact, 12.7 bfloat16; SmolLM2's
-      narrower ones: 7.8 / 7.7 / 8.3);
-    - three to GEMM_ROWS - 1: the native bfloat16 kernel where the CPU has AVX-512 BF16
-      (8 rows, SmolLM2's 120 Q4_1 linears, one thread: 16.9 ms against 22.6 exact and 23.0
-      int4; the 1B model's: 20.2 against 27.0 and 24.7), else the int4 GEMM;
+      packed layout streams faster than the native kernels expand blocks;
+    - three to GEMM_ROWS - 1: the native bfloat16 kernel where the CPU has AVX-512 BF16 (the
+      fastest of the three there), else the int4 GEMM;
     - prompts: the blocks expanded to bfloat16 for oneDNN's GEMM (`_expanded_linear`).
 
     The int4 pack needs rows a multiple of 16; without it the few-row cases run exact or

@@ -19,7 +19,7 @@ from pdserve.kernels.checks import require
 # above it, a head-major copy of K/V is cheaper than the wasted flops.
 _BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 # Gathered K/V (fp32) per decode pass: small enough to stay in cache until the matmuls read
-# it back (2 MiB measured best of 0.5-8 MiB at SmolLM2's shape, one cache per layer).
+# it back (the best of 0.5-8 MiB at SmolLM2's shape).
 _GATHER_BUDGET_BYTES = 2 << 20
 
 

@@ -72,9 +72,7 @@ class TTFTPrediction:
         where the prompt waiting for a prefill worker loses its whole wait from its TTFT.
         An idle prefill worker keeps every prompt (that is what disaggregation is for) and a
         burst on an idle decode is shared half and half. Charging the stall once per stream
-        kept a busy decode's core idle behind a prefill queue: served at 8 concurrent
-        streams (SmolLM2, 2 cores) goodput 0.37-0.58 req/s and TTFT p99 4.4-5.3 s, against
-        1.0 req/s and 3.2-3.9 s charged once, at the same throughput (TPOT p50 52-57 -> 68-72 ms)."""
+        would keep a busy decode's core idle behind a prefill queue."""
         return self.local_s + self.stall_s < self.remote_s
 
 

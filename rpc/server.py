@@ -34,8 +34,7 @@ NO_PORT_SHARING = (("grpc.so_reuseport", 0),)  # a second listener on a used por
 def server_options(max_receive_bytes: int) -> tuple[tuple[str, int], ...]:
     """An internal server's gRPC options. HTTP/2 flow-control windows stay at their initial
     size (no bandwidth-delay probing): probing grew them while anonymous calls were still
-    sending, so a refused call's bytes arrived anyway (16 calls of 15 MiB: the server's RSS
-    grew 7-57 MiB; 0.2-1.6 MiB with fixed windows). Internal messages are small (a
+    sending, so a refused call's bytes arrived anyway. Internal messages are small (a
     131,072-token DecodeRequest is 0.55 MB; KV never goes over gRPC)."""
     return (("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

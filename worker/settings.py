@@ -25,15 +25,12 @@ class SettingsError(InvalidRequestError):
     """A setting has a value it cannot take."""
 
 
-# Where a role's default differs from the field's. The prefill service runs prompts only:
-# the shortest first, in a step sized for it, lets a short chat that arrives behind a long
-# prompt get its first token about as fast as alone (1.1x its solo TTFT behind a 2,000-token
-# prompt; 3.3x when the two share 256-token steps evenly, 60-86x first come first served;
-# `pdserve bench mixed-prefill` measures policy x budget; docs in the README).
-# The decode service runs a 256-token step too, so a wave of prompts it prefills locally is
-# cut into chunks with the running decodes riding in every step: at c8 on SmolLM2-135M
-# (2-core CPU, issue 13) 2,048 tokens stalled every decode 3.4 s in one 1,400-token step,
-# 256 cut TTFT p50 from 4.1 to 1.6 s with the same throughput.
+# Where a role's default differs from the field's. The prefill service runs prompts only,
+# the shortest first, in a step sized for it: a short chat that arrives behind a long
+# prompt gets its first token about as fast as alone (`pdserve bench mixed-prefill`
+# measures policy x budget). The decode service runs a 256-token step too, so a wave of
+# prompts it prefills locally is cut into chunks with the running decodes riding in every
+# step, never stalled behind a whole wave.
 ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "prefill": {"chunking_policy": "SHORTEST_FIRST", "max_num_tokens": 256},
     "decode": {"max_num_tokens": 256},

@@ -7,9 +7,8 @@ sizes here, at the price of small numeric differences (bench `quantization` meas
 
 MKL's small-batch path streams fp32 weights at well under half the memory bandwidth when a
 decode step has a handful of rows; oneDNN with the weight reordered into its blocked layout
-(`mkldnn._reorder_linear_weight`, done once) runs the same GEMM several times faster
-(SmolLM2's 49,152 x 576 output projection at 8 rows: ~60 -> ~16 ms on the shared 2-core
-CPU). Same math, fp32 rounding differences only. Other devices/dtypes use F.linear.
+(`mkldnn._reorder_linear_weight`, done once) runs the same GEMM several times faster.
+Same math, fp32 rounding differences only. Other devices/dtypes use F.linear.
 
 A GGUF model's own blocks (`Linear.from_blocks`, `--quantization gguf`): see `kernels.quant`.
 """

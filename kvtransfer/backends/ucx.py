@@ -29,9 +29,9 @@ control connection dropped) and the next send to that peer connects afresh.
 Robustness over a few percent: the default transports are tcp, posix and sysv shared
 memory, and self, never cma (cross-memory attach, part of UCX's "sm"). With cma a receiver
 reads the sender's memory directly, and a sender killed mid-transfer made UCX abort the
-receiving decode process (found by tests/e2e/test_chaos.py). Without it, measured with
-bench/transfer.py on this 2-core machine: 16 blocks 5.0 vs 3.7 ms, 256 blocks 26 vs 37 ms.
-UCX endpoint error handling (peer failure detection) costs 3-4x throughput here; it is off
+receiving decode process (found by tests/e2e/test_chaos.py); `pdserve bench transfer`
+compares the two. UCX endpoint error handling (peer failure detection) costs several times
+the throughput here; it is off
 by default because the control connection and the deadlines already detect a dead peer. Settings come from PDSERVE_UCX_* (engine/envs.py).
 """
 from __future__ import annotations
