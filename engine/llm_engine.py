@@ -142,7 +142,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len)
+        params = check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len)  # max_tokens resolved
         check_cache_salt(cache_salt)
         resumed = check_resumed(resumed, params, self.model_config.vocab_size)
         request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pdserve.common.errors import InvalidRequestError, PromptTooLongError
+from pdserve.common.sampling import check_vocab, resolve_max_tokens
 from pdserve.engine.constraints import NO_GRAMMAR
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -99,20 +100,18 @@ class Request:
         return self.status.value if self.is_finished else None
 
 
-def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """A prompt an engine can take with `params`: typed errors (InvalidRequestError,
+def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> SamplingParams:
+    """A prompt an engine can take with `params`, and `params` with max_tokens resolved
+    (common.sampling.resolve_max_tokens): typed errors (InvalidRequestError,
     PromptTooLongError) name what is wrong."""
     if not ids:
         raise InvalidRequestError("the prompt is empty")
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
-    if any(t >= vocab_size for t, _ in params.logit_bias):
-        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})")
     if len(ids) >= max_model_len:
         raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's context is {max_model_len}")
-    if len(ids) + params.max_tokens > max_model_len:
-        raise PromptTooLongError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                                 f"context of {max_model_len} tokens")
+    check_vocab(params, vocab_size)
+    return resolve_max_tokens(params, len(ids), max_model_len)
 
 
 def check_resumed(resumed: Sequence[int], params: SamplingParams, vocab_size: int) -> list[int]:

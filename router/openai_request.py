@@ -1,11 +1,14 @@
 """OpenAI request bodies -> GenerateRequest.
 
 Only the JSON shape is checked here (types, choice counts, unsupported options, ranges the
-proto cannot hold); value rules shared with gRPC (temperature, top_p, max_tokens against
-the context...) live in `validation.py`. Unknown top-level fields are ignored, as vLLM
-ignores them (OpenAI clients send extras), but each request lists them
-(`OpenAIRequest.ignored_fields`: the response's `pdserve.ignored_fields`) and `IgnoredFieldLog`
-logs each name once, so a misspelt option is visible.
+proto cannot hold); the sampling table's value rules, shared with gRPC and the engine, are
+applied by `validation.py`. A table field the body names otherwise than the table
+(max_completion_tokens, top_k's -1, logprobs) is checked by its row here, so the error names
+the body's field; every other numeric row is read under its own name.
+
+Unknown top-level fields are ignored, as vLLM ignores them (OpenAI clients send extras), but
+each request lists them (`OpenAIRequest.ignored_fields`: the response's
+`pdserve.ignored_fields`) and `IgnoredFieldLog` logs each name once, so a misspelt option is visible.
 """
 from __future__ import annotations
 
@@ -14,23 +17,26 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
+
 from pdserve.common.block_hash import check_cache_salt
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling import BOUNDS, COMPLETIONS_MAX_TOKENS
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.guided import STRUCTURED_FIELDS, read_guided
 from pdserve.router.tools import ToolMode, apply_tools, history_tool_calls, read_tools, set_response_format
 
 log = logging.getLogger("pdserve.router.http")
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 _UINT32_MAX = 2**32 - 1
 _INT64 = (-(2**63), 2**63 - 1)
+_WIRE_INTS = {FieldDescriptor.CPPTYPE_UINT32: (0, _UINT32_MAX), FieldDescriptor.CPPTYPE_INT64: _INT64}
 MAX_CHOICES = 128  # n * number of prompts: one request fans out into at most this many
-MAX_PROMPT_LOGPROBS = 20
-_COMMON_FIELDS = frozenset((
-    "model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-    "min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-    "n", "best_of", "max_tokens", "logprobs", "user", "response_format", "prompt_logprobs", "guided_json",
+# numeric rows of the sampling table a body names as the table does (the others are read apart)
+_TABLE_FIELDS = tuple(name for name in BOUNDS if name not in ("max_tokens", "top_k", "logprobs"))
+_COMMON_FIELDS = frozenset(_TABLE_FIELDS) | frozenset((
+    "model", "stream", "stream_options", "top_k", "stop", "stop_token_ids", "ignore_eos", "logit_bias",
+    "n", "best_of", "max_tokens", "logprobs", "user", "response_format", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "guided_json_object", "guided_whitespace_pattern",
     "structured_outputs", "cache_salt"))
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -133,6 +139,11 @@ class _Body:
             raise _invalid(f"'{name}' must be a number", name)
         return float(value)
 
+    def row(self, name: str, row: str) -> int | float | None:
+        """`name`, read as the sampling table's `row` and checked by it (the error names `name`)."""
+        value = self._body.get(name)
+        return None if value is None else BOUNDS[row].check(value, name)
+
     def bool(self, name: str) -> bool | None:
         value = self._body.get(name)
         if value is not None and not isinstance(value, bool):
@@ -166,26 +177,15 @@ def _num_choices(body: _Body, stream: bool, num_prompts: int) -> tuple[int, int]
 
 def _common(body: _Body, sampling: common_pb2.SamplingParams) -> tuple[bool, bool]:
     """Fields both endpoints share; returns (stream, include_usage)."""
-    _penalties(body, sampling)
-    temperature = body.number("temperature")
-    if temperature is not None:
-        sampling.temperature = temperature
-    top_p = body.number("top_p")
-    if top_p is not None:
-        sampling.top_p = top_p
-    top_k = body.int("top_k", -1, _UINT32_MAX)
+    _table_fields(body, sampling)
+    _logit_bias(body, sampling)
+    top_k = body.raw("top_k")
     if top_k is not None:
-        sampling.top_k = max(top_k, 0)  # -1 and 0 both mean "off"
-    seed = body.int("seed", *_INT64)
-    if seed is not None:
-        sampling.seed = seed
+        sampling.top_k = 0 if top_k == -1 and type(top_k) is int else body.row("top_k", "top_k")  # -1: vLLM's off
     sampling.stop.extend(_stop_strings(body.raw("stop")))
     stop_ids = body.raw("stop_token_ids")
     if stop_ids is not None:
         sampling.stop_token_ids.extend(_token_list(stop_ids, "stop_token_ids"))
-    min_tokens = body.int("min_tokens", 0, _UINT32_MAX)
-    if min_tokens is not None:
-        sampling.min_tokens = min_tokens
     sampling.ignore_eos = bool(body.bool("ignore_eos"))
     stream = bool(body.bool("stream"))
     options = body.raw("stream_options")
@@ -193,21 +193,22 @@ def _common(body: _Body, sampling: common_pb2.SamplingParams) -> tuple[bool, boo
         raise _invalid("'stream_options' must be an object", "stream_options")
     if options is not None and not stream:
         raise _invalid("'stream_options' is only allowed with stream=true", "stream_options")
-    prompt_logprobs = body.int("prompt_logprobs", 0, MAX_PROMPT_LOGPROBS)
-    if prompt_logprobs is not None:
-        sampling.prompt_logprobs = prompt_logprobs
     return stream, bool(options and options.get("include_usage"))
 
 
-def _penalties(body: _Body, sampling: common_pb2.SamplingParams) -> None:
-    """presence/frequency/repetition penalties and logit_bias (ranges: validation.py)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = body.number(name)
+def _table_fields(body: _Body, sampling: common_pb2.SamplingParams) -> None:
+    """The table's fields named as the table names them: typed and sized for the wire here,
+    their values checked by validation.py."""
+    declared = sampling.DESCRIPTOR.fields_by_name
+    for name in _TABLE_FIELDS:
+        wire_int = _WIRE_INTS.get(declared[name].cpp_type)
+        value = body.number(name) if wire_int is None else body.int(name, *wire_int)
         if value is not None:
             setattr(sampling, name, value)
-    repetition = body.number("repetition_penalty")
-    if repetition is not None:
-        sampling.repetition_penalty = repetition
+
+
+def _logit_bias(body: _Body, sampling: common_pb2.SamplingParams) -> None:
+    """Token id -> bias (the values' range: validation.py)."""
     bias = body.raw("logit_bias")
     if bias is None:
         return
@@ -245,11 +246,10 @@ def _model(body: _Body) -> str:
 
 
 def _max_tokens(body: _Body, *names: str) -> int | None:
+    """The first of `names` the body sets; unset, the table's default (the room left in the context)."""
     for name in names:
-        value = body.int(name, -(2**31), 2**31)
+        value = body.row(name, "max_tokens")
         if value is not None:
-            if value < 1:
-                raise _invalid(f"'{name}' must be at least 1, got {value}", name)
             return value
     return None
 
@@ -267,8 +267,8 @@ def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
     stream, include_usage = _common(body, request.sampling)
     n, best_of = _num_choices(body, stream, len(prompts))
     max_tokens = _max_tokens(body, "max_tokens")
-    request.sampling.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    logprobs = body.int("logprobs", 0, 20)
+    request.sampling.max_tokens = COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens
+    logprobs = body.row("logprobs", "logprobs")
     if logprobs is not None:
         request.sampling.logprobs = True
         request.sampling.top_logprobs = logprobs
@@ -326,7 +326,7 @@ def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
     if max_tokens is not None:
         request.sampling.max_tokens = max_tokens
     request.sampling.logprobs = bool(body.bool("logprobs"))
-    top_logprobs = body.int("top_logprobs", 0, 20)
+    top_logprobs = body.row("top_logprobs", "logprobs")
     if top_logprobs:
         request.sampling.top_logprobs = top_logprobs
     return OpenAIRequest(request, stream, include_usage, model, n, best_of, tool_mode=tool_mode,

@@ -5,21 +5,11 @@ from pdserve.proto.pdserve.v1 import common_pb2
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams):
+    """The engine's SamplingParams of a request's: the sampling table's fields as sent (one
+    left unset takes the table's default), the constraint converted."""
     from pdserve.engine.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=int(p.max_tokens) if p.HasField("max_tokens") else 16,
-        min_tokens=int(p.min_tokens),
-        temperature=float(p.temperature) if p.HasField("temperature") else 1.0,
-        top_p=float(p.top_p) if p.HasField("top_p") else 1.0,
-        top_k=int(p.top_k) if p.HasField("top_k") else 0,
-        seed=int(p.seed) if p.HasField("seed") else None,
-        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        logprobs=(int(p.top_logprobs) if p.logprobs else None),
-        presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty),
-        repetition_penalty=float(p.repetition_penalty) if p.HasField("repetition_penalty") else 1.0,
-        logit_bias=tuple(sorted(p.logit_bias.items())), constraint=_constraint_from_proto(p.constraint),
-        prompt_logprobs=int(p.prompt_logprobs) if p.HasField("prompt_logprobs") else None)
+    return SamplingParams.from_message(p, constraint=_constraint_from_proto(p.constraint))
 
 
 def _constraint_from_proto(c: common_pb2.Constraint):

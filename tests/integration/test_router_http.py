@@ -9,6 +9,8 @@ import grpc
 import httpx
 import pytest
 
+from pdserve.common.errors import InvalidRequestError
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 
 from router_fakes import MAX_MODEL_LEN, MODEL, REPLY, TOKENIZER, WAIT_S, Script, chat_body, wait_until, words
@@ -246,6 +248,29 @@ def test_bad_http_input_gets_openai_error(make_cluster, case):
         ok = http.post("/v1/chat/completions", json=chat_body(max_tokens=2))
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "Hello,"
     assert len(decode.requests) == 1  # the bad request never reached the worker
+
+
+def test_sampling_values_are_refused_as_the_engine_refuses_them(make_cluster):
+    """The router applies the engine's sampling table (common.sampling): a value the engine
+    refuses is a 400 in OpenAI's shape with the engine's message and param."""
+    cluster = make_cluster()
+    decode = cluster.add("d0")
+    cases = [({"temperature": 2.5}, dict(temperature=2.5)), ({"top_p": 0}, dict(top_p=0.0)),
+             ({"logprobs": True, "top_logprobs": 21}, dict(logprobs=21)),
+             ({"prompt_logprobs": 21}, dict(prompt_logprobs=21)),
+             ({"repetition_penalty": 0}, dict(repetition_penalty=0.0)),
+             ({"presence_penalty": -2.5}, dict(presence_penalty=-2.5)),
+             ({"logit_bias": {"1": 101}}, dict(logit_bias={1: 101.0})), ({"max_tokens": 0}, dict(max_tokens=0)),
+             ({"max_tokens": 2, "min_tokens": 3}, dict(max_tokens=2, min_tokens=3))]
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        for body, engine in cases:
+            with pytest.raises(InvalidRequestError) as caught:
+                SamplingParams(**engine)
+            answer = http.post("/v1/chat/completions", json=chat_body(**body))
+            assert answer.status_code == 400, body
+            assert answer.json()["error"] == {"message": str(caught.value), "type": "invalid_request_error",
+                                              "param": caught.value.param, "code": None}
+    assert not decode.requests
 
 
 def test_oversized_chunked_body_is_413_while_reading(make_cluster):

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, to_service_error
+from pdserve.common.sampling import COMPLETIONS_MAX_TOKENS
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2
 from pdserve.router.openai_format import Collected, ResponseFormatter
 from pdserve.router.openai_request import parse_chat, parse_completion
@@ -180,7 +181,8 @@ def test_streamed_auto_tool_choice_sends_a_call_as_a_call_and_text_as_it_comes()
 
 def test_completion_body_maps_onto_generate_request():
     parsed = parse_completion({"model": "m", "prompt": ["hi"], "logprobs": 2})
-    assert parsed.request.prompt == "hi" and parsed.request.sampling.max_tokens == 16
+    assert parsed.request.prompt == "hi"
+    assert parsed.request.sampling.max_tokens == COMPLETIONS_MAX_TOKENS == 16  # OpenAI's completions default
     assert parsed.request.sampling.logprobs and parsed.request.sampling.top_logprobs == 2
     ids = parse_completion({"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 2}).request
     assert list(ids.token_ids.ids) == [1, 2, 3]

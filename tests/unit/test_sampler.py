@@ -157,7 +157,8 @@ def test_mixed_batch_keeps_rows_apart():
     (dict(logprobs=21), "logprobs"),
     (dict(logprobs=-1), "logprobs"),
     (dict(stop=("",)), "stop"),
-    (dict(seed=-1), "seed"),
+    (dict(seed=2**63), "seed"),  # any int64 is a seed, as the router takes
+    (dict(temperature=2.5), "temperature"),  # the router's [0, 2]
 ])
 def test_out_of_range_sampling_values_are_refused(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
