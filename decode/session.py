@@ -82,11 +82,12 @@ class DecodeSessions:
             self.metrics.prefill_decisions.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome),
                                                   reason=verdict.reason.split(":")[0]).inc()
             first = True
-            async for out, response in self._stream(stream, rid, outcome.num_cached_tokens):
+            transferred = outcome.verdict.outcome == Outcome.TRANSFERRED
+            async for out, response in self._stream(stream, rid, outcome.num_cached_tokens if transferred else None):
                 if first and (out.new_token_ids or out.finished):
                     first = False
                     response.transfer.CopyFrom(verdict)
-                    self._time_first_token(timings, out, t_arrival, placement.remote)
+                    self._time_first_token(timings, out, t_arrival, placement.remote, transferred)
                 if response.finish_reason:
                     response.transfer.CopyFrom(verdict)
                     response.timings.CopyFrom(timings)
@@ -101,14 +102,20 @@ class DecodeSessions:
             raise
 
     def _time_first_token(self, timings: common_pb2.RequestTimings, out, t_arrival: float,
-                          remote: bool) -> None:
+                          remote: bool, transferred: bool) -> None:
         """The TTFT phases, on the first delta. A remote prefill set queue (admission), prefill
         (the leg) and transfer (its tail) already; a local one is timed by the engine: queue
-        until its first chunk was scheduled, prefill until its first token was sampled. First
-        decode is the rest, up to this delta."""
+        until its first chunk was scheduled, prefill until its first token was sampled. A
+        prompt recomputed here after its leg failed: prefill runs from admission (the failed
+        leg and the recompute) until its first token was sampled. First decode is the rest,
+        up to this delta."""
         now = time.monotonic()
-        if remote:
+        if remote and transferred:
             timings.first_decode_ms = max(0.001, (now - t_arrival) * 1000 - timings.queue_ms - timings.prefill_ms)
+        elif remote:
+            sampled = out.first_token_time or now
+            timings.prefill_ms = max(0.0, (sampled - t_arrival) * 1000 - timings.queue_ms)
+            timings.first_decode_ms = max(0.001, (now - sampled) * 1000)
         else:
             scheduled = out.first_scheduled_time or t_arrival
             sampled = out.first_token_time or now
@@ -119,10 +126,11 @@ class DecodeSessions:
                           ("transfer", timings.transfer_ms), ("first_decode", timings.first_decode_ms)):
             self.metrics.ttft_phase.labels(phase).observe(ms / 1000)
 
-    async def _stream(self, stream, rid: str, num_cached_elsewhere: int):
-        """(engine output, its proto message) per delta. `num_cached_elsewhere`: prompt tokens
-        the prefill service found cached; usage counts a prompt token as cached when either
-        side had it (both caches hold prefixes, so that is the larger of the two)."""
+    async def _stream(self, stream, rid: str, num_cached_remote: int | None):
+        """(engine output, its proto message) per delta. Usage counts as cached the prompt
+        tokens not computed for this request: with KV from a prefill service, those it found
+        cached (`num_cached_remote`: a prefix only this decode held was computed there
+        anyway); else those this engine found in its prefix cache or loaded from a store."""
         tok = self.loop.engine.tokenizer
         while True:
             try:
@@ -138,7 +146,8 @@ class DecodeSessions:
                 resp.prompt_logprobs.extend(logprob_to_proto(lp, tok) for lp in out.prompt_logprobs)
             if out.finished:
                 resp.finish_reason = FINISH.get(out.finish_reason, common_pb2.FINISH_REASON_STOP)
-                cached = max(out.num_cached_tokens + out.num_loaded_tokens, num_cached_elsewhere)
+                cached = (out.num_cached_tokens + out.num_loaded_tokens if num_cached_remote is None
+                          else num_cached_remote)
                 resp.usage.CopyFrom(common_pb2.Usage(
                     prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                     cached_prompt_tokens=min(cached, out.num_prompt_tokens)))

@@ -21,8 +21,10 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
+from pdserve.common import envs
 from pdserve.common.auth import ClusterSecret
 from pdserve.deploy.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
@@ -247,10 +249,15 @@ def stop(children: list[Child], grace_s: float = GRACE_S, hurry: threading.Event
 
 @contextlib.contextmanager
 def cluster_secret(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """`settings` with a cluster secret file: the user's, or a new random one for this run
-    (mode 0600 in a private directory, deleted when `up` ends)."""
+    """`settings` with a cluster secret file: the user's; with a prefix store, the one `up`
+    keeps beside its build cache (`kept_secret`: the store's keys derive from it, so a
+    restarted deployment finds what it stored); else a new random one for this run (mode
+    0600 in a private directory, deleted when `up` ends)."""
     if settings.get("cluster_secret_file"):
         yield settings
+        return
+    if settings.get("prefix_store") not in (None, "", "none"):
+        yield dict(settings, cluster_secret_file=str(kept_secret(envs.cache_root())))
         return
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as private:  # 0700
         path = os.path.join(private, "cluster-secret")
@@ -264,6 +271,19 @@ def core_share(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
     (`worker.core_share`), in a private directory deleted when `up` ends."""
     with tempfile.TemporaryDirectory(prefix="pdserve-cores-") as private:  # 0700
         yield dict(settings, core_share=os.path.join(private, "core-share"))
+
+
+def kept_secret(cache_root: Path) -> Path:
+    """The cluster secret `up` keeps across its runs: `<cache root>/up/cluster-secret`,
+    0600 in a 0700 directory, made on first use and checked like any secret file on each."""
+    folder = cache_root / "up"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    path = folder / "cluster-secret"
+    with contextlib.suppress(FileExistsError):
+        ClusterSecret.create(path)
+    ClusterSecret.load(path)  # owned by us, readable by nobody else, or refused
+    return path
 
 
 def main(settings: dict[str, Any]) -> int:

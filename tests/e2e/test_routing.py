@@ -44,8 +44,10 @@ def test_repeated_prefix_goes_to_the_worker_that_holds_it(cluster):
         assert routing["decode_worker_id"] == home, routing
         assert routing["decode_reason"] == "prefix_match", routing
         assert routing["matched_prefix_tokens"] >= 200, routing
-        # the decode worker had the prefix: only the rest was prefilled and moved
-        assert reply.usage.prompt_tokens_details.cached_tokens >= 200
+        # the decode worker had the prefix: only the rest moved. Cached counts what the
+        # prefill did not compute: the second prefill worker computed the prefix once (i = 2)
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        assert cached == 0 if i == 2 else cached >= 200, (i, cached)
         transfer = reply.model_extra["pdserve"]["transfer"]
         assert transfer["outcome"] == "transferred"
         assert transfer["blocks"] <= 3, transfer

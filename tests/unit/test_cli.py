@@ -116,6 +116,33 @@ def test_up_makes_a_private_cluster_secret_per_run_and_removes_it(tmp_path):
     assert os.path.exists(given)
 
 
+def test_up_keeps_its_secret_across_runs_when_it_has_a_prefix_store(tmp_path, monkeypatch):
+    """With a prefix store, the store's keys derive from the cluster secret: `up` keeps the one
+    it made (0600 in a 0700 folder of its cache root) so that its next run finds the store."""
+    import os
+    import stat
+
+    import pytest
+
+    from pdserve.common.auth import ClusterSecret
+    from pdserve.deploy import up
+
+    monkeypatch.setenv("PDSERVE_CACHE_ROOT", str(tmp_path / "cache"))
+    with up.cluster_secret({"prefix_store": "disk"}) as settings:
+        first = settings["cluster_secret_file"]
+        material = open(first).read()
+    assert first == str(tmp_path / "cache" / "up" / "cluster-secret")
+    assert stat.S_IMODE(os.stat(first).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(first)).st_mode) == 0o700
+    with up.cluster_secret({"prefix_store": "disk"}) as settings:
+        assert settings["cluster_secret_file"] == first and open(first).read() == material
+    ClusterSecret.load(first)
+    os.chmod(first, 0o644)  # readable by others: refused, not used
+    with pytest.raises(Exception, match="cluster secret"):
+        with up.cluster_secret({"prefix_store": "disk"}):
+            pass
+
+
 def test_prefix_store_is_validated_and_reaches_the_transfer_config(tmp_path):
     import pytest
 
