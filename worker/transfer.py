@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from pdserve.common.auth import ClusterSecret, Mac
+from pdserve.common.auth import ClusterSecret, Mac, encode_fields
 from pdserve.common.block_hash import hashes_digest, prompt_digest
 from pdserve.common.errors import AuthError, OverloadedError
 from pdserve.kvtransfer.config import STORES
@@ -70,14 +70,21 @@ def params_to_handoff(tp: TransferParams, block_ids: Sequence[int], block_size: 
 
 def handoff_fields(request: prefill_pb2.PrefillRequest) -> tuple:
     """What the decode's signature on a hand-off covers: every field of the hand-off but the
-    signature, and the request it is for (id, prompt digest, block hashes digest, cache salt),
-    so a captured hand-off cannot carry another prompt's KV into the same blocks."""
+    signature, and every field of the request it is for (id, prompt digest, block hashes
+    digest, sampling, cache salt), so a captured hand-off cannot carry another prompt's KV
+    into the same blocks or draw its first token otherwise. Each list is length-prefixed item
+    by item (`encode_fields`): no two different lists encode alike."""
     h = request.handoff
-    return ("handoff-v2", h.transfer_id, ",".join(h.backends),
-            "|".join(f"{e.backend}={e.address}" for e in h.endpoints),
+    endpoints = [part for e in h.endpoints for part in (e.backend, e.address)]
+    return ("handoff-v3", h.transfer_id, _encoded_list(h.backends), _encoded_list(endpoints),
             struct.pack(f"<{len(h.block_ids)}I", *h.block_ids), h.num_cached_tokens,
             h.deadline_unix_ms, h.compatibility_hash, h.decode_worker_id, request.request_id,
-            prompt_digest(request.prompt_token_ids), hashes_digest(request.block_hashes), request.cache_salt)
+            prompt_digest(request.prompt_token_ids), hashes_digest(request.block_hashes),
+            request.sampling.SerializeToString(deterministic=True), request.cache_salt)
+
+
+def _encoded_list(items: Sequence[str]) -> bytes:
+    return encode_fields(len(items), *items)
 
 
 def sign_handoff(request: prefill_pb2.PrefillRequest, mac: Mac) -> None:

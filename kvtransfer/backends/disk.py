@@ -17,11 +17,14 @@ its own. Several processes may share the directory (a volume shared by pods):
   under its name) is deleted and reads as a miss; a put over such a record replaces it (a
   planted record never blocks its own replacement); a valid record under the same key with
   the same digest is only touched;
-* opens never follow a symlink (O_NOFOLLOW, then fstat: regular files only), and a record
-  whose folder is a symlink is neither read nor written.
+* below the root nothing is reached through a symlink: each folder is opened from its
+  parent's descriptor with O_NOFOLLOW, records too (then fstat: regular files only), so a
+  symlinked folder at any level is neither read, written nor deleted through (the link
+  itself is removed); records and folders are made 0600 and 0700.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -73,7 +76,7 @@ class DiskStore(CountsRecordReads, BlockStore):
         self._last_scan = float("-inf")
         self.num_pruned = 0
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:  # an unusable directory is an unhealthy store, not a crash
             self._trouble("open", exc)
 
@@ -99,10 +102,10 @@ class DiskStore(CountsRecordReads, BlockStore):
                     stored += 1  # content-addressed: a valid record of the same block is kept
                     continue
                 try:
-                    _write_atomic(path, record)
+                    _write_atomic(self.root, path, record)
                 except _NotARecord as exc:
                     log.warning("disk store: removing %s: %s", path.parent, exc)
-                    _unlink_planted(path)
+                    _unlink_planted(self.root, path)
                     continue
                 stored += 1
                 num_new += 1
@@ -118,7 +121,7 @@ class DiskStore(CountsRecordReads, BlockStore):
         """Whether `path` holds a valid record of `key` (with `digest`, that one): then it is
         touched and kept. A planted, corrupt or other-prefix record is not: it gets replaced."""
         try:
-            data = _read_record(path, record_nbytes(limits, keyed=self.mac_key is not None) + 1)
+            data = _read_record(self.root, path, record_nbytes(limits, keyed=self.mac_key is not None) + 1)
         except (_NotARecord, OSError):
             return False
         if data is None:
@@ -127,7 +130,7 @@ class DiskStore(CountsRecordReads, BlockStore):
             decode_record(data, limits, key, self.mac_key, digest)
         except WireError:
             return False
-        return _touch(path)
+        return _touch(self.root, path)
 
     def get(self, block_hashes: Sequence[int], limits: WireLimits,
             digests: Sequence[bytes] | None = None) -> list[memoryview | None]:
@@ -138,10 +141,10 @@ class DiskStore(CountsRecordReads, BlockStore):
         for i, key in enumerate(block_hashes):
             path = self.path_of(limits.compat_hash, key)
             try:
-                data = _read_record(path, expected + 1)  # never more than one record's worth
+                data = _read_record(self.root, path, expected + 1)  # never more than one record's worth
             except _NotARecord as exc:
                 log.warning("disk store: removing %s: %s", path, exc)
-                _unlink_planted(path)
+                _unlink_planted(self.root, path)
                 continue
             except OSError as exc:
                 self._trouble("get", exc)
@@ -152,10 +155,11 @@ class DiskStore(CountsRecordReads, BlockStore):
 
     def _check(self, path: Path, data: bytes, limits: WireLimits, key: int,
                digest: bytes | None) -> memoryview | None:
-        payload = self._reads.payload(data, limits, key, self.mac_key, digest, path, lambda: _unlink(path))
+        payload = self._reads.payload(data, limits, key, self.mac_key, digest, path,
+                                      lambda: _unlink(self.root, path))
         if payload is None:
             return None
-        _touch(path)
+        _touch(self.root, path)
         return payload
 
     def count_prefix_hits(self, block_hashes: Sequence[int], compat_hash: int) -> int:
@@ -163,14 +167,14 @@ class DiskStore(CountsRecordReads, BlockStore):
             return 0
         n = 0
         for key in block_hashes:
-            if not _is_regular(self.path_of(compat_hash, key)):
+            if not _is_regular(self.root, self.path_of(compat_hash, key)):
                 break
             n += 1
         return n
 
     def discard(self, block_hashes: Sequence[int], compat_hash: int) -> None:
         for key in block_hashes:
-            _unlink(self.path_of(compat_hash, key))
+            _unlink(self.root, self.path_of(compat_hash, key))
 
     def probe(self) -> bool:
         probe = self.root / f".probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -198,12 +202,12 @@ class DiskStore(CountsRecordReads, BlockStore):
             name = os.path.basename(path)
             if name.endswith(".tmp"):
                 if now - st.st_mtime > _TEMP_MAX_AGE_S:
-                    _unlink(path)
+                    _unlink(self.root, path)
                 continue
             if not name.endswith(_SUFFIX):
                 continue
             if name.startswith("t") and now - st.st_mtime > self.ephemeral_ttl_s:
-                deleted += _unlink(path)
+                deleted += _unlink(self.root, path)
                 continue
             records.append((st.st_mtime, st.st_size, path))
         total = sum(size for _, size, _ in records)
@@ -215,7 +219,7 @@ class DiskStore(CountsRecordReads, BlockStore):
             for _, size, path in records:
                 if total <= byte_goal and count <= count_goal:
                     break
-                deleted += _unlink(path)  # 0 if a racing pruner got there first
+                deleted += _unlink(self.root, path)  # 0 if a racing pruner got there first
                 total -= size
                 count -= 1
         with self._lock:
@@ -249,22 +253,53 @@ def create_store(config: KVTransferConfig) -> DiskStore:
 
 
 class _NotARecord(OSError):
-    """Something other than a regular file under a record's name (a symlink, a fifo...)."""
+    """Something other than a regular file under a record's name (a symlink, a fifo...), or
+    a symlink where a folder should be."""
 
 
-def _read_record(path: Path, limit: int) -> bytes | None:
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+@contextlib.contextmanager
+def _folder(root: Path, path: Path, create: bool = False):
+    """(descriptor of `path`'s folder, its name in it), the folder reached from `root` one
+    level at a time without following a link (_NotARecord if one is); FileNotFoundError if
+    a level is missing and not `create`d (0700)."""
+    if create:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for part in path.relative_to(root).parts[:-1]:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o700, dir_fd=fd)
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _NotARecord(f"{part} is a symlink or not a folder") from None
+                raise
+            os.close(fd)
+            fd = child
+        yield fd, path.name
+    finally:
+        os.close(fd)
+
+
+def _read_record(root: Path, path: Path, limit: int) -> bytes | None:
     """At most `limit` bytes of the record at `path`; None if there is none. Never follows
     a symlink, never reads anything but a regular file (_NotARecord)."""
-    if os.path.islink(path.parent):
-        raise _NotARecord(f"its folder {path.parent} is a symlink")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with _folder(root, path) as (folder, name):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+                             dir_fd=folder)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise _NotARecord("a symlink") from None
+                raise
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _NotARecord("a symlink") from None
-        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise _NotARecord("not a regular file")
@@ -280,55 +315,80 @@ def _read_record(path: Path, limit: int) -> bytes | None:
         os.close(fd)
 
 
-def _unlink_planted(path: Path) -> None:
-    """Remove what was planted at a record's place: a symlinked folder (the link, never
-    what it points to), else the entry itself (a symlink is removed, not followed)."""
-    _unlink(path.parent if os.path.islink(path.parent) else path)
-
-
-def _is_regular(path: Path) -> bool:
+def _unlink_planted(root: Path, path: Path) -> None:
+    """Remove what was planted at a record's place: the first symlinked level on its way
+    (the link, never what it points to), else the entry itself."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:
-        return stat.S_ISREG(os.lstat(path).st_mode) and not os.path.islink(path.parent)
+        for part in path.relative_to(root).parts[:-1]:
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                _unlink_in(fd, part)
+                return
+            os.close(fd)
+            fd = child
+        _unlink_in(fd, path.name)
+    finally:
+        os.close(fd)
+
+
+def _is_regular(root: Path, path: Path) -> bool:
+    try:
+        with _folder(root, path) as (folder, name):
+            return stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode)
     except OSError:
         return False
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write a temp file (created exclusively, never through a link), then rename it onto
-    `path`: the rename replaces whatever entry was there, a planted symlink included."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if os.path.islink(path.parent):
-        raise _NotARecord(f"record folder {path.parent} is a symlink")
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink(tmp)
-        raise
+def _write_atomic(root: Path, path: Path, data: bytes) -> None:
+    """Write a temp file (created exclusively, 0600, never through a link), then rename it
+    onto `path`: the rename replaces whatever entry was there, a planted symlink included."""
+    with _folder(root, path, create=True) as (folder, name):
+        tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                         0o600, dir_fd=folder)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            _unlink_in(folder, tmp)
+            raise
 
 
-def _touch(path: Path) -> bool:
+def _touch(root: Path, path: Path) -> bool:
     """Mark a record used now. False if it does not exist."""
     try:
-        os.utime(path, follow_symlinks=False)
+        with _folder(root, path) as (folder, name):
+            os.utime(name, dir_fd=folder, follow_symlinks=False)
         return True
     except FileNotFoundError:
         return False
     except OSError:
-        return _is_regular(path)
+        return _is_regular(root, path)
 
 
-def _unlink(path: str | Path) -> int:
+def _unlink(root: Path, path: str | Path) -> int:
+    """Delete the entry at `path` (never through a symlinked folder): 1, or 0 if gone."""
     try:
-        os.unlink(path)
-        return 1
+        with _folder(root, Path(path)) as (folder, name):
+            return _unlink_in(folder, name)
     except FileNotFoundError:
         return 0
     except OSError as exc:
         log.warning("disk store: cannot delete %s: %s", path, exc)
+        return 0
+
+
+def _unlink_in(folder: int, name: str) -> int:
+    try:
+        os.unlink(name, dir_fd=folder)
+        return 1
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        log.warning("disk store: cannot delete %s: %s", name, exc)
         return 0
 
 

@@ -229,3 +229,39 @@ def test_opens_never_follow_symlinks(tmp_path):
     os.mkfifo(fifo)
     assert store.get([43], LIMITS)[0] is None and not os.path.lexists(fifo)
     assert store.put([43], message([43])) == 1 and bytes(store.get([43], LIMITS)[0]) == block_bytes(43)
+
+
+@pytest.mark.parametrize("level", ["compat", "prefix"])
+def test_a_symlinked_folder_at_any_level_is_never_gone_through(tmp_path, level):
+    """A folder on a record's way replaced by a symlink to a place outside the store (the
+    compatibility folder or the key-prefix one): nothing is read, written or deleted there;
+    the link itself is removed and the store goes on in a real folder."""
+    store = DiskStore(tmp_path / "kv")
+    outside = tmp_path / "outside"
+    store.put([0x4100000000000001], message([0x4100000000000001]))
+    record = store.path_of(COMPAT, 0x4100000000000001)
+    folder = record.parent.parent if level == "compat" else record.parent
+    shutil.copytree(folder, outside)  # a valid copy of what was there, outside
+    shutil.rmtree(folder)
+    os.symlink(outside, folder)
+    before = sorted((p.name, p.stat().st_size) for p in outside.rglob("*"))
+    assert store.get([0x4100000000000001], LIMITS)[0] is None  # not read through the link
+    assert not os.path.lexists(folder)  # the link is gone, not what it pointed to
+    os.symlink(outside, folder)
+    store.discard([0x4100000000000001], COMPAT)  # not deleted through it
+    assert store.put([0x4100000000000002], message([0x4100000000000002])) == 0  # not written through it
+    assert not os.path.lexists(folder)  # the put removed the link
+    assert sorted((p.name, p.stat().st_size) for p in outside.rglob("*")) == before
+    assert store.put([0x4100000000000002], message([0x4100000000000002])) == 1
+    assert bytes(store.get([0x4100000000000002], LIMITS)[0]) == block_bytes(0x4100000000000002)
+
+
+def test_records_and_folders_are_private(tmp_path):
+    import stat as stat_
+
+    store = DiskStore(tmp_path / "kv")
+    store.put([7], message([7]))
+    record = store.path_of(COMPAT, 7)
+    assert stat_.S_IMODE(record.stat().st_mode) == 0o600
+    assert stat_.S_IMODE(record.parent.stat().st_mode) == 0o700
+    assert stat_.S_IMODE(record.parent.parent.stat().st_mode) == 0o700
