@@ -248,7 +248,10 @@ def test_every_manifest_validates_against_the_kubernetes_schema(profile: str, re
     for monitor in unchecked:
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["spec"]["selector"]["matchLabels"]
         for endpoint in monitor["spec"]["endpoints"]:
-            assert set(endpoint) <= {"port", "path", "interval"}
+            assert set(endpoint) <= {"port", "path", "interval", "authorization"}
+            if "authorization" in endpoint:  # ServiceMonitor's SafeAuthorization: a Secret key, never a literal
+                auth = endpoint["authorization"]
+                assert auth["type"] == "Bearer" and set(auth["credentials"]) == {"name", "key"}
             assert re.fullmatch(r"\d+(ms|s|m|h)", endpoint["interval"])
 
 
@@ -764,7 +767,8 @@ def test_egress_reaches_only_this_release_dns_and_egress_to(profile: str, render
         for rule in rules:
             assert rule.get("to"), f"{component}: an egress rule open to everywhere"
             for peer in rule["to"]:
-                dns = peer.get("podSelector", {}).get("matchLabels") == {"k8s-app": "kube-dns"}
+                dns = peer == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                               "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}  # not any pod so labelled
                 assert peer in allowed or (dns and {p["port"] for p in rule["ports"]} == {53}), peer
 
 
@@ -774,6 +778,10 @@ def test_metrics_from_no_longer_admits_every_pod(render, render_values) -> None:
         rules = admitting_rules(m, pod_labels(m.workload(role)), m.values["metrics"]["port"])
         assert rules and all(r.get("from") for r in rules)
         assert not any(admits(r, {"app": "something-else"}) for r in rules)
+        for rule in rules:  # a pod that labels itself prometheus in any namespace is not enough
+            for peer in rule["from"]:
+                assert peer.get("namespaceSelector") in (None, {"matchLabels": {
+                    "kubernetes.io/metadata.name": "monitoring"}}), peer
     closed = render_values({"networkPolicy": {"metricsFrom": []}})
     for role in WORKERS:
         labels = pod_labels(closed.workload(role))
@@ -795,3 +803,18 @@ def test_a_metrics_token_secret_reaches_workers_and_their_service_monitor(chart)
             assert "authorization" not in endpoint  # router.metricsAuth is off
         else:
             assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "scrape", "key": "token"}}
+
+
+def test_worker_metrics_ask_for_a_token_by_default_and_the_notes_warn_without_an_api_key(render) -> None:
+    """Defaults: the chart makes the workers' metrics token (kept across upgrades) and the
+    workers ask for it; with no API key, NOTES.txt says anyone who reaches the router may use it."""
+    m = render("default")
+    assert not m.values["metrics"]["tokenSecret"]["name"]
+    (token,) = [d for d in m.of_kind("Secret") if d["metadata"]["name"].endswith("-metrics-token")]
+    assert token["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    for role in WORKERS:
+        env = {v["name"]: v for v in main_container(m.workload(role))["env"]}
+        ref = env["PDSERVE_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": token["metadata"]["name"], "key": m.values["metrics"]["tokenSecret"]["key"]}
+    if not m.values["router"]["apiKeySecret"]["name"]:
+        assert "WARNING: no API key" in m.notes

@@ -66,6 +66,11 @@ are not ready yet, so registration never waits on the router's own readiness.
 {{- end }}
 
 {{/* The Secret that holds the cluster secret (made by the chart unless existingSecret). */}}
+{{/* The Secret holding the workers' metrics token: the user's, or the one the chart makes. */}}
+{{- define "pdserve.metricsTokenName" -}}
+{{- .Values.metrics.tokenSecret.name | default (printf "%s-metrics-token" (include "pdserve.fullname" .)) }}
+{{- end }}
+
 {{- define "pdserve.clusterSecretName" -}}
 {{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "pdserve.fullname" .)) }}
 {{- end }}

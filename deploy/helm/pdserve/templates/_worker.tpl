@@ -170,13 +170,11 @@ spec:
               value: {{ $value | quote }}
             {{- end }}
             {{- include "pdserve.redisEnv" $ctx | nindent 12 }}
-            {{- with $values.metrics.tokenSecret.name }}
             - name: PDSERVE_METRICS_TOKEN
               valueFrom:
                 secretKeyRef:
-                  name: {{ . }}
+                  name: {{ include "pdserve.metricsTokenName" $ctx }}
                   key: {{ $values.metrics.tokenSecret.key }}
-            {{- end }}
             {{- with $cfg.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
