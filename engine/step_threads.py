@@ -49,9 +49,13 @@ class StepThreads:
 
     def before_step(self, forward: bool) -> Callable[[], None] | None:
         """Before a step; returns the hook its forward runs before each layer when the step
-        runs above the base count, else None (every other step checks nothing per layer)."""
-        self._set(self.policy.step_threads(forward))
-        return self._between_layers if forward and self.current > self.base else None
+        runs above the base count, else None (every other step checks nothing per layer).
+        A step with nothing to compute only tells the policy: the count stays as it was."""
+        wanted = self.policy.step_threads(forward)
+        if not forward:
+            return None
+        self._set(wanted)
+        return self._between_layers if self.current > self.base else None
 
     def _between_layers(self) -> None:
         wanted = self.policy.layer_threads()
