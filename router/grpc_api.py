@@ -64,8 +64,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
-    """With `authenticated`, a worker id is bound to the credential that names it: a worker
-    may register, heartbeat and deregister only itself."""
+    """A registration is bound to its lease: only the process that registered a worker id
+    may heartbeat or deregister it, or register it again while it is alive. With
+    `authenticated`, a worker id is also bound to the credential that names it."""
 
     def __init__(self, membership: Membership, config: RouterConfig, *, authenticated: bool = False) -> None:
         self._membership = membership
@@ -82,19 +83,19 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self._check_caller(context, request.worker.worker_id)
         try:
             worker = worker_from_proto(request.worker)
-            await self._membership.register(worker, load_from_proto(request.load),
-                                            request.load.cached_block_hashes)
+            lease = await self._membership.register(worker, load_from_proto(request.load),
+                                                    request.load.cached_block_hashes, request.lease)
         except Exception as exc:  # logged, then re-raised
             log.warning("register of %r refused: %s", request.worker.worker_id, exc)
             raise
         return registry_pb2.RegisterResponse(heartbeat_interval_ms=self._interval_ms,
-                                             worker_timeout_ms=self._timeout_ms)
+                                             worker_timeout_ms=self._timeout_ms, lease=lease)
 
     @grpc_errors
     async def Heartbeat(self, request, context):
         self._check_caller(context, request.worker_id)
         self._membership.heartbeat(request.worker_id, load_from_proto(request.load),
-                                   request.load.cached_block_hashes)
+                                   request.load.cached_block_hashes, request.lease)
         return registry_pb2.HeartbeatResponse(heartbeat_interval_ms=self._interval_ms)
 
     @grpc_errors
@@ -102,4 +103,4 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         if not request.worker_id:
             raise InvalidRequestError("worker_id is required", param="worker_id")
         self._check_caller(context, request.worker_id)
-        return registry_pb2.DeregisterResponse(found=self._membership.deregister(request.worker_id))
+        return registry_pb2.DeregisterResponse(found=self._membership.deregister(request.worker_id, request.lease))

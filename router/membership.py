@@ -68,8 +68,12 @@ class Membership:
         self._channels = channels
         self._lock = asyncio.Lock()  # one registration at a time: checks and catalog stay consistent
 
-    async def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = ()) -> None:
+    async def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = (),
+                       lease: bytes = b"") -> bytes:
+        """The new registration's lease (WorkerRegistry.register); `lease`: the worker's
+        live one, when it registers again."""
         async with self._lock:
+            self._registry.check_free(worker, lease)  # before anything reaches out to its address
             self._check_compatible(worker)
             if worker.role is Role.DECODE and self._needs_model_info(worker):
                 info = await self._fetch_model_info(worker)
@@ -78,16 +82,16 @@ class Membership:
                                                 f"block_size {info.block_size}, registration says "
                                                 f"{worker.model_name!r} {worker.block_size}")
                 await self._catalog.learn(info)
-            self._registry.register(worker, load, cached_hashes)
+            return self._registry.register(worker, load, cached_hashes, lease=lease, leased=True)
 
-    def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int]) -> None:
+    def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int], lease: bytes) -> None:
         """NOT_FOUND when the worker is unknown: it must register again."""
-        if not self._registry.heartbeat(worker_id, load, cached_hashes):
+        if not self._registry.heartbeat(worker_id, load, cached_hashes, lease=lease):
             raise NotFoundError(f"worker {worker_id!r} is not registered; register again",
                                 param="worker_id")
 
-    def deregister(self, worker_id: str) -> bool:
-        return self._registry.deregister(worker_id)
+    def deregister(self, worker_id: str, lease: bytes) -> bool:
+        return self._registry.deregister(worker_id, lease=lease)
 
     async def poll_static_workers(self) -> None:
         """Forever: Load (and at first ModelInfo) of every static worker, once per

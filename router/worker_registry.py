@@ -7,12 +7,14 @@ NOT_FOUND and they register again.
 """
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from pdserve.common.errors import AlreadyExistsError
+from pdserve.common.errors import AlreadyExistsError, AuthError
 from pdserve.router.config import Role
 
 log = logging.getLogger("pdserve.router.worker_registry")
@@ -72,6 +74,7 @@ class WorkerRecord:
     num_streams: int = 0  # this router's Decode streams open to it now
     num_routed_prompt_tokens: int = 0  # prompt tokens sent to it to compute since the last report
     expected: dict[int, float] = field(default_factory=dict)  # hash -> when routed here (not yet reported)
+    lease: bytes = b""  # what the worker must show to heartbeat, deregister or register again (b"": none asked)
 
     @property
     def worker_id(self) -> str:
@@ -113,29 +116,43 @@ class WorkerRegistry:
         self._clock = clock
         self._records: dict[str, WorkerRecord] = {}
 
-    def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = ()) -> None:
+    def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = (), *,
+                 lease: bytes = b"", leased: bool = False) -> bytes:
         """Add or replace `worker`; an entry with the same address (a restart under a new
-        id) is replaced too. ALREADY_EXISTS while the id is alive at another address: a
-        second process cannot take over a live worker's id (and its traffic)."""
-        current = self._records.get(worker.worker_id)
-        if current is not None and current.worker.address != worker.address and self.is_alive(current):
-            raise AlreadyExistsError(f"worker id {worker.worker_id!r} is alive at {current.worker.address}",
-                                     param="worker_id")
+        id) is replaced too. ALREADY_EXISTS while the id is alive, unless `lease` is that
+        registration's: a second process cannot take over a live worker's id (and its
+        traffic). With `leased`, returns the new registration's lease, which heartbeats and
+        deregistration must show."""
+        self.check_free(worker, lease)
         for other in [r for r in self._records.values() if r.worker.address == worker.address]:
             if other.worker_id != worker.worker_id:
                 log.info("worker %s replaces %s at %s", worker.worker_id, other.worker_id, worker.address)
                 del self._records[other.worker_id]
-        self._records[worker.worker_id] = WorkerRecord(worker, load, self._clock())
+        new_lease = secrets.token_bytes(16) if leased else b""
+        self._records[worker.worker_id] = WorkerRecord(worker, load, self._clock(), lease=new_lease)
         self._set_cached(self._records[worker.worker_id], cached_hashes)
         log.info("registered %s worker %s at %s (model %s)", worker.role.value, worker.worker_id,
                  worker.address, worker.model_name)
+        return new_lease
 
-    def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int] = ()) -> bool:
-        """Record a load report. False when the worker is unknown (it must register)."""
+    def check_free(self, worker: Worker, lease: bytes = b"") -> None:
+        """ALREADY_EXISTS unless `worker` may register now (see `register`)."""
+        current = self._records.get(worker.worker_id)
+        if (current is not None and self.is_alive(current) and not _holds(current, lease)
+                and (current.lease or current.worker.address != worker.address)):
+            raise AlreadyExistsError(f"worker id {worker.worker_id!r} is alive at {current.worker.address}",
+                                     param="worker_id")
+
+    def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int] = (), *,
+                  lease: bytes | None = None) -> bool:
+        """Record a load report. False when the worker is unknown (it must register);
+        AuthError when its registration has a lease and `lease` is not it (None: the
+        router's own report, from polling a static worker)."""
         self.forget_silent()
         record = self._records.get(worker_id)
         if record is None:
             return False
+        _check_lease(record, lease)
         if record.suspect:
             log.info("worker %s is reachable again", worker_id)
         record.load, record.last_seen, record.suspect = load, self._clock(), False
@@ -143,11 +160,16 @@ class WorkerRegistry:
         self._set_cached(record, cached_hashes)
         return True
 
-    def deregister(self, worker_id: str) -> bool:
-        found = self._records.pop(worker_id, None) is not None
-        if found:
-            log.info("deregistered worker %s", worker_id)
-        return found
+    def deregister(self, worker_id: str, *, lease: bytes | None = None) -> bool:
+        """Remove a worker: AuthError when its registration has a lease and `lease` is not
+        it (None: the router's own decision)."""
+        record = self._records.get(worker_id)
+        if record is None:
+            return False
+        _check_lease(record, lease)
+        del self._records[worker_id]
+        log.info("deregistered worker %s", worker_id)
+        return True
 
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._records.get(worker_id)
@@ -214,3 +236,13 @@ class WorkerRegistry:
                 break
             hashes.add(block_hash)
         record.cached_hashes = hashes
+
+
+def _holds(record: WorkerRecord, lease: bytes) -> bool:
+    return bool(record.lease) and hmac.compare_digest(record.lease, lease)
+
+
+def _check_lease(record: WorkerRecord, lease: bytes | None) -> None:
+    if lease is not None and record.lease and not _holds(record, lease):
+        log.warning("refused a call for worker %s without its registration's lease", record.worker_id)
+        raise AuthError(f"worker {record.worker_id!r}: not the lease of its registration")

@@ -58,6 +58,7 @@ class RegistryClient:
         self._task: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
         self.num_registrations = 0  # how often Register succeeded (re-registrations included)
+        self._lease = b""  # RegisterResponse.lease of the live registration: only this process holds it
         self.num_refused = 0  # Register attempts that failed (router down, refused, timed out)
 
     @property
@@ -87,7 +88,7 @@ class RegistryClient:
             stub = registry_pb2_grpc.RegistryStub(self._channel)
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await stub.Deregister(registry_pb2.DeregisterRequest(worker_id=self._info.worker_id,
-                                                                     reason="shutdown"),
+                                                                     reason="shutdown", lease=self._lease),
                                       timeout=self._rpc_timeout_s)
         self._registered.clear()
         if self._channel is not None:
@@ -107,7 +108,7 @@ class RegistryClient:
             await self._heartbeat(stub)
 
     async def _register(self, stub: registry_pb2_grpc.RegistryStub) -> bool:
-        request = registry_pb2.RegisterRequest(worker=self._info, load=self._load())
+        request = registry_pb2.RegisterRequest(worker=self._info, load=self._load(), lease=self._lease)
         try:
             answer = await stub.Register(request, timeout=self._register_timeout_s)
         except grpc.aio.AioRpcError as err:
@@ -115,6 +116,7 @@ class RegistryClient:
             self.num_refused += 1
             return False
         self._take_interval(answer.heartbeat_interval_ms)
+        self._lease = answer.lease
         self.num_registrations += 1
         self._registered.set()
         log.info("registered %s with router %s (heartbeat every %.2f s)", self._info.worker_id, self._address,
@@ -122,7 +124,7 @@ class RegistryClient:
         return True
 
     async def _heartbeat(self, stub: registry_pb2_grpc.RegistryStub) -> None:
-        request = registry_pb2.HeartbeatRequest(worker_id=self._info.worker_id, load=self._load())
+        request = registry_pb2.HeartbeatRequest(worker_id=self._info.worker_id, load=self._load(), lease=self._lease)
         try:
             answer = await stub.Heartbeat(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as err:

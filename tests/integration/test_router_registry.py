@@ -45,11 +45,39 @@ def test_registry_protocol(make_cluster):
         with pytest.raises(grpc.RpcError) as caught:
             stub.Register(registry_pb2.RegisterRequest(worker=other.info()), timeout=WAIT_S)
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        gone = stub.Deregister(registry_pb2.DeregisterRequest(worker_id="d0"), timeout=WAIT_S)
+        gone = stub.Deregister(registry_pb2.DeregisterRequest(worker_id="d0", lease=cluster.workers["d0"].client._lease),
+                               timeout=WAIT_S)
         assert gone.found
     # d0's next heartbeat is answered NOT_FOUND, so it registers again.
     with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
         wait_until(lambda: http.get("/health").json()["decode_workers"] == 1, "d0 to re-register")
+
+
+def test_only_the_process_that_registered_a_worker_id_can_act_for_it(make_cluster):
+    """A registration's lease: without it, another process (which may hold every credential
+    of the deployment) can neither deregister a live worker nor heartbeat for it nor take
+    its id at another address; the worker itself heartbeats and serves on."""
+    cluster = make_cluster()
+    d0 = cluster.add("d0")
+    impostor = FakeWorker(registry_pb2.WORKER_ROLE_DECODE, "d0", address="127.0.0.1:9")
+    with grpc.insecure_channel(cluster.registry_address) as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        for call, request in ((stub.Deregister, registry_pb2.DeregisterRequest(worker_id="d0")),
+                              (stub.Deregister, registry_pb2.DeregisterRequest(worker_id="d0", lease=b"x" * 16)),
+                              (stub.Heartbeat, registry_pb2.HeartbeatRequest(worker_id="d0"))):
+            with pytest.raises(grpc.RpcError) as caught:
+                call(request, timeout=WAIT_S)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Register(registry_pb2.RegisterRequest(worker=impostor.info()), timeout=WAIT_S)
+        assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert cluster.router.registry.get("d0").worker.address == d0.address
+    registrations = d0.client.num_registrations
+    beats = cluster.router.registry.get("d0").last_seen
+    wait_until(lambda: cluster.router.registry.get("d0").last_seen > beats, "d0's own heartbeats to go on")
+    assert d0.client.num_registrations == registrations  # never pushed out
+    cluster.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert len(d0.requests) == 1
 
 
 def test_round_robin_spreads_and_session_affinity_sticks(make_cluster):
@@ -232,7 +260,11 @@ def test_registry_refuses_anonymous_and_impersonating_callers(make_cluster, tmp_
             ("Register", takeover, "d0", grpc.StatusCode.ALREADY_EXISTS),  # d0 is alive elsewhere
             ("Deregister", registry_pb2.DeregisterRequest(worker_id="d0"), None, grpc.StatusCode.UNAUTHENTICATED),
             ("Deregister", registry_pb2.DeregisterRequest(worker_id="d0"), "evil", grpc.StatusCode.UNAUTHENTICATED),
-            ("Heartbeat", registry_pb2.HeartbeatRequest(worker_id="d0"), None, grpc.StatusCode.UNAUTHENTICATED)):
+            ("Heartbeat", registry_pb2.HeartbeatRequest(worker_id="d0"), None, grpc.StatusCode.UNAUTHENTICATED),
+            # what a compromised worker holding the cluster secret can mint: a valid credential
+            # of d0. Without d0's lease it still cannot remove, replace or speak for d0
+            ("Deregister", registry_pb2.DeregisterRequest(worker_id="d0"), "d0", grpc.StatusCode.UNAUTHENTICATED),
+            ("Heartbeat", registry_pb2.HeartbeatRequest(worker_id="d0"), "d0", grpc.StatusCode.UNAUTHENTICATED)):
         with pytest.raises(grpc.RpcError) as caught:
             call(method, request, caller)
         assert caught.value.code() == code, (method, caller)

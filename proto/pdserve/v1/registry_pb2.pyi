@@ -52,28 +52,34 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., grpc_address: _Optional[str] = ..., model_name: _Optional[str] = ..., compatibility_hash: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity: _Optional[_Union[WorkerCapacity, _Mapping]] = ..., kv_backends: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker", "load")
+    __slots__ = ("worker", "load", "lease")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerInfo
     load: _common_pb2.WorkerLoad
-    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "worker_timeout_ms")
+    __slots__ = ("heartbeat_interval_ms", "worker_timeout_ms", "lease")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     WORKER_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     worker_timeout_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., worker_timeout_ms: _Optional[int] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., worker_timeout_ms: _Optional[int] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load")
+    __slots__ = ("worker_id", "load", "lease")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: _common_pb2.WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("heartbeat_interval_ms",)
@@ -82,12 +88,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("worker_id", "reason")
+    __slots__ = ("worker_id", "reason", "lease")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ("found",)
