@@ -96,11 +96,34 @@ def _load() -> object:
         source = source_text()
         flags = _flags()
         name = "pdserve_cpu_attention_" + _fingerprint(source, flags)
+        prepared = _prepared(name)
+        if prepared is not None:
+            log.info("loading native CPU attention %s (prepared in %s)", name, prepared.parent)
+            return _import_built(name, prepared)
         build_dir = envs.cache_root() / "torch_extensions" / name
         build_dir.mkdir(parents=True, exist_ok=True)
         return _build_once(name, build_dir, lambda: _compile(name, build_dir, source, flags))
     except Exception as e:  # compiler missing, ninja missing, read-only cache root, ...
         return e
+
+
+def _prepared(name: str) -> Path | None:
+    """The extension as a read-only seed cache (PDSERVE_CACHE_SEED, what `pdserve prepare`
+    filled) holds it, or None: loaded in place, never written."""
+    seed = envs.get("PDSERVE_CACHE_SEED")
+    if not seed:
+        return None
+    built = Path(seed).expanduser() / "torch_extensions" / name / f"{name}.so"
+    return built if built.is_file() else None
+
+
+def _import_built(name: str, path: Path) -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _compile(name: str, build_dir: Path, source: str, flags: list[str]) -> object:

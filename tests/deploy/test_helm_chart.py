@@ -409,8 +409,10 @@ def test_workers_get_their_model_and_stores(profile: str, role: str, render) -> 
 @pytest.mark.parametrize("role", WORKERS)
 def test_an_init_container_prepares_the_workers_model_and_kernel_in_its_cache(profile: str, role: str,
                                                                                render, render_values) -> None:
-    """`pdserve prepare` runs first with the worker's model and device, in the worker's build
-    cache; `buildCache.prepare: false` leaves it out."""
+    """`pdserve prepare` runs first with the worker's model and device, in the cache the
+    worker then reads as a seed, mounted read-only (the serving process can plant nothing a
+    later pod loads; its own builds go to its /tmp); `buildCache.prepare: false` leaves the
+    init container out and the worker writes its cache itself."""
     m = render(profile)
     pod = m.workload(role)["spec"]["template"]["spec"]
     main = main_container(m.workload(role))
@@ -420,12 +422,18 @@ def test_an_init_container_prepares_the_workers_model_and_kernel_in_its_cache(pr
     prepared = cli.build_parser().parse_args(argv)
     _, s = cli_settings(main)
     assert (prepared.model, prepared.device) == (s["model"], s.get("device", "cpu"))
-    assert container_env(init)["PDSERVE_CACHE_ROOT"] == container_env(main)["PDSERVE_CACHE_ROOT"]
+    assert container_env(init)["PDSERVE_CACHE_ROOT"] == container_env(main)["PDSERVE_CACHE_SEED"]
+    assert container_env(main)["PDSERVE_CACHE_ROOT"].startswith("/tmp/")
     mounts = lambda c: {vm["name"]: vm["mountPath"] for vm in c["volumeMounts"]}  # noqa: E731
+    read_only = lambda c: {vm["name"]: vm.get("readOnly", False) for vm in c["volumeMounts"]}  # noqa: E731
     assert mounts(init)["cache"] == mounts(main)["cache"]
+    assert read_only(main)["cache"] and not read_only(init)["cache"]
     assert mounts(init).get("model") == mounts(main).get("model")
-    off = render_values({"buildCache": {"prepare": False}}).workload(role)["spec"]["template"]["spec"]
+    off_manifests = render_values({"buildCache": {"prepare": False}})
+    off = off_manifests.workload(role)["spec"]["template"]["spec"]
     assert "initContainers" not in off
+    off_main = main_container(off_manifests.workload(role))
+    assert not read_only(off_main)["cache"] and "PDSERVE_CACHE_SEED" not in container_env(off_main)
 
 
 @pytest.mark.parametrize("profile", PROFILES)

@@ -60,3 +60,31 @@ def test_two_processes_compile_the_kernel_once(tmp_path):
     assert "built by another process" in out_b
     assert out_a.count("compiling native CPU attention") >= 1 and "compiling native CPU attention" not in \
         out_b.replace("waiting for another process compiling native CPU attention", "")
+
+
+def test_a_worker_loads_the_kernel_prepared_in_a_read_only_seed(tmp_path, monkeypatch):
+    """What the chart's serving pods do: the kernel `pdserve prepare` built sits in a cache
+    mounted read-only (PDSERVE_CACHE_SEED); it is imported from there, nothing is written."""
+    import os
+    import stat
+
+    import pytest
+
+    from pdserve.kernels import cpu_native
+
+    built = cpu_native._load()
+    if isinstance(built, Exception):
+        pytest.skip(f"no native kernel here: {built}")
+    name, path = built.__name__, os.path.realpath(built.__file__)
+    seed = tmp_path / "seed"
+    (seed / "torch_extensions" / name).mkdir(parents=True)
+    copy = seed / "torch_extensions" / name / f"{name}.so"
+    copy.write_bytes(open(path, "rb").read())
+    for folder in (copy, copy.parent, copy.parent.parent, seed):
+        folder.chmod(stat.S_IMODE(folder.stat().st_mode) & ~0o222)  # read-only, as mounted
+    monkeypatch.setenv("PDSERVE_CACHE_SEED", str(seed))
+    assert cpu_native._prepared(name) == copy
+    module = cpu_native._import_built(name, copy)
+    assert all(hasattr(module, fn) for fn in cpu_native._FUNCTIONS)
+    monkeypatch.setenv("PDSERVE_CACHE_SEED", str(tmp_path / "empty"))
+    assert cpu_native._prepared(name) is None

@@ -76,8 +76,25 @@ Startup, readiness and liveness probes: standard grpc.health.v1 on the role's gR
 # The root filesystem is read-only: home and caches live on emptyDir volumes.
 - name: HOME
   value: /tmp
+{{- end }}
+
+{{/*
+Where a container's build cache is. A worker whose cache an init container prepares
+(buildCache.prepare) mounts it read-only and reads it as a seed (PDSERVE_CACHE_SEED): the
+serving process can write no converted weights or kernel a later pod would load; what it
+must build itself goes to its own /tmp. Call with (dict "ctx" $ "serving" bool).
+*/}}
+{{- define "pdserve.cacheEnv" -}}
+{{- $cache := .ctx.Values.buildCache }}
+{{- if and .serving $cache.prepare }}
+- name: PDSERVE_CACHE_SEED
+  value: {{ $cache.mountPath | quote }}
 - name: PDSERVE_CACHE_ROOT
-  value: {{ .Values.buildCache.mountPath | quote }}
+  value: /tmp/pdserve-cache
+{{- else }}
+- name: PDSERVE_CACHE_ROOT
+  value: {{ $cache.mountPath | quote }}
+{{- end }}
 {{- end }}
 
 {{/* Container resources with the role's GPU count. Call with the role's values. */}}

@@ -57,6 +57,7 @@ spec:
             - {{ printf "--device=%s" $device | quote }}
           env:
             {{- include "pdserve.baseEnv" $ctx | nindent 12 }}
+            {{- include "pdserve.cacheEnv" (dict "ctx" $ctx "serving" false) | nindent 12 }}
             {{- with $cfg.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -161,6 +162,7 @@ spec:
             {{- end }}
           env:
             {{- include "pdserve.baseEnv" $ctx | nindent 12 }}
+            {{- include "pdserve.cacheEnv" (dict "ctx" $ctx "serving" true) | nindent 12 }}
             - name: UCX_TLS
               value: {{ $kv.ucx.tls | quote }}
             - name: UCX_TCP_PORT_RANGE
@@ -198,6 +200,7 @@ spec:
               mountPath: /tmp
             - name: cache
               mountPath: {{ $values.buildCache.mountPath }}
+              readOnly: {{ $values.buildCache.prepare }}
             - name: shm
               mountPath: /dev/shm
             {{- include "pdserve.clusterSecretMount" $ctx | nindent 12 }}
