@@ -24,10 +24,10 @@ import uvicorn
 from pdserve.common.block_hash import block_hash_key
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, InternalTLS
-from pdserve.rpc.server import (MAX_MESSAGE_BYTES, NO_PORT_SHARING, REGISTRY_MAX_RECEIVE_BYTES, MalformedRequestInterceptor,
-                                    add_health_and_reflection, internal_server, service_name, set_serving)
+from pdserve.rpc.server import (REGISTRY_MAX_RECEIVE_BYTES, MalformedRequestInterceptor, add_health_and_reflection,
+                                internal_server, server_options, service_name, set_serving)
 from pdserve.router.admission import InFlight
-from pdserve.router.api_key import ApiKeyCheck
+from pdserve.router.api_key import ApiKeyCheck, ApiKeyInterceptor
 from pdserve.router.catalog import ModelCatalog
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import RouterConfig
@@ -46,6 +46,9 @@ log = logging.getLogger("pdserve.router")
 
 _GENERATION = service_name(generation_pb2, "Generation")
 _REGISTRY = service_name(registry_pb2, "Registry")
+# Client calls beyond the queue bound: Generate calls the queue refuses, Abort, ModelInfo and
+# health checks keep answering while the queue is full.
+CONTROL_CALLS = 64
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -143,12 +146,16 @@ class RouterApp:
             self._metrics_server.shutdown()
 
     async def _start_grpc(self) -> None:
-        # the client port takes no message larger than an HTTP body may be
-        limit = self.config.max_body_bytes
-        options = (("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)) + NO_PORT_SHARING
-        server = grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor()])
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.frontend, self.catalog, self.api_key), server)
+        # The client port reads nothing of a call before its API key (ApiKeyInterceptor), takes
+        # no message larger than an HTTP body may be, keeps HTTP/2 windows at their initial
+        # size (server_options) and runs at most max_queue + CONTROL_CALLS calls at once: more
+        # get RESOURCE_EXHAUSTED unread.
+        refused = functools.partial(self.frontend.count_rejected, "grpc")
+        server = grpc.aio.server(options=server_options(self.config.max_body_bytes),
+                                 interceptors=[ApiKeyInterceptor(self.api_key, [_GENERATION], refused),
+                                               MalformedRequestInterceptor()],
+                                 maximum_concurrent_rpcs=self.config.max_queue + CONTROL_CALLS)
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.frontend, self.catalog), server)
         self._grpc_server, self.grpc_port = await _serve(server, self.config.host, self.config.grpc_port, _GENERATION,
                                                          "the client API (gRPC)", _tls_credentials(self.config))
         interceptors = self.auth.interceptors([_REGISTRY], self.metrics.count_auth_refusal)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -28,6 +27,7 @@ from pdserve.router.dispatch import DecodeClient, DecodeWorkerLost
 from pdserve.router.guided import GuidedOptions, compile_constraint
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlan, RoutePlanner
+from pdserve.router.request_ids import check_label, new_request_id
 from pdserve.router.validation import check_prompt_fits, resolve_sampling
 
 log = logging.getLogger("pdserve.router.frontend")
@@ -65,17 +65,24 @@ class Frontend:
         self._in_flight = in_flight
         self._metrics = metrics
 
-    async def generate(self, request: generation_pb2.GenerateRequest, api: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def generate(self, request: generation_pb2.GenerateRequest, api: str, *, request_id: str = "",
+                       owner: str = "", label: str = "") -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Stream the request's GenerateResponses. Raises ServiceError (before or during the
-        stream). Closing the iterator early aborts the request on its decode worker."""
+        stream). Closing the iterator early aborts the request on its decode worker.
+
+        `request_id` is the id every service acts on, made by the router (empty: a new one);
+        `request.request_id` is never read. `label` (a client's name, checked by the edge) is
+        echoed as each response's request_id; `owner` names who may `abort` it (empty: no one)."""
         outcome = "aborted"  # unless it ends otherwise: the consumer left
         try:
-            request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-            with self._in_flight.admit(request_id):
+            request_id = request_id or new_request_id()
+            with self._in_flight.admit(request_id, owner, label):
                 async with contextlib.aclosing(self._run(request, request_id)) as responses:
                     async for response in responses:
                         if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                             outcome = "aborted" if response.finish_reason == common_pb2.FINISH_REASON_ABORT else "ok"
+                        if label:
+                            response.request_id = label
                         yield response
         except EXPECTED_ERRORS as err:
             outcome = to_service_error(err).outcome
@@ -97,8 +104,13 @@ class Frontend:
         """Count a request an edge refused before it reached `generate` (auth, bad body)."""
         self._metrics.requests.labels(api, to_service_error(err).outcome).inc()
 
-    async def abort(self, request_id: str, reason: str) -> bool:
-        decode = self._in_flight.decode_of(request_id)
+    async def abort(self, owner: str, key: str, reason: str) -> bool:
+        """Abort `owner`'s request in flight whose label or router id is `key`. Another
+        owner's request is not found (False), so an Abort stops and reveals nothing of it.
+        `reason` is a label (checked: it reaches the decode worker's log)."""
+        reason = check_label(reason, param="reason") or "client_abort"
+        request_id = self._in_flight.find(owner, key)
+        decode = None if request_id is None else self._in_flight.decode_of(request_id)
         return False if decode is None else await self._decode.abort(decode, request_id, reason)
 
     async def prepare(self, request: generation_pb2.GenerateRequest, request_id: str) -> PreparedRequest:

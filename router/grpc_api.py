@@ -10,34 +10,50 @@ from pdserve.rpc.errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
 from pdserve.router import fanout
-from pdserve.router.api_key import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontend import Frontend
 from pdserve.router.membership import Membership, load_from_proto, worker_from_proto
+from pdserve.router.request_ids import check_label
 from pdserve.router.tools import apply_tools, grpc_tool_calls
 
 log = logging.getLogger("pdserve.router.grpc")
 
 
+def caller_of(context) -> str:
+    """Who made a client call, for Abort: its HTTP/2 connection (the peer's address and
+    port). Every client holds the same API key, so the key tells no two clients apart; a
+    connection is one client's alone. Channels of one process may share a connection (grpc's
+    subchannel pool), and a proxy that pools connections is one caller for all it carries."""
+    return f"grpc {context.peer()}"
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend, catalog: ModelCatalog, auth: ApiKeyCheck) -> None:
+    """The client API. Every call has passed `ApiKeyInterceptor` before any of these runs.
+    A client's request_id is a label (`request_ids`): the router assigns the id services act
+    on; Abort stops only a request of the same caller (`caller_of`)."""
+
+    def __init__(self, frontend: Frontend, catalog: ModelCatalog) -> None:
         self._frontend = frontend
         self._catalog = catalog
-        self._auth = auth
 
     @grpc_errors
     async def Generate(self, request, context):
         try:
-            self._auth.check_grpc(context)
+            check_label(request.request_id)
             tool_mode = apply_tools(request)
         except EXPECTED_ERRORS as err:
             self._frontend.count_rejected("grpc", err)
             raise
+        caller = caller_of(context)
+
+        def generate(one):  # a choice's label is request_id-k (fanout)
+            return self._frontend.generate(one, api="grpc", owner=caller, label=one.request_id)
+
         if request.n > 1 or request.best_of > 1:  # several choices, each its own generation
-            stream = fanout.grpc_stream(request, lambda one: self._frontend.generate(one, api="grpc"))
+            stream = fanout.grpc_stream(request, generate)
         else:
-            stream = self._frontend.generate(request, api="grpc")
+            stream = generate(request)
         texts: dict[int, list[str]] = {}  # with tools: each choice's text, read as a call at its end
         async for response in stream:
             if tool_mode.mode:
@@ -48,13 +64,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @grpc_errors
     async def Abort(self, request, context):
-        self._auth.check_grpc(context)
-        found = await self._frontend.abort(request.request_id, request.reason or "client_abort")
+        found = await self._frontend.abort(caller_of(context), request.request_id, request.reason)
         return common_pb2.AbortResponse(found=found)
 
     @grpc_errors
     async def ModelInfo(self, request, context):
-        self._auth.check_grpc(context)
         response = common_pb2.ModelInfoResponse()
         response.CopyFrom(self._catalog.resolve(request.model).info)
         if not request.include_tokenizer:

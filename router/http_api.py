@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -32,6 +31,7 @@ from pdserve.router.frontend import Frontend
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_format import Collected, ResponseFormatter, sse
 from pdserve.router.planner import can_carry
+from pdserve.router.request_ids import new_request_id
 from pdserve.router.openai_request import IgnoredFieldLog, OpenAIRequest, parse_chat, parse_completion
 from pdserve.router.worker_registry import WorkerRegistry
 
@@ -159,10 +159,10 @@ class OpenAIHandlers:
             return error_response(err)
         self._ignored.note(parsed.ignored_fields, request.url.path)
         prefix = "chatcmpl" if chat else "cmpl"
-        parsed.request.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        parsed.request.request_id = new_request_id(prefix)  # the router's: no client names an HTTP request
         if parsed.best_of > 1 or len(parsed.prompts) > 1:
             return await self._fan_out(request, parsed, chat, api)
-        responses = self._frontend.generate(parsed.request, api=api)
+        responses = self._frontend.generate(parsed.request, api=api, request_id=parsed.request.request_id)
         formatter = ResponseFormatter(chat, parsed.model, parsed.request.request_id, parsed.request.sampling.logprobs,
                                       self._token_text(parsed.model), tool_mode=parsed.tool_mode,
                                       ignored_fields=parsed.ignored_fields, prompt_logprobs=parsed.prompt_logprobs)
@@ -204,7 +204,7 @@ class OpenAIHandlers:
         choices = fanout.plan_choices(parsed, rid)
 
         def generate(one: generation_pb2.GenerateRequest):
-            return self._frontend.generate(one, api=api)
+            return self._frontend.generate(one, api=api, request_id=one.request_id)
 
         def formatter(index: int) -> ResponseFormatter:
             return ResponseFormatter(chat, parsed.model, rid, parsed.request.sampling.logprobs,

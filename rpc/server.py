@@ -7,22 +7,26 @@ limits, and (internal servers) a cap on calls in flight.
     server.add_insecure_port("127.0.0.1:50070"); await server.start()
     await set_serving(health, [service_name(decode_pb2, "Decode")])
 
-Before a caller is verified a server spends little: the credential interceptor refuses a call
-without reading its message, a message over the server's receive limit is refused by grpc as
-its length arrives, and at most MAX_CONCURRENT_RPCS calls run at once (more get
-RESOURCE_EXHAUSTED). The receive limits follow the largest real message of each service,
-measured: a DecodeRequest of a 131,072-token prompt with 32,768 resumed tokens and its block
-hashes is 0.55 MB; its sampling part comes from a client body of at most the router's
---max-body-bytes (4 MiB by default); a PrefillRequest is smaller (no resumed tokens, a hand-off
-of one id per block); registry calls carry a worker's description and load report, a few KB.
-KV never travels over gRPC (the transfer backends carry it).
+Before a caller is verified a server spends little: the credential interceptor (the API key's,
+on the router's client port) refuses a call without reading its message (`refuse_unread`), a
+message over the server's receive limit is refused by grpc as its length arrives, and at most
+MAX_CONCURRENT_RPCS calls run at once (more get RESOURCE_EXHAUSTED). The receive limits
+follow the largest real message of each service, measured: a DecodeRequest of a
+131,072-token prompt with 32,768 resumed tokens and its block hashes is 0.55 MB; its sampling
+part comes from a client body of at most the router's --max-body-bytes (4 MiB by default); a
+PrefillRequest is smaller (no resumed tokens, a hand-off of one id per block); registry calls
+carry a worker's description and load report, a few KB. KV never travels over gRPC (the
+transfer backends carry it).
 """
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 from typing import Any, Iterable, Sequence
 
 import grpc
+
+from pdserve.rpc.errors import abort_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # what a channel takes in (a ModelInfo's tokenizer.json)
 WORKER_MAX_RECEIVE_BYTES = 16 * 1024 * 1024  # Decode and Prefill requests, with room to spare
@@ -32,10 +36,11 @@ NO_PORT_SHARING = (("grpc.so_reuseport", 0),)  # a second listener on a used por
 
 
 def server_options(max_receive_bytes: int) -> tuple[tuple[str, int], ...]:
-    """An internal server's gRPC options. HTTP/2 flow-control windows stay at their initial
-    size (no bandwidth-delay probing): probing grew them while anonymous calls were still
-    sending, so a refused call's bytes arrived anyway. Internal messages are small (a
-    131,072-token DecodeRequest is 0.55 MB; KV never goes over gRPC)."""
+    """A pdserve server's gRPC options (internal servers and the router's client port).
+    HTTP/2 flow-control windows stay at their initial size (no bandwidth-delay probing):
+    probing grew them while anonymous calls were still sending, so a refused call's bytes
+    arrived anyway. Messages are small (a 131,072-token DecodeRequest is 0.55 MB; a client's
+    is at most the router's --max-body-bytes; KV never goes over gRPC)."""
     return (("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.http2.bdp_probe", 0)) + NO_PORT_SHARING
@@ -54,6 +59,30 @@ def internal_server(max_receive_bytes: int, interceptors: Sequence[Any] = ()) ->
     return grpc.aio.server(options=server_options(max_receive_bytes),
                            interceptors=[*interceptors, MalformedRequestInterceptor()],
                            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+
+
+def refuse_unread(handler: grpc.RpcMethodHandler | None, err: BaseException) -> grpc.RpcMethodHandler | None:
+    """A handler for an interceptor that refuses a call before reading it: it ends the call
+    with `err`'s status from the error table and never receives the request. It takes the
+    request as a stream it does not read; a unary handler would have grpc receive the whole
+    message (up to the receive limit) first. An unknown method (None) stays None: grpc
+    answers UNIMPLEMENTED."""
+    if handler is None:
+        return None
+
+    async def refuse_unary(requests, context):
+        await abort_grpc(context, err)
+
+    async def refuse_stream(requests, context):
+        await abort_grpc(context, err)
+        yield  # pragma: no cover - makes this an async generator
+
+    ignore = lambda data: None  # noqa: E731 - the request of a refused call is never parsed
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, request_deserializer=ignore,
+                                                     response_serializer=handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(refuse_unary, request_deserializer=ignore,
+                                                response_serializer=handler.response_serializer)
 
 
 def service_name(pb2_module: ModuleType, service: str) -> str:
@@ -122,6 +151,14 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(unary, _tolerant(handler.request_deserializer),
                                                        handler.response_serializer)
         inner_stream = handler.unary_stream
+        if not inspect.isasyncgenfunction(inner_stream):  # it writes with context.write (health's Watch)
+            async def writer(request, context):
+                if request is _MALFORMED:
+                    await refuse(context)
+                await inner_stream(request, context)
+            return grpc.unary_stream_rpc_method_handler(writer, _tolerant(handler.request_deserializer),
+                                                        handler.response_serializer)
+
 
         async def stream(request, context):
             if request is _MALFORMED:

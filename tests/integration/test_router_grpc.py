@@ -150,8 +150,10 @@ def test_grpc_cancel_and_abort_rpc_reach_decode(make_cluster):
         call = stub.Generate(generation_pb2.GenerateRequest(model=MODEL, prompt="hello", request_id="r1"),
                              timeout=WAIT_S)
         assert next(call).text == "Hello"
+        r1 = decode.requests[-1].request_id  # the router's id; the client's "r1" is a label
+        assert r1.startswith("req-") and len(r1) == len("req-") + 32
         call.cancel()
-        wait_until(lambda: "r1" in decode.aborts, "Abort after the gRPC cancel")
+        wait_until(lambda: r1 in decode.aborts, "Abort after the gRPC cancel")
 
         call = stub.Generate(generation_pb2.GenerateRequest(model=MODEL, prompt="hello", request_id="r2"),
                              timeout=WAIT_S)
@@ -161,6 +163,7 @@ def test_grpc_cancel_and_abort_rpc_reach_decode(make_cluster):
                                timeout=WAIT_S))
         assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
         assert stub.Abort(common_pb2.AbortRequest(request_id="r2"), timeout=WAIT_S).found
+        assert decode.aborts[-1] == decode.requests[-1].request_id != "r2"
         rest = list(call)
         assert rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
         assert not stub.Abort(common_pb2.AbortRequest(request_id="r2"), timeout=WAIT_S).found
@@ -252,7 +255,8 @@ def test_grpc_generate_with_n_and_best_of(make_cluster):
         assert all("".join(r.text for r in msgs) == "Hello, world!" for msgs in by_index.values())
         assert all(msgs[-1].finish_reason == common_pb2.FINISH_REASON_STOP for msgs in by_index.values())
         sent = decode.requests[-3:]
-        assert sorted(r.request_id for r in sent) == ["many-0", "many-1", "many-2"]
+        assert sorted({r.request_id for r in responses}) == ["many-0", "many-1", "many-2"]  # the labels
+        assert len({r.request_id for r in sent}) == 3 and not {r.request_id for r in sent} & {"many-0", "many-1", "many-2"}
         assert sorted(r.sampling.seed for r in sent) == [5, 6, 7]
 
         best = generation_pb2.GenerateRequest(model=MODEL, prompt="hello", n=1, best_of=3,

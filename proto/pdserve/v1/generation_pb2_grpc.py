@@ -66,7 +66,9 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Abort a request started by Generate (by its request_id) from another call.
+        """Abort a request started by Generate, by its request_id (the label given, or the id the
+        router echoed), from another call on the same connection: a request another connection
+        started is never aborted (found = false).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
