@@ -19,7 +19,7 @@ import grpc
 from pdserve.common.auth import (CREDENTIAL_HEADER, AuthError, CallSigner, CallVerifier,
                                  ClusterSecret, ClusterSecretError, Mac, caller_of, is_loopback,
                                  read_private_file, require_secret_off_loopback)
-from pdserve.rpc.server import CHANNEL_OPTIONS
+from pdserve.rpc.server import CHANNEL_OPTIONS, refuse_unread
 
 log = logging.getLogger("pdserve.auth")
 
@@ -149,35 +149,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             self._verifier.verify(details.method, found[0] if found else None)
         except AuthError as exc:
             self._on_refused(str(exc))
-            return self._refusal(await continuation(details), str(exc))
+            return self._refusal(await continuation(details), exc)
         return await continuation(details)
 
-    def _refusal(self, handler: grpc.RpcMethodHandler | None, reason: str) -> grpc.RpcMethodHandler | None:
-        if handler is None:
-            return None  # unknown method: grpc answers UNIMPLEMENTED
-
-        def refuse_log(context) -> str:
+    def _refusal(self, handler: grpc.RpcMethodHandler | None, err: AuthError) -> grpc.RpcMethodHandler | None:
+        def log_peer(context) -> None:  # once per peer, at most _MAX_LOGGED_PEERS of them
             peer = context.peer() or "unknown"
             if peer not in self._logged_peers and len(self._logged_peers) < _MAX_LOGGED_PEERS:
                 self._logged_peers.add(peer)
-                log.warning("refused an internal call from %s: %s", peer, reason)
-            return f"internal call refused: {reason}"
+                log.warning("refused an internal call from %s: %s", peer, err)
 
-        # The refusal takes the request as a stream and never reads it: a unary handler would
-        # have grpc receive the whole message (up to the size limit) before refusing.
-        async def refuse_unary(requests, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refuse_log(context))
-
-        async def refuse_stream(requests, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refuse_log(context))
-            yield  # pragma: no cover - makes this an async generator
-
-        ignore = lambda data: None  # noqa: E731 - the request of a refused call is never parsed
-        if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(refuse_stream, request_deserializer=ignore,
-                                                         response_serializer=handler.response_serializer)
-        return grpc.stream_unary_rpc_method_handler(refuse_unary, request_deserializer=ignore,
-                                                    response_serializer=handler.response_serializer)
+        return refuse_unread(handler, err, log_peer)
 
 
 class InternalAuth:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 from types import ModuleType
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 
@@ -61,19 +61,22 @@ def internal_server(max_receive_bytes: int, interceptors: Sequence[Any] = ()) ->
                            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
 
 
-def refuse_unread(handler: grpc.RpcMethodHandler | None, err: BaseException) -> grpc.RpcMethodHandler | None:
+def refuse_unread(handler: grpc.RpcMethodHandler | None, err: BaseException,
+                  on_refuse: Callable[[Any], None] = lambda context: None) -> grpc.RpcMethodHandler | None:
     """A handler for an interceptor that refuses a call before reading it: it ends the call
     with `err`'s status from the error table and never receives the request. It takes the
     request as a stream it does not read; a unary handler would have grpc receive the whole
-    message (up to the receive limit) first. An unknown method (None) stays None: grpc
-    answers UNIMPLEMENTED."""
+    message (up to the receive limit) first. `on_refuse(context)` runs first (to log the
+    peer). An unknown method (None) stays None: grpc answers UNIMPLEMENTED."""
     if handler is None:
         return None
 
     async def refuse_unary(requests, context):
+        on_refuse(context)
         await abort_grpc(context, err)
 
     async def refuse_stream(requests, context):
+        on_refuse(context)
         await abort_grpc(context, err)
         yield  # pragma: no cover - makes this an async generator
 
