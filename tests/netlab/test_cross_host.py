@@ -1,0 +1,50 @@
+"""Prefill and decode on separate hosts: the real role commands in three network namespaces,
+a prompt's KV carried by UCX over TCP across the lab's switch."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve.bench.netlab import Lab, deploy
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 16
+# ~600 tokens of varied text (the prompt's length is checked below)
+PROMPT = " ".join(f"Note {i}: the {c} {a} crossed river {i * 7 % 13} before dawn and rested."
+                  for i, (c, a) in enumerate(zip(["red", "blue", "green", "grey", "gold"] * 7,
+                                                 ["fox", "heron", "otter", "wolf", "crane", "hare"] * 6))) \
+    + " Summarize the notes in one sentence:"
+ROUTER_ARGS = ["--local-prefill-threshold", "0", "--static-routing"]  # always ask the prefill host
+WORKER_ARGS = ["--kv-backends", "ucx", "--failure-policy", "fail", "--num-threads", "1",
+               "--max-kv-tokens", "4096", "--heartbeat-s", "0.5"]
+
+
+def test_a_long_prompt_crosses_hosts_and_the_decode_link_carries_its_kv(lab_allowed, greedy, tmp_path):
+    from pdserve.common.auth import ClusterSecret
+
+    tok, run = greedy
+    assert 550 <= len(tok(PROMPT).input_ids) <= 700
+    secret = str(tmp_path / "cluster-secret")
+    ClusterSecret.create(secret)
+    with Lab(["router", "prefill", "decode"]) as lab:
+        started = time.monotonic()
+        cluster = deploy(lab, secret, "router", ["prefill"], ["decode"], ROUTER_ARGS, WORKER_ARGS)
+        ready_s = time.monotonic() - started
+        before = {name: lab.counters(name) for name in ("prefill", "decode")}
+        started = time.monotonic()
+        out = cluster.request("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                                  "temperature": 0})
+        answer_s = time.monotonic() - started
+        crossed = {name: lab.counters(name) - before[name] for name in before}
+        transfer = out["pdserve"]["transfer"]
+        print(f"\nnetlab: ready in {ready_s:.1f} s, answered in {answer_s:.2f} s; "
+              f"{out['usage']['prompt_tokens']} prompt tokens; verdict {transfer}; eth0 {crossed}")
+        assert transfer["outcome"] == "transferred" and transfer["backend"] == "ucx", transfer
+        assert transfer["fallbacks"] == [], transfer
+        assert crossed["decode"].rx_bytes >= transfer["bytes"] > 0, (crossed, transfer)
+        assert crossed["prefill"].tx_bytes >= transfer["bytes"], (crossed, transfer)
+        assert out["choices"][0]["text"] == run(PROMPT, MAX_TOKENS)
+        cluster.wait_idle()  # every block back in its pool on both hosts
