@@ -83,6 +83,8 @@ class DecodeSessions:
                                                   reason=verdict.reason.split(":")[0]).inc()
             first = True
             transferred = outcome.verdict.outcome == Outcome.TRANSFERRED
+            if transferred:  # what the link from that prefill worker delivers, for the router
+                self.metrics.observe_received(outcome.verdict, outcome.tail_ms)
             async for out, response in self._stream(stream, rid, outcome.num_cached_tokens if transferred else None):
                 if first and (out.new_token_ids or out.finished):
                     first = False

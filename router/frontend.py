@@ -253,7 +253,12 @@ def _generate_response(request_id: str, message: decode_pb2.DecodeResponse) -> g
 
 
 def _routing_info(plan: RoutePlan, num_prompt_tokens: int) -> generation_pb2.RoutingInfo:
-    return generation_pb2.RoutingInfo(decode_worker_id=plan.decode.worker_id, decode_reason=plan.decode_reason,
+    info = generation_pb2.RoutingInfo(decode_worker_id=plan.decode.worker_id, decode_reason=plan.decode_reason,
                                       prefill_worker_id=plan.prefill.worker_id if plan.prefill else "",
                                       prefill_reason=plan.prefill_reason, num_prompt_tokens=num_prompt_tokens,
                                       num_matched_prefix_tokens=plan.num_matched_tokens)
+    if plan.prediction is not None and plan.prediction.measured:
+        info.predicted_local_s = plan.prediction.local_s + plan.prediction.stall_s
+        info.predicted_remote_s = plan.prediction.remote_s
+        info.predicted_transfer_s = plan.prediction.transfer_s
+    return info

@@ -46,7 +46,10 @@ def routing_json(routing: generation_pb2.RoutingInfo) -> dict[str, Any]:
     return {"decode_worker_id": routing.decode_worker_id, "decode_reason": routing.decode_reason,
             "prefill_worker_id": routing.prefill_worker_id, "prefill_reason": routing.prefill_reason,
             "prompt_tokens": routing.num_prompt_tokens,
-            "matched_prefix_tokens": routing.num_matched_prefix_tokens}
+            "matched_prefix_tokens": routing.num_matched_prefix_tokens,
+            "predicted_ttft_s": {"local": round(routing.predicted_local_s, 4),
+                                 "remote": round(routing.predicted_remote_s, 4),
+                                 "transfer": round(routing.predicted_transfer_s, 4)}}
 
 
 def timings_json(timings: common_pb2.RequestTimings) -> dict[str, Any]:

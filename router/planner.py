@@ -59,10 +59,11 @@ class TTFTPrediction:
     and the seconds a local prefill would stall the decode's running streams."""
 
     local_s: float
-    remote_s: float
+    remote_s: float  # transfer_s included
     stall_s: float  # the local prefill's own compute: every stream decoding there waits it out
     num_stalled: int = 1  # those streams, at least one (logged: how many a local prefill pauses)
     measured: bool = True  # False: no rate measured yet, the seconds only rank the two paths
+    transfer_s: float = 0.0  # the remote side's KV transfer, past its forward (`transfer_cost`)
 
     @property
     def local_faster(self) -> bool:
@@ -76,11 +77,12 @@ class TTFTPrediction:
         return self.local_s + self.stall_s < self.remote_s
 
 
-def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int) -> TTFTPrediction | None:
+def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int,
+                 block_size: int = 16) -> TTFTPrediction | None:
     """Each side: the prompt tokens queued ahead of these `num_tokens`, and these, at its
-    recent prefill rate; the remote side adds the mean transfer time its decode has seen, the
-    local side the time its own compute holds up each of the decode's decoding streams
-    (`stall_s`, `num_stalled`, by its last report).
+    recent prefill rate; the remote side adds the KV transfer this pair's link costs past the
+    forward (`transfer_cost`), the local side the time its own compute holds up each of the
+    decode's decoding streams (`stall_s`, `num_stalled`, by its last report).
     A side that has not prefilled yet is taken to prefill at the other's rate (same model; its
     own rate replaces the guess after its first prompt), and before either has, at a stand-in
     rate (`measured` False): the first burst after start is then split by queued tokens
@@ -91,20 +93,29 @@ def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int) -
     if not measured:
         remote_rate = UNMEASURED_TOKENS_PER_S
     local_rate = decode.load.prefill_tokens_per_s or remote_rate
-    remote = (prefill.queued_prompt_tokens() + num_tokens) / remote_rate + mean_transfer_s(decode)
+    compute = num_tokens / remote_rate
+    transfer = transfer_cost(decode, prefill.worker_id, -(-num_tokens // block_size), compute)
+    remote = prefill.queued_prompt_tokens() / remote_rate + compute + transfer
     local = (decode.queued_prompt_tokens() + num_tokens) / local_rate
     return TTFTPrediction(local_s=local, remote_s=remote, stall_s=num_tokens / local_rate,
-                          num_stalled=max(1, decode.load.num_decoding), measured=measured)
+                          num_stalled=max(1, decode.load.num_decoding), measured=measured, transfer_s=transfer)
 
 
-def mean_transfer_s(record: WorkerRecord) -> float:
-    """Mean seconds per KV transfer by the worker's counters (0 before any)."""
-    counters = record.load.counters
+def transfer_cost(decode: WorkerRecord, prefill_id: str, num_blocks: int, compute_s: float) -> float:
+    """Seconds the KV of `num_blocks` from `prefill_id` adds past that worker's forward of
+    `compute_s`, by what the decode has received from it (`EngineCounters.received`): the
+    larger of its mean tail and the time the link needs for those bytes beyond the forward
+    (a stream sent while the forward runs hides at most the forward). 0 before any transfer
+    from that worker: the link is unknown, and only a transfer measures it."""
+    counters = decode.load.counters
     if counters is None:
         return 0.0
-    transfers = sum(t.transfers for t in counters.transfers)
-    seconds = sum(t.seconds for t in counters.transfers)
-    return seconds / transfers if transfers and seconds >= 0 else 0.0
+    for peer in counters.received:
+        if peer.peer == prefill_id and peer.transfers and peer.blocks and peer.seconds > 0:
+            bytes_per_s = peer.bytes / peer.seconds
+            wire_s = num_blocks * (peer.bytes / peer.blocks) / bytes_per_s if bytes_per_s > 0 else 0.0
+            return max(peer.tail_seconds / peer.transfers, wire_s - compute_s)
+    return 0.0
 
 
 class RoutePlanner:
@@ -149,7 +160,8 @@ class RoutePlanner:
         else:
             choice = self._prefill_policy.choose(prefillers, query)
             queue_length = choice.record.load.num_queued
-            prediction = predict_ttft(choice.record, decode.record, uncached) if self._predict else None
+            prediction = (predict_ttft(choice.record, decode.record, uncached, block_size)
+                          if self._predict else None)
             if queue_length >= self._queue_threshold:
                 prefill_reason, queue_length = PREFILL_QUEUE_LONG, 0
             elif prediction is not None and prediction.local_faster:
@@ -165,7 +177,7 @@ class RoutePlanner:
                  prefill_reason, num_prompt_tokens, num_matched,
                  f" predicted TTFT local {prediction.local_s:.2f} s (+{prediction.stall_s:.2f} s stall of "
                  f"{prediction.num_stalled} streams), "
-                 f"remote {prediction.remote_s:.2f} s"
+                 f"remote {prediction.remote_s:.2f} s (transfer {prediction.transfer_s:.2f} s)"
                  f"{'' if prediction.measured else ' (no measured rate yet: by queued tokens)'}"
                  if prediction else "")
         return RoutePlan(decode.record.worker, decode.reason, prefill, prefill_reason, queue_length, num_matched,

@@ -41,6 +41,8 @@ class WorkerMetrics:
         self.role = role
         # backend -> [transfers, bytes, seconds, failures] since start, for load reports
         self.transfer_totals: dict[str, list[float]] = {}
+        # prefill worker id -> [transfers, blocks, bytes, seconds, tail seconds] received (decode)
+        self.received_totals: dict[str, list[float]] = {}
 
     def count_auth_refusal(self, reason: str) -> None:
         self.auth_refused.labels(reason=reason).inc()
@@ -72,6 +74,18 @@ class WorkerMetrics:
             totals[1] += verdict.num_bytes
             totals[2] += verdict.duration_ms / 1000
 
+    def observe_received(self, verdict, tail_ms: float) -> None:
+        """A transfer that landed here (decode side), from the prefill worker `verdict.peer`;
+        `tail_ms`: the end of its forward there until the blocks were verified here."""
+        if not verdict.peer:
+            return
+        totals = self.received_totals.setdefault(verdict.peer, [0, 0, 0, 0.0, 0.0])
+        totals[0] += 1
+        totals[1] += verdict.num_blocks
+        totals[2] += verdict.num_bytes
+        totals[3] += verdict.duration_s
+        totals[4] += tail_ms / 1000
+
     def _totals(self, backend: str) -> list[float]:
         return self.transfer_totals.setdefault(backend, [0, 0, 0.0, 0])
 
@@ -83,7 +97,10 @@ class WorkerMetrics:
             preemptions=stats.num_preemptions, steps=stats.num_steps, step_seconds=stats.step_seconds,
             transfers=[common_pb2.TransferCounters(backend=b, transfers=int(t[0]), bytes=int(t[1]), seconds=t[2],
                                                    failures=int(t[3]))
-                       for b, t in sorted(self.transfer_totals.items())])
+                       for b, t in sorted(self.transfer_totals.items())],
+            received=[common_pb2.PeerTransferCounters(peer=p, transfers=int(t[0]), blocks=int(t[1]), bytes=int(t[2]),
+                                                      seconds=t[3], tail_seconds=t[4])
+                      for p, t in sorted(self.received_totals.items())])
 
     def serve(self, host: str, port: int, token: str | None = None):
         """Serve /metrics on host:port (0: not at all); with `token`, only to its bearer."""

@@ -216,11 +216,15 @@ def test_planner_skips_excluded_and_suspect_workers(registry):
         planner.plan("r", "m", 40, 4, [], "", exclude={"a"})
 
 
-def counters(transfers: int = 0, seconds: float = 0.0):
+def counters(transfers: int = 0, tail_s: float = 0.0, peer: str = "p", blocks: int = 50,
+             block_bytes: int = 1000, seconds: float = 0.05):
+    """A decode's report of what it received from `peer`: `transfers` of `blocks` blocks each,
+    `seconds` and `tail_s` each."""
     from pdserve.proto.pdserve.v1 import common_pb2
 
-    return common_pb2.EngineCounters(transfers=[common_pb2.TransferCounters(
-        backend="ucx", transfers=transfers, bytes=transfers * 1000, seconds=seconds)])
+    return common_pb2.EngineCounters(received=[common_pb2.PeerTransferCounters(
+        peer=peer, transfers=transfers, blocks=transfers * blocks, bytes=transfers * blocks * block_bytes,
+        seconds=transfers * seconds, tail_seconds=transfers * tail_s)])
 
 
 def test_planner_routes_by_predicted_time_to_first_token(registry):
@@ -230,7 +234,7 @@ def test_planner_routes_by_predicted_time_to_first_token(registry):
     One prompt to idle workers stays disaggregated; 8 prompts of 200 tokens at once to equally
     fast workers alternate, so neither queue holds more than half the burst."""
     planner, metrics = make_planner(registry, threshold=8, queue_threshold=100)
-    registry.register(worker("d"), Load(prefill_tokens_per_s=400.0, counters=counters(10, 0.5)))
+    registry.register(worker("d"), Load(prefill_tokens_per_s=400.0, counters=counters(10, tail_s=0.05)))
     registry.register(worker("p", Role.PREFILL), Load(prefill_tokens_per_s=400.0))
     paths = []
     for i in range(8):  # remote, local, remote, ...: local once it saves more than its stall
@@ -265,6 +269,31 @@ def test_planner_routes_by_predicted_time_to_first_token(registry):
     plan = planner.plan("r9", "m", 200, 4, [8], "")
     assert plan.prefill.worker_id == "p"
     assert plan.prediction.local_s == pytest.approx(2.0) and plan.prediction.remote_s == pytest.approx(1.0)
+
+
+def test_the_link_between_a_pair_is_charged_on_the_remote_side(registry):
+    """What the decode received from the prefill worker prices the transfer: its mean tail
+    past the forward, or, on a link too slow for the stream to keep up with the forward, the
+    time the link needs for this prompt's bytes beyond the forward. On a fast link a 2,048-
+    token prompt goes to the prefill worker; on a slow one (50 MB/s for 128 blocks of 1 MB
+    each: 2.56 s, the forward 1.02 s) to the decode's own prefill, with the numbers that
+    decided it. A link never measured costs nothing."""
+    planner, _ = make_planner(registry, threshold=8, queue_threshold=100)
+    fast = counters(4, tail_s=0.01, blocks=128, block_bytes=2**20, seconds=0.05)
+    slow = counters(4, tail_s=1.5, blocks=128, block_bytes=2**20, seconds=128 * 2**20 / 50e6)
+    registry.register(worker("p", Role.PREFILL), Load(prefill_tokens_per_s=2000.0))
+    registry.register(worker("d"), Load(prefill_tokens_per_s=1600.0, counters=fast))
+    plan = planner.plan("r1", "m", 2048, 16, [1], "")
+    assert plan.prefill.worker_id == "p" and plan.prediction.transfer_s == pytest.approx(0.01)
+    registry.heartbeat("p", Load(prefill_tokens_per_s=2000.0))
+    registry.heartbeat("d", Load(prefill_tokens_per_s=1600.0, counters=slow))
+    plan = planner.plan("r2", "m", 2048, 16, [2], "")
+    assert plan.prefill is None and plan.prefill_reason == "predicted_faster_local"
+    wire_s = 128 * 2**20 / 50e6
+    assert plan.prediction.transfer_s == pytest.approx(wire_s - 2048 / 2000)
+    assert plan.prediction.remote_s == pytest.approx(2048 / 2000 + wire_s - 2048 / 2000)
+    registry.heartbeat("d", Load(prefill_tokens_per_s=1600.0, counters=counters(4, tail_s=9.0, peer="other")))
+    assert planner.plan("r3", "m", 2048, 16, [3], "").prediction.transfer_s == 0.0  # this pair: never measured
 
 
 def test_the_first_burst_is_split_before_any_rate_is_measured(registry):
@@ -307,3 +336,26 @@ def test_static_routing_asks_the_prefill_worker_between_the_thresholds(registry)
     registry.register(worker("p", Role.PREFILL), Load(prefill_tokens_per_s=1.0, queued_prompt_tokens=10**6))
     plan = planner.plan("r1", "m", 200, 4, [1], "")
     assert plan.prefill.worker_id == "p" and plan.prediction is None
+
+
+def test_a_decode_reports_what_each_prefill_worker_delivered():
+    """The decode's load report carries, per prefill worker, the transfers that landed: their
+    blocks, bytes, the sender's seconds and the tail past the forward (what `transfer_cost`
+    prices); a verdict with no peer is not counted."""
+    from pdserve.kvtransfer.verdict import Outcome, TransferVerdict
+    from pdserve.worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics("decode")
+    for _ in range(2):
+        metrics.observe_received(TransferVerdict("t", Outcome.TRANSFERRED, "ucx", num_blocks=8, num_bytes=8000,
+                                                 duration_s=0.25, peer="prefill-0"), tail_ms=40.0)
+    metrics.observe_received(TransferVerdict("t", Outcome.TRANSFERRED, "ucx", num_blocks=1, num_bytes=1), 1.0)
+
+    class Stats:
+        num_prompt_tokens_computed = num_generation_tokens = num_prefix_queries = num_prefix_hits = 0
+        num_preemptions = num_steps = 0
+        step_seconds = 0.0
+
+    (peer,) = metrics.counters(Stats()).received
+    assert (peer.peer, peer.transfers, peer.blocks, peer.bytes) == ("prefill-0", 2, 16, 16000)
+    assert peer.seconds == pytest.approx(0.5) and peer.tail_seconds == pytest.approx(0.08)

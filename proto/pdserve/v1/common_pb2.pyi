@@ -272,7 +272,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., kv_backends: _Optional[_Iterable[_Union[KVBackendState, _Mapping]]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_decoding: _Optional[int] = ...) -> None: ...
 
 class EngineCounters(_message.Message):
-    __slots__ = ("prompt_tokens_computed", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "steps", "step_seconds", "transfers")
+    __slots__ = ("prompt_tokens_computed", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "steps", "step_seconds", "transfers", "received")
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,7 @@ class EngineCounters(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens_computed: int
     generation_tokens: int
     prefix_cache_queries: int
@@ -289,7 +290,24 @@ class EngineCounters(_message.Message):
     steps: int
     step_seconds: float
     transfers: _containers.RepeatedCompositeFieldContainer[TransferCounters]
-    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., transfers: _Optional[_Iterable[_Union[TransferCounters, _Mapping]]] = ...) -> None: ...
+    received: _containers.RepeatedCompositeFieldContainer[PeerTransferCounters]
+    def __init__(self, prompt_tokens_computed: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., transfers: _Optional[_Iterable[_Union[TransferCounters, _Mapping]]] = ..., received: _Optional[_Iterable[_Union[PeerTransferCounters, _Mapping]]] = ...) -> None: ...
+
+class PeerTransferCounters(_message.Message):
+    __slots__ = ("peer", "transfers", "blocks", "bytes", "seconds", "tail_seconds")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    transfers: int
+    blocks: int
+    bytes: int
+    seconds: float
+    tail_seconds: float
+    def __init__(self, peer: _Optional[str] = ..., transfers: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., tail_seconds: _Optional[float] = ...) -> None: ...
 
 class TransferCounters(_message.Message):
     __slots__ = ("backend", "transfers", "bytes", "seconds", "failures")

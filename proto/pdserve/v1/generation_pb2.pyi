@@ -86,20 +86,26 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
 class RoutingInfo(_message.Message):
-    __slots__ = ("decode_worker_id", "decode_reason", "prefill_worker_id", "prefill_reason", "num_prompt_tokens", "num_matched_prefix_tokens")
+    __slots__ = ("decode_worker_id", "decode_reason", "prefill_worker_id", "prefill_reason", "num_prompt_tokens", "num_matched_prefix_tokens", "predicted_local_s", "predicted_remote_s", "predicted_transfer_s")
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_REASON_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_MATCHED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_LOCAL_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_REMOTE_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     decode_worker_id: str
     decode_reason: str
     prefill_worker_id: str
     prefill_reason: str
     num_prompt_tokens: int
     num_matched_prefix_tokens: int
-    def __init__(self, decode_worker_id: _Optional[str] = ..., decode_reason: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_matched_prefix_tokens: _Optional[int] = ...) -> None: ...
+    predicted_local_s: float
+    predicted_remote_s: float
+    predicted_transfer_s: float
+    def __init__(self, decode_worker_id: _Optional[str] = ..., decode_reason: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_matched_prefix_tokens: _Optional[int] = ..., predicted_local_s: _Optional[float] = ..., predicted_remote_s: _Optional[float] = ..., predicted_transfer_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "transfer", "routing", "timings", "index", "prompt_token_ids", "prompt_text", "prompt_logprobs", "tool_calls")
