@@ -139,7 +139,9 @@ class LLMEngine:
         `prompt_blocks`, when the caller computed them already."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._requests:
+        # an id is taken until its blocks are back: a finished request whose send still
+        # reads its blocks holds them under its id (`_sending`)
+        if request_id in self._requests or request_id in self._sending:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         params = check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len)  # max_tokens resolved

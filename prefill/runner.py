@@ -11,7 +11,8 @@ from typing import Protocol
 
 from pdserve.common.auth import Mac
 from pdserve.common.block_hash import PromptBlocks, check_cache_salt
-from pdserve.common.errors import DeadlinePassedError, IncompatiblePeerError, InvalidRequestError, OverloadedError
+from pdserve.common.errors import (AlreadyExistsError, DeadlinePassedError, IncompatiblePeerError,
+                                   InvalidRequestError, OverloadedError, PdserveError)
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.worker.transfer import (MAX_HANDOFF_HORIZON_S, HandoffCallerError, HandoffLedger,
                                      check_handoff_signature)
@@ -63,6 +64,7 @@ class PrefillRunner:
         self.max_queue = max_queue
         self.num_inflight = 0
         self.core_share = core_share
+        self._owners: dict[str, str] = {}  # request id -> the decode its hand-off names, while run() holds it
 
     def _check(self, request: prefill_pb2.PrefillRequest, caller: str) -> tuple[float, PromptBlocks]:
         """Seconds left of the hand-off's deadline and the prompt's blocks, after the checks
@@ -83,6 +85,8 @@ class PrefillRunner:
         if remaining_s > MAX_HANDOFF_HORIZON_S:
             raise InvalidRequestError(f"the hand-off's deadline is over {MAX_HANDOFF_HORIZON_S:g} s ahead")
         blocks = self._check_block_hashes(request)
+        if request.request_id in self._owners:  # refused before its hand-off is spent; the first runs on
+            raise AlreadyExistsError(f"request {request.request_id!r} is already being prefilled here")
         if self.num_inflight >= self.max_queue:
             raise OverloadedError("prefill queue is full")
         self.ledger.accept(handoff.transfer_id, handoff.deadline_unix_ms / 1000)
@@ -109,12 +113,38 @@ class PrefillRunner:
             return prefill_pb2.PrefillResponse(request_id=rid, verdict=refusal, skipped=True)
         params = first_token_params(sampling_from_proto(request.sampling))
         tp = self.sender.transfer_params(rid, handoff)
+        self._owners[rid] = handoff.decode_worker_id
         self.num_inflight += 1
         stream_layers = self.core_share is None or not self.core_share.others_idle()
         try:
-            stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
-                                                 transfer_params=tp, cache_salt=request.cache_salt,
-                                                 stream_layers=stream_layers, blocks=blocks)
+            stream = await self._add(request, params, tp, stream_layers, blocks)
+            return await self._answer(request, stream, remaining_s, arrival)
+        finally:
+            self.num_inflight -= 1
+            del self._owners[rid]
+
+    async def _add(self, request: prefill_pb2.PrefillRequest, params, tp, stream_layers: bool,
+                   blocks: PromptBlocks):
+        """The request's stream from the engine. A refusal by the engine (a typed error) added
+        nothing, so nothing is ended: the id may be another request's, whose blocks stay
+        until its send ends. A wait that ends otherwise may end after the add: ended."""
+        try:
+            return await self.loop.add_request(list(request.prompt_token_ids), params,
+                                               request_id=request.request_id, transfer_params=tp,
+                                               cache_salt=request.cache_salt, stream_layers=stream_layers,
+                                               blocks=blocks)
+        except PdserveError:
+            raise
+        except BaseException:
+            await self._end(request.request_id)
+            raise
+
+    async def _answer(self, request: prefill_pb2.PrefillRequest, stream, remaining_s: float,
+                      arrival: float) -> prefill_pb2.PrefillResponse:
+        """The first token and the send's verdict; any other end (error, cancel, deadline)
+        ends the request."""
+        rid, deadline_s = request.request_id, request.handoff.deadline_unix_ms / 1000
+        try:
             try:
                 out = await stream.next(remaining_s)
             except asyncio.TimeoutError:
@@ -122,17 +152,19 @@ class PrefillRunner:
             if isinstance(out, BaseException):
                 raise out
             computed = time.monotonic()
-            verdict, tail_ms = await self.sender.verdict(
-                rid, max(0.1, handoff.deadline_unix_ms / 1000 - time.time()))
+            verdict, tail_ms = await self.sender.verdict(rid, max(0.1, deadline_s - time.time()))
             self.metrics.observe_verdict(verdict, tail_ms)
             self.metrics.requests.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome)).inc()
             return self._response(rid, out, verdict, (computed - arrival) * 1000, tail_ms)
         except BaseException:
-            self.sender.abort(rid)
-            await asyncio.shield(self.loop.abort(rid))
+            await self._end(rid)
             raise
-        finally:
-            self.num_inflight -= 1
+
+    async def _end(self, rid: str) -> None:
+        """End `rid` wherever it is: a send not started never starts, and the engine lets its
+        blocks go (after a send under way ends, within the hand-off's deadline)."""
+        self.sender.abort(rid)
+        await asyncio.shield(self.loop.abort(rid))
 
     def _response(self, rid: str, out, verdict, compute_ms: float,
                   tail_ms: float) -> prefill_pb2.PrefillResponse:
@@ -148,6 +180,12 @@ class PrefillRunner:
             resp.prompt_logprobs.extend(logprob_to_proto(lp, tok) for lp in out.prompt_logprobs)
         return resp
 
-    async def abort(self, rid: str) -> bool:
+    async def abort(self, rid: str, caller: str = "") -> bool:
+        """End `rid` for `caller` (the verified caller id). With signed hand-offs only the
+        decode that the request's hand-off names may; another caller finds nothing."""
+        if self.handoff_mac is not None and self._owners.get(rid) != caller:
+            log.warning("abort of request %r by %r refused: no request of that decode here", rid, caller)
+            return False
         self.sender.abort(rid)
         return await self.loop.abort(rid)
+

@@ -20,7 +20,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     @grpc_errors
     async def Abort(self, request, context):
-        return common_pb2.AbortResponse(found=await self.runner.abort(request.request_id))
+        return common_pb2.AbortResponse(found=await self.runner.abort(request.request_id, caller_id(context)))
 
     @grpc_errors
     async def ModelInfo(self, request, context):

@@ -8,10 +8,10 @@ checks hand-offs, and gives each role its facade over the engine's connector: `S
 from __future__ import annotations
 
 import asyncio
+import heapq
 import struct
 import threading
 import time
-from collections import OrderedDict
 from typing import Callable, Sequence
 
 from pdserve.common.auth import ClusterSecret, Mac, encode_fields
@@ -119,25 +119,26 @@ class HandoffLedger:
     def __init__(self, max_remembered: int = 100_000, clock: Callable[[], float] = time.time) -> None:
         self._max_remembered = max_remembered
         self._clock = clock
-        self._seen: OrderedDict[str, float] = OrderedDict()  # transfer id -> deadline (unix s)
+        self._live: set[str] = set()  # transfer ids accepted, deadline not passed
+        self._by_deadline: list[tuple[float, str]] = []  # heap of (deadline unix s, transfer id), one per live id
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self._live)
 
     def accept(self, transfer_id: str, deadline_unix_s: float) -> None:
         """Remember `transfer_id` until its deadline; ReplayedHandoffError if it is known."""
         now = self._clock()
         with self._lock:
-            # deadlines come in roughly in order (each decode's is now + its timeout): drop
-            # expired ones from the oldest on
-            while self._seen and next(iter(self._seen.values())) < now:
-                self._seen.popitem(last=False)
-            if transfer_id in self._seen:
+            # expired ones go by deadline, whatever order they came in
+            while self._by_deadline and self._by_deadline[0][0] < now:
+                self._live.discard(heapq.heappop(self._by_deadline)[1])
+            if transfer_id in self._live:
                 raise ReplayedHandoffError(f"hand-off {transfer_id} was already used")
-            if len(self._seen) >= self._max_remembered:
+            if len(self._live) >= self._max_remembered:
                 raise OverloadedError("too many live hand-offs remembered")
-            self._seen[transfer_id] = deadline_unix_s
+            self._live.add(transfer_id)
+            heapq.heappush(self._by_deadline, (deadline_unix_s, transfer_id))
 
 
 def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferParams:

@@ -250,13 +250,22 @@ class PrefillSends:
         self._finish_send(rid, replace(verdict, tail_s=time.monotonic() - forward_end))
 
     def _finish_send(self, rid: str, verdict: TransferVerdict) -> None:
+        with self._lock:
+            self._mark_sent(rid)
+        self._post(rid, verdict)
+
+    def _mark_sent(self, rid: str) -> None:
+        """The send of `rid` is done (caller holds the lock). In the same hold as the pop
+        that ended it: `finished` must find the request in `_sends`, `_sending` or `_sent`,
+        or its blocks would never be reported back."""
+        self._sending.discard(rid)
+        self._sent[rid] = None
+        while len(self._sent) > _MAX_REMEMBERED:
+            self._sent.popitem(last=False)
+
+    def _post(self, rid: str, verdict: TransferVerdict) -> None:
         (log.info if verdict.ok else log.warning)("request %s: %s", rid, verdict.describe())
         self.verdicts.post(rid, verdict)
-        with self._lock:
-            self._sending.discard(rid)
-            self._sent[rid] = None
-            while len(self._sent) > _MAX_REMEMBERED:
-                self._sent.popitem(last=False)
 
     # -- the prefill service (any thread) --------------------------------------------------
     def wait_verdict(self, request_id: str, timeout_s: float) -> TransferVerdict | None:
@@ -298,9 +307,11 @@ class PrefillSends:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.cancel()  # no more layers go out; the receiver's reservation ends
+            if spec is not None:
+                self._mark_sent(request_id)
         if spec is None:
             return False
-        self._finish_send(request_id, TransferVerdict(spec.params.transfer_id.hex(), Outcome.ABORTED, ""))
+        self._post(request_id, TransferVerdict(spec.params.transfer_id.hex(), Outcome.ABORTED, ""))
         return True
 
     def flush(self, timeout_s: float = 30.0) -> bool:
