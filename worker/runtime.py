@@ -4,6 +4,7 @@ SIGINT/SIGTERM, stop cleanly."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -57,8 +58,12 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-async def wait_for_shutdown() -> None:
-    """Until SIGINT/SIGTERM."""
+ENGINE_CHECK_S = 0.5  # how often a worker looks whether its engine thread still runs
+
+
+async def wait_for_shutdown(engine_loop=None) -> bool:
+    """Until SIGINT/SIGTERM (True), or until `engine_loop`'s thread dies (False): a worker
+    whose engine is gone must not stay registered, reporting its last stats for ever."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -66,7 +71,12 @@ async def wait_for_shutdown() -> None:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
-    await stop.wait()
+    while not stop.is_set():
+        if engine_loop is not None and not engine_loop.alive:
+            return False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), ENGINE_CHECK_S)
+    return True
 
 
 @dataclass(slots=True)
@@ -153,8 +163,12 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     # one line that launchers (pdserve up) and tests wait for
     print(f"pdserve {role} ready on {runtime.address} worker_id={runtime.worker_id}", flush=True)
     log.info("%s ready on %s (model %s)", role, runtime.address, served)
+    code = 0
     try:
-        await wait_for_shutdown()
+        if not await wait_for_shutdown(loop):
+            log.error("%s: the engine thread died (%r); stopping so that a supervisor restarts this worker",
+                      role, loop.error)
+            code = 1
     finally:
         log.info("%s shutting down", role)
         await set_serving(health, names, serving=False)
@@ -164,4 +178,4 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
         loop.stop()
         if core_share is not None:
             core_share.close()
-    return 0
+    return code
