@@ -3,8 +3,9 @@
 Decode has allocated the prompt's blocks. It tells its KV receiver to expect a transfer into
 the uncached ones, asks the prefill worker to fill them (Prefill RPC with a KVHandoff),
 and checks that what the verdict claims really arrived. No wait is unbounded: the RPC has
-the hand-off deadline; an abort cancels the RPC and the expected transfer, so no late write
-lands in a freed block.
+the hand-off deadline, and a prefill that becomes unreachable ends it within seconds (its
+channel does not connect, or its keepalive goes unanswered); an abort cancels the RPC and the
+expected transfer, so no late write lands in a freed block.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Protocol, Sequence
 import grpc
 
 from pdserve.common.errors import DeadlinePassedError, UpstreamFailedError
-from pdserve.rpc.channels import WorkerChannels
+from pdserve.rpc.channels import CONNECT_TIMEOUT_S, WorkerChannels
 from pdserve.rpc.credentials import InternalAuth
 from pdserve.worker.convert import logprob_from_proto
 from pdserve.kvtransfer.verdict import Outcome, TransferVerdict, decide
@@ -85,6 +86,16 @@ class NoReceiver:
         pass
 
 
+class _NotConnected(Exception):
+    """The channel to a prefill did not connect in time; read like an UNAVAILABLE call."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return f"{self.args[0]} not connected within {CONNECT_TIMEOUT_S:g} s"
+
+
 class PrefillLeg:
     def __init__(self, receiver: KVReceiver, *, worker_id: str, compat_hash: int,
                  block_size: int, timeout_s: float, auth: InternalAuth = InternalAuth(None)) -> None:
@@ -121,8 +132,7 @@ class PrefillLeg:
         if self._handoff_mac is not None:
             sign_handoff(request, self._handoff_mac)
         failed = TransferVerdict(handoff.transfer_id, Outcome.FAILED, "", peer=choice.worker_id)
-        call = self._channels.prefill(choice.address).Prefill(request, timeout=self.timeout_s)
-        task = asyncio.ensure_future(call)
+        task = asyncio.ensure_future(self._prefill(choice.address, request, start + self.timeout_s))
         self._inflight[request_id] = task
         try:
             resp: prefill_pb2.PrefillResponse = await task
@@ -131,7 +141,7 @@ class PrefillLeg:
                 raise  # our own caller was cancelled
             self._aborted.discard(request_id)
             return LegResult(replace(failed, outcome=Outcome.ABORTED, reason="aborted"))
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, _NotConnected) as exc:
             self.receiver.cancel(request_id)
             return LegResult(replace(
                 failed, peer_status=exc.code().name, duration_s=time.monotonic() - start,
@@ -151,6 +161,15 @@ class PrefillLeg:
         return LegResult(final, resp.first_token_id, lp, tail_ms=tail_ms,
                          prompt_logprobs=tuple(logprob_from_proto(e) for e in resp.prompt_logprobs),
                          num_cached_tokens=resp.num_cached_tokens)
+
+    async def _prefill(self, address: str, request: prefill_pb2.PrefillRequest,
+                       deadline: float) -> prefill_pb2.PrefillResponse:
+        """The Prefill call, due by `deadline`, once its channel is connected. A prefill that
+        becomes unreachable ends it UNAVAILABLE within seconds: the channel does not connect
+        within CONNECT_TIMEOUT_S, or its keepalive goes unanswered (rpc.server)."""
+        if not await self._channels.wait_ready(address, min(CONNECT_TIMEOUT_S, deadline - time.monotonic())):
+            raise _NotConnected(address)
+        return await self._channels.prefill(address).Prefill(request, timeout=max(0.001, deadline - time.monotonic()))
 
     async def abort(self, request_id: str) -> None:
         """Cancel the leg of `request_id` if one runs: the RPC, then the reservation."""

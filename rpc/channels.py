@@ -2,11 +2,16 @@
 per address, reused across requests."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from pdserve.proto.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.common.auth import CallSigner
 from pdserve.rpc.credentials import InternalTLS, internal_channel
+
+
+CONNECT_TIMEOUT_S = 4.0  # a peer whose channel does not connect within this is unreachable
 
 
 class WorkerChannels:
@@ -23,6 +28,16 @@ class WorkerChannels:
         if channel is None:
             channel = self._channels[address] = internal_channel(address, self._signer, self._tls)
         return channel
+
+    async def wait_ready(self, address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
+        """Whether the channel to `address` is connected within `timeout_s` (an idle one starts
+        connecting). A peer behind a partition answers no connect, and a call on a channel
+        still connecting waits for it: this bounds that wait."""
+        try:
+            await asyncio.wait_for(self.channel(address).channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:
         return decode_pb2_grpc.DecodeStub(self.channel(address))

@@ -33,6 +33,10 @@ WORKER_MAX_RECEIVE_BYTES = 16 * 1024 * 1024  # Decode and Prefill requests, with
 REGISTRY_MAX_RECEIVE_BYTES = 1024 * 1024  # Register / Heartbeat / Deregister
 MAX_CONCURRENT_RPCS = 1024  # per internal server: well above a decode's streams in flight
 NO_PORT_SHARING = (("grpc.so_reuseport", 0),)  # a second listener on a used port fails to bind
+# Servers take the channels' pings (below), also on a connection with no call, at most one a
+# second: more often, grpc's default answers with GOAWAY "too_many_pings".
+PERMIT_KEEPALIVE = (("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.min_ping_interval_without_data_ms", 1_000))
 
 
 def server_options(max_receive_bytes: int) -> tuple[tuple[str, int], ...]:
@@ -43,13 +47,28 @@ def server_options(max_receive_bytes: int) -> tuple[tuple[str, int], ...]:
     is at most the router's --max-body-bytes; KV never goes over gRPC)."""
     return (("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.http2.bdp_probe", 0)) + NO_PORT_SHARING
+            ("grpc.http2.bdp_probe", 0)) + NO_PORT_SHARING + PERMIT_KEEPALIVE
 
 
 SERVER_OPTIONS = server_options(WORKER_MAX_RECEIVE_BYTES)
+# A peer cut off by a partition sends nothing, not even a reset: only a ping finds it. Every
+# internal channel pings after KEEPALIVE_TIME_MS without a byte from its peer, idle or not,
+# and closes its connection when the answer takes longer than KEEPALIVE_TIMEOUT_MS (grpc
+# enforces it as the ping timeout); its calls then end UNAVAILABLE, so a call waiting on an
+# unreachable peer ends within the sum of the two, not at its deadline.
+KEEPALIVE_TIME_MS = 4_000
+KEEPALIVE_TIMEOUT_MS = 4_000
 CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.enable_retries", 0))  # callers decide about retries
+                   ("grpc.enable_retries", 0),  # callers decide about retries
+                   ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                   ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                   ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                   ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.max_pings_without_data", 0),  # a long Prefill call is silent
+                   # a peer back from a partition is reconnected to within a second, whatever
+                   # the number of failed attempts before (grpc's default grows to 2 minutes)
+                   ("grpc.max_reconnect_backoff_ms", 1_000))
 
 
 def internal_server(max_receive_bytes: int, interceptors: Sequence[Any] = ()) -> grpc.aio.Server:
@@ -161,7 +180,6 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
                 await inner_stream(request, context)
             return grpc.unary_stream_rpc_method_handler(writer, _tolerant(handler.request_deserializer),
                                                         handler.response_serializer)
-
 
         async def stream(request, context):
             if request is _MALFORMED:

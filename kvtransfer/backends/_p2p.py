@@ -29,6 +29,16 @@ little-endian; each frame then its tag)::
     S -> R  payload  on the transport's channel, only after an accepting reply
     R -> S  reply    the verdict: ok, or refused + reason
 
+A connection idle for PROBE_IDLE_S or more may have died unseen (a partition sends no reset;
+a transport's own connections may time out while the control connection survives), so the
+sender checks it before reuse with a probe, answered within PROBE_TIMEOUT_S or the
+connection is replaced::
+
+    S -> R  ping     REQUEST (16 B) with magic b"PDPG", index length 0
+    R -> S  reply    accept
+    S -> R  payload  PROBE_BYTES on the transport's channel
+    R -> S  reply    ok
+
 The budget (capped at MAX_BUDGET_MS) bounds how long R waits for the payload. A refusal
 before the payload keeps the stream in sync; a malformed request cannot be resynchronised, so
 R answers it and drops the connection. Reads come in two kinds: blocking sockets with a
@@ -56,7 +66,11 @@ from pdserve.kvtransfer.wire import (
 
 REQUEST = struct.Struct("<4sIII")  # magic, seq, budget ms, index length
 REPLY = struct.Struct("<BBH")  # ok, reserved (0), reason length; then the reason (UTF-8)
-REQUEST_MAGIC, VERSION = b"PDRQ", 2  # VERSION also goes in each transport's hello
+REQUEST_MAGIC, VERSION = b"PDRQ", 3  # VERSION also goes in each transport's hello
+PING_MAGIC = b"PDPG"  # a probe of the connection: a REQUEST prefix with no index
+PROBE_BYTES = 8  # what a probe sends on the transport's channel
+PROBE_IDLE_S = 1.0  # a connection idle this long is probed before its next request
+PROBE_TIMEOUT_S = 2.0  # a probe unanswered this long: the connection is replaced
 MAX_REASON = 1024
 MAX_BUDGET_MS = 600_000  # a receiver waits at most this long for one payload
 HANDSHAKE_TIMEOUT_S = 10.0  # pairing, and a request's bytes once it started arriving
@@ -255,6 +269,17 @@ async def read_sealed(reader: asyncio.StreamReader, session: Session, n: int) ->
     return session.open(frame[:n], frame[n:])
 
 
+# -- control sockets -----------------------------------------------------------------------------
+def keep_alive(sock) -> None:
+    """Have the kernel probe `sock` once idle: a connection whose peer vanished (a partition
+    sends no reset) fails within about KEEPIDLE + KEEPINTVL * KEEPCNT seconds instead of holding
+    a receiver's peer slot, or a sender's link, forever. A frozen peer's kernel still answers."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timing applies
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 # -- endpoints and messages ----------------------------------------------------------------------
 def split_endpoint(endpoint: str, transport: str) -> tuple[str, int]:
     host, sep, port = endpoint.rpartition(":")
@@ -298,6 +323,29 @@ def parse_request(frame: bytes, limits: WireLimits,
     if magic != REQUEST_MAGIC or index_len > max_index or seq > max_seq:
         raise MalformedRequest(f"malformed request (index of {index_len} bytes, at most {max_index})")
     return seq, min(MAX_BUDGET_MS, max(1, budget_ms)) / 1000, index_len
+
+
+def encode_ping(session: Session, seq: int, deadline: float) -> bytes:
+    """The sealed probe `seq`; its budget bounds the receiver's wait for the probe's bytes."""
+    budget_ms = int(min(MAX_BUDGET_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
+    return session.seal(REQUEST.pack(PING_MAGIC, seq, budget_ms, 0))
+
+
+def is_ping(prefix: bytes) -> bool:
+    return prefix[:len(PING_MAGIC)] == PING_MAGIC
+
+
+def open_ping(session: Session, prefix: bytes, tag: bytes, max_seq: int = 0xFFFFFFFF) -> tuple[int, float]:
+    """(seq, budget in seconds) of a probe whose tag checks; MalformedRequest or TamperedFrame else."""
+    magic, seq, budget_ms, index_len = REQUEST.unpack(session.open(prefix, tag))
+    if magic != PING_MAGIC or index_len or seq > max_seq:
+        raise MalformedRequest("malformed probe")
+    return seq, min(MAX_BUDGET_MS, max(1, budget_ms)) / 1000
+
+
+def probe_deadline(deadline: float) -> float:
+    """When a probe before a request due by `deadline` must have been answered."""
+    return min(deadline, time.monotonic() + PROBE_TIMEOUT_S)
 
 
 def request_rest_len(index_len: int) -> int:

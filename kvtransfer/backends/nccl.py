@@ -34,7 +34,10 @@ Why control does not go through the group: a gloo wait cannot be interrupted (ne
 a group receive only when a payload is announced, bounded by that message's budget. Why not
 through the TCPStore either: a store client connecting to a peer that accepts and never
 answers hangs past its timeout. The control socket has deadlines on every read, and its loss
-tells either side that the pair is gone; the next send pairs afresh.
+tells either side that the pair is gone; the next send pairs afresh. A pair idle for
+PROBE_IDLE_S or more is probed before its next request (a ping on the control socket and a few
+bytes over the group, `_p2p`); one that fails the probe, or whose receiver hung up, is
+replaced before the request goes.
 """
 from __future__ import annotations
 
@@ -168,6 +171,7 @@ class _Pair:
         self.seq = 0
         self.lock = threading.Lock()
         self.closed = False
+        self.last_answer = time.monotonic()  # when the receiver last answered on this pair
 
     @classmethod
     def open(cls, endpoint: str, backend: str, deadline: float, key: bytes | None = None) -> "_Pair":
@@ -181,6 +185,7 @@ class _Pair:
             raise TransferError(f"nccl peer {endpoint} unreachable: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _p2p.keep_alive(sock)
             session = _p2p.authenticate_receiver(sock, key, endpoint, deadline)
             send_all(sock, session.seal(HELLO.pack(HELLO_MAGIC, VERSION, 0, backend.encode())), deadline)
             ok, reason = _p2p.read_reply(sock, session, deadline, "nccl")
@@ -209,6 +214,26 @@ class _Pair:
                 raise TimeoutError(f"payload not taken before the deadline: {exc}") from None
             raise TransferError(f"payload send failed: {exc}") from exc
         _p2p.raise_if_refused(_p2p.read_reply(self.sock, self.session, deadline, "nccl"), self.endpoint)
+        self.last_answer = time.monotonic()
+
+    def needs_probe(self) -> bool:
+        """True when the pair may have died unseen (idle PROBE_IDLE_S or more). The receiver
+        speaks only when asked: a readable control socket means it hung up."""
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        if readable:
+            raise ConnectionError("the receiver closed the control connection")
+        return time.monotonic() - self.last_answer >= _p2p.PROBE_IDLE_S
+
+    def probe(self, deadline: float) -> None:
+        """Check both channels by `deadline`: a ping on the control socket, PROBE_BYTES over
+        the group, the receiver's answer."""
+        seq, self.seq = self.seq, (self.seq + 1) & MAX_SEQ
+        send_all(self.sock, _p2p.encode_ping(self.session, seq, deadline), deadline)
+        _p2p.raise_if_refused(_p2p.read_reply(self.sock, self.session, deadline, "nccl"), self.endpoint)
+        tensor = _payload_tensor(bytes(_p2p.PROBE_BYTES), self.backend)
+        _settle(self.group.send([tensor], 1, seq), tensor, deadline)
+        _p2p.raise_if_refused(_p2p.read_reply(self.sock, self.session, deadline, "nccl"), self.endpoint)
+        self.last_answer = time.monotonic()
 
     def close(self) -> None:
         """Tear the pair down: the receiver sees the socket close; the group's connections
@@ -279,6 +304,7 @@ class _Receiver:
         group = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _p2p.keep_alive(sock)
             group, pair_token = self._pair(sock, session)
             while group is not None and not self._stop.is_set():
                 if not self._wait_readable(sock):
@@ -337,6 +363,8 @@ class _Receiver:
         """Handle one request. False: the pair must be dropped."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         prefix = recv_exactly(sock, REQUEST.size, deadline)
+        if _p2p.is_ping(prefix):
+            return self._answer_probe(sock, session, group, prefix, deadline)
         try:
             seq, budget_s, index_len = _p2p.parse_request(prefix, self.sink.limits, MAX_SEQ)
         except _p2p.MalformedRequest as exc:
@@ -375,6 +403,24 @@ class _Receiver:
             send_all(sock, _p2p.refusal(session, exc), deadline)
         else:
             send_all(sock, _p2p.reply(session, True), deadline)
+        return True
+
+    def _answer_probe(self, sock: socket.socket, session: _p2p.Session, group, prefix: bytes,
+                      deadline: float) -> bool:
+        """Answer a probe: accept, take PROBE_BYTES over the group, say ok. False: drop the pair."""
+        import torch
+
+        seq, budget_s = _p2p.open_ping(session, prefix, recv_exactly(sock, _p2p.TAG_BYTES, deadline), MAX_SEQ)
+        deadline = time.monotonic() + budget_s
+        landing = torch.empty(_p2p.PROBE_BYTES, dtype=torch.uint8,
+                              device="cuda" if self.backend == "nccl" else "cpu")
+        send_all(sock, _p2p.reply(session, True), deadline)
+        try:
+            _settle(group.recv([landing], 0, seq), landing, deadline)
+        except RuntimeError as exc:  # a gloo timeout or error breaks the pair
+            log.warning("nccl receiver: a probe's bytes did not arrive: %s", exc)
+            return False
+        send_all(sock, _p2p.reply(session, True), deadline)
         return True
 
 
@@ -427,6 +473,8 @@ class NcclTransport(KVTransport):
             try:
                 if pair.closed:
                     continue  # a send before us dropped it: pair afresh
+                if not self._checked(pair, deadline):
+                    continue  # dropped: pair afresh
                 try:
                     pair.exchange(message, deadline)
                     return
@@ -453,6 +501,18 @@ class NcclTransport(KVTransport):
             pair.close()
         for receiver in receivers:
             receiver.close()
+
+    def _checked(self, pair: _Pair, deadline: float) -> bool:
+        """Whether `pair` may carry a request now: a pair that may have died unseen answers a
+        probe first (within PROBE_TIMEOUT_S, and `deadline`); one that does not is dropped."""
+        try:
+            if pair.needs_probe():
+                pair.probe(_p2p.probe_deadline(deadline))
+            return True
+        except Exception as exc:  # noqa: BLE001 - timeout, hang-up, a group error: replace the pair
+            log.info("nccl: the pair with %s failed its check (%r); pairing afresh", pair.endpoint, exc)
+            self._drop(pair)
+            return False
 
     def _pair(self, endpoint: str, deadline: float) -> _Pair:
         with self._lock:

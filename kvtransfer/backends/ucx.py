@@ -24,15 +24,20 @@ Threads: ucxx keeps one context per process, driven by one asyncio loop. `_Runti
 loop on a background thread and is shared (ref-counted) by the transports of a process; the
 last `close()` resets UCX and joins the thread. `send()` blocks its caller until the verdict
 or the deadline; on the deadline the in-flight operation is cancelled (UCX endpoint aborted,
-control connection dropped) and the next send to that peer connects afresh.
+control connection dropped) and the next send to that peer connects afresh. A link idle for
+PROBE_IDLE_S or more is probed before its next request (a ping on the control connection and
+a few bytes over its UCX endpoint, `_p2p`): a partition leaves no trace on a link until it is
+used, and UCX's own connections may have died under a control connection that survived. A
+link that fails the probe, or whose receiver hung up, is replaced before the request goes.
 
 Robustness over a few percent: the default transports are tcp, posix and sysv shared
 memory, and self, never cma (cross-memory attach, part of UCX's "sm"). With cma a receiver
 reads the sender's memory directly, and a sender killed mid-transfer made UCX abort the
 receiving decode process (found by tests/e2e/test_chaos.py); `pdserve bench transfer`
 compares the two. UCX endpoint error handling (peer failure detection) costs several times
-the throughput here; it is off
-by default because the control connection and the deadlines already detect a dead peer. Settings come from PDSERVE_UCX_* (engine/envs.py).
+the throughput here; it is off by default because the control connection, the probe before
+a reused link and the deadlines already detect a dead peer. Settings come from PDSERVE_UCX_*
+(engine/envs.py).
 """
 from __future__ import annotations
 
@@ -294,6 +299,7 @@ class _Link:
         self.seq = 0
         self.lock = asyncio.Lock()
         self.closed = False
+        self.last_answer = time.monotonic()  # when the receiver last answered on this link
 
     @classmethod
     async def open(cls, endpoint: str, worker_address: bytes, error_handling: bool,
@@ -303,6 +309,7 @@ class _Link:
         host, port = _p2p.split_endpoint(endpoint, "ucx")
         reader, writer = await asyncio.open_connection(host, port)
         try:
+            _p2p.keep_alive(writer.get_extra_info("socket"))
             session = await _p2p.authenticate_receiver_stream(reader, writer, key, endpoint)
             writer.write(session.seal(HELLO.pack(HELLO_MAGIC, VERSION, 0, len(worker_address)) + worker_address))
             await writer.drain()
@@ -331,6 +338,30 @@ class _Link:
             _QUARANTINE.hold(payload, message.payload)
             raise
         _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, self.session, "ucx"), self.endpoint)
+        self.last_answer = time.monotonic()
+
+    def needs_probe(self) -> bool:
+        """True when the link may have died unseen (idle PROBE_IDLE_S or more); the control
+        stream at its end (the receiver hung up) is dead, not merely doubtful."""
+        if self.reader.at_eof() or self.reader.exception() is not None:
+            raise ConnectionError("the receiver closed the control connection")
+        return time.monotonic() - self.last_answer >= _p2p.PROBE_IDLE_S
+
+    async def probe(self, deadline: float) -> None:
+        """Check both channels: a ping on the control stream, PROBE_BYTES over UCX, the
+        receiver's answer. The caller bounds it by `deadline`."""
+        seq, self.seq = self.seq, (self.seq + 1) & 0xFFFFFFFF
+        self.writer.write(_p2p.encode_ping(self.session, seq, deadline))
+        await self.writer.drain()
+        _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, self.session, "ucx"), self.endpoint)
+        payload = _ucx_buffer(bytes(_p2p.PROBE_BYTES), writable=False)
+        try:
+            await self.ep.send(payload, tag=(self.conn_id << 32) | seq, force_tag=True)
+        except BaseException:
+            _QUARANTINE.hold(payload)
+            raise
+        _p2p.raise_if_refused(await _p2p.read_reply_stream(self.reader, self.session, "ucx"), self.endpoint)
+        self.last_answer = time.monotonic()
 
     def abort(self) -> None:
         self.closed = True
@@ -379,6 +410,7 @@ class _Receiver:
         ep = None
         peer = False
         try:
+            _p2p.keep_alive(writer.get_extra_info("socket"))
             self.num_pending += 1
             try:
                 session, hello = await asyncio.wait_for(self._authenticate(reader, writer),
@@ -434,6 +466,8 @@ class _Receiver:
     async def _serve_one(self, reader, writer, session: _p2p.Session, ep, conn_id: int) -> bool:
         """Handle one request. False: the connection must be dropped."""
         prefix = await reader.readexactly(REQUEST.size)
+        if _p2p.is_ping(prefix):
+            return await self._answer_probe(reader, writer, session, ep, conn_id, prefix)
         try:
             seq, budget_s, index_len = _p2p.parse_request(prefix, self.sink.limits)
         except _p2p.MalformedRequest as exc:
@@ -479,6 +513,26 @@ class _Receiver:
             writer.write(_p2p.reply(session, True))
         await writer.drain()
         return True
+
+    async def _answer_probe(self, reader, writer, session: _p2p.Session, ep, conn_id: int,
+                            prefix: bytes) -> bool:
+        """Answer a probe: accept, take PROBE_BYTES over UCX, say ok. False: drop the connection."""
+        tag = await asyncio.wait_for(reader.readexactly(_p2p.TAG_BYTES), HANDSHAKE_TIMEOUT_S)
+        seq, budget_s = _p2p.open_ping(session, prefix, tag)  # a bad probe drops the connection
+        buffer = _ucx_buffer(bytearray(_p2p.PROBE_BYTES), writable=True)
+        receive = asyncio.ensure_future(ep.recv(buffer, tag=(conn_id << 32) | seq, force_tag=True))
+        writer.write(_p2p.reply(session, True))
+        await writer.drain()
+        arrived = False
+        try:
+            arrived = await self._await_payload(receive, reader, budget_s)
+        finally:
+            if not arrived:
+                _QUARANTINE.hold(buffer)  # the receive may still land in it
+        if arrived:
+            writer.write(_p2p.reply(session, True))
+            await writer.drain()
+        return arrived
 
     async def _await_payload(self, receive: asyncio.Future, reader, budget_s: float) -> bool:
         """Wait for the payload, the budget, or the sender hanging up, whichever comes first."""
@@ -588,6 +642,8 @@ class UcxTransport(KVTransport):
             async with link.lock:
                 if link.closed:  # a send before us dropped it: connect afresh
                     continue
+                if not await self._checked(link, deadline):  # dropped: connect afresh
+                    continue
                 try:
                     await link.exchange(message, deadline)
                     return
@@ -598,6 +654,21 @@ class UcxTransport(KVTransport):
                     if isinstance(exc, (OSError, asyncio.IncompleteReadError)):
                         raise TransferError(f"ucx peer {endpoint} went away: {exc!r}") from exc
                     raise
+
+    async def _checked(self, link: _Link, deadline: float) -> bool:
+        """Whether `link` may carry a request now: a link that may have died unseen answers a
+        probe first (within PROBE_TIMEOUT_S, and `deadline`); one that does not is dropped."""
+        try:
+            if link.needs_probe():
+                probe_by = _p2p.probe_deadline(deadline)
+                await asyncio.wait_for(link.probe(probe_by), probe_by - time.monotonic())
+            return True
+        except BaseException as exc:  # a probe cut short leaves the stream out of step: drop it
+            self._drop(link)
+            if not isinstance(exc, Exception):  # cancelled: the send's deadline
+                raise
+            log.info("ucx: the link to %s failed its check (%r); reconnecting", link.endpoint, exc)
+            return False
 
     async def _link(self, endpoint: str) -> _Link:
         if self._open_lock is None:
