@@ -103,18 +103,16 @@ def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int,
 
 def transfer_cost(decode: WorkerRecord, prefill_id: str, num_blocks: int, compute_s: float) -> float:
     """Seconds the KV of `num_blocks` from `prefill_id` adds past that worker's forward of
-    `compute_s`, by what the decode has received from it (`EngineCounters.received`): the
-    larger of its mean tail and the time the link needs for those bytes beyond the forward
+    `compute_s`, by what the decode has received from it lately (`EngineCounters.received`):
+    the larger of its recent tail and the time the link needs for those bytes beyond the forward
     (a stream sent while the forward runs hides at most the forward). 0 before any transfer
     from that worker: the link is unknown, and only a transfer measures it."""
     counters = decode.load.counters
     if counters is None:
         return 0.0
-    for peer in counters.received:
-        if peer.peer == prefill_id and peer.transfers and peer.blocks and peer.seconds > 0:
-            bytes_per_s = peer.bytes / peer.seconds
-            wire_s = num_blocks * (peer.bytes / peer.blocks) / bytes_per_s if bytes_per_s > 0 else 0.0
-            return max(peer.tail_seconds / peer.transfers, wire_s - compute_s)
+    for link in counters.received:
+        if link.peer == prefill_id and link.transfers and link.bytes_per_s > 0:
+            return max(link.tail_s, num_blocks * link.bytes_per_block / link.bytes_per_s - compute_s)
     return 0.0
 
 

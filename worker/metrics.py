@@ -8,6 +8,9 @@ from pdserve.proto.pdserve.v1 import common_pb2
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+RECENT_WEIGHT = 0.5  # a new transfer's weight in a link's recent averages
+
+
 class WorkerMetrics:
     def __init__(self, role: str) -> None:
         self.registry = CollectorRegistry()
@@ -41,8 +44,9 @@ class WorkerMetrics:
         self.role = role
         # backend -> [transfers, bytes, seconds, failures] since start, for load reports
         self.transfer_totals: dict[str, list[float]] = {}
-        # prefill worker id -> [transfers, blocks, bytes, seconds, tail seconds] received (decode)
-        self.received_totals: dict[str, list[float]] = {}
+        # prefill worker id -> [transfers, bytes per block, bytes/s, tail s] received (decode);
+        # the last three recent averages (RECENT_WEIGHT on each new transfer)
+        self.received: dict[str, list[float]] = {}
 
     def count_auth_refusal(self, reason: str) -> None:
         self.auth_refused.labels(reason=reason).inc()
@@ -77,14 +81,16 @@ class WorkerMetrics:
     def observe_received(self, verdict, tail_ms: float) -> None:
         """A transfer that landed here (decode side), from the prefill worker `verdict.peer`;
         `tail_ms`: the end of its forward there until the blocks were verified here."""
-        if not verdict.peer:
+        if not (verdict.peer and verdict.num_blocks and verdict.num_bytes and verdict.duration_s > 0):
             return
-        totals = self.received_totals.setdefault(verdict.peer, [0, 0, 0, 0.0, 0.0])
-        totals[0] += 1
-        totals[1] += verdict.num_blocks
-        totals[2] += verdict.num_bytes
-        totals[3] += verdict.duration_s
-        totals[4] += tail_ms / 1000
+        sample = (verdict.num_bytes / verdict.num_blocks, verdict.num_bytes / verdict.duration_s, tail_ms / 1000)
+        link = self.received.get(verdict.peer)
+        if link is None:
+            self.received[verdict.peer] = [1, *sample]
+            return
+        link[0] += 1
+        for i, value in enumerate(sample, start=1):
+            link[i] += RECENT_WEIGHT * (value - link[i])
 
     def _totals(self, backend: str) -> list[float]:
         return self.transfer_totals.setdefault(backend, [0, 0, 0.0, 0])
@@ -98,9 +104,9 @@ class WorkerMetrics:
             transfers=[common_pb2.TransferCounters(backend=b, transfers=int(t[0]), bytes=int(t[1]), seconds=t[2],
                                                    failures=int(t[3]))
                        for b, t in sorted(self.transfer_totals.items())],
-            received=[common_pb2.PeerTransferCounters(peer=p, transfers=int(t[0]), blocks=int(t[1]), bytes=int(t[2]),
-                                                      seconds=t[3], tail_seconds=t[4])
-                      for p, t in sorted(self.received_totals.items())])
+            received=[common_pb2.PeerTransferCounters(peer=p, transfers=int(t[0]), bytes_per_block=t[1],
+                                                      bytes_per_s=t[2], tail_s=t[3])
+                      for p, t in sorted(self.received.items())])
 
     def serve(self, host: str, port: int, token: str | None = None):
         """Serve /metrics on host:port (0: not at all); with `token`, only to its bearer."""

@@ -218,13 +218,13 @@ def test_planner_skips_excluded_and_suspect_workers(registry):
 
 def counters(transfers: int = 0, tail_s: float = 0.0, peer: str = "p", blocks: int = 50,
              block_bytes: int = 1000, seconds: float = 0.05):
-    """A decode's report of what it received from `peer`: `transfers` of `blocks` blocks each,
-    `seconds` and `tail_s` each."""
+    """A decode's report of the link from `peer`: `transfers` of `blocks` blocks, each taking
+    `seconds` and a tail of `tail_s`."""
     from pdserve.proto.pdserve.v1 import common_pb2
 
     return common_pb2.EngineCounters(received=[common_pb2.PeerTransferCounters(
-        peer=peer, transfers=transfers, blocks=transfers * blocks, bytes=transfers * blocks * block_bytes,
-        seconds=transfers * seconds, tail_seconds=transfers * tail_s)])
+        peer=peer, transfers=transfers, bytes_per_block=block_bytes, bytes_per_s=blocks * block_bytes / seconds,
+        tail_s=tail_s)])
 
 
 def test_planner_routes_by_predicted_time_to_first_token(registry):
@@ -339,23 +339,32 @@ def test_static_routing_asks_the_prefill_worker_between_the_thresholds(registry)
 
 
 def test_a_decode_reports_what_each_prefill_worker_delivered():
-    """The decode's load report carries, per prefill worker, the transfers that landed: their
-    blocks, bytes, the sender's seconds and the tail past the forward (what `transfer_cost`
-    prices); a verdict with no peer is not counted."""
+    """The decode's load report carries, per prefill worker, the link as recent transfers saw
+    it (what `transfer_cost` prices): bytes per block, bytes/s as the sender timed them, the
+    tail past the forward; each new transfer weighs half, so a link that slowed shows within
+    a few transfers. A verdict with no peer is not counted."""
     from pdserve.kvtransfer.verdict import Outcome, TransferVerdict
     from pdserve.worker.metrics import WorkerMetrics
 
     metrics = WorkerMetrics("decode")
-    for _ in range(2):
+
+    def landed(seconds: float, tail_ms: float, peer: str = "prefill-0") -> None:
         metrics.observe_received(TransferVerdict("t", Outcome.TRANSFERRED, "ucx", num_blocks=8, num_bytes=8000,
-                                                 duration_s=0.25, peer="prefill-0"), tail_ms=40.0)
-    metrics.observe_received(TransferVerdict("t", Outcome.TRANSFERRED, "ucx", num_blocks=1, num_bytes=1), 1.0)
+                                                 duration_s=seconds, peer=peer), tail_ms=tail_ms)
+
+    landed(0.25, 40.0)
+    landed(0.25, 40.0)
+    landed(1.0, 40.0, peer="")
 
     class Stats:
         num_prompt_tokens_computed = num_generation_tokens = num_prefix_queries = num_prefix_hits = 0
         num_preemptions = num_steps = 0
         step_seconds = 0.0
 
-    (peer,) = metrics.counters(Stats()).received
-    assert (peer.peer, peer.transfers, peer.blocks, peer.bytes) == ("prefill-0", 2, 16, 16000)
-    assert peer.seconds == pytest.approx(0.5) and peer.tail_seconds == pytest.approx(0.08)
+    (link,) = metrics.counters(Stats()).received
+    assert (link.peer, link.transfers, link.bytes_per_block) == ("prefill-0", 2, 1000)
+    assert link.bytes_per_s == pytest.approx(32000) and link.tail_s == pytest.approx(0.04)
+    for _ in range(3):  # the link slows down 8x
+        landed(2.0, 400.0)
+    (link,) = metrics.counters(Stats()).received
+    assert 4000 < link.bytes_per_s < 8000 and link.tail_s > 0.3

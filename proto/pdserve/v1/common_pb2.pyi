@@ -294,20 +294,18 @@ class EngineCounters(_message.Message):
     def __init__(self, prompt_tokens_computed: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., transfers: _Optional[_Iterable[_Union[TransferCounters, _Mapping]]] = ..., received: _Optional[_Iterable[_Union[PeerTransferCounters, _Mapping]]] = ...) -> None: ...
 
 class PeerTransferCounters(_message.Message):
-    __slots__ = ("peer", "transfers", "blocks", "bytes", "seconds", "tail_seconds")
+    __slots__ = ("peer", "transfers", "bytes_per_block", "bytes_per_s", "tail_s")
     PEER_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    BYTES_FIELD_NUMBER: _ClassVar[int]
-    SECONDS_FIELD_NUMBER: _ClassVar[int]
-    TAIL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TAIL_S_FIELD_NUMBER: _ClassVar[int]
     peer: str
     transfers: int
-    blocks: int
-    bytes: int
-    seconds: float
-    tail_seconds: float
-    def __init__(self, peer: _Optional[str] = ..., transfers: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., tail_seconds: _Optional[float] = ...) -> None: ...
+    bytes_per_block: float
+    bytes_per_s: float
+    tail_s: float
+    def __init__(self, peer: _Optional[str] = ..., transfers: _Optional[int] = ..., bytes_per_block: _Optional[float] = ..., bytes_per_s: _Optional[float] = ..., tail_s: _Optional[float] = ...) -> None: ...
 
 class TransferCounters(_message.Message):
     __slots__ = ("backend", "transfers", "bytes", "seconds", "failures")
