@@ -55,21 +55,27 @@ class Completion:
 
 class PrefillRate:
     """Prompt tokens computed per second of forward time, recently: an exponential average
-    over steps that computed prompt tokens (weighted by their tokens), 0 before the first.
-    What the router predicts a worker's time to first token from."""
+    over steps that computed prompt tokens (weighted by their tokens), 0 until `min_tokens`
+    have been computed (a few tokens time a step's fixed cost, not the rate). What the router
+    predicts a worker's time to first token from."""
 
-    __slots__ = ("tokens_per_s", "_half_life_tokens")
+    __slots__ = ("tokens_per_s", "_half_life_tokens", "_min_tokens", "_first")
 
-    def __init__(self, half_life_tokens: int = 2048) -> None:
+    def __init__(self, half_life_tokens: int = 2048, min_tokens: int = 64) -> None:
         self.tokens_per_s = 0.0
         self._half_life_tokens = half_life_tokens
+        self._min_tokens = min_tokens
+        self._first = [0, 0.0]  # tokens and seconds before the first rate
 
     def note(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
         rate = tokens / seconds
         if self.tokens_per_s == 0:
-            self.tokens_per_s = rate
+            self._first[0] += tokens
+            self._first[1] += seconds
+            if self._first[0] >= self._min_tokens:
+                self.tokens_per_s = self._first[0] / self._first[1]
             return
         keep = 0.5 ** (tokens / self._half_life_tokens)
         self.tokens_per_s = keep * self.tokens_per_s + (1 - keep) * rate

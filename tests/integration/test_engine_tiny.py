@@ -530,7 +530,8 @@ def test_int8_linears_stay_close_to_fp32_and_change_the_compatibility_hash(llama
 
 def test_stats_report_queued_prompt_tokens_and_the_prefill_rate(llama_dir):
     """What the router's TTFT prediction reads: prompt tokens not computed yet (waiting and
-    running, chunked prefills included) and a prefill rate once a prompt has run."""
+    running, chunked prefills included) and a prefill rate once enough prompt tokens have run
+    (a few time a step's fixed cost, not the rate)."""
     from pdserve.engine.outputs import PrefillRate
 
     llm = make_llm(llama_dir, max_num_tokens=16)
@@ -538,20 +539,22 @@ def test_stats_report_queued_prompt_tokens_and_the_prefill_rate(llama_dir):
     assert engine.stats().num_queued_prompt_tokens == 0 and engine.stats().prefill_tokens_per_s == 0
     params = SamplingParams(max_tokens=2, temperature=0.0)
     llm.add_request(list(range(3, 43)), params)  # 40 tokens: three chunks of 16
-    llm.add_request(list(range(50, 60)), params)
-    assert engine.stats().num_queued_prompt_tokens == 50
+    llm.add_request(list(range(50, 90)), params)
+    assert engine.stats().num_queued_prompt_tokens == 80
     engine.step()
-    assert engine.stats().num_queued_prompt_tokens == 34
-    assert engine.stats().prefill_tokens_per_s > 0
+    assert engine.stats().num_queued_prompt_tokens == 64
+    assert engine.stats().prefill_tokens_per_s == 0  # 16 tokens: not a rate yet
     while engine.has_unfinished():
         engine.step()
     assert engine.stats().num_queued_prompt_tokens == 0
+    assert engine.stats().prefill_tokens_per_s > 0  # 80 tokens
     engine.assert_no_leaks()
 
-    rate = PrefillRate(half_life_tokens=100)
+    rate = PrefillRate(half_life_tokens=100, min_tokens=64)
     rate.note(0, 1.0)
+    rate.note(4, 0.04)  # a warm-up prompt: mostly the step's fixed cost
     assert rate.tokens_per_s == 0
-    rate.note(100, 1.0)
+    rate.note(96, 0.96)
     assert rate.tokens_per_s == 100
     rate.note(100, 0.25)  # one half-life of tokens at 400/s: halfway there
     assert rate.tokens_per_s == pytest.approx(250)
