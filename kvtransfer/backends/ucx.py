@@ -46,9 +46,9 @@ import collections
 import concurrent.futures
 import contextlib
 import importlib.util
-import itertools
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
@@ -154,6 +154,9 @@ def _has_cuda() -> bool:
 
 
 # -- the process's UCX context and its loop ----------------------------------------------------
+MAX_CONN_IDS = 1 << 16  # connection ids remembered as taken (far more than live connections)
+
+
 class _Runtime:
     """The event loop thread and the ucxx context of this process, shared by its transports."""
 
@@ -163,7 +166,7 @@ class _Runtime:
     def __init__(self, settings: UcxSettings) -> None:
         self.settings = settings
         self.users = 0
-        self._conn_ids = itertools.count(1)
+        self._conn_ids: collections.OrderedDict[int, None] = collections.OrderedDict()  # handed out, newest last
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="pdkv-ucx-loop",
                                         daemon=True)
@@ -210,8 +213,17 @@ class _Runtime:
             raise TimeoutError(f"the ucx loop gave no answer within {timeout_s:.2f}s") from None
 
     def next_conn_id(self) -> int:
-        """A connection id unique in this process's UCX worker (tags are matched per worker)."""
-        return next(self._conn_ids) & 0xFFFFFFFF
+        """A random connection id, unlike the last MAX_CONN_IDS this process's UCX worker
+        handed out. Tags are matched per worker, across endpoints: an id no peer can guess
+        keeps a peer's payloads out of another connection's posted receives."""
+        while True:
+            conn_id = secrets.randbits(32)
+            if conn_id and conn_id not in self._conn_ids:
+                break
+        self._conn_ids[conn_id] = None
+        while len(self._conn_ids) > MAX_CONN_IDS:
+            self._conn_ids.popitem(last=False)
+        return conn_id
 
     async def _init(self) -> bytes:
         keep_libc_unpatched(self.settings.tls)
