@@ -388,11 +388,7 @@ class _Receiver:
             send_all(sock, _p2p.refusal(session, exc), deadline)
             return True
         landing = target.cuda() if self.backend == "nccl" and not target.is_cuda else target
-        send_all(sock, _p2p.reply(session, True), deadline)
-        try:
-            _settle(group.recv([landing], 0, seq), landing, deadline)
-        except RuntimeError as exc:  # a gloo timeout or error breaks the pair
-            log.warning("nccl receiver: payload did not arrive: %s", exc)
+        if not _accept_and_receive(sock, session, group, landing, seq, deadline, "payload"):
             return False
         try:
             session.check_payload(seq, body[:HEADER_SIZE], index, landing, payload_tag, on_device=landing.is_cuda)
@@ -414,14 +410,23 @@ class _Receiver:
         deadline = time.monotonic() + budget_s
         landing = torch.empty(_p2p.PROBE_BYTES, dtype=torch.uint8,
                               device="cuda" if self.backend == "nccl" else "cpu")
-        send_all(sock, _p2p.reply(session, True), deadline)
-        try:
-            _settle(group.recv([landing], 0, seq), landing, deadline)
-        except RuntimeError as exc:  # a gloo timeout or error breaks the pair
-            log.warning("nccl receiver: a probe's bytes did not arrive: %s", exc)
+        if not _accept_and_receive(sock, session, group, landing, seq, deadline, "a probe's bytes"):
             return False
         send_all(sock, _p2p.reply(session, True), deadline)
         return True
+
+
+def _accept_and_receive(sock: socket.socket, session: _p2p.Session, group, landing, seq: int,
+                        deadline: float, what: str) -> bool:
+    """Tell the sender to go, then take its bytes over the group into `landing`. False when
+    they did not arrive: a gloo timeout or error breaks the pair, which the caller drops."""
+    send_all(sock, _p2p.reply(session, True), deadline)
+    try:
+        _settle(group.recv([landing], 0, seq), landing, deadline)
+    except RuntimeError as exc:
+        log.warning("nccl receiver: %s did not arrive: %s", what, exc)
+        return False
+    return True
 
 
 # -- the transport -------------------------------------------------------------------------------
