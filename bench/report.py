@@ -60,6 +60,10 @@ class RequestResult:
     finish_reason: str
     target_input_tokens: int | None
     max_tokens: int
+    text_sha256: str = ""  # of the whole output text: greedy runs of two servers compare by it
+    # usage.completion_tokens_details: drafts the server's speculation kept and rejected
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -211,11 +215,40 @@ def load_summaries(path: Path, slo: Slo | None = None) -> list[RunSummary]:
 
 def request_from_json(doc: Mapping) -> RequestResult:
     try:
-        values = {f.name: doc[f.name] for f in dataclasses.fields(RequestResult)}
+        values = {f.name: doc[f.name] for f in dataclasses.fields(RequestResult)
+                  if f.name in doc or f.default is dataclasses.MISSING}
     except KeyError as e:
         raise ValueError(f"not a request record: missing {e}") from None
     values["itl_s"] = tuple(values["itl_s"])
     return RequestResult(**values)
+
+
+def format_speculation(label: str, runs: Sequence[BenchRun]) -> str | None:
+    """Per load: drafts kept of those checked (usage.completion_tokens_details) and output
+    tokens per stream chunk (a chunk is one engine step's delta); None when the server
+    reported no drafts."""
+    rows = []
+    for run in runs:
+        ok = [r for r in run.results if r.success]
+        kept = sum(r.accepted_prediction_tokens or 0 for r in ok)
+        checked = kept + sum(r.rejected_prediction_tokens or 0 for r in ok)
+        chunks = sum(r.num_chunks for r in ok)
+        if checked:
+            per_chunk = sum(r.output_tokens for r in ok) / chunks if chunks else 0.0
+            rows.append(f"{run.summary.label:>14} drafts kept {kept}/{checked} ({100 * kept / checked:.0f}%), "
+                        f"{per_chunk:.2f} output tokens per step")
+    return f"speculation at {label}\n" + "\n".join(rows) if rows else None
+
+
+def format_text_agreement(a: Sequence[BenchRun], b: Sequence[BenchRun]) -> str:
+    """Per load: how many requests both servers answered with the same text."""
+    rows = []
+    for ra, rb in zip(a, b):
+        texts = {r.index: r.text_sha256 for r in rb.results if r.success}
+        both = [r for r in ra.results if r.success and r.index in texts]
+        same = sum(1 for r in both if r.text_sha256 == texts[r.index])
+        rows.append(f"{ra.summary.label:>14} same text {same} of {len(both)} requests answered by both")
+    return "\n".join(rows)
 
 
 def rescore(summary: RunSummary, results: Sequence[RequestResult], slo: Slo) -> RunSummary:

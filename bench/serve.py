@@ -30,7 +30,9 @@ from pdserve.bench.report import (
     BenchRun,
     RequestResult,
     Slo,
+    format_speculation,
     format_table,
+    format_text_agreement,
     plot_against_load,
     plot_latency_cdfs,
     summarize,
@@ -40,6 +42,7 @@ from pdserve.bench.stream import ENDPOINTS, Endpoint, OpenAIStreamClient
 from pdserve.bench.workload import (
     BenchConfigError,
     BenchRequest,
+    CopyWorkload,
     RequestClass,
     SyntheticWorkload,
     Workload,
@@ -353,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--mix", action="append", metavar="NAME:WEIGHT:INPUT:OUTPUT",
                    help="a request class (repeat for a mix; replaces --input-len/--output-len)")
     w.add_argument("--dataset", help="JSONL of {'messages': [...], 'max_tokens': N} per line")
+    w.add_argument("--workload", choices=("random", "copy"), default="random",
+                   help="random words, or prompts whose answers quote them (repeat, extract, rename a "
+                        "variable: what speculative decoding is for); --input-len is the quoted text's words")
     o = p.add_argument_group("output")
     o.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     o.add_argument("--slo-tpot-ms", type=float, default=100.0)
@@ -387,6 +393,11 @@ def settings_from_args(args: argparse.Namespace) -> tuple[ServeSettings, Workloa
             raise BenchConfigError("give --dataset or --mix, not both")
         workload = load_dataset(args.dataset, parse_length(args.output_len).high)
         description = f"dataset {args.dataset}"
+    elif args.workload == "copy":
+        if args.mix:
+            raise BenchConfigError("give --workload copy or --mix, not both")
+        workload = CopyWorkload(parse_length(args.input_len), parse_length(args.output_len), args.seed)
+        description = f"copy: text of {args.input_len} words, output {args.output_len}"
     else:
         classes = (parse_mix(args.mix) if args.mix else
                    (RequestClass("default", 1.0, parse_length(args.input_len),
@@ -418,12 +429,16 @@ def main(argv: Sequence[str]) -> int:
         shown = dataclasses.replace(settings, endpoint=dataclasses.replace(endpoint, model=model))
         print(f"model {model} at {endpoint.base_url}; workload: {settings.workload}")
         print(format_table([r.summary for r in runs]))
+        speculation = format_speculation(endpoint.base_url, runs)
+        if speculation:
+            print(speculation)
         if args.out_dir:
             out_dir = Path(args.out_dir) / ("compare" if k else "")
             for path in write_outputs(out_dir, shown, runs, plots=not args.no_plots):
                 print(f"wrote {path}")
     if len(results) == 2:
         print(format_ratios(endpoints[0].base_url, results[0][1], endpoints[1].base_url, results[1][1]))
+        print(format_text_agreement(results[0][1], results[1][1]))
     return 0 if all(any(r.summary.num_succeeded for r in runs) for _, runs in results) else 1
 
 

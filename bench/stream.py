@@ -9,6 +9,7 @@ deadline) becomes a failed RequestResult; it never raises into the load generato
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -50,10 +51,14 @@ class Endpoint:
 class _Trace:
     """What the stream has shown so far; survives a deadline that cuts the stream."""
 
-    __slots__ = ("chunk_times", "prompt_tokens", "completion_tokens", "finish_reason", "done")
+    __slots__ = ("chunk_times", "prompt_tokens", "completion_tokens", "finish_reason", "done", "text",
+                 "accepted", "rejected")
 
     def __init__(self) -> None:
         self.chunk_times: list[float] = []
+        self.text = hashlib.sha256()
+        self.accepted: int | None = None
+        self.rejected: int | None = None
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.finish_reason = ""
@@ -161,6 +166,10 @@ class OpenAIStreamClient:
         if isinstance(usage, dict):
             trace.prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
             trace.completion_tokens = _int_or_none(usage.get("completion_tokens"))
+            details = usage.get("completion_tokens_details")
+            if isinstance(details, dict):
+                trace.accepted = _int_or_none(details.get("accepted_prediction_tokens"))
+                trace.rejected = _int_or_none(details.get("rejected_prediction_tokens"))
         for choice in chunk.get("choices") or ():
             if self.endpoint.kind == "chat":
                 text = (choice.get("delta") or {}).get("content")
@@ -168,6 +177,7 @@ class OpenAIStreamClient:
                 text = choice.get("text")
             if text:
                 trace.chunk_times.append(now)
+                trace.text.update(str(text).encode())
             if choice.get("finish_reason"):
                 trace.finish_reason = str(choice["finish_reason"])
 
@@ -183,7 +193,9 @@ def _result(req: BenchRequest, trace: _Trace, start_s: float, sent: float, ended
         itl_s=tuple(b - a for a, b in zip(times, times[1:])), output_tokens=output_tokens,
         prompt_tokens=trace.prompt_tokens, usage_reported=usage_reported,
         num_chunks=len(times), finish_reason=trace.finish_reason,
-        target_input_tokens=req.target_input_tokens, max_tokens=req.max_tokens)
+        target_input_tokens=req.target_input_tokens, max_tokens=req.max_tokens,
+        text_sha256=trace.text.hexdigest(), accepted_prediction_tokens=trace.accepted,
+        rejected_prediction_tokens=trace.rejected)
 
 
 def _int_or_none(v: object) -> int | None:

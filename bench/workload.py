@@ -221,6 +221,65 @@ class SyntheticWorkload(Workload):
         return BenchRequest(index, cls.name, (Message("user", text),), max_tokens, num_input)
 
 
+NAMES = ("Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Joana")
+PLACES = ("Lisbon", "Osaka", "Nairobi", "Lima", "Oslo", "Perth", "Quito", "Riga", "Tunis", "Hanoi")
+
+
+def _sentences(num_words: int, rng: random.Random) -> str:
+    """Plain sentences of about `num_words` words: who did what with which thing, where."""
+    out: list[str] = []
+    words = 0
+    while words < num_words:
+        thing = " ".join(rng.choices(WORDS, k=2))
+        sentence = f"{rng.choice(NAMES)} took the {thing} to {rng.choice(PLACES)} on day {rng.randint(1, 28)}."
+        out.append(sentence)
+        words += len(sentence.split())
+    return " ".join(out)
+
+
+def _code(num_words: int, rng: random.Random) -> tuple[str, str]:
+    """A Python function of about `num_words` words, and one of its variables."""
+    names = rng.sample(WORDS, 8)
+    variable = f"{names[0]}_{names[1]}"
+    lines = [f"def {names[2]}_{names[3]}(items, limit):", f"    {variable} = 0"]
+    while sum(len(line.split()) for line in lines) < num_words:
+        a, b = rng.sample(names[4:], 2)
+        lines += [f"    for {a} in items:", f"        if {a}.{b} > limit:", f"            {variable} += {a}.{b}",
+                  f"        {variable} = min({variable}, limit * {rng.randint(2, 9)})"]
+    lines.append(f"    return {variable}")
+    return "\n".join(lines) + "\n", variable
+
+
+@dataclass(frozen=True, slots=True)
+class CopyWorkload(Workload):
+    """Requests whose answers quote their prompts, the work prompt-lookup speculation is
+    for: repeat a text, list the sentences of a text that name someone, rename a variable in
+    a function. Request i depends only on (seed, i); the kinds take turns."""
+
+    input_len: LengthDist
+    output_len: LengthDist
+    seed: int = 0
+
+    def requests(self, first_index: int, count: int) -> list[BenchRequest]:
+        return [self._request(i) for i in range(first_index, first_index + max(0, count))]
+
+    def _request(self, index: int) -> BenchRequest:
+        rng = random.Random(f"pdserve-bench-copy:{self.seed}:{index}")
+        num_words = self.input_len.sample(rng)
+        max_tokens = self.output_len.sample(rng)
+        kind = ("repeat", "extract", "rename")[index % 3]
+        if kind == "rename":
+            code, variable = _code(num_words, rng)
+            text = (f"Rename the variable {variable} to total in this Python function. Answer with the "
+                    f"whole function only.\n\n```python\n{code}```")
+        elif kind == "extract":
+            text = (f"Copy every sentence of this text that names {rng.choice(NAMES)}, word for word, one per "
+                    f"line.\n\n{_sentences(num_words, rng)}")
+        else:
+            text = f"Repeat the following text exactly, word for word.\n\n{_sentences(num_words, rng)}"
+        return BenchRequest(index, kind, (Message("user", text),), max_tokens, None)
+
+
 @dataclass(frozen=True, slots=True)
 class DatasetWorkload(Workload):
     """Conversations from a user's file, cycled in file order."""

@@ -152,7 +152,10 @@ class DecodeSessions:
                           else num_cached_remote)
                 resp.usage.CopyFrom(common_pb2.Usage(
                     prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                    cached_prompt_tokens=min(cached, out.num_prompt_tokens)))
+                    cached_prompt_tokens=min(cached, out.num_prompt_tokens),
+                    accepted_draft_tokens=out.num_accepted_tokens,
+                    rejected_draft_tokens=out.num_draft_tokens - out.num_accepted_tokens,
+                    draft_steps=out.num_draft_steps))
                 yield out, resp
                 return
             yield out, resp

@@ -156,6 +156,63 @@ class SchedulerConfig:
             raise InvalidRequestError("max_model_len must be >= 2")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (`engine.speculation`), in vLLM's terms: up to
+    `num_speculative_tokens` drafts per step, copied from after the latest earlier occurrence
+    of the sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`.
+    No speculation while `disable_by_batch_size` or more sequences decode (0: no such limit)."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(f"speculative method {self.method!r} is not supported (ngram)")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidRequestError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64")
+        if self.disable_by_batch_size < 0:
+            raise InvalidRequestError("disable_by_batch_size must be >= 0")
+
+    @classmethod
+    def from_json(cls, text: str) -> "SpeculativeConfig | None":
+        """vLLM's `--speculative-config` JSON for the ngram method; "" is no speculation. A
+        missing `prompt_lookup_min` is 2 (at most `prompt_lookup_max`); unknown keys are refused."""
+        import json
+
+        if not text.strip():
+            return None
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise InvalidRequestError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise InvalidRequestError("--speculative-config must be a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InvalidRequestError(f"--speculative-config: unsupported keys {unknown} "
+                                      f"(pdserve takes {sorted(known)})")
+        if "num_speculative_tokens" not in values:
+            raise InvalidRequestError("--speculative-config needs num_speculative_tokens")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for k, v in values.items() if k != "method"):
+            raise InvalidRequestError("--speculative-config: every value but method is an integer")
+        high = values.get("prompt_lookup_max", 4)
+        values.setdefault("prompt_lookup_max", high)
+        values.setdefault("prompt_lookup_min", min(2, high))
+        return cls(**values)
+
+
 QUANTIZATIONS = ("", "int8", "gguf", "gguf-fast", "auto")
 
 
@@ -183,6 +240,7 @@ class EngineConfig:
     # the key of the prompt blocks' digests (common.block_hash.block_hash_key): secret-derived
     # in a deployment with a cluster secret; never shown in a repr
     block_hash_key: bytes = field(default=INSECURE_KEY, repr=False)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

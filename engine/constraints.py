@@ -68,6 +68,9 @@ class NoGrammar:
     def advance(self, token_id: int) -> None:
         pass
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        return len(token_ids)
+
 
 NO_GRAMMAR = NoGrammar()
 
@@ -89,6 +92,11 @@ class GrammarMatcher:
 
     def advance(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # a refused token (EOS past the end) is harmless
+
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, from the first, the grammar accepts next (state unchanged):
+        a speculative draft past them could never be kept."""
+        return self._matcher.validate_tokens(token_ids) if token_ids else 0
 
 
 class GrammarCompiler:

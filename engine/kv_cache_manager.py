@@ -160,6 +160,20 @@ class KVCacheManager:
                     blocks[i] = self.pool.blocks[NULL_BLOCK_ID]
                 self._num_dropped_blocks[request.request_id] = first_live
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the one `request`'s next token goes in (speculative
+        decoding allocated blocks for drafts that were not kept; output blocks are never
+        cached, so nothing else refers to them)."""
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = max(cdiv(request.num_computed_tokens + 1, self.block_size), self._num_cached_blocks.get(
+            request.request_id, 0))
+        if len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free([b for b in reversed(extra) if b.block_id != NULL_BLOCK_ID])
+
     def free_resources(self, request_id: str) -> None:
         """Return every block of `request_id` to the pool (tail first). Idempotent."""
         blocks = self._blocks.pop(request_id, None)

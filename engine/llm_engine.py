@@ -22,11 +22,13 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.kv_cache_manager import DTYPES, KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import CausalLM
-from pdserve.engine.outputs import PrefillRate, RequestOutput
-from pdserve.engine.request import Request, RequestStatus, TokenLogprob, check_prompt, check_resumed
+from pdserve.engine.outputs import PrefillRate, RequestOutput, merge_deltas
+from pdserve.engine.request import (Request, RequestStatus, TokenLogprob, check_prompt, check_resumed,
+                                    stop_status)
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import ScheduledChunk, Scheduler
+from pdserve.engine.speculation import NO_SPECULATION, Speculator, verify
 from pdserve.engine.step_threads import StepThreads, ThreadPolicy
 from pdserve.common.block_hash import PromptBlocks, check_cache_salt, prompt_blocks
 
@@ -50,6 +52,10 @@ class EngineStats:
     num_queued_prompt_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
     prefill_tokens_per_s: float = 0.0  # recent prompt tokens per second of forward time (0: none yet)
     num_decoding: int = 0  # running requests past their prompt
+    # speculative decoding: drafts checked, drafts kept, and sequence-steps that checked drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verified_sequences: int = 0
 
 
 class LLMEngine:
@@ -93,7 +99,10 @@ class LLMEngine:
             connector = Connector()
         self.connector = connector if isinstance(connector, Connector) else connector(self.layout)
         self.connector.worker.register_kv_caches(self.kv.kv_caches, self.layout)
-        self.scheduler = Scheduler(sched_cfg, self.kv, self.connector.scheduler, self.max_model_len)
+        spec = self.config.speculative
+        self.speculator = Speculator(spec) if spec is not None else NO_SPECULATION
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.connector.scheduler, self.max_model_len,
+                                   self.speculator)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         self.model_config.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv, self.connector.worker)
@@ -238,12 +247,12 @@ class LLMEngine:
                 known = chunk.request.prompt_logprobs  # a recomputed (preempted) prompt: kept
                 known += entries[len(known) - chunk.start:]
             if result.sampling_chunks:
-                reqs = [c.request for c in result.sampling_chunks]
-                tokens = sample(result.logits, reqs)
-                self._append_tokens([(r, t.token_id, t.logprob) for r, t in zip(reqs, tokens)])
+                self._sample(result.sampling_chunks, result.logits)
             self._num_steps += 1
             elapsed = time.perf_counter() - started
             self._step_seconds += elapsed
+            if self.speculator.enabled and all(c.num_new_tokens == 1 for c in plan.chunks):
+                self.speculator.cost.note(plan.num_tokens, elapsed)
             self._prefill_rate.note(self._num_prompt_computed - computed_before, elapsed)
         outputs += self._pending
         self._pending = []
@@ -253,6 +262,32 @@ class LLMEngine:
             self._sending.discard(request_id)
             self.kv.free_resources(request_id)
         return outputs, plan.remote_ready
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        """Sample each chunk's rows (`StepResult.logits`): one batch for the chunks without
+        drafts, then each chunk with drafts in order of its rows (`_verify`)."""
+        firsts = list(itertools.accumulate((1 + len(c.draft_token_ids) for c in chunks), initial=0))
+        plain = [i for i, c in enumerate(chunks) if not c.draft_token_ids]
+        if plain:
+            reqs = [chunks[i].request for i in plain]
+            tokens = sample(logits if len(plain) == len(chunks) else logits[[firsts[i] for i in plain]], reqs)
+            self._append_tokens([(r, t.token_id, t.logprob) for r, t in zip(reqs, tokens)])
+        for i, chunk in enumerate(chunks):
+            if chunk.draft_token_ids:
+                self._verify(chunk, logits[firsts[i]:firsts[i + 1]])
+
+    def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """A chunk with drafts (`speculation.verify`): the request keeps the KV of the kept
+        drafts and gives back the blocks past them; its tokens go out as one delta."""
+        request, first = chunk.request, len(self._pending)
+        num_kept, num_tested = verify(request, chunk.draft_token_ids, logits,
+                                      lambda token: self._append_tokens([(request, token.token_id, token.logprob)]))
+        request.num_computed_tokens += num_kept
+        self.speculator.observe(request, len(chunk.draft_token_ids), num_kept, num_tested)
+        if not request.is_finished:
+            self.kv.trim(request)
+        if len(self._pending) - first > 1:
+            self._pending[first:] = [merge_deltas(self._pending[first:])]
 
     def _append_tokens(self, items) -> None:
         """Record sampled tokens; their deltas go out with the next step's outputs."""
@@ -269,28 +304,12 @@ class LLMEngine:
             self._num_generated += 1
             detok = self._detok[request.request_id]
             text = detok.push(token)
-            status = self._check_stop(request, token, detok)
+            status = stop_status(request, token, detok.stopped_by, self.max_model_len)
             if status is not None:
                 text += detok.flush() if detok.stopped_by is None else ""
                 self._finish(request, status)
             self._pending.append(
                 self._output(request, (token,), text, (logprob,) if logprob else ()))
-
-    def _check_stop(self, request: Request, token: int, detok: Detokenizer) -> RequestStatus | None:
-        p = request.sampling_params
-        n = request.num_output_tokens
-        if n >= p.min_tokens:
-            if not p.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if detok.stopped_by is not None:
-                request.stop_reason = detok.stopped_by
-                return RequestStatus.FINISHED_STOPPED
-        if n >= p.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         freed = self.scheduler.finish(request, status)
@@ -310,7 +329,8 @@ class LLMEngine:
             request.num_output_tokens, max(0, request.num_cached_tokens),
             request.num_external_tokens, num_loaded_tokens=request.num_loaded_tokens,
             prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time)
+            first_token_time=request.first_token_time, num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens, num_draft_steps=request.num_draft_steps)
 
     # -- introspection ------------------------------------------------------------------
     def idle(self) -> None:
@@ -330,7 +350,9 @@ class LLMEngine:
                            self.kv.get_num_free_blocks(), self.kv.get_max_resource_count(),
                            s.num_preemptions, self._num_prompt_computed, self._num_generated,
                            s.num_prefix_queries, s.num_prefix_hits, self._num_steps, self._step_seconds,
-                           queued, self._prefill_rate.tokens_per_s, decoding)
+                           queued, self._prefill_rate.tokens_per_s, decoding,
+                           self.speculator.num_draft_tokens, self.speculator.num_accepted_tokens,
+                           self.speculator.num_verified_sequences)
 
     def assert_no_leaks(self) -> None:
         """Every KV block is back in the pool (call when nothing is in flight)."""

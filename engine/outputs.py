@@ -1,7 +1,8 @@
 """What the engine hands back: per-step deltas and, offline, whole completions."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from pdserve.engine.request import TokenLogprob
 
@@ -30,6 +31,21 @@ class RequestOutput:
     # was sampled here (None until then): the queue and prefill phases of a local prefill
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # speculative decoding so far: drafts checked for this request, and of those kept
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_steps: int = 0  # steps that checked drafts for it
+
+
+def merge_deltas(deltas: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one (a step that kept several tokens of it)."""
+    last = deltas[-1]
+    if len(deltas) == 1:
+        return last
+    return replace(last, new_token_ids=tuple(t for d in deltas for t in d.new_token_ids),
+                   new_text="".join(d.new_text for d in deltas),
+                   new_logprobs=tuple(lp for d in deltas for lp in d.new_logprobs),
+                   prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None))
 
 
 @dataclass(frozen=True, slots=True)

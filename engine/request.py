@@ -67,6 +67,20 @@ class Request:
     first_token_time: float | None = None
     generator: object | None = None  # torch.Generator when seeded
     grammar: object = NO_GRAMMAR  # constraints.GrammarMatcher when sampling_params.constraint
+    speculation: object | None = None  # speculation.SequenceDrafts once it was offered drafts
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts verified for this request (speculative decoding), and of those kept."""
+        return self.speculation.num_draft_tokens if self.speculation is not None else 0
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.speculation.num_accepted_tokens if self.speculation is not None else 0
+
+    @property
+    def num_draft_steps(self) -> int:
+        return self.speculation.num_draft_steps if self.speculation is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,6 +112,25 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
+
+
+def stop_status(request: Request, token: int, stopped_by: str | None, max_model_len: int) -> RequestStatus | None:
+    """How `request` ends now that `token` was appended (None: it goes on). `stopped_by`: the
+    stop string its detokenizer found, if any. Sets `stop_reason` when a stop ends it."""
+    p = request.sampling_params
+    n = request.num_output_tokens
+    if n >= p.min_tokens:
+        if not p.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if stopped_by is not None:
+            request.stop_reason = stopped_by
+            return RequestStatus.FINISHED_STOPPED
+    if n >= p.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> SamplingParams:

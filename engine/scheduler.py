@@ -23,15 +23,23 @@ from pdserve.engine.connector import ConnectorMetadata, ConnectorRequest, KVConn
 from pdserve.common.errors import CapacityError
 from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.speculation import NO_SPECULATION, Speculator, with_drafts
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """`request` computes tokens [start, start + num_new_tokens) this step."""
+    """`request` computes tokens [start, start + num_new_tokens) this step; a decoding one
+    may also check `draft_token_ids`, guesses of the tokens after it (engine.speculation)."""
 
     request: Request
     start: int
     num_new_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        """Positions the step computes for this chunk: its tokens and its drafts."""
+        return self.num_new_tokens + len(self.draft_token_ids)
 
     @property
     def samples_token(self) -> bool:
@@ -48,7 +56,8 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
+        """Positions the step computes, drafts included."""
+        return sum(c.num_rows for c in self.chunks)
 
 
 def connector_view(request: Request) -> ConnectorRequest:
@@ -63,8 +72,10 @@ SHORTEST_FIRST_STEP = 1.25
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 connector: KVConnectorScheduler, max_model_len: int) -> None:
+                 connector: KVConnectorScheduler, max_model_len: int,
+                 speculator: Speculator = NO_SPECULATION) -> None:
         self.config = config
+        self.speculator = speculator
         self.kv = kv
         self.connector = connector
         self.max_model_len = max_model_len
@@ -108,12 +119,27 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not (self.config.capacity_policy == CapacityPolicy.STATIC_BATCH and had_running):
             self._schedule_waiting(out, budget)
+        if self.speculator.enabled and out.chunks:
+            self._add_drafts(out)
         now = time.monotonic()
         for chunk in out.chunks:
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
         out.connector_meta = self.connector.build_connector_meta()
         return out
+
+    def _add_drafts(self, out: SchedulerOutput) -> None:
+        """Drafts for the decoding chunks the speculator picks, in blocks the pool has free
+        now (a draft never preempts; its blocks go back after verification, `trim`). A
+        draft's position stays below the request's final length, so its blocks are within
+        what admission reserved for it."""
+        num_rows = out.num_tokens
+        for index, drafts in self.speculator.plan(out.chunks, num_rows,
+                                                  max(num_rows, self.config.max_num_tokens)).items():
+            chunk = out.chunks[index]
+            drafts = drafts[:max(0, self.max_model_len - chunk.request.num_tokens - 1)]
+            if drafts and self.kv.prepare_resources(chunk.request, 1 + len(drafts)):
+                out.chunks[index] = with_drafts(chunk, drafts)
 
     def _shortest_first(self, budget: int) -> int:
         """SHORTEST_FIRST: a prompt goes ahead of those with at least twice its tokens left

@@ -38,6 +38,12 @@ class RouterMetrics:
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens_total",
                                      "Prompt tokens of finished requests, cached or computed", ("kind",), registry=r)
         self.completion_tokens = Counter("pdserve_router_completion_tokens_total", "Generated tokens", registry=r)
+        self.draft_tokens = Counter("pdserve_router_draft_tokens_total",
+                                    "Speculative drafts checked by decode, accepted or rejected (acceptance rate: "
+                                    "accepted / all)", ("outcome",), registry=r)
+        self.draft_steps = Counter("pdserve_router_draft_steps_total",
+                                   "Decode steps that checked drafts; tokens per such step: (accepted drafts + "
+                                   "steps) / steps", registry=r)
         self.migrations = Counter("pdserve_router_migrations_total",
                                   "Requests whose decode worker was lost mid-stream, by what followed "
                                   "(migrated to another decode, or ended: limit reached)", ("outcome",), registry=r)
@@ -60,6 +66,10 @@ class RouterMetrics:
             self.prompt_tokens.labels("cached").inc(usage.cached_prompt_tokens)
             self.prompt_tokens.labels("computed").inc(max(0, usage.prompt_tokens - usage.cached_prompt_tokens))
             self.completion_tokens.inc(usage.completion_tokens)
+            if usage.draft_steps:
+                self.draft_tokens.labels("accepted").inc(usage.accepted_draft_tokens)
+                self.draft_tokens.labels("rejected").inc(usage.rejected_draft_tokens)
+                self.draft_steps.inc(usage.draft_steps)
         if last.HasField("timings"):
             timings = last.timings
             for phase, ms in (("queue", timings.queue_ms), ("prefill", timings.prefill_ms),

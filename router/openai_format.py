@@ -26,9 +26,13 @@ def finish_reason(response: generation_pb2.GenerateResponse) -> str | None:
 
 
 def usage_json(usage: common_pb2.Usage) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+    out = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+           "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+    if usage.draft_steps:  # speculative decoding checked drafts: OpenAI's predicted-output counts
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": usage.accepted_draft_tokens,
+                                            "rejected_prediction_tokens": usage.rejected_draft_tokens}
+    return out
 
 
 def verdict_json(verdict: common_pb2.TransferVerdict) -> dict[str, Any]:
@@ -285,6 +289,9 @@ def sum_usage(lasts: list[generation_pb2.GenerateResponse], num_prompt_copies: i
     total = common_pb2.Usage()
     for i, last in enumerate(lasts):
         total.completion_tokens += last.usage.completion_tokens
+        total.accepted_draft_tokens += last.usage.accepted_draft_tokens
+        total.rejected_draft_tokens += last.usage.rejected_draft_tokens
+        total.draft_steps += last.usage.draft_steps
         if i % num_prompt_copies == 0:
             total.prompt_tokens += last.usage.prompt_tokens
             total.cached_prompt_tokens += last.usage.cached_prompt_tokens

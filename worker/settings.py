@@ -74,6 +74,10 @@ class WorkerSettings:
     attention_window: int = setting(0, "keep only the last N tokens' KV blocks: attention sees that window (0: none "
                                     "beyond the model's own sliding window; prefill and decode must agree)", "engine")
     seed: int = setting(0, "the engine's random seed: requests without their own seed draw from it", "engine")
+    speculative_config: str = setting(
+        "", "speculative decoding, vLLM's JSON for the ngram method, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}': decode checks up to that many tokens "
+        "copied from the prompt or output per step, when it pays (none: off)", "engine")
     # -- kv transfer: `up` passes these too
     heartbeat_s: float = setting(2.0, "heartbeat interval to the router; the router's ask caps it", "kv transfer")
     kv_backends: str = setting(",".join(b for b in DEFAULT_CHAIN if b != RECOMPUTE),
@@ -157,6 +161,7 @@ class WorkerSettings:
             raise SettingsError("--attention-window must be >= 0 (0: none)")
         if out.prefix_store not in ("none", *STORES):
             raise SettingsError(f"--prefix-store must be {', '.join(sorted(STORES))} or none")
+        out.speculative()  # a malformed --speculative-config is refused here, at start
         spec = STORE_SPECS.get(out.prefix_store)
         if spec is not None and not getattr(out, spec.location):
             raise SettingsError(f"--prefix-store {out.prefix_store} needs {spec.flag}")
@@ -202,6 +207,15 @@ class WorkerSettings:
         base = self.num_threads or torch.get_num_threads()
         return CoreShare(self.core_share, base, max(base, self.burst_threads or base))
 
+    def speculative(self):
+        """The engine's `SpeculativeConfig`, or None (off)."""
+        from pdserve.engine.config import SpeculativeConfig
+
+        try:
+            return SpeculativeConfig.from_json(self.speculative_config)
+        except InvalidRequestError as exc:
+            raise SettingsError(str(exc)) from None
+
     def engine_config(self, secret=None):
         """The engine's config; its block-hash key derives from the cluster `secret` when
         there is one (else the public fixed key: `common.block_hash.INSECURE_KEY`)."""
@@ -212,7 +226,7 @@ class WorkerSettings:
             model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
             block_hash_key=block_hash_key(secret),
             quantization=self.engine_quantization(),
-            num_threads=self.num_threads or None,
+            num_threads=self.num_threads or None, speculative=self.speculative(),
             cache=CacheConfig(block_size=self.block_size, max_tokens=self.max_kv_tokens or None,
                               free_memory_fraction=self.free_memory_fraction, dtype=self.dtype,
                               attention_window=self.attention_window or None),

@@ -281,9 +281,13 @@ def test_compare_url_sends_the_same_requests_to_both_servers_and_prints_ratios(f
     assert sent == other_sent and len(sent) == 12  # the same 12 prompts, each answered alike
     text = capsys.readouterr().out
     assert f"at http://127.0.0.1:{port}/v1" in text and f"ratios, {base_url} vs http://127.0.0.1:{port}/v1" in text
-    ratio_rows = text.split("ratios,")[1].strip().splitlines()[2:]
+    ratio_rows = text.split("ratios,")[1].strip().splitlines()[2:4]
     assert [row.split()[0] for row in ratio_rows] == ["concurrency=2", "concurrency=4"]
     assert all(row.split()[1].endswith("x") for row in ratio_rows)
+    # both servers answer a prompt alike: every text the same
+    agreement = text.split("ratios,")[1].strip().splitlines()[4:]
+    assert [row.split() for row in agreement] == [[f"concurrency={c}", "same", "text", "6", "of", "6", "requests",
+                                                   "answered", "by", "both"] for c in (2, 4)]
     for doc in (json.loads((out / "serve_results.json").read_text()),
                 json.loads((out / "compare" / "serve_results.json").read_text())):
         assert [r["summary"]["num_succeeded"] for r in doc["runs"]] == [6, 6]

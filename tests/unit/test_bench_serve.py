@@ -432,3 +432,35 @@ def test_service_group_reports_an_early_exit_with_its_log(tmp_path):
             group.check_alive()
         assert "invalid choice" in str(e.value)
     assert group._procs == []
+
+
+def test_copy_workload_quotes_its_text_and_is_reproducible():
+    from pdserve.bench.workload import CopyWorkload
+
+    workload = CopyWorkload(parse_length("120"), parse_length("64"), seed=3)
+    first = workload.requests(0, 6)
+    assert first == workload.requests(0, 6) and first[3:] == workload.requests(3, 3)
+    assert [r.class_name for r in first] == ["repeat", "extract", "rename"] * 2
+    for r in first:
+        text = r.messages[0].content
+        assert r.max_tokens == 64 and len(text.split()) >= 120
+    assert "def " in first[2].messages[0].content and "Rename the variable" in first[2].messages[0].content
+    assert first != CopyWorkload(parse_length("120"), parse_length("64"), seed=4).requests(0, 6)
+
+
+def test_speculation_and_text_agreement_are_reported_per_load():
+    from pdserve.bench.report import BenchRun, RequestResult, Slo, format_speculation, format_text_agreement, summarize
+
+    def result(i: int, text: str, kept: int | None, rejected: int | None) -> RequestResult:
+        return RequestResult(i, "c", True, "", 0.0, 0.1, 1.0, (0.01,) * 9, 20, 10, True, 10, "length", None, 20,
+                             text_sha256=text, accepted_prediction_tokens=kept, rejected_prediction_tokens=rejected)
+
+    slo = Slo(1000.0, 100.0)
+    a = [result(0, "x", 8, 2), result(1, "y", 6, 4)]
+    b = [result(0, "x", None, None), result(1, "z", None, None)]
+    run_a = BenchRun(summarize("concurrency=1", "closed", 1, a, 2.0, slo), tuple(a))
+    run_b = BenchRun(summarize("concurrency=1", "closed", 1, b, 2.0, slo), tuple(b))
+    assert format_speculation("A", [run_a]).splitlines()[1].split()[1:] == [
+        "drafts", "kept", "14/20", "(70%),", "2.00", "output", "tokens", "per", "step"]
+    assert format_speculation("B", [run_b]) is None
+    assert format_text_agreement([run_a], [run_b]).split()[1:5] == ["same", "text", "1", "of"]

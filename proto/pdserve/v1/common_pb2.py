@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xec\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12*\n\nconstraint\x18\x10 \x01(\x0b\x32\x16.pdserve.v1.Constraint\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\xc2\x01\n\nConstraint\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x14\n\nllguidance\x18\x06 \x01(\tH\x00\x12\x1a\n\x12whitespace_pattern\x18\x07 \x01(\tB\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"n\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"D\n\x0c\x46\x61llbackStep\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x64uration_ms\x18\x03 \x01(\x01\"\xd7\x02\n\x0fTransferVerdict\x12,\n\x07outcome\x18\x01 \x01(\x0e\x32\x1b.pdserve.v1.TransferOutcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x64uration_ms\x18\x06 \x01(\x01\x12+\n\tfallbacks\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.FallbackStep\x12\x19\n\x11prefill_worker_id\x18\x08 \x01(\t\x12\x1b\n\x13prefill_status_code\x18\t \x01(\t\x12\x13\n\x0btransfer_id\x18\n \x01(\t\x12\x12\n\nfetch_keys\x18\x0b \x03(\x03\x12\x14\n\x0cnum_messages\x18\x0c \x01(\r\x12\x15\n\rlayer_send_ms\x18\r \x01(\x01\"d\n\x0eRequestTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x17\n\x0f\x66irst_decode_ms\x18\x04 \x01(\x01\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"<\n\x10ModelInfoRequest\x12\x19\n\x11include_tokenizer\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\"\x8e\x03\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0f\x62lock_hash_salt\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x07 \x01(\x0c\x12\x15\n\rchat_template\x18\x08 \x01(\t\x12\x11\n\tbos_token\x18\t \x01(\t\x12\x11\n\teos_token\x18\n \x01(\t\x12H\n\x0especial_tokens\x18\x0b \x03(\x0b\x32\x30.pdserve.v1.ModelInfoResponse.SpecialTokensEntry\x12!\n\x19\x61\x64\x64itional_special_tokens\x18\x0c \x03(\t\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\r\n\x0bLoadRequest\"\xb6\x02\n\nWorkerLoad\x12\x12\n\nnum_queued\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x05 \x03(\x03\x12/\n\x0bkv_backends\x18\x06 \x03(\x0b\x32\x1a.pdserve.v1.KVBackendState\x12,\n\x08\x63ounters\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.EngineCounters\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\t \x01(\x01\x12\x14\n\x0cnum_decoding\x18\n \x01(\r\"\xa3\x02\n\x0e\x45ngineCounters\x12\x1e\n\x16prompt_tokens_computed\x18\x01 \x01(\x04\x12\x19\n\x11generation_tokens\x18\x02 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x03 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x04 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x05 \x01(\x04\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x07 \x01(\x01\x12/\n\ttransfers\x18\x08 \x03(\x0b\x32\x1c.pdserve.v1.TransferCounters\x12\x32\n\x08received\x18\t \x03(\x0b\x32 .pdserve.v1.PeerTransferCounters\"u\n\x14PeerTransferCounters\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x11\n\ttransfers\x18\x02 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x01\x12\x13\n\x0b\x62ytes_per_s\x18\x04 \x01(\x01\x12\x0e\n\x06tail_s\x18\x05 \x01(\x01\"h\n\x10TransferCounters\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x11\n\ttransfers\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x10\n\x08\x66\x61ilures\x18\x05 \x01(\x04\">\n\x0eKVBackendState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06usable\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xcd\x01\n\x0fTransferOutcome\x12 \n\x1cTRANSFER_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_OUTCOME_LOCAL\x10\x01\x12 \n\x1cTRANSFER_OUTCOME_TRANSFERRED\x10\x02\x12\x1f\n\x1bTRANSFER_OUTCOME_RECOMPUTED\x10\x03\x12\x1b\n\x17TRANSFER_OUTCOME_FAILED\x10\x04\x12\x1c\n\x18TRANSFER_OUTCOME_ABORTED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xec\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12*\n\nconstraint\x18\x10 \x01(\x0b\x32\x16.pdserve.v1.Constraint\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\xc2\x01\n\nConstraint\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x14\n\nllguidance\x18\x06 \x01(\tH\x00\x12\x1a\n\x12whitespace_pattern\x18\x07 \x01(\tB\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"n\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xaa\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15rejected_draft_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x06 \x01(\r\"D\n\x0c\x46\x61llbackStep\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x64uration_ms\x18\x03 \x01(\x01\"\xd7\x02\n\x0fTransferVerdict\x12,\n\x07outcome\x18\x01 \x01(\x0e\x32\x1b.pdserve.v1.TransferOutcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x64uration_ms\x18\x06 \x01(\x01\x12+\n\tfallbacks\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.FallbackStep\x12\x19\n\x11prefill_worker_id\x18\x08 \x01(\t\x12\x1b\n\x13prefill_status_code\x18\t \x01(\t\x12\x13\n\x0btransfer_id\x18\n \x01(\t\x12\x12\n\nfetch_keys\x18\x0b \x03(\x03\x12\x14\n\x0cnum_messages\x18\x0c \x01(\r\x12\x15\n\rlayer_send_ms\x18\r \x01(\x01\"d\n\x0eRequestTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x17\n\x0f\x66irst_decode_ms\x18\x04 \x01(\x01\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"<\n\x10ModelInfoRequest\x12\x19\n\x11include_tokenizer\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\"\x8e\x03\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0f\x62lock_hash_salt\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x07 \x01(\x0c\x12\x15\n\rchat_template\x18\x08 \x01(\t\x12\x11\n\tbos_token\x18\t \x01(\t\x12\x11\n\teos_token\x18\n \x01(\t\x12H\n\x0especial_tokens\x18\x0b \x03(\x0b\x32\x30.pdserve.v1.ModelInfoResponse.SpecialTokensEntry\x12!\n\x19\x61\x64\x64itional_special_tokens\x18\x0c \x03(\t\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\r\n\x0bLoadRequest\"\xb6\x02\n\nWorkerLoad\x12\x12\n\nnum_queued\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x05 \x03(\x03\x12/\n\x0bkv_backends\x18\x06 \x03(\x0b\x32\x1a.pdserve.v1.KVBackendState\x12,\n\x08\x63ounters\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.EngineCounters\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\t \x01(\x01\x12\x14\n\x0cnum_decoding\x18\n \x01(\r\"\xa3\x02\n\x0e\x45ngineCounters\x12\x1e\n\x16prompt_tokens_computed\x18\x01 \x01(\x04\x12\x19\n\x11generation_tokens\x18\x02 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x03 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x04 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x05 \x01(\x04\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x07 \x01(\x01\x12/\n\ttransfers\x18\x08 \x03(\x0b\x32\x1c.pdserve.v1.TransferCounters\x12\x32\n\x08received\x18\t \x03(\x0b\x32 .pdserve.v1.PeerTransferCounters\"u\n\x14PeerTransferCounters\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x11\n\ttransfers\x18\x02 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x01\x12\x13\n\x0b\x62ytes_per_s\x18\x04 \x01(\x01\x12\x0e\n\x06tail_s\x18\x05 \x01(\x01\"h\n\x10TransferCounters\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x11\n\ttransfers\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x10\n\x08\x66\x61ilures\x18\x05 \x01(\x04\">\n\x0eKVBackendState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06usable\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xcd\x01\n\x0fTransferOutcome\x12 \n\x1cTRANSFER_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_OUTCOME_LOCAL\x10\x01\x12 \n\x1cTRANSFER_OUTCOME_TRANSFERRED\x10\x02\x12\x1f\n\x1bTRANSFER_OUTCOME_RECOMPUTED\x10\x03\x12\x1b\n\x17TRANSFER_OUTCOME_FAILED\x10\x04\x12\x1c\n\x18TRANSFER_OUTCOME_ABORTED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFORESPONSE_SPECIALTOKENSENTRY']._loaded_options = None
   _globals['_MODELINFORESPONSE_SPECIALTOKENSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3131
-  _globals['_FINISHREASON']._serialized_end=3251
-  _globals['_TRANSFEROUTCOME']._serialized_start=3254
-  _globals['_TRANSFEROUTCOME']._serialized_end=3459
+  _globals['_FINISHREASON']._serialized_start=3215
+  _globals['_FINISHREASON']._serialized_end=3335
+  _globals['_TRANSFEROUTCOME']._serialized_start=3338
+  _globals['_TRANSFEROUTCOME']._serialized_end=3543
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=660
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=509
@@ -51,34 +51,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROB']._serialized_end=952
   _globals['_TOKENLOGPROB']._serialized_start=954
   _globals['_TOKENLOGPROB']._serialized_end=1064
-  _globals['_USAGE']._serialized_start=1066
-  _globals['_USAGE']._serialized_end=1153
-  _globals['_FALLBACKSTEP']._serialized_start=1155
-  _globals['_FALLBACKSTEP']._serialized_end=1223
-  _globals['_TRANSFERVERDICT']._serialized_start=1226
-  _globals['_TRANSFERVERDICT']._serialized_end=1569
-  _globals['_REQUESTTIMINGS']._serialized_start=1571
-  _globals['_REQUESTTIMINGS']._serialized_end=1671
-  _globals['_ABORTREQUEST']._serialized_start=1673
-  _globals['_ABORTREQUEST']._serialized_end=1723
-  _globals['_ABORTRESPONSE']._serialized_start=1725
-  _globals['_ABORTRESPONSE']._serialized_end=1755
-  _globals['_MODELINFOREQUEST']._serialized_start=1757
-  _globals['_MODELINFOREQUEST']._serialized_end=1817
-  _globals['_MODELINFORESPONSE']._serialized_start=1820
-  _globals['_MODELINFORESPONSE']._serialized_end=2218
-  _globals['_MODELINFORESPONSE_SPECIALTOKENSENTRY']._serialized_start=2166
-  _globals['_MODELINFORESPONSE_SPECIALTOKENSENTRY']._serialized_end=2218
-  _globals['_LOADREQUEST']._serialized_start=2220
-  _globals['_LOADREQUEST']._serialized_end=2233
-  _globals['_WORKERLOAD']._serialized_start=2236
-  _globals['_WORKERLOAD']._serialized_end=2546
-  _globals['_ENGINECOUNTERS']._serialized_start=2549
-  _globals['_ENGINECOUNTERS']._serialized_end=2840
-  _globals['_PEERTRANSFERCOUNTERS']._serialized_start=2842
-  _globals['_PEERTRANSFERCOUNTERS']._serialized_end=2959
-  _globals['_TRANSFERCOUNTERS']._serialized_start=2961
-  _globals['_TRANSFERCOUNTERS']._serialized_end=3065
-  _globals['_KVBACKENDSTATE']._serialized_start=3067
-  _globals['_KVBACKENDSTATE']._serialized_end=3129
+  _globals['_USAGE']._serialized_start=1067
+  _globals['_USAGE']._serialized_end=1237
+  _globals['_FALLBACKSTEP']._serialized_start=1239
+  _globals['_FALLBACKSTEP']._serialized_end=1307
+  _globals['_TRANSFERVERDICT']._serialized_start=1310
+  _globals['_TRANSFERVERDICT']._serialized_end=1653
+  _globals['_REQUESTTIMINGS']._serialized_start=1655
+  _globals['_REQUESTTIMINGS']._serialized_end=1755
+  _globals['_ABORTREQUEST']._serialized_start=1757
+  _globals['_ABORTREQUEST']._serialized_end=1807
+  _globals['_ABORTRESPONSE']._serialized_start=1809
+  _globals['_ABORTRESPONSE']._serialized_end=1839
+  _globals['_MODELINFOREQUEST']._serialized_start=1841
+  _globals['_MODELINFOREQUEST']._serialized_end=1901
+  _globals['_MODELINFORESPONSE']._serialized_start=1904
+  _globals['_MODELINFORESPONSE']._serialized_end=2302
+  _globals['_MODELINFORESPONSE_SPECIALTOKENSENTRY']._serialized_start=2250
+  _globals['_MODELINFORESPONSE_SPECIALTOKENSENTRY']._serialized_end=2302
+  _globals['_LOADREQUEST']._serialized_start=2304
+  _globals['_LOADREQUEST']._serialized_end=2317
+  _globals['_WORKERLOAD']._serialized_start=2320
+  _globals['_WORKERLOAD']._serialized_end=2630
+  _globals['_ENGINECOUNTERS']._serialized_start=2633
+  _globals['_ENGINECOUNTERS']._serialized_end=2924
+  _globals['_PEERTRANSFERCOUNTERS']._serialized_start=2926
+  _globals['_PEERTRANSFERCOUNTERS']._serialized_end=3043
+  _globals['_TRANSFERCOUNTERS']._serialized_start=3045
+  _globals['_TRANSFERCOUNTERS']._serialized_end=3149
+  _globals['_KVBACKENDSTATE']._serialized_start=3151
+  _globals['_KVBACKENDSTATE']._serialized_end=3213
 # @@protoc_insertion_point(module_scope)

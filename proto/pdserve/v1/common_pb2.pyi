@@ -125,14 +125,20 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "accepted_draft_tokens", "rejected_draft_tokens", "draft_steps")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    accepted_draft_tokens: int
+    rejected_draft_tokens: int
+    draft_steps: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., rejected_draft_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ...) -> None: ...
 
 class FallbackStep(_message.Message):
     __slots__ = ("backend", "reason", "duration_ms")

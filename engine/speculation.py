@@ -1,0 +1,277 @@
+"""Speculative decoding by prompt lookup: drafts copied from the sequence itself, checked in
+the step that would have computed one token.
+
+Proposal: a decoding sequence whose last n tokens (n from `prompt_lookup_max` down to
+`prompt_lookup_min`) occurred earlier in its prompt or output gets, as drafts, the tokens
+that followed the latest such occurrence (`propose`).
+
+Verification: the step computes the sequence's last token and its drafts as consecutive
+decode rows; row i is position `start + i` and attends to positions <= `start + i`, so its
+logits are those a plain step at that position computes. The engine samples the rows in
+order, each exactly as a plain step samples it (penalties, seed index, grammar and stop state
+after the tokens before it), and goes on while the sampled token equals the draft. The output
+is therefore the output without speculation, token for token, greedy or seeded; unseeded
+sampling keeps the model's distribution (a draft is kept with the probability the model gives
+it, the same acceptance as rejection sampling against a one-token proposal). A rejected
+draft's KV slot is rewritten by a later step; blocks past the kept tokens go back at once.
+
+Whether it pays is decided per step, for the whole batch (`Speculator.plan`): a step costs
+about `a + b * rows`, so a draft is worth its row when the chance it is kept exceeds the
+share of a token one row costs at the step's present rate (`StepCost`, fitted online from
+the engine's own decode steps). Each sequence's chance is its recent keep rate; a sequence
+whose drafts keep failing stops speculating and is probed again as its evidence ages.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import numpy as np
+
+from pdserve.engine.config import SpeculativeConfig
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import SampledToken, sample
+
+PRIOR_KEPT, PRIOR_TESTED = 1.0, 2.0  # a sequence's keep rate starts at 1/2
+EVIDENCE_DECAY = 0.9  # per verification: about the last 10 drafts tested count
+SKIPPED_DECAY = 0.99  # per step a proposal was not run: a failing sequence is probed again
+
+
+def propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
+    `tokens`, for the largest n in [min_n, max_n] that occurs; empty when none does."""
+    length = tokens.shape[0]
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        # an occurrence starts at p <= length - n - 1: at least one token follows it
+        starts = np.flatnonzero(tokens[:length - n] == suffix[0])
+        for j in range(1, n):
+            if starts.size == 0:
+                break
+            starts = starts[tokens[starts + j] == suffix[j]]
+        if starts.size:
+            p = int(starts[-1]) + n
+            return tokens[p:p + k]
+    return tokens[:0]
+
+
+class TokenHistory:
+    """A sequence's prompt and output tokens as one growing int32 array."""
+
+    __slots__ = ("_buffer", "num_tokens")
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.int32)
+        self.num_tokens = 0
+
+    def sync(self, request: Request) -> np.ndarray:
+        """The request's tokens (its prompt, then its output), appending what is new."""
+        total = request.num_tokens
+        if total > self._buffer.shape[0]:
+            grown = np.empty(max(256, 2 * total), dtype=np.int32)
+            grown[:self.num_tokens] = self._buffer[:self.num_tokens]
+            self._buffer = grown
+        if self.num_tokens == 0:
+            self._buffer[:total] = request.prompt_token_ids + request.output_token_ids
+        else:
+            for position in range(self.num_tokens, total):
+                self._buffer[position] = request.token_id_at(position)
+        self.num_tokens = total
+        return self._buffer[:total]
+
+
+@dataclass(slots=True)
+class SequenceDrafts:
+    """One sequence's speculation: its token history, its keep-rate evidence (decayed) and
+    its totals (reported with its usage)."""
+
+    history: TokenHistory
+    kept: float = 0.0
+    tested: float = 0.0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_steps: int = 0
+
+    @property
+    def keep_rate(self) -> float:
+        """The chance a draft is kept, given the drafts before it were."""
+        return (self.kept + PRIOR_KEPT) / (self.tested + PRIOR_TESTED)
+
+    def observe(self, num_drafts: int, num_kept: int, num_tested: int) -> None:
+        self.kept = self.kept * EVIDENCE_DECAY + num_kept
+        self.tested = self.tested * EVIDENCE_DECAY + num_tested
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_kept
+        self.num_draft_steps += 1
+
+    def skipped(self) -> None:
+        self.kept *= SKIPPED_DECAY
+        self.tested *= SKIPPED_DECAY
+
+
+class StepCost:
+    """A decode step's time as `a + b * rows`, fitted by least squares over the engine's
+    recent decode-only steps (exponential forgetting). `ratio` is b / a: one more row's cost
+    in units of a one-row step's fixed part."""
+
+    FORGET = 0.99
+    PRIOR_RATIO = 0.2  # until the steps seen differ in rows (CPU here: 0.15-0.25)
+    MIN_SPREAD = 0.25  # variance of the rows seen below which the fit is not trusted
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def note(self, rows: int, seconds: float) -> None:
+        f = self.FORGET
+        self._w = self._w * f + 1.0
+        self._x = self._x * f + rows
+        self._y = self._y * f + seconds
+        self._xx = self._xx * f + rows * rows
+        self._xy = self._xy * f + rows * seconds
+
+    @property
+    def ratio(self) -> float:
+        if self._w == 0.0:
+            return self.PRIOR_RATIO
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        if var < self.MIN_SPREAD:
+            return self.PRIOR_RATIO
+        b = (self._xy / self._w - mean_x * mean_y) / var
+        a = mean_y - b * mean_x
+        if a <= 0.0:
+            return 2.0  # rows dominate: a draft must be nearly sure
+        return min(2.0, max(0.001, b / a))
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A decoding sequence that could carry `drafts` this step, kept each with `keep_rate`
+    given the ones before."""
+
+    index: int  # its chunk's place in the step
+    drafts: tuple[int, ...]
+    keep_rate: float
+
+
+def choose_drafts(candidates: Sequence[Candidate], ratio: float, num_rows: int, num_samples: int,
+                  max_rows: int) -> dict[int, int]:
+    """How many of its drafts each candidate runs (by chunk index; absent: none), maximising
+    the step's expected tokens per unit of time. Draft j of a candidate is kept with chance
+    keep_rate**j; a step of R rows takes `1 + ratio * R` units and yields `num_samples`
+    tokens plus the kept drafts. Drafts go in by falling chance while each adds more tokens
+    than the step's rate per unit times its cost (the greedy order is optimal: each chance is
+    below the one before it in its sequence)."""
+    heap = [(-c.keep_rate, i, 1) for i, c in enumerate(candidates) if c.drafts]
+    heapq.heapify(heap)
+    tokens, rows = float(num_samples), float(num_rows)
+    taken: dict[int, int] = {}
+    while heap and rows < max_rows:
+        neg_chance, i, j = heapq.heappop(heap)
+        chance = -neg_chance
+        if chance * (1.0 + ratio * rows) <= ratio * tokens:
+            break  # this draft lowers the step's tokens per unit; every later one too
+        tokens += chance
+        rows += 1
+        candidate = candidates[i]
+        taken[candidate.index] = j
+        if j < len(candidate.drafts):
+            heapq.heappush(heap, (-chance * candidate.keep_rate, i, j + 1))
+    return taken
+
+
+class Speculator:
+    """The engine's speculative decoding: drafts for a planned step, and what verification
+    found. Used on the engine's thread only."""
+
+    enabled = True
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.cost = StepCost()
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verified_sequences = 0  # sequence-steps that carried drafts
+
+    def state(self, request: Request) -> SequenceDrafts:
+        if request.speculation is None:
+            request.speculation = SequenceDrafts(TokenHistory())
+        return request.speculation
+
+    def candidates(self, chunks, room: int) -> list[Candidate]:
+        """The decoding chunks of a step with their proposals (at most `room` drafts each)."""
+        c = self.config
+        out: list[Candidate] = []
+        for index, chunk in enumerate(chunks):
+            request = chunk.request
+            if chunk.num_new_tokens != 1 or request.num_output_tokens == 0 or not chunk.samples_token:
+                continue
+            left = request.sampling_params.max_tokens - request.num_output_tokens - 1
+            k = min(c.num_speculative_tokens, left, room)
+            if k <= 0:
+                continue
+            state = self.state(request)
+            drafts = propose(state.history.sync(request), c.prompt_lookup_min, c.prompt_lookup_max, k)
+            drafts = tuple(int(t) for t in drafts[:request.grammar.num_valid(drafts.tolist())])
+            if drafts:
+                out.append(Candidate(index, drafts, state.keep_rate))
+        return out
+
+    def plan(self, chunks: list, num_rows: int, max_rows: int) -> dict[int, tuple[int, ...]]:
+        """Drafts to run this step, by chunk index, for a step of `num_rows` rows that may
+        grow to `max_rows`."""
+        num_decoding = sum(1 for chunk in chunks if chunk.num_new_tokens == 1)
+        limit = self.config.disable_by_batch_size
+        if limit and num_decoding >= limit:
+            return {}
+        candidates = self.candidates(chunks, max_rows - num_rows)
+        num_samples = sum(1 for chunk in chunks if chunk.samples_token)
+        taken = choose_drafts(candidates, self.cost.ratio, num_rows, num_samples, max_rows)
+        for candidate in candidates:
+            if candidate.index not in taken:
+                chunks[candidate.index].request.speculation.skipped()
+        return {c.index: c.drafts[:taken[c.index]] for c in candidates if c.index in taken}
+
+    def observe(self, request: Request, num_drafts: int, num_kept: int, num_tested: int) -> None:
+        self.state(request).observe(num_drafts, num_kept, num_tested)
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_kept
+        self.num_verified_sequences += 1
+
+
+def verify(request: Request, drafts: Sequence[int], logits, append: Callable[[SampledToken], None]) -> tuple[int, int]:
+    """Sample `logits`' rows (one per position: the request's next token, then after each
+    draft) in order, each as a plain step samples its position, and `append` each token,
+    while the token drawn is the draft there. Returns (drafts kept, drafts tested)."""
+    num_kept = num_tested = 0
+    for i in range(len(drafts) + 1):
+        token = sample(logits[i:i + 1], [request])[0]
+        append(token)
+        if i == len(drafts):
+            break
+        num_tested += 1
+        if token.token_id != drafts[i]:
+            break
+        num_kept += 1
+        if request.is_finished:
+            break
+    return num_kept, num_tested
+
+
+class NoSpeculation:
+    """Speculation off: no step carries drafts."""
+
+    enabled = False
+    num_draft_tokens = num_accepted_tokens = num_verified_sequences = 0
+
+    def plan(self, chunks: list, num_rows: int, max_rows: int) -> dict[int, tuple[int, ...]]:
+        return {}
+
+
+NO_SPECULATION = NoSpeculation()
+
+
+def with_drafts(chunk, drafts: tuple[int, ...]):
+    """`chunk` carrying `drafts` (ScheduledChunk is frozen)."""
+    return replace(chunk, draft_token_ids=drafts)

@@ -1,0 +1,122 @@
+"""Prompt-lookup proposals, the batch's choice of drafts, the step-cost fit and the
+`--speculative-config` JSON, against hand-worked references."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.engine.config import SpeculativeConfig
+from pdserve.engine.speculation import Candidate, SequenceDrafts, StepCost, TokenHistory, choose_drafts, propose
+
+
+def arr(*tokens: int) -> np.ndarray:
+    return np.array(tokens, dtype=np.int32)
+
+
+@pytest.mark.parametrize("tokens, min_n, max_n, k, expected", [
+    # the last 2 tokens (7, 8) occur at 1: what followed them
+    ((5, 7, 8, 9, 10, 11, 7, 8), 2, 3, 3, (9, 10, 11)),
+    # the longest n wins: (3, 4) occurs twice, (2, 3, 4) once, followed by 9
+    ((2, 3, 4, 9, 3, 4, 5, 2, 3, 4), 2, 3, 2, (9, 3)),
+    # the latest occurrence of the longest match
+    ((1, 2, 6, 1, 2, 7, 1, 2), 2, 2, 1, (7,)),
+    # at most what follows the occurrence: the sequence's own end
+    ((4, 4, 4), 1, 2, 5, (4,)),
+    # no occurrence of n >= min_n: nothing
+    ((1, 2, 3, 4, 5, 3), 2, 4, 3, ()),
+    ((1, 2, 3, 4, 5, 3), 1, 4, 2, (4, 5)),
+    # too short to hold an earlier occurrence
+    ((9,), 1, 3, 3, ()),
+])
+def test_propose_copies_what_followed_the_latest_longest_match(tokens, min_n, max_n, k, expected):
+    assert tuple(propose(arr(*tokens), min_n, max_n, k).tolist()) == expected
+
+
+def test_history_tracks_prompt_then_output_as_it_grows():
+    class Req:
+        prompt_token_ids = [1, 2, 3]
+        output_token_ids: list[int] = []
+
+        @property
+        def num_tokens(self):
+            return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+        def token_id_at(self, p):
+            n = len(self.prompt_token_ids)
+            return self.prompt_token_ids[p] if p < n else self.output_token_ids[p - n]
+
+    req, history = Req(), TokenHistory()
+    assert history.sync(req).tolist() == [1, 2, 3]
+    req.output_token_ids = list(range(10, 400))  # past the first buffer's 256
+    assert history.sync(req).tolist() == [1, 2, 3] + list(range(10, 400))
+
+
+def test_choose_drafts_takes_sure_drafts_and_skips_unlikely_ones():
+    sure = Candidate(0, (5, 6, 7, 8), keep_rate=0.95)
+    unlikely = Candidate(1, (9, 9), keep_rate=0.05)
+    taken = choose_drafts([sure, unlikely], ratio=0.2, num_rows=2, num_samples=2, max_rows=64)
+    assert taken == {0: 4}
+
+
+def test_choose_drafts_reference_for_one_sequence():
+    # one row costs 0.2 of a step's fixed part: draft j (kept with 0.5**j) pays while
+    # 0.5**j * (1 + 0.2 R) > 0.2 * tokens. j=1: 0.5*1.2 > 0.2 -> tokens 1.5, R 2;
+    # j=2: 0.25*1.4 = 0.35 > 0.3 -> tokens 1.75, R 3; j=3: 0.125*1.6 = 0.2 < 0.35: stop
+    taken = choose_drafts([Candidate(3, (1, 2, 3, 4), 0.5)], ratio=0.2, num_rows=1, num_samples=1, max_rows=64)
+    assert taken == {3: 2}
+
+
+def test_choose_drafts_runs_plainly_when_rows_cost_more_than_they_give():
+    # 8 sequences decode: a 9th row must be kept with chance > 0.2*8/(1+0.2*8) = 0.62
+    batch = [Candidate(i, (1, 2, 3), 0.5) for i in range(8)]
+    assert choose_drafts(batch, ratio=0.2, num_rows=8, num_samples=8, max_rows=64) == {}
+    assert choose_drafts(batch, ratio=0.0, num_rows=8, num_samples=8, max_rows=64) == {i: 3 for i in range(8)}
+    # the step's row budget caps the drafts
+    assert sum(choose_drafts(batch, ratio=0.0, num_rows=8, num_samples=8, max_rows=12).values()) == 4
+
+
+def test_keep_rate_falls_with_failures_and_recovers_as_evidence_ages():
+    state = SequenceDrafts(TokenHistory())
+    assert state.keep_rate == 0.5
+    for _ in range(10):
+        state.observe(num_drafts=2, num_kept=0, num_tested=1)
+    low = state.keep_rate
+    assert low < 0.12
+    for _ in range(200):
+        state.skipped()
+    assert state.keep_rate > 0.3  # probed again
+    assert (state.num_draft_tokens, state.num_accepted_tokens) == (20, 0)
+
+
+def test_step_cost_fits_rows_and_falls_back_to_its_prior():
+    cost = StepCost()
+    assert cost.ratio == StepCost.PRIOR_RATIO
+    for _ in range(50):
+        cost.note(1, 0.010)  # no spread in rows yet: the prior
+    assert cost.ratio == StepCost.PRIOR_RATIO
+    for rows in (1, 3, 5, 2, 4, 6) * 20:
+        cost.note(rows, 0.008 + 0.002 * rows)
+    assert cost.ratio == pytest.approx(0.25, rel=0.02)
+
+
+def test_speculative_config_reads_vllm_json():
+    config = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}')
+    assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (5, 4, 2)
+    assert SpeculativeConfig.from_json('{"num_speculative_tokens": 3, "prompt_lookup_max": 1}').prompt_lookup_min == 1
+    assert SpeculativeConfig.from_json("") is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "not supported"),
+    ('{"method": "ngram"}', "needs num_speculative_tokens"),
+    ('{"num_speculative_tokens": 3, "model": "x"}', "unsupported keys"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"num_speculative_tokens": "3"}', "integer"),
+    ("[3]", "JSON object"),
+    ("{", "not JSON"),
+])
+def test_speculative_config_refuses_what_it_cannot_do(text, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SpeculativeConfig.from_json(text)
