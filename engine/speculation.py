@@ -42,18 +42,21 @@ def propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
     `tokens`, for the largest n in [min_n, max_n] that occurs; empty when none does."""
     length = tokens.shape[0]
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        # an occurrence starts at p <= length - n - 1: at least one token follows it
-        starts = np.flatnonzero(tokens[:length - n] == suffix[0])
-        for j in range(1, n):
-            if starts.size == 0:
-                break
-            starts = starts[tokens[starts + j] == suffix[j]]
-        if starts.size:
-            p = int(starts[-1]) + n
-            return tokens[p:p + k]
-    return tokens[:0]
+    if length < 2:
+        return tokens[:0]
+    # ends of the occurrences of the last n tokens, n = 1, 2, ...; an end p <= length - 2
+    # leaves a token to propose after it
+    ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
+    best, n = -1, 1
+    while ends.size:
+        if n >= min_n:
+            best = int(ends[-1])
+        if n == max_n:
+            break
+        ends = ends[ends >= n]
+        ends = ends[tokens[ends - n] == tokens[length - 1 - n]]
+        n += 1
+    return tokens[best + 1:best + 1 + k] if best >= 0 else tokens[:0]
 
 
 class TokenHistory:
@@ -199,8 +202,9 @@ class Speculator:
             request.speculation = SequenceDrafts(TokenHistory())
         return request.speculation
 
-    def candidates(self, chunks, room: int) -> list[Candidate]:
-        """The decoding chunks of a step with their proposals (at most `room` drafts each)."""
+    def candidates(self, chunks, room: int, floor: float) -> list[Candidate]:
+        """The decoding chunks of a step with their proposals (at most `room` drafts each).
+        A sequence whose keep rate is at most `floor` is not searched (its evidence ages)."""
         c = self.config
         out: list[Candidate] = []
         for index, chunk in enumerate(chunks):
@@ -212,6 +216,9 @@ class Speculator:
             if k <= 0:
                 continue
             state = self.state(request)
+            if state.keep_rate <= floor:
+                state.skipped()
+                continue
             drafts = propose(state.history.sync(request), c.prompt_lookup_min, c.prompt_lookup_max, k)
             drafts = tuple(int(t) for t in drafts[:request.grammar.num_valid(drafts.tolist())])
             if drafts:
@@ -225,9 +232,11 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         if limit and num_decoding >= limit:
             return {}
-        candidates = self.candidates(chunks, max_rows - num_rows)
+        ratio = self.cost.ratio
         num_samples = sum(1 for chunk in chunks if chunk.samples_token)
-        taken = choose_drafts(candidates, self.cost.ratio, num_rows, num_samples, max_rows)
+        floor = ratio * num_samples / (1.0 + ratio * num_rows)  # what a first draft's chance must beat
+        candidates = self.candidates(chunks, max_rows - num_rows, floor)
+        taken = choose_drafts(candidates, ratio, num_rows, num_samples, max_rows)
         for candidate in candidates:
             if candidate.index not in taken:
                 chunks[candidate.index].request.speculation.skipped()

@@ -120,3 +120,23 @@ def test_speculative_config_reads_vllm_json():
 def test_speculative_config_refuses_what_it_cannot_do(text, message):
     with pytest.raises(InvalidRequestError, match=message):
         SpeculativeConfig.from_json(text)
+
+
+def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[length - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_propose_equals_a_brute_force_search_on_random_sequences():
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        tokens = rng.integers(0, 3, rng.integers(1, 40)).tolist()  # 3 symbols: many matches
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 7))
+        k = int(rng.integers(1, 6))
+        assert propose(arr(*tokens), min_n, max_n, k).tolist() == brute_force(tokens, min_n, max_n, k), \
+            (tokens, min_n, max_n, k)
