@@ -1,7 +1,8 @@
 """The control protocol shared by the point-to-point transports (`ucx`, `nccl`).
 
 Each transport carries payload bytes on its own channel (UCX, a process group) and everything
-else on one TCP control connection from sender S to receiver R. With a transfer key (from the
+else on one TCP control connection from sender S to receiver R (nccl's process-group
+rendezvous included: `_rendezvous`). With a transfer key (from the
 cluster secret) each connection starts with a mutual challenge-response, before the
 transport's hello and before either side reads anything else::
 
@@ -66,7 +67,7 @@ from pdserve.kvtransfer.wire import (
 
 REQUEST = struct.Struct("<4sIII")  # magic, seq, budget ms, index length
 REPLY = struct.Struct("<BBH")  # ok, reserved (0), reason length; then the reason (UTF-8)
-REQUEST_MAGIC, VERSION = b"PDRQ", 3  # VERSION also goes in each transport's hello
+REQUEST_MAGIC, VERSION = b"PDRQ", 3  # these frames' version: ucx's hello carries it, nccl's its own
 PING_MAGIC = b"PDPG"  # a probe of the connection: a REQUEST prefix with no index
 PROBE_BYTES = 8  # what a probe sends on the transport's channel
 PROBE_IDLE_S = 1.0  # a connection idle this long is probed before its next request

@@ -1,12 +1,26 @@
 """`nccl`: point-to-point KV transfer over torch.distributed, one process group per
 (sender, receiver) pair: NCCL between CUDA devices, gloo on CPU.
 
-Pairing: the receiver listens on (host, port) with a plain TCP socket and runs a TCPStore
-server on a second, ephemeral port of the same host. A sender connects, says which backend it
-speaks, and gets the store's port and a pair number; both then build a two-rank process group
-(sender rank 0, receiver rank 1) on a PrefixStore of that pair. The group is constructed
-directly (`ProcessGroupGloo(store, rank, 2, options)`), so torch.distributed's global default
-group is never initialised and any number of pairs can coexist in one process.
+Pairing: the receiver listens on (host, port) with a plain TCP socket, its only listener. A
+sender connects, proves the transfer key, and says which backend it speaks; both then build a
+two-rank process group (sender rank 0, receiver rank 1) whose store is the control connection
+itself (`_rendezvous.PairStore`: keys travel as sealed frames, there is no store server), move
+PROBE_BYTES over it (NCCL connects on its first payload) and close the rendezvous. The group is
+constructed directly (`ProcessGroupGloo(store, rank, 2, options)`), so torch.distributed's
+global default group is never initialised and any number of pairs can coexist in one process.
+
+What the groups themselves listen on: a gloo device binds a TCP listener on the control
+connection's local address for as long as its group lives (one per pair, both sides), to which
+one rank connects, naming the pair by a small, guessable sequence number. gloo authenticates
+nobody and keeps every connection it accepts (a descriptor each, 8 bytes read, the rest left
+in the kernel), so `_listeners` filters that listener in the kernel: packets from the peer's
+host only while the pair connects (the rendezvous, milliseconds), none once it is connected.
+What is left: during that window a process on the peer's host (any local process, when both
+share a host) could take the pair's place; the bytes it sent instead of the peer's fail the
+payload MAC, so it can break that pairing, not forge KV. On NCCL the unique id (its
+bootstrap listener's address and random magic, which that listener demands of whoever
+connects) travels only on the control connection; NCCL's other listeners (proxy, and the
+socket transport between hosts without RDMA) are NCCL's own and are not filtered here.
 
 One message on a pair, sequence n (every TCP frame sealed with the session's tag, `_p2p`)::
 
@@ -32,18 +46,17 @@ the key, at most MAX_PEERS of them.
 Why control does not go through the group: a gloo wait cannot be interrupted (neither
 `abort()` nor `shutdown()` wakes it) and a gloo timeout breaks the pair, so the receiver posts
 a group receive only when a payload is announced, bounded by that message's budget. Why not
-through the TCPStore either: a store client connecting to a peer that accepts and never
-answers hangs past its timeout. The control socket has deadlines on every read, and its loss
-tells either side that the pair is gone; the next send pairs afresh. A pair idle for
-PROBE_IDLE_S or more is probed before its next request (a ping on the control socket and a few
-bytes over the group, `_p2p`); one that fails the probe, or whose receiver hung up, is
-replaced before the request goes.
+through a store server either: a TCPStore takes any client's keys, and a store client
+connecting to a peer that accepts and never answers hangs past its timeout. The control socket
+has deadlines on every read, and its loss tells either side that the pair is gone; the next
+send pairs afresh. A pair idle for PROBE_IDLE_S or more is probed before its next request (a
+ping on the control socket and a few bytes over the group, `_p2p`); one that fails the probe,
+or whose receiver hung up, is replaced before the request goes.
 """
 from __future__ import annotations
 
 import datetime
 import logging
-import os
 import select
 import socket
 import struct
@@ -56,7 +69,7 @@ from pdserve.kernels.omp import one_intra_op_thread
 from pdserve.kvtransfer.backends import _gate, _p2p
 from pdserve.kvtransfer.backends._p2p import (  # noqa: F401  (re-exported: shared frames)
     CLOSE_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAX_BUDGET_MS, MAX_REASON, REPLY, REQUEST,
-    REQUEST_MAGIC, VERSION, _RefusedByPeer,
+    REQUEST_MAGIC, _RefusedByPeer,
 )
 from pdserve.kvtransfer.backends._p2p import recv_exactly, send_all
 from pdserve.kvtransfer.base import BlockMessage, BlockSink, KVTransport
@@ -66,10 +79,11 @@ log = logging.getLogger(__name__)
 
 # hello frames (little-endian); requests and replies are in _p2p
 HELLO = struct.Struct("<4sHH8s")  # magic, version, flags (0), backend name (NUL padded)
-PAIRING = struct.Struct("<I16s")  # store port, pair token (after an accepting reply)
 HELLO_MAGIC = b"PDNC"
+HELLO_VERSION = 4  # _p2p.VERSION's frames, paired through the control connection (3: a TCPStore)
 BACKENDS = ("gloo", "nccl")
 MAX_SEQ = 0x7FFFFFFF  # tags of torch.distributed send/recv are signed ints
+FIRST_TAG = MAX_SEQ  # the pairing's first bytes; requests count from 0 after them
 POLL_S = 0.25  # how often idle receiver threads look at the close flag
 
 
@@ -90,21 +104,12 @@ def _timedelta(seconds: float) -> datetime.timedelta:
 
 
 # -- process groups -------------------------------------------------------------------------------
-def _new_group(backend: str, store_host: str, store_port: int, pair_token: bytes, rank: int,
-               local_host: str, timeout_s: float):
-    """A two-rank group of its own (the default group is never touched); blocks until both
-    ranks joined or `timeout_s` passed. gloo listens on `local_host` (the address the control
-    connection uses on this side, so the peer can reach it).
-
-    The TCPStore itself takes any client, and any client can list its keys: a pair's keys live
-    under a random 128-bit token the receiver hands out only over the (authenticated) control
-    connection, and the receiver deletes them as soon as the sender is done with the store
-    (`_Receiver._forget_pair`), so the token is visible only while the pair rendezvouses."""
+def _new_group(backend: str, store, rank: int, local_host: str, timeout_s: float):
+    """A two-rank group of its own on `store` (the default group is never touched); blocks
+    until both ranks joined or `timeout_s` passed. gloo listens on `local_host` (the address
+    the control connection uses on this side, so the peer can reach it)."""
     import torch.distributed as dist
 
-    client = dist.TCPStore(store_host, store_port, None, False, timeout=_timedelta(timeout_s),
-                           use_libuv=True)
-    store = dist.PrefixStore(f"pdkv/{pair_token.hex()}/", client)
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = _timedelta(timeout_s)
@@ -116,6 +121,33 @@ def _new_group(backend: str, store_host: str, store_port: int, pair_token: bytes
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = _timedelta(timeout_s)
     return dist.ProcessGroupNCCL(store, rank, 2, options)
+
+
+def _pair_group(backend: str, sock: socket.socket, session: _p2p.Session, rank: int, deadline: float):
+    """The pair's group, met through the control connection (`_rendezvous.PairStore`): built,
+    its first PROBE_BYTES moved from rank 0 to rank 1 (NCCL builds its communicator on the
+    first payload, while the store is still open), then the rendezvous closed. Both sides call
+    this right after the accepting hello reply; on return the connection carries requests.
+    On gloo, the device's listener admits only the peer's host until then, nobody after
+    (`_listeners`)."""
+    import torch
+
+    from pdserve.kvtransfer.backends import _listeners, _rendezvous
+
+    peer_host = sock.getpeername()[0]
+    guard = (lambda value: _listeners.admit_only([value], peer_host)) if backend == "gloo" else (lambda value: 0)
+    store = _rendezvous.PairStore(sock, session, deadline, before_publish=guard)
+    group = _new_group(backend, store, rank, sock.getsockname()[0], deadline - time.monotonic())
+    if rank == 0:
+        tensor = _payload_tensor(bytes(_p2p.PROBE_BYTES), backend)
+        _settle(group.send([tensor], 1, FIRST_TAG), tensor, deadline)
+    else:
+        tensor = torch.empty(_p2p.PROBE_BYTES, dtype=torch.uint8, device="cuda" if backend == "nccl" else "cpu")
+        _settle(group.recv([tensor], 0, FIRST_TAG), tensor, deadline)
+    store.finish(deadline)
+    if backend == "gloo":  # connected: gloo's listener admits nobody from now on
+        _listeners.admit_none(store.published)
+    return group
 
 
 def _payload_tensor(payload: object, backend: str):
@@ -187,14 +219,11 @@ class _Pair:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _p2p.keep_alive(sock)
             session = _p2p.authenticate_receiver(sock, key, endpoint, deadline)
-            send_all(sock, session.seal(HELLO.pack(HELLO_MAGIC, VERSION, 0, backend.encode())), deadline)
+            send_all(sock, session.seal(HELLO.pack(HELLO_MAGIC, HELLO_VERSION, 0, backend.encode())), deadline)
             ok, reason = _p2p.read_reply(sock, session, deadline, "nccl")
             if not ok:
                 raise TransferError(f"{endpoint} refused to pair: {reason}")
-            store_port, pair_token = PAIRING.unpack(
-                _p2p.recv_sealed(sock, session, PAIRING.size, deadline))
-            group = _new_group(backend, host, store_port, pair_token, 0, sock.getsockname()[0],
-                               deadline - time.monotonic())
+            group = _pair_group(backend, sock, session, 0, deadline)
         except BaseException:
             sock.close()
             raise
@@ -249,21 +278,8 @@ class _Receiver:
     MAX_PEERS) serves its messages."""
 
     def __init__(self, sink: BlockSink, host: str, port: int, backend: str, key: bytes | None = None) -> None:
-        import torch.distributed as dist
-
         self.sink, self.host, self.backend, self.key = sink, host, backend, key
         self.listener = socket.create_server((host, port), backlog=64)
-        store_socket = socket.create_server((host, 0), backlog=64)
-        self.store_port = store_socket.getsockname()[1]
-        try:
-            self.store = dist.TCPStore(host, self.store_port, None, True, timeout=_timedelta(30),
-                                       wait_for_workers=False, use_libuv=True,
-                                       master_listen_fd=store_socket.fileno())
-        except BaseException:
-            store_socket.close()
-            self.listener.close()
-            raise
-        store_socket.detach()  # the store server owns the descriptor now
         self._stop = threading.Event()
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
@@ -282,7 +298,6 @@ class _Receiver:
         deadline = time.monotonic() + MAX_BUDGET_MS / 1000
         for thread in threads:  # idle ones notice within POLL_S; busy ones within their budget
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.store = None  # the last reference: the store server stops
 
     def _admit(self, sock: socket.socket, session: _p2p.Session) -> None:
         """An authenticated connection (the gate's thread): its own thread, room permitting."""
@@ -305,13 +320,10 @@ class _Receiver:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _p2p.keep_alive(sock)
-            group, pair_token = self._pair(sock, session)
+            group = self._pair(sock, session)
             while group is not None and not self._stop.is_set():
                 if not self._wait_readable(sock):
                     continue
-                if pair_token is not None:  # the sender's first request: it is done with the store
-                    self._forget_pair(pair_token)
-                    pair_token = None
                 if not self._serve_one(sock, session, group):
                     break
         except (ConnectionError, TimeoutError, OSError):
@@ -328,32 +340,15 @@ class _Receiver:
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         hello = _p2p.recv_sealed(sock, session, HELLO.size, deadline)
         magic, version, flags, name = HELLO.unpack(hello)
-        if magic != HELLO_MAGIC or version != VERSION or flags:
+        if magic != HELLO_MAGIC or version != HELLO_VERSION or flags:
             raise TransferError("not a pdserve nccl sender (or another version)")
         backend = name.rstrip(b"\0").decode("ascii", "replace")
         if backend != self.backend:
             send_all(sock, _p2p.reply(session, False, f"backend mismatch: sender {backend}, "
                                                       f"receiver {self.backend}"), deadline)
-            return None, None
-        pair_token = os.urandom(16)
-        send_all(sock, _p2p.reply(session, True) + session.seal(PAIRING.pack(self.store_port, pair_token)),
-                 deadline)
-        try:
-            group = _new_group(self.backend, self.host, self.store_port, pair_token, 1,
-                               sock.getsockname()[0], deadline - time.monotonic())
-        except BaseException:
-            self._forget_pair(pair_token)
-            raise
-        return group, pair_token
-
-    def _forget_pair(self, pair_token: bytes) -> None:
-        """Delete a pair's rendezvous keys: TCPStore lists its keys to anyone who connects, so
-        the random prefix hides a pair only while no key carries it. Called once the sender
-        has sent its first request (it reads nothing from the store after its group is up)."""
-        prefix = f"pdkv/{pair_token.hex()}/"
-        for key in self.store.list_keys():
-            if key.startswith(prefix):
-                self.store.delete_key(key)
+            return None
+        send_all(sock, _p2p.reply(session, True), deadline)
+        return _pair_group(self.backend, sock, session, 1, deadline)
 
     def _wait_readable(self, sock: socket.socket) -> bool:
         readable, _, _ = select.select([sock], [], [], POLL_S)

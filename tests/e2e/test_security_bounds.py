@@ -182,7 +182,11 @@ def test_a_flood_before_authentication_leaves_the_workers_serving(cluster):
             transfer_ports = sorted(listening_ports(pid) - {grpc_ports[name]})
             report.append(f"{name} transfer ports {transfer_ports}")
             for port in transfer_ports:
-                idle += [socket.create_connection(("127.0.0.1", port)) for _ in range(NUM_IDLE)]
+                try:  # a gloo pair's listener admits no one: it holds nothing to test
+                    idle.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+                except OSError:
+                    continue
+                idle += [socket.create_connection(("127.0.0.1", port), timeout=2) for _ in range(NUM_IDLE - 1)]
         held = {name: proc_status(pid) for name, pid in pids.items()}
         codes = {}
         argv = d.child("router").argv

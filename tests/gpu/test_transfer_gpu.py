@@ -92,8 +92,12 @@ def loopback(monkeypatch):
     pairs: dict[bytes, _Loopback] = {}
     lock = threading.Lock()
 
-    def new_group(backend, store_host, store_port, pair_token, rank, local_host, timeout_s):
+    def new_group(backend, store, rank, local_host, timeout_s):
+        """The two ranks meet through the pair's store (the control connection), as NCCL's do."""
         assert backend == "nccl"
+        if rank == 0:
+            store.set("loopback", os.urandom(16))
+        pair_token = bytes(store.get("loopback"))
         with lock:
             return pairs.setdefault(pair_token, _Loopback())
 

@@ -147,8 +147,6 @@ def peer_main(backend: str) -> None:
         if cmd["cmd"] == "stats":
             return {"threads": len(os_threads()), "rss_kib": rss_kib(),
                     "pending": sum(num_pending(r) for r in transport._receivers)}
-        if cmd["cmd"] == "store_ports":  # nccl: where each receiver's TCPStore listens
-            return {"ports": [r.store_port for r in transport._receivers]}
         if cmd["cmd"] == "stall":
             sink.stall_s = cmd["seconds"]
             return {"num_stalled": sink.num_stalled}
@@ -326,35 +324,6 @@ def test_control_channel_admits_only_holders_of_the_transfer_key(link):
             sender.close()
 
 
-def test_anonymous_store_client_finds_no_pair_state(link):
-    """torch's TCPStore takes any client and lists its keys: once a keyed pair is up, a process
-    that connects to the store sees none of the pair's keys, and its junk breaks nothing."""
-    if link.backend != "nccl":
-        pytest.skip("only the nccl/gloo path runs a TCPStore")
-    import datetime
-
-    import torch.distributed as dist
-
-    key = os.urandom(32)
-    endpoint = link.peer.call("open", key=key.hex())["endpoint"]
-    holder = make_transport(link.backend)
-    holder.key = key
-    try:
-        message = make_message([25, 26], seed=14)
-        holder.send(endpoint, message, time.monotonic() + DEADLINE_S)
-        assert link.digests([25, 26]) == payload_digests(message)
-        for port in link.peer.call("store_ports")["ports"]:
-            anonymous = dist.TCPStore("127.0.0.1", port, None, False,
-                                      timeout=datetime.timedelta(seconds=5), use_libuv=True)
-            assert not [k for k in anonymous.list_keys() if k.startswith("pdkv/")]
-            anonymous.set("pdkv/junk/0", b"junk")
-        second = make_message([27], seed=15)
-        holder.send(endpoint, second, time.monotonic() + DEADLINE_S)  # the pair still works
-        assert link.digests([27]) == payload_digests(second)
-    finally:
-        holder.close()
-
-
 class FlipProxy:
     """A TCP relay in front of a receiver that rewrites the first request's first destination
     block id on its way (an attacker on the path; it recomputes nothing)."""
@@ -449,12 +418,11 @@ def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatc
 def test_idle_connections_cost_no_threads_and_leave_the_receiver_serving(link):
     """Connections that never answer the challenge: at most MAX_PENDING are held (no thread
     each), each for CHALLENGE_TIMEOUT_S; the rest are closed at once. A pair made before and a
-    sender that comes after both get through. The nccl path's TCPStore port is flooded too."""
+    sender that comes after both get through. (nccl listens nowhere else before a pair:
+    test_nccl_listeners floods the gloo devices' ports.)"""
     key = os.urandom(32)
     endpoint = link.peer.call("open", key=key.hex())["endpoint"]
     ports = [int(endpoint.rsplit(":", 1)[1])]
-    if link.backend == "nccl":
-        ports += link.peer.call("store_ports")["ports"][-1:]
     holder = make_transport(link.backend)
     holder.key = key
     idle: list[socket.socket] = []
