@@ -90,6 +90,7 @@ class DecodeSessions:
                     first = False
                     response.transfer.CopyFrom(verdict)
                     self._time_first_token(timings, out, t_arrival, placement.remote, transferred)
+                    response.timings.CopyFrom(timings)  # the router keeps them if this stream is lost
                 if response.finish_reason:
                     response.transfer.CopyFrom(verdict)
                     response.timings.CopyFrom(timings)
@@ -109,8 +110,9 @@ class DecodeSessions:
         (the leg) and transfer (its tail) already; a local one is timed by the engine: queue
         until its first chunk was scheduled, prefill until its first token was sampled. A
         prompt recomputed here after its leg failed: prefill runs from admission (the failed
-        leg and the recompute) until its first token was sampled. First decode is the rest,
-        up to this delta."""
+        leg and the recompute) until its first token was sampled. A resumed request (another
+        decode's, migrated here) is local: its prefill is the prompt's and the resumed tokens'.
+        First decode is the rest, up to this delta. They leave with this delta and the last."""
         now = time.monotonic()
         if remote and transferred:
             timings.first_decode_ms = max(0.001, (now - t_arrival) * 1000 - timings.queue_ms - timings.prefill_ms)

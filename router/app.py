@@ -30,11 +30,12 @@ from pdserve.router.admission import InFlight
 from pdserve.router.api_key import ApiKeyCheck, ApiKeyInterceptor
 from pdserve.router.catalog import ModelCatalog
 from pdserve.rpc.channels import WorkerChannels
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import ConfigError, RouterConfig
 from pdserve.router.dispatch import BackgroundTasks, DecodeClient
 from pdserve.router.frontend import Frontend
 from pdserve.router.grpc_api import GenerationServicer, RegistryServicer
 from pdserve.router.http_api import build_http_app
+from pdserve.router.link_probes import LinkProbes
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
@@ -74,7 +75,8 @@ class RouterApp:
         self.metrics.in_flight.set_function(lambda: len(self.in_flight))
         planner = RoutePlanner(self.registry, make_policy(config.decode_policy), make_policy(config.prefill_policy),
                                config.local_prefill_threshold, config.prefill_queue_threshold,
-                               self.metrics, predict=not config.static_routing)
+                               self.metrics, predict=not config.static_routing,
+                               probes=LinkProbes(config.link_probe_interval_s))
         self.decode = DecodeClient(self.channels, self.registry, self.tasks, config.stream_idle_timeout_s,
                                    config.rpc_timeout_s)
         self.frontend = Frontend(self.catalog, planner, self.decode, self.in_flight, self.metrics,

@@ -77,6 +77,9 @@ class RouterConfig:
     static_routing: bool = _opt(False, "between those thresholds always ask a prefill worker (default: the path "
                                 "with the shorter predicted time to first token, from each worker's queued "
                                 "prompt tokens and prefill rate)", "routing")
+    link_probe_interval_s: float = _opt(30.0, "a prefill-decode link priced out of use gets one prompt again "
+                                        "once its measurement is this old, and at most one per this many "
+                                        "seconds (0: never)", "routing")
     max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body in bytes", "routing")
     worker_timeout_s: float = _opt(10.0, "heartbeat age that marks a worker dead", "routing")
     stream_idle_timeout_s: float = _opt(30.0, "a decode stream silent this long is cut off and its request "
@@ -109,6 +112,8 @@ class RouterConfig:
             raise ConfigError("prefill_queue_threshold must be >= 1")
         if self.max_migrations < 0:
             raise ConfigError("max_migrations must be >= 0")
+        if self.link_probe_interval_s < 0:
+            raise ConfigError("link_probe_interval_s must be >= 0")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be >= 1024")
         for name in ("worker_timeout_s", "heartbeat_interval_s", "rpc_timeout_s", "stream_idle_timeout_s"):

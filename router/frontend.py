@@ -28,6 +28,7 @@ from pdserve.router.guided import GuidedOptions, compile_constraint
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlan, RoutePlanner
 from pdserve.router.request_ids import check_label, new_request_id
+from pdserve.router.stream_timings import StreamTimings
 from pdserve.router.validation import check_prompt_fits, resolve_sampling
 
 log = logging.getLogger("pdserve.router.frontend")
@@ -138,11 +139,13 @@ class Frontend:
         prepared = await self.prepare(request, request_id)
         sent: list[int] = []  # token ids the client has received
         failed: list[str] = []  # decode workers lost by this request
+        timings = StreamTimings()
         while True:
+            timings.opening()
             plan, stream, first = await self._open(prepared, arrival_unix_ms, sent, failed)
             try:
                 async with contextlib.aclosing(stream):
-                    async for response in self._relay(first, stream, prepared, plan, arrival, sent, failed):
+                    async for response in self._relay(first, stream, prepared, plan, arrival, timings, failed):
                         sent.extend(response.token_ids)
                         yield response
                 return
@@ -150,6 +153,7 @@ class Frontend:
                 failed.append(plan.decode.worker_id)
                 if not self._may_migrate(prepared, len(failed), len(sent)):
                     raise
+                timings.lost()
                 log.warning("request %s: %s; migrating it after %d tokens (migration %d of %d)", request_id,
                             err.message, len(sent), len(failed), self._max_migrations)
 
@@ -195,10 +199,11 @@ class Frontend:
 
     async def _relay(self, first: decode_pb2.DecodeResponse, stream: AsyncIterator[decode_pb2.DecodeResponse],
                      prepared: PreparedRequest, plan: RoutePlan, arrival: float,
-                     sent: list[int], lost: list[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        last_token_at = time.monotonic() if sent else None  # TTFT: once per request
+                     timings: StreamTimings, lost: list[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        last_token_at = timings.last_token_at  # TTFT: once per request; a migration's stall is one gap
         message: decode_pb2.DecodeResponse | None = first
         while message is not None:
+            timings.relayed(message)
             now = time.monotonic()
             if message.token_ids:
                 if last_token_at is None:

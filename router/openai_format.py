@@ -57,8 +57,12 @@ def routing_json(routing: generation_pb2.RoutingInfo) -> dict[str, Any]:
 
 
 def timings_json(timings: common_pb2.RequestTimings) -> dict[str, Any]:
-    return {"queue_ms": timings.queue_ms, "prefill_ms": timings.prefill_ms,
-            "transfer_ms": timings.transfer_ms, "first_decode_ms": timings.first_decode_ms}
+    out = {"queue_ms": timings.queue_ms, "prefill_ms": timings.prefill_ms,
+           "transfer_ms": timings.transfer_ms, "first_decode_ms": timings.first_decode_ms}
+    if timings.num_migrations:  # what moving the stream to other decodes cost (router.stream_timings)
+        out.update(migrations=timings.num_migrations, migration_ms=timings.migration_ms,
+                   resume_prefill_ms=timings.resume_prefill_ms)
+    return out
 
 
 def pdserve_json(response: generation_pb2.GenerateResponse) -> dict[str, Any]:

@@ -12,9 +12,11 @@ tokens over its measured prefill rate, plus the transfer on the remote side, plu
 local side the stall its compute costs the streams decoding there; before either side has
 measured a rate, by queued tokens alone, as both run the same model): when 8 prompts arrive at once
 the decode takes its share instead of idling while one prefill worker queues them all
-("predicted_faster_local"); an idle prefill worker keeps every prompt. This is the only place that decides local vs
-remote; decode follows it unless it cannot receive KV at all. Every decision is logged and
-counted in pdserve_router_routing_decisions_total{pool, policy, reason}.
+("predicted_faster_local"); an idle prefill worker keeps every prompt. A link whose cost alone
+keeps a prompt local gets it anyway once its measurement is older than the probe interval, one
+prompt per interval ("link_probe", `LinkProbes`): only a transfer re-measures a link. This is the
+only place that decides local vs remote; decode follows it unless it cannot receive KV at all.
+Every decision is logged and counted in pdserve_router_routing_decisions_total{pool, policy, reason}.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Collection, Sequence
 
 from pdserve.common.errors import UnavailableError
 from pdserve.router.config import Role
+from pdserve.router.link_probes import LinkProbes
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RouteQuery, RoutingPolicy
 from pdserve.router.worker_registry import Worker, WorkerRecord, WorkerRegistry
@@ -35,6 +38,7 @@ NO_PREFILL_WORKER = "no_prefill_worker"
 PREFILL_QUEUE_LONG = "prefill_queue_long"
 NO_USABLE_KV_BACKEND = "no_usable_kv_backend"
 PREDICTED_FASTER_LOCAL = "predicted_faster_local"
+LINK_PROBE = "link_probe"  # remote although predicted slower: the link's measurement aged out
 MIGRATED = "migrated"  # a request continued after its decode was lost: decode recomputes it
 
 # The prefill rate assumed on both sides before either has measured one: any positive value
@@ -75,6 +79,11 @@ class TTFTPrediction:
         burst on an idle decode is shared half and half. Charging the stall once per stream
         would keep a busy decode's core idle behind a prefill queue."""
         return self.local_s + self.stall_s < self.remote_s
+
+    @property
+    def link_decided(self) -> bool:
+        """Local wins only by the link's cost: without `transfer_s` the remote side would."""
+        return self.local_faster and self.local_s + self.stall_s >= self.remote_s - self.transfer_s
 
 
 def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int,
@@ -119,9 +128,10 @@ def transfer_cost(decode: WorkerRecord, prefill_id: str, num_blocks: int, comput
 class RoutePlanner:
     def __init__(self, registry: WorkerRegistry, decode_policy: RoutingPolicy, prefill_policy: RoutingPolicy,
                  local_prefill_threshold: int, prefill_queue_threshold: int,
-                 metrics: RouterMetrics, predict: bool = True) -> None:
+                 metrics: RouterMetrics, predict: bool = True, probes: LinkProbes | None = None) -> None:
         """`predict`: between the thresholds, route by predicted time to first token (else
-        always to a prefill worker)."""
+        always to a prefill worker). `probes`: when a link priced out of use is tried again
+        (default: never; the router passes --link-probe-interval-s)."""
         self._registry = registry
         self._decode_policy = decode_policy
         self._prefill_policy = prefill_policy
@@ -129,6 +139,7 @@ class RoutePlanner:
         self._queue_threshold = prefill_queue_threshold
         self._metrics = metrics
         self._predict = predict
+        self._probes = probes or LinkProbes(0)
 
     def plan(self, request_id: str, model_name: str, num_prompt_tokens: int, block_size: int,
              block_hashes: Sequence[int], session_key: str, exclude: Collection[str] = (),
@@ -143,46 +154,67 @@ class RoutePlanner:
         decode = self._decode_policy.choose(decoders, query)
         self._count("decode", self._decode_policy.name, decode.reason)
         num_matched = min(decode.record.num_matched_blocks(block_hashes) * block_size, num_prompt_tokens)
-
         uncached = num_prompt_tokens - num_matched
-        prefill, prefill_reason, queue_length, prediction = None, "", 0, None
-        prefillers = self._registry.routable(Role.PREFILL, model_name)
         if migrated:
-            prefill_reason = MIGRATED
-        elif uncached <= self._threshold:
-            prefill_reason = SHORT_UNCACHED_PROMPT
-        elif not prefillers:
-            prefill_reason = NO_PREFILL_WORKER
-        elif not (prefillers := [r for r in prefillers if can_carry(r, decode.record)]):
-            prefill_reason = NO_USABLE_KV_BACKEND
+            pick = _PrefillPick(None, MIGRATED)
         else:
-            choice = self._prefill_policy.choose(prefillers, query)
-            queue_length = choice.record.load.num_queued
-            prediction = (predict_ttft(choice.record, decode.record, uncached, block_size)
-                          if self._predict else None)
-            if queue_length >= self._queue_threshold:
-                prefill_reason, queue_length = PREFILL_QUEUE_LONG, 0
-            elif prediction is not None and prediction.local_faster:
-                prefill_reason, queue_length = PREDICTED_FASTER_LOCAL, 0
-            else:
-                prefill, prefill_reason = choice.record.worker, choice.reason
-                self._registry.note_routed(choice.record.worker_id, block_hashes, prompt_tokens=uncached)
-        self._count("prefill", self._prefill_policy.name, prefill_reason)
+            pick = self._pick_prefill(model_name, query, decode.record, uncached)
+        prefill = pick.record.worker if pick.record is not None else None
+        if prefill is not None:
+            self._registry.note_routed(prefill.worker_id, block_hashes, prompt_tokens=uncached)
+        self._count("prefill", self._prefill_policy.name, pick.reason)
         self._registry.note_routed(decode.record.worker_id, block_hashes,
                                    prompt_tokens=0 if prefill else max(0, uncached))
-        log.info("route %s: decode=%s (%s) prefill=%s (%s) prompt=%d matched=%d%s", request_id,
+        log.info("route %s: decode=%s (%s) prefill=%s (%s) prompt=%d matched=%d%s%s", request_id,
                  decode.record.worker_id, decode.reason, prefill.worker_id if prefill else "local",
-                 prefill_reason, num_prompt_tokens, num_matched,
-                 f" predicted TTFT local {prediction.local_s:.2f} s (+{prediction.stall_s:.2f} s stall of "
-                 f"{prediction.num_stalled} streams), "
-                 f"remote {prediction.remote_s:.2f} s (transfer {prediction.transfer_s:.2f} s)"
-                 f"{'' if prediction.measured else ' (no measured rate yet: by queued tokens)'}"
-                 if prediction else "")
-        return RoutePlan(decode.record.worker, decode.reason, prefill, prefill_reason, queue_length, num_matched,
-                         prediction)
+                 pick.reason, num_prompt_tokens, num_matched, _describe(pick.prediction),
+                 f"; link {prefill.worker_id}->{decode.record.worker_id} last measured {pick.link_age_s:.0f} s "
+                 f"ago: this prompt probes it" if pick.reason == LINK_PROBE else "")
+        return RoutePlan(decode.record.worker, decode.reason, prefill, pick.reason,
+                         pick.record.load.num_queued if prefill else 0, num_matched, pick.prediction)
+
+    def _pick_prefill(self, model_name: str, query: RouteQuery, decode: WorkerRecord,
+                      uncached: int) -> _PrefillPick:
+        """The prefill worker for `uncached` prompt tokens, or none and why (the module's rules)."""
+        prefillers = self._registry.routable(Role.PREFILL, model_name)
+        if uncached <= self._threshold:
+            return _PrefillPick(None, SHORT_UNCACHED_PROMPT)
+        if not prefillers:
+            return _PrefillPick(None, NO_PREFILL_WORKER)
+        if not (prefillers := [r for r in prefillers if can_carry(r, decode)]):
+            return _PrefillPick(None, NO_USABLE_KV_BACKEND)
+        choice = self._prefill_policy.choose(prefillers, query)
+        prediction = (predict_ttft(choice.record, decode, uncached, query.block_size)
+                      if self._predict else None)
+        if choice.record.load.num_queued >= self._queue_threshold:
+            return _PrefillPick(None, PREFILL_QUEUE_LONG, prediction)
+        if prediction is None or not prediction.local_faster:
+            return _PrefillPick(choice.record, choice.reason, prediction)
+        age_s = self._probes.try_probe(decode, choice.record.worker_id) if prediction.link_decided else None
+        if age_s is None:
+            return _PrefillPick(None, PREDICTED_FASTER_LOCAL, prediction)
+        return _PrefillPick(choice.record, LINK_PROBE, prediction, age_s)
 
     def _count(self, pool: str, policy: str, reason: str) -> None:
         self._metrics.routing.labels(pool, policy, reason).inc()
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillPick:
+    record: WorkerRecord | None  # None: decode prefills locally
+    reason: str
+    prediction: TTFTPrediction | None = None
+    link_age_s: float = 0.0  # LINK_PROBE: seconds since the link was last measured
+
+
+def _describe(prediction: TTFTPrediction | None) -> str:
+    """The log's account of a prediction (empty without one)."""
+    if prediction is None:
+        return ""
+    return (f" predicted TTFT local {prediction.local_s:.2f} s (+{prediction.stall_s:.2f} s stall of "
+            f"{prediction.num_stalled} streams), "
+            f"remote {prediction.remote_s:.2f} s (transfer {prediction.transfer_s:.2f} s)"
+            f"{'' if prediction.measured else ' (no measured rate yet: by queued tokens)'}")
 
 
 def can_carry(prefill: WorkerRecord, decode: WorkerRecord) -> bool:

@@ -28,9 +28,27 @@ def cluster():
 
 
 def _stream_and_disrupt(cluster, signum) -> tuple[str, str, float]:
-    """One greedy chat; the decode serving it gets `signum` after the third content chunk."""
-    return stream_and_disrupt(cluster.openai(), CHAT, MAX_TOKENS,
-                              lambda worker: cluster.child(worker).proc.send_signal(signum))
+    """One greedy chat; the decode serving it gets `signum` after the third content chunk.
+    Its timings are checked (`_assert_migrated_timings`)."""
+    seen: list[dict] = []
+    text, worker, longest = stream_and_disrupt(cluster.openai(), CHAT, MAX_TOKENS,
+                                               lambda worker: cluster.child(worker).proc.send_signal(signum), seen)
+    # a frozen decode is cut off only by the registry (3 s without heartbeats) or the deadline
+    min_stall_ms = 2000 if signum == signal.SIGSTOP else 0
+    _assert_migrated_timings([extra["timings"] for extra in seen if "timings" in extra], longest, min_stall_ms)
+    return text, worker, longest
+
+
+def _assert_migrated_timings(timings: list[dict], longest_gap_s: float, min_stall_ms: float) -> None:
+    """The first chunk's TTFT phases stand at the end; the move is counted, its stall is one
+    gap the client saw, and the new decode's recompute of prompt and sent tokens is prefill
+    work within that stall."""
+    first, last = timings[0], timings[-1]
+    assert first["prefill_ms"] > 0 and first["first_decode_ms"] > 0, first
+    assert {phase: last[phase] for phase in first} == first, (first, last)
+    assert last["migrations"] == 1, last
+    assert 0 < last["resume_prefill_ms"] <= last["migration_ms"], last
+    assert min_stall_ms <= last["migration_ms"] <= longest_gap_s * 1000 + 1000, (last, longest_gap_s)
 
 
 def test_killed_then_frozen_decode_the_stream_migrates_and_text_is_exact(cluster, hf_reference):

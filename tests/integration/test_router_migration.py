@@ -11,6 +11,7 @@ import grpc
 import httpx
 import pytest
 
+from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.config import Role
 
 from router_fakes import MODEL, WAIT_S, Cluster, Script, chat_body, wait_until
@@ -50,13 +51,17 @@ def test_a_stream_whose_decode_is_lost_migrates_and_continues(make_cluster, how)
     """The decode serving a stream dies (UNAVAILABLE), hangs (silent past the inactivity
     deadline) or stops heartbeating (declared dead by the registry, the stream still open):
     the router resubmits to the other decode with the tokens already sent; the client sees
-    every piece once, in order, and the usage of the whole answer."""
+    every piece once, in order, and the usage of the whole answer. The timings stay those of
+    the first token (d0's), plus the stall the move cost and d1's recompute within it."""
     idle_s = 0.6 if how == "hangs" else WAIT_S  # declared_dead: cut off by the registry, not the deadline
     cluster = make_cluster(decode_policy="round_robin", stream_idle_timeout_s=idle_s, worker_timeout_s=1.0)
-    first_script = {"dies": Script(fail_after=2, fail_code=grpc.StatusCode.UNAVAILABLE),
-                    "hangs": Script(hold_after=2), "declared_dead": Script(hold_after=2)}[how]
+    first_token = common_pb2.RequestTimings(queue_ms=1.0, prefill_ms=50.0, transfer_ms=2.0, first_decode_ms=3.0)
+    first_script = {"dies": Script(fail_after=2, fail_code=grpc.StatusCode.UNAVAILABLE, timings=first_token),
+                    "hangs": Script(hold_after=2, timings=first_token),
+                    "declared_dead": Script(hold_after=2, timings=first_token)}[how]
     d0 = cluster.add("d0", script=first_script)
-    d1 = cluster.add("d1")
+    d1 = cluster.add("d1", script=Script(timings=common_pb2.RequestTimings(queue_ms=9.0, prefill_ms=40.0,
+                                                                           first_decode_ms=7.0)))
     if how == "declared_dead":
         cluster.loop.run(d0.client.stop(deregister=False))  # heartbeats stop; its server keeps the stream open
     started = time.monotonic()
@@ -69,9 +74,28 @@ def test_a_stream_whose_decode_is_lost_migrates_and_continues(make_cluster, how)
     usage = json.loads(events[-2])["usage"]
     assert usage["completion_tokens"] == 4
     assert cluster.metric("pdserve_router_migrations_total", outcome="migrated") == 1
+    _assert_migrated_timings(events, time.monotonic() - started, min_stall_ms=idle_s * 1000 if how == "hangs" else 0)
+    # the router's TTFT phases are the first token's
+    assert cluster.metric("pdserve_router_ttft_phase_seconds_sum", phase="prefill") == pytest.approx(0.05)
+    if how == "hangs":  # and the stall is one inter-token gap, as the client saw it
+        assert cluster.metric("pdserve_router_inter_token_latency_seconds_count") == 3
+        assert cluster.metric("pdserve_router_inter_token_latency_seconds_sum") >= idle_s
     if how != "dies":
         assert time.monotonic() - started < WAIT_S / 2  # not held for the abort's or worker's WAIT_S
         wait_until(lambda: d0.aborts == [d0.requests[0].request_id], "the lost stream aborted on d0")
+
+
+def _assert_migrated_timings(events: list[str], elapsed_s: float, min_stall_ms: float) -> None:
+    """The first chunk's phases are d0's first token's; the last chunk's too, with one move:
+    its stall (at least `min_stall_ms`, within the request's time) and d1's recompute."""
+    extras = [json.loads(e).get("pdserve", {}) for e in events[:-1]]
+    timings = [extra["timings"] for extra in extras if "timings" in extra]
+    first_token = {"queue_ms": 1.0, "prefill_ms": 50.0, "transfer_ms": 2.0, "first_decode_ms": 3.0}
+    assert len(timings) == 2 and timings[0] == first_token  # d1's own phases never show: no TTFT
+    last = timings[-1]
+    assert {k: last[k] for k in first_token} == first_token, last
+    assert last["migrations"] == 1 and last["resume_prefill_ms"] == 40.0, last
+    assert min_stall_ms <= last["migration_ms"] <= elapsed_s * 1000, last
 
 
 def test_a_lost_stream_with_nowhere_to_go_ends_with_a_clear_error(make_cluster):

@@ -7,6 +7,7 @@ import pytest
 
 from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind
 from pdserve.router.config import Role
+from pdserve.router.link_probes import LinkProbes
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
 from pdserve.router.policies import RouteQuery, make_policy
@@ -294,6 +295,70 @@ def test_the_link_between_a_pair_is_charged_on_the_remote_side(registry):
     assert plan.prediction.remote_s == pytest.approx(2048 / 2000 + wire_s - 2048 / 2000)
     registry.heartbeat("d", Load(prefill_tokens_per_s=1600.0, counters=counters(4, tail_s=9.0, peer="other")))
     assert planner.plan("r3", "m", 2048, 16, [3], "").prediction.transfer_s == 0.0  # this pair: never measured
+
+
+def test_a_link_priced_out_of_use_is_probed_once_per_interval(registry, clock, caplog):
+    """A slow link keeps 2,048-token prompts on the decode, and only a transfer could show it
+    healed: once its measurement is 30 s old the next such prompt goes over it anyway
+    ("link_probe", with the age in the log), the ones after it stay local until the probe's
+    transfer is reported, and a link still slow is probed again only 30 s later. A prompt
+    that would stay local without the link's cost is never sent as a probe."""
+    slow = counters(4, tail_s=1.5, blocks=128, block_bytes=2**20, seconds=128 * 2**20 / 50e6)
+    fast = counters(5, tail_s=0.01, blocks=128, block_bytes=2**20, seconds=0.05)
+    metrics = RouterMetrics()
+    planner = RoutePlanner(registry, make_policy("prefix_aware"), make_policy("round_robin"), 8, 100, metrics,
+                           probes=LinkProbes(30.0, clock))
+
+    def report(decode_counters, prefill_queue: int = 0) -> None:  # registers again: the clock jumps
+        registry.register(worker("p", Role.PREFILL), Load(prefill_tokens_per_s=2000.0,
+                                                          queued_prompt_tokens=prefill_queue))
+        registry.register(worker("d"), Load(prefill_tokens_per_s=1600.0, counters=decode_counters))
+
+    def route(name: str) -> str:
+        plan = planner.plan(name, "m", 2048, 16, [hash(name)], "")
+        return plan.prefill.worker_id + ":" + plan.prefill_reason if plan.prefill else plan.prefill_reason
+
+    report(slow)
+    assert route("r1") == "predicted_faster_local"  # the link's age starts now
+    clock.now += 29.0
+    report(slow)
+    assert route("r2") == "predicted_faster_local"
+    clock.now += 1.0
+    report(slow)
+    with caplog.at_level("INFO", logger="pdserve.router.planner"):
+        assert route("r3") == "p:link_probe"
+    assert "link p->d last measured 30 s ago: this prompt probes it" in caplog.text
+    assert decisions(metrics, "prefill", "round_robin", "link_probe") == 1
+    report(slow)
+    assert route("r4") == "predicted_faster_local"  # one probe at a time
+    report(fast)  # the probe's transfer: the link healed
+    assert route("r5") == "p:round_robin"
+
+    report(counters(6, tail_s=1.5, blocks=128, block_bytes=2**20, seconds=128 * 2**20 / 50e6))  # slow again
+    assert route("r6") == "predicted_faster_local"
+    clock.now += 30.0
+    report(counters(6, tail_s=1.5, blocks=128, block_bytes=2**20, seconds=128 * 2**20 / 50e6))
+    assert route("r7") == "p:link_probe"
+    clock.now += 15.0  # the probe failed (the count never moved): the next waits a whole interval
+    report(counters(6, tail_s=1.5, blocks=128, block_bytes=2**20, seconds=128 * 2**20 / 50e6))
+    assert route("r8") == "predicted_faster_local"
+    clock.now += 15.0
+    report(counters(6, tail_s=1.5, blocks=128, block_bytes=2**20, seconds=128 * 2**20 / 50e6), prefill_queue=8000)
+    assert route("r9") == "predicted_faster_local"  # local even with the link free: nothing to probe
+    report(counters(6, tail_s=1.5, blocks=128, block_bytes=2**20, seconds=128 * 2**20 / 50e6))
+    assert route("r10") == "p:link_probe"
+    assert decisions(metrics, "prefill", "round_robin", "link_probe") == 3
+
+
+def test_link_probes_off_never_send_a_prompt_over_a_slow_link(registry, clock):
+    slow = counters(4, tail_s=1.5, blocks=128, block_bytes=2**20, seconds=128 * 2**20 / 50e6)
+    planner = RoutePlanner(registry, make_policy("prefix_aware"), make_policy("round_robin"), 8, 100,
+                           RouterMetrics(), probes=LinkProbes(0.0, clock))
+    for i in range(3):
+        registry.register(worker("p", Role.PREFILL), Load(prefill_tokens_per_s=2000.0))
+        registry.register(worker("d"), Load(prefill_tokens_per_s=1600.0, counters=slow))
+        assert planner.plan(f"r{i}", "m", 2048, 16, [i], "").prefill_reason == "predicted_faster_local"
+        clock.now += 3600.0
 
 
 def test_the_first_burst_is_split_before_any_rate_is_measured(registry):

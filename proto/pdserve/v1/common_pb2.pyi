@@ -181,16 +181,22 @@ class TransferVerdict(_message.Message):
     def __init__(self, outcome: _Optional[_Union[TransferOutcome, str]] = ..., reason: _Optional[str] = ..., backend: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., duration_ms: _Optional[float] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackStep, _Mapping]]] = ..., prefill_worker_id: _Optional[str] = ..., prefill_status_code: _Optional[str] = ..., transfer_id: _Optional[str] = ..., fetch_keys: _Optional[_Iterable[int]] = ..., num_messages: _Optional[int] = ..., layer_send_ms: _Optional[float] = ...) -> None: ...
 
 class RequestTimings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "first_decode_ms")
+    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "first_decode_ms", "num_migrations", "migration_ms", "resume_prefill_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_MS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
     first_decode_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., first_decode_ms: _Optional[float] = ...) -> None: ...
+    num_migrations: int
+    migration_ms: float
+    resume_prefill_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., first_decode_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., migration_ms: _Optional[float] = ..., resume_prefill_ms: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "reason")
