@@ -124,13 +124,14 @@ def _pump(child: Child) -> None:
         child.drained.set()
 
 
-def _router_ready(base_url: str, num_workers: int) -> bool:
-    """The router answers /ready and has registered every worker we started."""
+def _router_ready(base_url: str, num_workers: int, headers: dict[str, str] | None = None) -> bool:
+    """The router answers /ready and has registered every worker we started (/health counts
+    workers for a caller with the API key, `headers`, when the router asks for one)."""
     try:
         with _open(f"{base_url}/ready") as resp:
             if resp.status != 200:
                 return False
-        with _open(f"{base_url}/health") as resp:
+        with _open(f"{base_url}/health", headers) as resp:
             body = json.loads(resp.read() or b"{}")
     except Exception:  # noqa: BLE001 - not up yet, whatever the reason: ask again
         return False
@@ -202,7 +203,7 @@ def start(settings: dict[str, Any]) -> tuple[list[Child], int]:
 
 
 def wait_ready(children: list[Child], url: str, timeout_s: float, supervisor: Supervisor | None = None,
-               stopping: threading.Event | None = None) -> None:
+               stopping: threading.Event | None = None, headers: dict[str, str] | None = None) -> None:
     """Until every worker printed its ready line and the router at `url` registered them all.
     A child that exits meanwhile is restarted by `supervisor`, or (without one) fails the start."""
     stopping = stopping or threading.Event()
@@ -217,7 +218,7 @@ def wait_ready(children: list[Child], url: str, timeout_s: float, supervisor: Su
                     child.drained.wait(DRAIN_TIMEOUT_S)  # its last words (a crash's stacks) too
                     tail = "\n".join(child.lines[-40:])
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{tail}")
-        if all(c.ready.is_set() for c in workers) and _router_ready(url, len(workers)):
+        if all(c.ready.is_set() for c in workers) and _router_ready(url, len(workers), headers):
             return
         stopping.wait(0.5)
     if stopping.is_set():
@@ -309,7 +310,9 @@ def _run(settings: dict[str, Any]) -> int:
     supervisor = Supervisor(children, spawn, _say, policy)
     try:
         url = base_url(settings, http_port)
-        wait_ready(children, url, float(settings.get("ready_timeout_s") or READY_TIMEOUT_S), supervisor, stopping)
+        headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
+        wait_ready(children, url, float(settings.get("ready_timeout_s") or READY_TIMEOUT_S), supervisor, stopping,
+                   headers)
         if not stopping.is_set():
             print(banner(url, _served_model(url, settings), bool(settings.get("api_key"))), flush=True)
         while not stopping.is_set():

@@ -84,7 +84,7 @@ class RouterApp:
                                  guided=GuidedOptions(config.lenient_json_schema),
                                  block_hash_key=block_hash_key(self.auth.secret))
         self.membership = Membership(config, self.registry, self.catalog, self.channels)
-        self.api_key = ApiKeyCheck(config.api_key)
+        self.api_key = ApiKeyCheck.from_config(config)
         self.http_port = 0
         self.grpc_port = 0
         self.registry_port = 0
@@ -157,13 +157,15 @@ class RouterApp:
                                  interceptors=[ApiKeyInterceptor(self.api_key, [_GENERATION], refused),
                                                MalformedRequestInterceptor()],
                                  maximum_concurrent_rpcs=self.config.max_queue + CONTROL_CALLS)
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.frontend, self.catalog), server)
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.frontend, self.catalog,
+                                                                                self.api_key), server)
         self._grpc_server, self.grpc_port = await _serve(server, self.config.host, self.config.grpc_port, _GENERATION,
                                                          "the client API (gRPC)", _tls_credentials(self.config))
-        interceptors = self.auth.interceptors([_REGISTRY], self.metrics.count_auth_refusal)
+        interceptors = self.auth.interceptors([_REGISTRY], self.metrics.count_auth_refusal, RegistryKeys(self.registry))
         registry = internal_server(REGISTRY_MAX_RECEIVE_BYTES, interceptors)
         registry_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.membership, self.config, authenticated=self.auth.enabled), registry)
+            RegistryServicer(self.membership, self.config, authenticated=self.auth.enabled,
+                             public_key=self.auth.public_key), registry)
         self._registry_server, self.registry_port = await _serve(
             registry, self.config.host, self.config.registry_port, _REGISTRY, "the worker registry",
             self.auth.tls.server_credentials() if self.auth.tls else None)

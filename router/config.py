@@ -63,6 +63,10 @@ class RouterConfig:
                               "client networks)", "listeners")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: flags show "
                                "in ps)", "routing")
+    admin_api_key_file: str = _opt("", "file holding the admin key (mode 0600): callers sending 'Authorization: "
+                                   "Bearer <it>' see pdserve's internals (routing, transfer verdicts, timings, "
+                                   "worker details on /health, workers' errors); with neither key set, every "
+                                   "caller does", "routing")
     metrics_auth: bool = _opt(False, "/metrics requires the API key too (/health and /ready stay open)", "routing")
     tls_cert: str = _opt("", "PEM certificate (chain) for HTTPS and gRPC TLS on the client ports", "routing")
     tls_key: str = _opt("", "PEM private key of --tls-cert", "routing")

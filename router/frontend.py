@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -22,6 +23,7 @@ from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError, to_s
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, generation_pb2
 from pdserve.router.cpu_pool import CpuPool
 from pdserve.router.admission import InFlight
+from pdserve.router.api_key import Scope
 from pdserve.router.catalog import ModelCatalog, ServedModel
 from pdserve.router.dispatch import DecodeClient, DecodeWorkerLost
 from pdserve.router.guided import GuidedOptions, compile_constraint
@@ -35,6 +37,19 @@ log = logging.getLogger("pdserve.router.frontend")
 
 MAX_ATTEMPTS = 3
 _RETRYABLE = (ErrorKind.UNAVAILABLE, ErrorKind.RATE_LIMITED)
+# GenerateResponse fields only an admin sees: worker ids, matched prefix tokens, transfer
+# verdicts (whose reasons carry internal addresses) and TTFT phases (a prefix-cache timer).
+INTERNAL_FIELDS = ("routing", "transfer", "timings")
+_ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}\b")  # host:port, [v6]:port
+# Errors raised inside the deployment, as a client sees them: the kind and this text. Their
+# own messages may name workers and their addresses; the router's log keeps them.
+_CLIENT_MESSAGES = {
+    ErrorKind.UNAVAILABLE: "no worker can serve this request now; try again later",
+    ErrorKind.DEADLINE_EXCEEDED: "the request ran past a deadline inside the service",
+    ErrorKind.INTERNAL: "internal error",
+    ErrorKind.UPSTREAM_FAILED: "the prompt's prefill failed and the service is set to fail such requests",
+    ErrorKind.FAILED_PRECONDITION: "the service's workers disagree on the model or its KV layout",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +82,15 @@ class Frontend:
         self._metrics = metrics
 
     async def generate(self, request: generation_pb2.GenerateRequest, api: str, *, request_id: str = "",
-                       owner: str = "", label: str = "") -> AsyncIterator[generation_pb2.GenerateResponse]:
+                       owner: str = "", label: str = "", scope: Scope = Scope.CLIENT
+                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Stream the request's GenerateResponses. Raises ServiceError (before or during the
         stream). Closing the iterator early aborts the request on its decode worker.
 
         `request_id` is the id every service acts on, made by the router (empty: a new one);
         `request.request_id` is never read. `label` (a client's name, checked by the edge) is
-        echoed as each response's request_id; `owner` names who may `abort` it (empty: no one)."""
+        echoed as each response's request_id; `owner` names who may `abort` it (empty: no one).
+        Below `Scope.ADMIN` the responses carry no INTERNAL_FIELDS and errors are `client_error`s."""
         outcome = "aborted"  # unless it ends otherwise: the consumer left
         try:
             request_id = request_id or new_request_id()
@@ -84,9 +101,14 @@ class Frontend:
                             outcome = "aborted" if response.finish_reason == common_pb2.FINISH_REASON_ABORT else "ok"
                         if label:
                             response.request_id = label
+                        if scope < Scope.ADMIN:
+                            for name in INTERNAL_FIELDS:
+                                response.ClearField(name)
                         yield response
         except EXPECTED_ERRORS as err:
             outcome = to_service_error(err).outcome
+            if scope < Scope.ADMIN:
+                raise client_error(err, request_id) from None
             raise
         except Exception:  # counted, then re-raised
             outcome = "error"
@@ -222,6 +244,21 @@ class Frontend:
                 self._metrics.observe_finished(message)
             yield response
             message = await anext(stream, None)
+
+
+def client_error(err: BaseException, request_id: str) -> ServiceError:
+    """`err` as a caller below Scope.ADMIN sees it: an error of the request itself keeps its
+    message, less any host:port in it; one raised inside the deployment says only its kind.
+    What was withheld is logged under `request_id`."""
+    service_error = to_service_error(err)
+    public = _CLIENT_MESSAGES.get(service_error.kind)
+    if public is None:
+        public = _ADDRESS.sub("<internal address>", service_error.message)  # a net under the rule above
+        if public == service_error.message:
+            return service_error
+    log.info("request %s: %s (the client sees: %s)", request_id, service_error.message, public)
+    return ServiceError(service_error.kind, public, param=service_error.param, code=service_error.code,
+                        retry_after_s=service_error.retry_after_s)
 
 
 def _add_prompt(response: generation_pb2.GenerateResponse, prepared: PreparedRequest) -> None:

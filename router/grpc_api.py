@@ -10,6 +10,7 @@ from pdserve.rpc.errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
 from pdserve.router import fanout
+from pdserve.router.api_key import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontend import Frontend
@@ -31,11 +32,13 @@ def caller_of(context) -> str:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """The client API. Every call has passed `ApiKeyInterceptor` before any of these runs.
     A client's request_id is a label (`request_ids`): the router assigns the id services act
-    on; Abort stops only a request of the same caller (`caller_of`)."""
+    on; Abort stops only a request of the same caller (`caller_of`). Generate's responses
+    carry routing, transfer and timings only for the admin key (`Scope`)."""
 
-    def __init__(self, frontend: Frontend, catalog: ModelCatalog) -> None:
+    def __init__(self, frontend: Frontend, catalog: ModelCatalog, auth: ApiKeyCheck) -> None:
         self._frontend = frontend
         self._catalog = catalog
+        self._auth = auth
 
     @grpc_errors
     async def Generate(self, request, context):
@@ -46,9 +49,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._frontend.count_rejected("grpc", err)
             raise
         caller = caller_of(context)
+        scope = self._auth.check_metadata(context.invocation_metadata())
 
         def generate(one):  # a choice's label is request_id-k (fanout)
-            return self._frontend.generate(one, api="grpc", owner=caller, label=one.request_id)
+            return self._frontend.generate(one, api="grpc", owner=caller, label=one.request_id, scope=scope)
 
         if request.n > 1 or request.best_of > 1:  # several choices, each its own generation
             stream = fanout.grpc_stream(request, generate)

@@ -24,7 +24,7 @@ from pdserve.common.errors import (EXPECTED_ERRORS, ErrorKind, InvalidRequestErr
                                    ServiceError, to_service_error)
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router import fanout, tokenize_api
-from pdserve.router.api_key import ApiKeyCheck
+from pdserve.router.api_key import ApiKeyCheck, Scope
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
 from pdserve.router.frontend import Frontend
@@ -151,7 +151,7 @@ class OpenAIHandlers:
     async def _handle(self, request: Request, chat: bool) -> Response:
         api = "http_chat" if chat else "http_completions"
         try:
-            self._auth.check(request.headers.get("authorization"))
+            scope = self._auth.check(request.headers.get("authorization"))
             body = await read_json_object(request, self._max_body_bytes)
             parsed = parse_chat(body) if chat else parse_completion(body)
         except EXPECTED_ERRORS as err:
@@ -161,8 +161,9 @@ class OpenAIHandlers:
         prefix = "chatcmpl" if chat else "cmpl"
         parsed.request.request_id = new_request_id(prefix)  # the router's: no client names an HTTP request
         if parsed.best_of > 1 or len(parsed.prompts) > 1:
-            return await self._fan_out(request, parsed, chat, api)
-        responses = self._frontend.generate(parsed.request, api=api, request_id=parsed.request.request_id)
+            return await self._fan_out(request, parsed, chat, api, scope)
+        responses = self._frontend.generate(parsed.request, api=api, request_id=parsed.request.request_id,
+                                            scope=scope)
         formatter = ResponseFormatter(chat, parsed.model, parsed.request.request_id, parsed.request.sampling.logprobs,
                                       self._token_text(parsed.model), tool_mode=parsed.tool_mode,
                                       ignored_fields=parsed.ignored_fields, prompt_logprobs=parsed.prompt_logprobs)
@@ -198,13 +199,14 @@ class OpenAIHandlers:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _fan_out(self, request: Request, parsed: OpenAIRequest, chat: bool, api: str) -> Response:
+    async def _fan_out(self, request: Request, parsed: OpenAIRequest, chat: bool, api: str,
+                       scope: Scope) -> Response:
         """Several choices (n, best_of, prompt lists): see `fanout`."""
         rid = parsed.request.request_id
         choices = fanout.plan_choices(parsed, rid)
 
         def generate(one: generation_pb2.GenerateRequest):
-            return self._frontend.generate(one, api=api, request_id=one.request_id)
+            return self._frontend.generate(one, api=api, request_id=one.request_id, scope=scope)
 
         def formatter(index: int) -> ResponseFormatter:
             return ResponseFormatter(chat, parsed.model, rid, parsed.request.sampling.logprobs,
@@ -286,12 +288,14 @@ def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRe
     app.add_api_route("/detokenize", handlers.detokenize, methods=["POST"])
 
     async def health(request: Request) -> Response:
-        """Liveness: 200 while the process serves; the body says what is routable."""
-        return JSONResponse(_health_body(registry, catalog))
+        """Liveness: 200 while the process serves; the body says what is routable, as much
+        as the caller's scope may see."""
+        body = _health_body(registry, catalog, auth.scope(request.headers.get("authorization")))
+        return JSONResponse(body)
 
     async def ready(request: Request) -> Response:
         """Readiness: 200 once a model is known and a decode worker is alive, else 503."""
-        body = _health_body(registry, catalog)
+        body = _health_body(registry, catalog, auth.scope(request.headers.get("authorization")))
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     async def prometheus(request: Request) -> Response:
@@ -325,7 +329,9 @@ def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRe
     return app
 
 
-def _health_body(registry: WorkerRegistry, catalog: ModelCatalog) -> dict[str, Any]:
+def _health_body(registry: WorkerRegistry, catalog: ModelCatalog, scope: Scope) -> dict[str, Any]:
+    """ANONYMOUS: the status; CLIENT: models and worker counts too; ADMIN: each worker's KV
+    backends by worker id, and whether remote prefill is degraded."""
     num_decode = len([r for r in registry.alive(Role.DECODE) if not r.suspect])
     num_prefill = len([r for r in registry.alive(Role.PREFILL) if not r.suspect])
     ready = bool(num_decode and catalog.names())
@@ -335,6 +341,9 @@ def _health_body(registry: WorkerRegistry, catalog: ModelCatalog) -> dict[str, A
     # remote prefill is degraded when some live prefill shares no usable backend with some decode
     degraded = any(not can_carry(p, d) for p in registry.alive(Role.PREFILL) for d in decoders
                    if p.worker.model_name == d.worker.model_name)
-    return {"status": "ok" if ready else "no_workers", "models": catalog.names(),
-            "decode_workers": num_decode, "prefill_workers": num_prefill,
-            "kv_transfer": "degraded" if degraded else "ok", "kv_backends": backends}
+    body: dict[str, Any] = {"status": "ok" if ready else "no_workers"}
+    if scope >= Scope.CLIENT:
+        body.update(models=catalog.names(), decode_workers=num_decode, prefill_workers=num_prefill)
+    if scope >= Scope.ADMIN:
+        body.update(kv_transfer="degraded" if degraded else "ok", kv_backends=backends)
+    return body

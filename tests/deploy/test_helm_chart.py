@@ -165,7 +165,15 @@ def container_ports(container: dict[str, Any]) -> dict[str, int]:
 
 
 def probe_ports(container: dict[str, Any]) -> set[int]:
-    return {container[f"{kind}Probe"]["grpc"]["port"] for kind in ("startup", "readiness", "liveness")}
+    """The ports the probes check: by grpc.health.v1, or by a TCP connect where the port asks
+    for a client certificate (a worker's under internal mutual TLS)."""
+    probes = [container[f"{kind}Probe"] for kind in ("startup", "readiness", "liveness")]
+    return {(probe.get("grpc") or probe["tcpSocket"])["port"] for probe in probes}
+
+
+def probe_kinds(container: dict[str, Any]) -> set[str]:
+    return {next(k for k in ("grpc", "tcpSocket", "httpGet", "exec") if k in container[f"{kind}Probe"])
+            for kind in ("startup", "readiness", "liveness")}
 
 
 def container_env(container: dict[str, Any]) -> dict[str, str]:
@@ -661,6 +669,7 @@ def test_router_tls_from_a_certificate_secret(render_values) -> None:
 
 def test_internal_mutual_tls_from_a_certificate_secret(render_values) -> None:
     m = render_values({"internalTLS": {"secretName": "internal-cert"}})
+    assert not [d for d in m.of_kind("Secret") if d["metadata"]["name"].endswith("-internal-tls")]
     for role in ROLES:
         container = main_container(m.workload(role))
         _, s = cli_settings(container)
@@ -669,6 +678,103 @@ def test_internal_mutual_tls_from_a_certificate_secret(render_values) -> None:
             f"{mount['mountPath']}/{f}" for f in ("tls.crt", "tls.key", "ca.crt"))
         volume = next(v for v in m.workload(role)["spec"]["template"]["spec"]["volumes"] if v["name"] == "internal-tls")
         assert volume["secret"]["secretName"] == "internal-cert"
+
+
+def _secret_files(m: Manifests, role: str, volume_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the container's mount, the pod's volume) of a Secret volume."""
+    container = main_container(m.workload(role))
+    mount = next(v for v in container["volumeMounts"] if v["name"] == volume_name)
+    volume = next(v for v in m.workload(role)["spec"]["template"]["spec"]["volumes"] if v["name"] == volume_name)
+    return mount, volume
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_internal_mutual_tls_is_on_by_default_with_certificates_made_for_the_release(profile: str, render) -> None:
+    m = render(profile)
+    secret = m.named("Secret", f"{RELEASE}-internal-tls")
+    assert secret["type"] == "kubernetes.io/tls" and secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert set(secret["data"]) == {"ca.crt", "tls.crt", "tls.key"}
+    for role in ROLES:
+        container = main_container(m.workload(role))
+        _, s = cli_settings(container)
+        mount, volume = _secret_files(m, role, "internal-tls")
+        assert mount["readOnly"] is True and volume["secret"]["secretName"] == secret["metadata"]["name"]
+        assert (s["internal_tls_cert"], s["internal_tls_key"], s["internal_tls_ca"]) == tuple(
+            f"{mount['mountPath']}/{f}" for f in ("tls.crt", "tls.key", "ca.crt"))
+        # the kubelet holds no certificate: a worker's mutual-TLS port is probed by connecting
+        assert probe_kinds(container) == ({"grpc"} if role == "router" else {"tcpSocket"})
+        assert probe_ports(container) == {s["grpc_port"]}
+
+
+def test_the_release_certificates_carry_the_services_names_and_serve_mutual_tls(render) -> None:
+    """The chart's CA signed the certificate, which names pdserve-internal (what every
+    internal client checks) and the Services; a real gRPC server with it admits a client
+    presenting it and refuses one presenting none."""
+    import base64
+    from concurrent import futures
+
+    import grpc
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from pdserve.rpc.credentials import INTERNAL_SERVER_NAME
+
+    data = {k: base64.b64decode(v) for k, v in render("default").named("Secret", f"{RELEASE}-internal-tls")["data"].items()}
+    ca, cert = x509.load_pem_x509_certificate(data["ca.crt"]), x509.load_pem_x509_certificate(data["tls.crt"])
+    key = serialization.load_pem_private_key(data["tls.key"], password=None)
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is True
+    cert.verify_directly_issued_by(ca)
+    assert key.public_key().public_numbers() == cert.public_key().public_numbers()
+    names = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName))
+    assert {INTERNAL_SERVER_NAME, f"{RELEASE}-router-headless.{NAMESPACE}.svc", f"{RELEASE}-decode.{NAMESPACE}.svc",
+            f"{RELEASE}-prefill", f"{RELEASE}-router.{NAMESPACE}"} <= names
+    usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= usages
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [(data["tls.key"], data["tls.crt"])], root_certificates=data["ca.crt"], require_client_auth=True))
+    server.start()
+    options = [("grpc.ssl_target_name_override", INTERNAL_SERVER_NAME)]
+    try:
+        ours = grpc.ssl_channel_credentials(data["ca.crt"], data["tls.key"], data["tls.crt"])
+        with grpc.secure_channel(f"127.0.0.1:{port}", ours, options) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        anonymous = grpc.ssl_channel_credentials(data["ca.crt"])
+        with grpc.secure_channel(f"127.0.0.1:{port}", anonymous, options) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(0)
+
+
+def test_internal_mutual_tls_can_be_turned_off(render_values) -> None:
+    m = render_values({"internalTLS": {"enabled": False}})
+    assert not [d for d in m.of_kind("Secret") if d["metadata"]["name"].endswith("-internal-tls")]
+    for role in ROLES:
+        container = main_container(m.workload(role))
+        _, s = cli_settings(container)
+        assert "internal_tls_cert" not in s and "internal-tls" not in {v["name"] for v in container["volumeMounts"]}
+        assert probe_kinds(container) == {"grpc"}
+
+
+def test_the_admin_key_is_mounted_from_its_secret(render_values) -> None:
+    m = render_values({"router": {"apiKeySecret": {"name": "api", "key": "key"},
+                                  "adminKeySecret": {"name": "ops", "key": "admin"}}})
+    _, s = cli_settings(main_container(m.workload("router")))
+    mount, volume = _secret_files(m, "router", "admin-key")
+    assert s["admin_api_key_file"] == f"{mount['mountPath']}/admin" and mount["readOnly"] is True
+    assert volume["secret"]["secretName"] == "ops" and volume["secret"]["items"] == [{"key": "admin", "path": "admin"}]
+    from pdserve.router.config import RouterConfig
+
+    assert RouterConfig.from_settings(s).admin_api_key_file == s["admin_api_key_file"]
+    default = render_values({})
+    assert "admin_api_key_file" not in cli_settings(main_container(default.workload("router")))[1]
 
 
 # --- scheduling on a small cluster ----------------------------------------------------------
@@ -826,3 +932,16 @@ def test_worker_metrics_ask_for_a_token_by_default_and_the_notes_warn_without_an
         assert ref == {"name": token["metadata"]["name"], "key": m.values["metrics"]["tokenSecret"]["key"]}
     if not m.values["router"]["apiKeySecret"]["name"]:
         assert "WARNING: no API key" in m.notes
+
+
+def test_speculative_config_reaches_the_decode_engine(render_values) -> None:
+    """engine.speculativeConfig, a map, is the workers' --speculative-config JSON; unset, off."""
+    from pdserve.worker.settings import WorkerSettings
+
+    m = render_values({"engine": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 4,
+                                                        "prompt_lookup_max": 3}}})
+    _, s = cli_settings(main_container(m.workload("decode")))
+    spec = WorkerSettings.from_settings("decode", s).engine_config().speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 4, 3)
+    _, s = cli_settings(main_container(render_values({}).workload("decode")))
+    assert WorkerSettings.from_settings("decode", s).engine_config().speculative is None

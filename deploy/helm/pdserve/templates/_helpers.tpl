@@ -86,16 +86,38 @@ are not ready yet, so registration never waits on the router's own readiness.
 - name: cluster-secret
   mountPath: {{ include "pdserve.clusterSecretDir" . }}
   readOnly: true
-{{- if .Values.internalTLS.secretName }}
+{{- if include "pdserve.internalTlsSecretName" . }}
 - name: internal-tls
   mountPath: /etc/pdserve/internal-tls
   readOnly: true
 {{- end }}
 {{- end }}
 
-{{/* Mutual TLS on internal gRPC, from a cert-manager-shaped Secret (ca.crt, tls.crt, tls.key). */}}
+{{/* The Secret of internal mutual TLS (ca.crt, tls.crt, tls.key: cert-manager's shape): the
+user's, or the one the chart makes; empty when internalTLS.enabled is false. */}}
+{{- define "pdserve.internalTlsSecretName" -}}
+{{- if .Values.internalTLS.enabled }}
+{{- .Values.internalTLS.secretName | default (printf "%s-internal-tls" (include "pdserve.fullname" .)) }}
+{{- end }}
+{{- end }}
+
+{{/* The DNS names of the certificate the chart makes (a YAML list): the name every client
+checks (rpc.credentials.INTERNAL_SERVER_NAME) and each Service's names in this namespace. */}}
+{{- define "pdserve.internalTlsNames" -}}
+{{- $fullname := include "pdserve.fullname" . }}
+- "pdserve-internal"
+{{- range $service := list "router" "router-headless" "prefill" "decode" }}
+{{- $short := printf "%s-%s" $fullname $service }}
+- {{ $short | quote }}
+- {{ printf "%s.%s" $short $.Release.Namespace | quote }}
+- {{ printf "%s.%s.svc" $short $.Release.Namespace | quote }}
+- {{ printf "*.%s.%s.svc" $short $.Release.Namespace | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Mutual TLS on internal gRPC: where every role reads the Secret's files. */}}
 {{- define "pdserve.internalTlsArgs" -}}
-{{- if .Values.internalTLS.secretName }}
+{{- if include "pdserve.internalTlsSecretName" . }}
 - "--internal-tls-cert=/etc/pdserve/internal-tls/tls.crt"
 - "--internal-tls-key=/etc/pdserve/internal-tls/tls.key"
 - "--internal-tls-ca=/etc/pdserve/internal-tls/ca.crt"
@@ -110,11 +132,15 @@ are not ready yet, so registration never waits on the router's own readiness.
     items:
       - key: {{ .Values.clusterSecret.key }}
         path: {{ .Values.clusterSecret.key }}
-{{- with .Values.internalTLS.secretName }}
+{{- with include "pdserve.internalTlsSecretName" . }}
 - name: internal-tls
   secret:
     secretName: {{ . }}
     defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
 {{- end }}
 {{- end }}
 

@@ -50,14 +50,21 @@ annotations:
 
 {{/*
 Startup, readiness and liveness probes: standard grpc.health.v1 on the role's gRPC port
-(Kubernetes needs the number here, not the port's name). Call with (dict "probes" .probes
-"port" <int>).
+(Kubernetes needs the number here, not the port's name). A port that asks for a client
+certificate (`mutualTLS`: a worker's, under internal mutual TLS) cannot be called by the
+kubelet, which holds none: its probes check that the port accepts connections (a worker
+opens it once its model is loaded). Call with (dict "probes" .probes "port" <int>
+"mutualTLS" <bool>).
 */}}
 {{- define "pdserve.probes" -}}
 {{- $port := int .port }}
 {{- range $kind := list "startup" "readiness" "liveness" }}
 {{ $kind }}Probe:
+  {{- if $.mutualTLS }}
+  tcpSocket:
+  {{- else }}
   grpc:
+  {{- end }}
     port: {{ $port }}
   {{- toYaml (index $.probes $kind) | nindent 2 }}
 {{- end }}

@@ -133,6 +133,9 @@ spec:
             {{- with $engine.chunkingPolicy }}
             - {{ printf "--chunking-policy=%s" . | quote }}
             {{- end }}
+            {{- with $engine.speculativeConfig }}
+            - {{ printf "--speculative-config=%s" (toJson .) | quote }}
+            {{- end }}
             - {{ printf "--kv-backends=%s" (join "," $kv.backends) | quote }}
             - {{ printf "--transfer-port=%d" (int $kv.port) | quote }}
             {{- with $kv.timeoutS }}
@@ -190,7 +193,8 @@ spec:
             - name: metrics
               containerPort: {{ int $values.metrics.port }}
               protocol: TCP
-          {{- include "pdserve.probes" (dict "probes" $cfg.probes "port" $cfg.grpcPort) | trim | nindent 10 }}
+          {{- $mutualTLS := not (empty (include "pdserve.internalTlsSecretName" $ctx)) }}
+          {{- include "pdserve.probes" (dict "probes" $cfg.probes "port" $cfg.grpcPort "mutualTLS" $mutualTLS) | trim | nindent 10 }}
           resources:
             {{- include "pdserve.resources" $cfg | nindent 12 }}
           securityContext:

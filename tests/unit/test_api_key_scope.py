@@ -1,0 +1,68 @@
+"""The scope each caller gets from the keys it sends (router.api_key.Scope), and the admin
+key's file as the router reads it."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.common.auth import ClusterSecretError
+from pdserve.common.errors import ErrorKind, InvalidRequestError, ServiceError, UnauthenticatedError
+from pdserve.router.api_key import ApiKeyCheck, Scope
+from pdserve.router.config import ConfigError, RouterConfig
+from pdserve.router.frontend import client_error
+
+
+@pytest.mark.parametrize("api_key, admin_key, sent, scope", [
+    (None, None, None, Scope.ADMIN),  # the laptop default: everyone sees everything
+    (None, None, "Bearer anything", Scope.ADMIN),
+    ("k", None, "Bearer k", Scope.CLIENT),
+    ("k", None, None, Scope.ANONYMOUS),
+    ("k", "a", "Bearer a", Scope.ADMIN),
+    ("k", "a", "Bearer k", Scope.CLIENT),
+    ("k", "a", "Bearer x", Scope.ANONYMOUS),
+    (None, "a", None, Scope.CLIENT),  # an open API with closed internals
+    (None, "a", "Bearer a", Scope.ADMIN),
+    (None, "a", "Bearer k", Scope.CLIENT),
+])
+def test_the_key_sent_sets_the_scope(api_key, admin_key, sent, scope) -> None:
+    assert ApiKeyCheck(api_key, admin_key).scope(sent) is scope
+
+
+def test_check_refuses_only_where_an_api_key_is_asked_for() -> None:
+    check = ApiKeyCheck("k", "a")
+    assert check.check("Bearer a") is Scope.ADMIN and check.check("Bearer k") is Scope.CLIENT
+    with pytest.raises(UnauthenticatedError, match="missing"):
+        check.check(None)
+    with pytest.raises(UnauthenticatedError, match="incorrect"):
+        check.check("Bearer nope")
+    assert check.check_metadata([("authorization", "Bearer a")]) is Scope.ADMIN
+    with pytest.raises(UnauthenticatedError, match="exactly one"):  # which of two would count?
+        ApiKeyCheck(None, "a").check_metadata([("authorization", "Bearer k"), ("authorization", "Bearer a")])
+
+
+def test_the_admin_key_is_read_from_a_private_file(tmp_path) -> None:
+    path = tmp_path / "admin"
+    path.write_text("s3cret-admin\n")
+    path.chmod(0o600)
+    check = ApiKeyCheck.from_config(RouterConfig(api_key="k", admin_api_key_file=str(path)))
+    assert check.scope("Bearer s3cret-admin") is Scope.ADMIN
+    path.chmod(0o644)
+    with pytest.raises(ClusterSecretError, match="readable by others"):
+        ApiKeyCheck.from_config(RouterConfig(admin_api_key_file=str(path)))
+    path.write_text("k")
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match="differ"):
+        ApiKeyCheck.from_config(RouterConfig(api_key="k", admin_api_key_file=str(path)))
+    path.write_text("\n")
+    with pytest.raises(ConfigError, match="printable"):
+        ApiKeyCheck.from_config(RouterConfig(admin_api_key_file=str(path)))
+
+
+def test_a_client_sees_errors_raised_inside_by_their_kind_only() -> None:
+    inside = ServiceError(ErrorKind.UNAVAILABLE, "decode d0 at ipv4:10.0.0.9:50070 unreachable", retry_after_s=1)
+    shown = client_error(inside, "chatcmpl-1")
+    assert shown.kind is ErrorKind.UNAVAILABLE and shown.retry_after_s == 1
+    assert "10.0.0.9" not in shown.message and "d0" not in shown.message
+    own = InvalidRequestError("temperature must be in [0, 2]", param="temperature")
+    assert client_error(own, "chatcmpl-2").message == "temperature must be in [0, 2]"
+    leaky = ServiceError(ErrorKind.INVALID_ARGUMENT, "bad block from [fd00::5]:50100")
+    assert client_error(leaky, "chatcmpl-3").message == "bad block from <internal address>"
