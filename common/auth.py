@@ -1,17 +1,33 @@
-"""The cluster secret and everything derived from it (DESIGN §7). No grpc here: the gRPC
-interceptors that carry call credentials live in `pdserve.rpc.credentials`.
+"""The cluster secret, the per-process call keys, and the credentials made from them
+(DESIGN §7). No grpc here: the gRPC interceptors that carry call credentials live in
+`pdserve.rpc.credentials`.
 
 One secret per deployment, read from a file (`--cluster-secret-file`), never from a
 command line. Each use gets its own key, derived as HMAC-SHA256(secret, "pdserve-v1/<use>"):
 
-* `calls`    per-call credentials of internal RPCs (`CallSigner` / `CallVerifier`),
+* `calls`    admission credentials (v1, below): registration and read-only calls,
 * `handoff`  the decode's signature on a KV hand-off,
 * `transfer` the UCX/gloo control channel's challenge-response,
 * `store`    the MAC on Redis/disk KV records.
 
-A call credential is the text `v1 <caller_id> <unix_ms> <nonce> <mac>`; the MAC covers the
-full gRPC method name, the caller id, the time and the nonce. A verifier accepts it within
-`max_skew_s` of its own clock and only once (a replay cache keyed by nonce).
+Every process (router, each prefill, each decode) also makes its own Ed25519 key pair at
+start (`CallKey`); the private key never leaves the process and is never written down.
+
+Two kinds of call credential, one per call:
+
+* `v1 <caller_id> <unix_ms> <nonce> <mac>`: an HMAC under the `calls` key, which every
+  process of the deployment holds. It admits a process to the deployment, nothing more: it
+  is accepted only for `ADMISSION_METHODS` (Register, ModelInfo, Load), and its caller id
+  is a label anyone with the secret can write.
+* `v2 <caller_id> <unix_ms> <nonce> <sig>`: an Ed25519 signature by the caller's own key.
+  Every other internal call needs one. A verifier finds the caller's public key in a
+  `KeyDirectory`: the router in its registry (a worker sends its public key in Register;
+  the registry binds it to the id with the lease), a worker among the routers it registered
+  with (RegisterResponse) and, for a peer worker, by asking the registry (Lookup).
+
+Both cover the full gRPC method name, the caller id, the time and the nonce. A verifier
+accepts a credential within `max_skew_s` of its own clock and only once (a replay cache
+keyed by nonce). The router holds what verifies workers' calls, never what signs them.
 """
 from __future__ import annotations
 
@@ -26,12 +42,19 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol, Sequence
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from pdserve.common.errors import AuthError, PdserveError
 
-__all__ = ["AuthError", "CallSigner", "CallVerifier", "ClusterSecret", "ClusterSecretError", "Mac",
+__all__ = ["ADMISSION_METHODS", "ROUTER_ID", "AuthError", "CallKey", "CallSigner", "CallVerifier",
+           "ClusterSecret", "ClusterSecretError", "Identity", "KeyDirectory", "Mac", "UnknownCallerError",
            "caller_of", "encode_fields", "is_loopback", "require_secret_off_loopback"]
 
 MIN_SECRET_BYTES = 16
@@ -39,6 +62,17 @@ MAX_SECRET_BYTES = 4096
 CREDENTIAL_HEADER = "pdserve-credential"
 _CALLER_ID = re.compile(r"[A-Za-z0-9._:@/\[\]-]{1,200}")
 _NONCE_BYTES = 16
+PUBLIC_KEY_BYTES = 32  # a raw Ed25519 public key
+_SIGNATURE_BYTES = 64
+ROUTER_ID = "router"  # the caller id of every router; no worker may register under it
+# The calls a v1 (cluster-secret) credential is enough for: joining, and reading what a
+# worker serves and how loaded it is (the router asks a decode for ModelInfo before it
+# answers its Register, so before that decode can know the router's key).
+ADMISSION_METHODS = frozenset({
+    "/pdserve.v1.Registry/Register",
+    "/pdserve.v1.Decode/ModelInfo", "/pdserve.v1.Decode/Load",
+    "/pdserve.v1.Prefill/ModelInfo", "/pdserve.v1.Prefill/Load",
+})
 
 
 class ClusterSecretError(PdserveError):
@@ -169,22 +203,93 @@ class Mac:
         return hmac.compare_digest(tag, self.tag(*fields))
 
 
-class CallSigner:
-    """Makes the credential a caller attaches to one internal RPC."""
+class UnknownCallerError(AuthError):
+    """A v2 credential whose caller has no key here that verifies it (yet): the verifier's
+    `KeyDirectory` may learn the key (`refresh`) and the check be tried once more. The
+    message is the same for every caller (refusal reasons are metric labels)."""
 
-    def __init__(self, secret: ClusterSecret, caller_id: str,
+    def __init__(self, message: str, caller_id: str) -> None:
+        super().__init__(message)
+        self.caller_id = caller_id
+
+
+class CallKey:
+    """This process's Ed25519 key pair, made at start. The private key never leaves the
+    process: it is not written anywhere and not shown by repr."""
+
+    def __init__(self) -> None:
+        self._private = Ed25519PrivateKey.generate()
+        self.public_key = self._private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    def __repr__(self) -> str:
+        return f"CallKey(public={self.public_key.hex()[:16]}...)"
+
+    def sign(self, data: bytes) -> bytes:
+        return self._private.sign(data)
+
+
+@lru_cache(maxsize=4096)
+def public_key_of(raw: bytes) -> Ed25519PublicKey:
+    """A loaded public key (loading costs more than a verify; keys are few and reused).
+    ValueError unless `raw` is PUBLIC_KEY_BYTES long."""
+    if len(raw) != PUBLIC_KEY_BYTES:
+        raise ValueError(f"an Ed25519 public key is {PUBLIC_KEY_BYTES} bytes, not {len(raw)}")
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who made a verified call: a caller id, its role ("router", "prefill", "decode"; "" for
+    a v1 credential, which proves membership of the deployment only) and its public key."""
+
+    caller_id: str
+    role: str
+    public_key: bytes = field(default=b"", repr=False)
+
+
+class KeyDirectory(Protocol):
+    """Where a verifier finds callers' public keys.
+
+    `identities(caller_id)` answers from memory, at once: the identities that caller id may
+    hold now (several for ROUTER_ID when several routers run). `refresh(caller_id)` is
+    awaited after a credential of `caller_id` failed to verify with them, before the one
+    retry: it may learn keys (bounded in time and rate), or do nothing."""
+
+    def identities(self, caller_id: str) -> Sequence[Identity]: ...
+
+    async def refresh(self, caller_id: str) -> None: ...
+
+
+def _signed_text(method: str, caller: str, unix_ms: int, nonce: str) -> bytes:
+    return encode_fields("pdserve-call-v2", method, caller, unix_ms, nonce)
+
+
+class CallSigner:
+    """Makes the credential a caller attaches to one internal RPC: v1 (the cluster secret's
+    MAC) for ADMISSION_METHODS or when it has no `key`, else v2 (its own signature)."""
+
+    def __init__(self, secret: ClusterSecret, caller_id: str, key: CallKey | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if not _CALLER_ID.fullmatch(caller_id):
             raise ValueError(f"caller id {caller_id!r} has characters a credential cannot carry")
         self._mac = Mac(secret.key("calls"))
+        self._key = key
         self.caller_id = caller_id
         self._clock = clock
+
+    @property
+    def public_key(self) -> bytes:
+        """What verifies this signer's v2 credentials (b"": it makes v1 ones only)."""
+        return self._key.public_key if self._key is not None else b""
 
     def credential(self, method: str) -> str:
         unix_ms = int(self._clock() * 1000)
         nonce = secrets.token_hex(_NONCE_BYTES)
-        mac = self._mac.tag(method, self.caller_id, unix_ms, nonce).hex()
-        return f"v1 {self.caller_id} {unix_ms} {nonce} {mac}"
+        if self._key is None or method in ADMISSION_METHODS:
+            mac = self._mac.tag(method, self.caller_id, unix_ms, nonce).hex()
+            return f"v1 {self.caller_id} {unix_ms} {nonce} {mac}"
+        signature = self._key.sign(_signed_text(method, self.caller_id, unix_ms, nonce)).hex()
+        return f"v2 {self.caller_id} {unix_ms} {nonce} {signature}"
 
 
 def caller_of(credential: str | None) -> str:
@@ -193,12 +298,19 @@ def caller_of(credential: str | None) -> str:
     return parts[1] if len(parts) == 5 else ""
 
 
-class CallVerifier:
-    """Checks call credentials: MAC, clock skew, and that no nonce is accepted twice."""
+_TAG_HEX = {"v1": 64, "v2": 2 * _SIGNATURE_BYTES}
 
-    def __init__(self, secret: ClusterSecret, *, max_skew_s: float = 60.0, max_remembered: int = 200_000,
-                 clock: Callable[[], float] = time.time) -> None:
+
+class CallVerifier:
+    """Checks call credentials: MAC or signature, clock skew, and that no nonce is accepted
+    twice. With `keys`, v2 credentials verify against the caller's keys found there and v1
+    ones only for ADMISSION_METHODS; without (unit tests, a process that learns no keys),
+    only v1 credentials verify, for any method."""
+
+    def __init__(self, secret: ClusterSecret, keys: KeyDirectory | None = None, *, max_skew_s: float = 60.0,
+                 max_remembered: int = 200_000, clock: Callable[[], float] = time.time) -> None:
         self._mac = Mac(secret.key("calls"))
+        self.keys = keys
         self.max_skew_s = max_skew_s
         self._max_remembered = max_remembered
         self._clock = clock
@@ -207,26 +319,52 @@ class CallVerifier:
 
     def verify(self, method: str, credential: str | None) -> str:
         """The caller id of a valid credential for `method`; AuthError otherwise."""
+        return self.check(method, credential).caller_id
+
+    def check(self, method: str, credential: str | None) -> Identity:
+        """The identity of a valid credential for `method`: AuthError otherwise, its subclass
+        UnknownCallerError when no key known here verifies a well-formed v2 credential."""
         if not credential:
             raise AuthError("no credential")
         parts = credential.split(" ")
-        if len(parts) != 5 or parts[0] != "v1":
+        if len(parts) != 5 or parts[0] not in _TAG_HEX or (parts[0] == "v2" and self.keys is None):
             raise AuthError("malformed credential")
-        _, caller, unix_ms, nonce, mac_hex = parts
+        kind, caller, unix_ms, nonce, tag_hex = parts
         if not (_CALLER_ID.fullmatch(caller) and unix_ms.isdigit() and len(unix_ms) <= 16
-                and len(nonce) == 2 * _NONCE_BYTES and len(mac_hex) == 64):
+                and len(nonce) == 2 * _NONCE_BYTES and len(tag_hex) == _TAG_HEX[kind]):
             raise AuthError("malformed credential")
         try:
-            mac = bytes.fromhex(mac_hex)
+            tag = bytes.fromhex(tag_hex)
         except ValueError:
             raise AuthError("malformed credential") from None
-        if not self._mac.check(mac, method, caller, int(unix_ms), nonce):
-            raise AuthError("bad credential")
         now = self._clock()
-        if abs(now - int(unix_ms) / 1000) > self.max_skew_s:
+        in_window = abs(now - int(unix_ms) / 1000) <= self.max_skew_s
+        if kind == "v1":
+            identity = self._check_admission(method, caller, int(unix_ms), nonce, tag)
+        if not in_window:  # before a signature check: a stale credential costs no verify
             raise AuthError("credential outside the clock-skew window")
+        if kind == "v2":
+            identity = self._check_signature(method, caller, int(unix_ms), nonce, tag)
         self._remember(nonce, now)
-        return caller
+        return identity
+
+    def _check_admission(self, method: str, caller: str, unix_ms: int, nonce: str, mac: bytes) -> Identity:
+        if not self._mac.check(mac, method, caller, unix_ms, nonce):
+            raise AuthError("bad credential")
+        if self.keys is not None and method not in ADMISSION_METHODS:
+            raise AuthError("a v1 credential admits to registration, ModelInfo and Load only; "
+                            "this call needs the caller's own signature (v2)")
+        return Identity(caller, "")
+
+    def _check_signature(self, method: str, caller: str, unix_ms: int, nonce: str, signature: bytes) -> Identity:
+        text = _signed_text(method, caller, unix_ms, nonce)
+        for identity in self.keys.identities(caller):
+            try:
+                public_key_of(identity.public_key).verify(signature, text)
+            except (InvalidSignature, ValueError):
+                continue
+            return identity
+        raise UnknownCallerError("no key known here verifies the caller's signature", caller)
 
     def _remember(self, nonce: str, now: float) -> None:
         with self._lock:

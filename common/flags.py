@@ -13,8 +13,9 @@ from typing import Any
 SECURITY_HELP = {
     "cluster_secret_file": "file holding this deployment's secret (mode 0600, the same on every service); "
                            "every internal call is authenticated with it",
-    "internal_tls_cert": "PEM certificate for mutual TLS on internal gRPC (SAN 'pdserve-internal'; with "
-                         "--internal-tls-key and --internal-tls-ca)",
+    "internal_tls_cert": "PEM certificate for mutual TLS on internal gRPC, with --internal-tls-key and "
+                         "--internal-tls-ca: the deployment's (SAN 'pdserve-internal') or this host's (SANs: its "
+                         "IP addresses; peers are then checked by address)",
     "internal_tls_key": "PEM private key of --internal-tls-cert",
     "internal_tls_ca": "PEM CA that every internal peer's certificate must chain to",
     "insecure_internal": "allow binding beyond loopback without a cluster secret; this turns off internal gRPC "

@@ -41,7 +41,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
 from pdserve.router.guided import GuidedOptions
 from pdserve.router.policies import make_policy
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.worker_registry import RegistryKeys, WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
 
@@ -69,6 +69,10 @@ class RouterApp:
         tls = InternalTLS.load(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
         self.auth = InternalAuth.from_settings("router", config.host, config.cluster_secret_file,
                                                config.insecure_internal, tls)
+        if self.auth.enabled and config.static_workers:
+            # a worker verifies the router's calls with the key it learns when it registers
+            raise ConfigError("--static-workers cannot be used with a cluster secret: workers must register "
+                              "(--router on each worker) to learn the key the router signs its calls with")
         self.channels = WorkerChannels(self.auth.signer("router"), tls)
         self.tasks = BackgroundTasks()
         self.in_flight = InFlight(config.max_queue, config.retry_after_s)

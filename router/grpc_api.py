@@ -84,11 +84,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     """A registration is bound to its lease: only the process that registered a worker id
     may heartbeat or deregister it, or register it again while it is alive. With
-    `authenticated`, a worker id is also bound to the credential that names it."""
+    `authenticated`, a worker id is also bound to the credential that names it and to the
+    public key it registered (which its later calls are signed with); `public_key` is the
+    router's own, sent back in RegisterResponse."""
 
-    def __init__(self, membership: Membership, config: RouterConfig, *, authenticated: bool = False) -> None:
+    def __init__(self, membership: Membership, config: RouterConfig, *, authenticated: bool = False,
+                 public_key: bytes = b"") -> None:
         self._membership = membership
         self._authenticated = authenticated
+        self._public_key = public_key
         self._interval_ms = int(config.heartbeat_interval_s * 1000)
         self._timeout_ms = int(config.worker_timeout_s * 1000)
 
@@ -102,12 +106,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         try:
             worker = worker_from_proto(request.worker)
             lease = await self._membership.register(worker, load_from_proto(request.load),
-                                                    request.load.cached_block_hashes, request.lease)
+                                                    request.load.cached_block_hashes, request.lease,
+                                                    request.public_key, require_key=self._authenticated)
         except Exception as exc:  # logged, then re-raised
             log.warning("register of %r refused: %s", request.worker.worker_id, exc)
             raise
         return registry_pb2.RegisterResponse(heartbeat_interval_ms=self._interval_ms,
-                                             worker_timeout_ms=self._timeout_ms, lease=lease)
+                                             worker_timeout_ms=self._timeout_ms, lease=lease,
+                                             router_public_key=self._public_key)
 
     @grpc_errors
     async def Heartbeat(self, request, context):
@@ -122,3 +128,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             raise InvalidRequestError("worker_id is required", param="worker_id")
         self._check_caller(context, request.worker_id)
         return registry_pb2.DeregisterResponse(found=self._membership.deregister(request.worker_id, request.lease))
+
+    @grpc_errors
+    async def Lookup(self, request, context):
+        return self._membership.lookup(request.worker_id)

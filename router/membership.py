@@ -3,7 +3,9 @@
 
 Register checks the newcomer against the live workers of its model (same compatibility
 hash and block size) and, for a decode worker of a model the router cannot tokenize for
-yet, fetches the model (ModelInfo with the tokenizer) from it before answering.
+yet, fetches the model (ModelInfo with the tokenizer) from it before answering. With keys
+required (a cluster secret), a registration binds its id to the worker's public key, and no
+worker may take the routers' caller id.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Iterable
 
 import grpc
 
+from pdserve.common.auth import PUBLIC_KEY_BYTES, ROUTER_ID
 from pdserve.common.errors import (EXPECTED_ERRORS, IncompatiblePeerError, InvalidRequestError,
                                    NotFoundError, UnavailableError)
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2
@@ -47,6 +50,14 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
                   max_model_len=info.capacity.max_model_len, kv_backends=tuple(info.kv_backends))
 
 
+def _check_key(worker: Worker, public_key: bytes) -> None:
+    if worker.worker_id == ROUTER_ID:
+        raise InvalidRequestError(f"worker id {ROUTER_ID!r} is the routers' own", param="worker_id")
+    if len(public_key) != PUBLIC_KEY_BYTES:
+        raise InvalidRequestError(f"public_key must be an Ed25519 public key ({PUBLIC_KEY_BYTES} bytes)",
+                                  param="public_key")
+
+
 def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
     return Load(load.num_queued, load.num_running, load.num_free_blocks, load.num_total_blocks,
                 tuple(KVBackendState(b.name, b.usable, b.detail) for b in load.kv_backends),
@@ -69,11 +80,14 @@ class Membership:
         self._lock = asyncio.Lock()  # one registration at a time: checks and catalog stay consistent
 
     async def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = (),
-                       lease: bytes = b"") -> bytes:
+                       lease: bytes = b"", public_key: bytes = b"", require_key: bool = False) -> bytes:
         """The new registration's lease (WorkerRegistry.register); `lease`: the worker's
-        live one, when it registers again."""
+        live one, when it registers again; `public_key`: what verifies its calls (with
+        `require_key`, INVALID_ARGUMENT unless it is one)."""
         async with self._lock:
-            self._registry.check_free(worker, lease)  # before anything reaches out to its address
+            self._registry.check_free(worker, lease, public_key)  # before anything reaches out to its address
+            if require_key:
+                _check_key(worker, public_key)
             self._check_compatible(worker)
             if worker.role is Role.DECODE and self._needs_model_info(worker):
                 info = await self._fetch_model_info(worker)
@@ -82,7 +96,8 @@ class Membership:
                                                 f"block_size {info.block_size}, registration says "
                                                 f"{worker.model_name!r} {worker.block_size}")
                 await self._catalog.learn(info)
-            return self._registry.register(worker, load, cached_hashes, lease=lease, leased=True)
+            return self._registry.register(worker, load, cached_hashes, lease=lease, leased=True,
+                                           public_key=public_key)
 
     def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int], lease: bytes) -> None:
         """NOT_FOUND when the worker is unknown: it must register again."""
@@ -92,6 +107,15 @@ class Membership:
 
     def deregister(self, worker_id: str, lease: bytes) -> bool:
         return self._registry.deregister(worker_id, lease=lease)
+
+    def lookup(self, worker_id: str) -> registry_pb2.LookupResponse:
+        """The role and key of `worker_id`'s registration, until it is forgotten (as the
+        router's own `RegistryKeys`); found=False when there is none."""
+        record = self._registry.get(worker_id)
+        if record is None or not record.public_key:
+            return registry_pb2.LookupResponse(found=False)
+        role = next(number for number, role in _ROLES.items() if role is record.worker.role)
+        return registry_pb2.LookupResponse(found=True, role=role, public_key=record.public_key)
 
     async def poll_static_workers(self) -> None:
         """Forever: Load (and at first ModelInfo) of every static worker, once per

@@ -4,6 +4,9 @@ A worker is *routable* when its last heartbeat is younger than the timeout and n
 it has failed since (a failed RPC marks it suspect; its next heartbeat clears that).
 Workers silent for three timeouts are forgotten: their next heartbeat is answered
 NOT_FOUND and they register again.
+
+A registration binds the worker id to its lease and, with a cluster secret, to the public
+key its calls are signed with (`RegistryKeys`: the router's directory of workers' keys).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from pdserve.common.auth import Identity
 from pdserve.common.errors import AlreadyExistsError, AuthError
 from pdserve.router.config import Role
 
@@ -75,6 +79,7 @@ class WorkerRecord:
     num_routed_prompt_tokens: int = 0  # prompt tokens sent to it to compute since the last report
     expected: dict[int, float] = field(default_factory=dict)  # hash -> when routed here (not yet reported)
     lease: bytes = b""  # what the worker must show to heartbeat, deregister or register again (b"": none asked)
+    public_key: bytes = b""  # what verifies the worker's own call credentials (b"": none given)
 
     @property
     def worker_id(self) -> str:
@@ -117,31 +122,41 @@ class WorkerRegistry:
         self._records: dict[str, WorkerRecord] = {}
 
     def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = (), *,
-                 lease: bytes = b"", leased: bool = False) -> bytes:
+                 lease: bytes = b"", leased: bool = False, public_key: bytes = b"") -> bytes:
         """Add or replace `worker`; an entry with the same address (a restart under a new
         id) is replaced too. ALREADY_EXISTS while the id is alive, unless `lease` is that
-        registration's: a second process cannot take over a live worker's id (and its
-        traffic). With `leased`, returns the new registration's lease, which heartbeats and
-        deregistration must show."""
-        self.check_free(worker, lease)
+        registration's and `public_key` its key: a second process cannot take over a live
+        worker's id (and its traffic). With `leased`, returns the new registration's lease,
+        which heartbeats and deregistration must show."""
+        self.check_free(worker, lease, public_key)
         for other in [r for r in self._records.values() if r.worker.address == worker.address]:
             if other.worker_id != worker.worker_id:
                 log.info("worker %s replaces %s at %s", worker.worker_id, other.worker_id, worker.address)
                 del self._records[other.worker_id]
         new_lease = secrets.token_bytes(16) if leased else b""
-        self._records[worker.worker_id] = WorkerRecord(worker, load, self._clock(), lease=new_lease)
+        self._records[worker.worker_id] = WorkerRecord(worker, load, self._clock(), lease=new_lease,
+                                                       public_key=public_key)
         self._set_cached(self._records[worker.worker_id], cached_hashes)
         log.info("registered %s worker %s at %s (model %s)", worker.role.value, worker.worker_id,
                  worker.address, worker.model_name)
         return new_lease
 
-    def check_free(self, worker: Worker, lease: bytes = b"") -> None:
-        """ALREADY_EXISTS unless `worker` may register now (see `register`)."""
+    def check_free(self, worker: Worker, lease: bytes = b"", public_key: bytes = b"") -> None:
+        """ALREADY_EXISTS unless `worker` may register now (see `register`). A live leased
+        registration keeps its address too: a new id there would replace it."""
+        for other in self._records.values():
+            if (other.worker.address == worker.address and other.worker_id != worker.worker_id
+                    and other.lease and self.is_alive(other)):
+                raise AlreadyExistsError(f"address {worker.address} is live worker {other.worker_id!r}'s",
+                                         param="grpc_address")
         current = self._records.get(worker.worker_id)
-        if (current is not None and self.is_alive(current) and not _holds(current, lease)
-                and (current.lease or current.worker.address != worker.address)):
+        if current is None or not self.is_alive(current):
+            return
+        if not _holds(current, lease) and (current.lease or current.worker.address != worker.address):
             raise AlreadyExistsError(f"worker id {worker.worker_id!r} is alive at {current.worker.address}",
                                      param="worker_id")
+        if not hmac.compare_digest(current.public_key, public_key):
+            raise AlreadyExistsError(f"worker id {worker.worker_id!r} is alive with another key", param="worker_id")
 
     def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int] = (), *,
                   lease: bytes | None = None) -> bool:
@@ -246,3 +261,21 @@ def _check_lease(record: WorkerRecord, lease: bytes | None) -> None:
     if lease is not None and record.lease and not _holds(record, lease):
         log.warning("refused a call for worker %s without its registration's lease", record.worker_id)
         raise AuthError(f"worker {record.worker_id!r}: not the lease of its registration")
+
+
+class RegistryKeys:
+    """The router's `KeyDirectory`: a worker id's key is the one its registration bound
+    (kept until the registration is forgotten, so that a worker past its timeout can still
+    heartbeat). There is nothing to refresh: a worker's key arrives with its Register."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self._registry = registry
+
+    def identities(self, caller_id: str) -> Sequence[Identity]:
+        record = self._registry.get(caller_id)
+        if record is None or not record.public_key:
+            return ()
+        return (Identity(caller_id, record.worker.role.value, record.public_key),)
+
+    async def refresh(self, caller_id: str) -> None:
+        return None

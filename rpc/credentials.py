@@ -1,29 +1,47 @@
 """Call credentials on internal gRPC (DESIGN §7), used by the workers and the router.
 
 Clients: `internal_channel(address, signer)` is a grpc.aio channel whose every call carries
-a fresh credential (`pdserve-credential` metadata) bound to the method. Servers:
+a fresh credential (`pdserve-credential` metadata) bound to the method: the caller's own
+signature, or for admission calls the cluster secret's MAC (`pdserve.common.auth`). Servers:
 `AuthInterceptor` refuses, with UNAUTHENTICATED, every call to a protected service whose
-credential does not verify; the credential is checked before the request is read (a refused
-call's message is never received, whatever its size).
+credential does not verify or whose caller's role may not call that service
+(`CALLER_ROLES`); the credential is checked before the request is read (a refused call's
+message is never received, whatever its size).
 Health checking and reflection stay open (probes). Each refusal is counted and logged once
-per peer.
+per peer. Over mutual TLS, a certificate that names IP addresses is taken only from them
+(`PeerAddressInterceptor`).
 """
 from __future__ import annotations
 
+import inspect
+import ipaddress
 import logging
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import grpc
 
-from pdserve.common.auth import (CREDENTIAL_HEADER, AuthError, CallSigner, CallVerifier,
-                                 ClusterSecret, ClusterSecretError, Mac, caller_of, is_loopback,
-                                 read_private_file, require_secret_off_loopback)
+from pdserve.common.auth import (CREDENTIAL_HEADER, AuthError, CallKey, CallSigner, CallVerifier,
+                                 ClusterSecret, ClusterSecretError, Identity, KeyDirectory, Mac,
+                                 UnknownCallerError, caller_of, is_loopback, read_private_file,
+                                 require_secret_off_loopback)
+from pdserve.rpc.certificates import CertificateError, certificate_ip_addresses
+from pdserve.rpc.errors import abort_grpc
+from pdserve.rpc.peer_keys import PeerKeys
 from pdserve.rpc.server import CHANNEL_OPTIONS, refuse_unread
 
 log = logging.getLogger("pdserve.auth")
 
 _MAX_LOGGED_PEERS = 1024
+# Who may call each internal service with their own signature: the router drives decodes,
+# decodes drive prefills, workers keep their own registration. A v1 (cluster-secret)
+# credential carries no role; it is accepted for ADMISSION_METHODS only.
+CALLER_ROLES = {
+    "pdserve.v1.Decode": frozenset({"router"}),
+    "pdserve.v1.Prefill": frozenset({"decode"}),
+    "pdserve.v1.Registry": frozenset({"prefill", "decode"}),
+}
 INSECURE_INTERNAL_OFF = (
     "these are OFF for anyone who can reach this host: internal gRPC authentication (any caller may "
     "register, heartbeat, decode, prefill or abort as any worker), hand-off signatures (a prefill sends KV "
@@ -63,9 +81,14 @@ INTERNAL_SERVER_NAME = "pdserve-internal"  # the name internal certificates carr
 @dataclass(frozen=True)
 class InternalTLS:
     """Mutual TLS between the services of one deployment: every server presents `cert`, every
-    client presents it too, and each side accepts only certificates signed by `ca`. Clients
-    check the server's certificate against INTERNAL_SERVER_NAME, not its address (pods come
-    and go with new addresses; the deployment's certificate stays)."""
+    client presents it too, and each side accepts only certificates signed by `ca`. Two kinds
+    of certificate:
+    - the deployment's, naming INTERNAL_SERVER_NAME and no IP address: clients check a
+      server's certificate against that name, not its address (pods come and go with new
+      addresses; the deployment's certificate stays);
+    - a host's, naming its IP addresses: clients check a server's certificate against the
+      address they dial, and servers take its holder's calls only from the addresses it
+      names (`PeerAddressInterceptor`)."""
 
     cert: bytes = field(repr=False)
     key: bytes = field(repr=False)
@@ -85,6 +108,15 @@ class InternalTLS:
         # the key is checked as the cluster secret is: private to this user, read from one descriptor
         return cls(cert, read_private_file(key_path, "internal TLS key", max_bytes=1 << 20), ca)
 
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The IP addresses `cert` names (none: the deployment's certificate, or one grpc will
+        refuse anyway because it does not parse)."""
+        try:
+            return certificate_ip_addresses(self.cert)
+        except CertificateError:
+            return ()
+
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=True)
@@ -96,11 +128,14 @@ class InternalTLS:
 
 def internal_channel(address: str, signer: CallSigner | None, tls: InternalTLS | None = None) -> grpc.aio.Channel:
     """A channel to another pdserve service; with a signer, every call carries a credential;
-    with `tls`, it runs over mutual TLS."""
+    with `tls`, it runs over mutual TLS, the server's certificate checked against the address
+    dialed when `tls` is a host's (it names addresses), else against INTERNAL_SERVER_NAME."""
     interceptors = [_UnaryCredentials(signer), _StreamCredentials(signer)] if signer is not None else None
     if tls is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
-    options = CHANNEL_OPTIONS + (("grpc.ssl_target_name_override", INTERNAL_SERVER_NAME),)
+    options = CHANNEL_OPTIONS
+    if not tls.addresses:
+        options += (("grpc.ssl_target_name_override", INTERNAL_SERVER_NAME),)
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options,
                                    interceptors=interceptors)
 
@@ -113,6 +148,83 @@ def bind(server: grpc.aio.Server, address: str, tls: InternalTLS | None) -> int:
         return server.add_secure_port(address, tls.server_credentials())
     except RuntimeError:  # grpc's "Failed to bind": the caller says which port and whose
         return 0
+
+
+def _peer_address(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address of a grpc peer string ("ipv4:10.0.0.1:5000", "ipv6:[::1]:5000", the
+    brackets maybe %-escaped); None for another kind (a unix socket)."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    try:
+        address = ipaddress.ip_address(rest.rpartition(":")[0].strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped or address
+
+
+def certificate_addresses(context: grpc.aio.ServicerContext) -> set:
+    """The IP addresses the peer's verified certificate names (its IP SANs); empty without
+    mutual TLS or for a certificate naming none."""
+    found = set()
+    for name in context.auth_context().get("x509_subject_alternative_name", ()):
+        try:
+            found.add(ipaddress.ip_address(name.decode()))
+        except ValueError:
+            continue  # a DNS name
+    return found
+
+
+def _guarded(handler: grpc.RpcMethodHandler, check) -> grpc.RpcMethodHandler:
+    """`handler` with `await check(context)` run before its behaviour (which may abort)."""
+    kind = ("stream" if handler.request_streaming else "unary") + "_" + \
+        ("stream" if handler.response_streaming else "unary")
+    behavior = getattr(handler, kind)
+
+    async def unary(request, context):
+        await check(context)
+        return await behavior(request, context)
+
+    async def streaming(request, context):
+        await check(context)
+        if inspect.isasyncgenfunction(behavior):
+            async for item in behavior(request, context):
+                yield item
+        else:  # a coroutine that writes its responses with context.write
+            await behavior(request, context)
+
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(streaming if handler.response_streaming else unary,
+                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+class PeerAddressInterceptor(grpc.aio.ServerInterceptor):
+    """Over mutual TLS, a certificate that names IP addresses binds its holder to them: a call
+    to a `protected` service from any other address is refused with UNAUTHENTICATED, saying
+    which addresses the certificate names and where the call came from. A certificate that
+    names no address (the deployment's, SAN INTERNAL_SERVER_NAME only) is taken from any."""
+
+    def __init__(self, protected: Iterable[str], on_refused: Callable[[str], None] = lambda reason: None) -> None:
+        self._protected = frozenset(protected)
+        self._on_refused = on_refused
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.lstrip("/").split("/", 1)[0] not in self._protected:
+            return handler
+        return _guarded(handler, self._check)
+
+    async def _check(self, context: grpc.aio.ServicerContext) -> None:
+        named = certificate_addresses(context)
+        source = _peer_address(context.peer() or "")
+        if not named or source in named:
+            return
+        reason = (f"the peer's certificate names {', '.join(sorted(map(str, named)))}, not {source}, "
+                  "the address its call came from")
+        self._on_refused(reason)
+        log.warning("refused an internal call: %s", reason)
+        await abort_grpc(context, AuthError(reason))
 
 
 def credentials_of(metadata) -> list[str]:
@@ -146,11 +258,23 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         try:
             if len(found) > 1:  # the one verified must be the one whose caller id is used
                 raise AuthError(f"a call carries exactly one {CREDENTIAL_HEADER}, not {len(found)}")
-            self._verifier.verify(details.method, found[0] if found else None)
+            identity = await self._check(details.method, found[0] if found else None)
+            roles = CALLER_ROLES.get(service)
+            if identity.role and roles is not None and identity.role not in roles:
+                raise AuthError(f"a {identity.role} may not call {service}")
         except AuthError as exc:
             self._on_refused(str(exc))
             return self._refusal(await continuation(details), exc)
         return await continuation(details)
+
+    async def _check(self, method: str, credential: str | None) -> Identity:
+        """The verified identity; a caller whose key is not known here yet gets one more try
+        after the directory's refresh (a peer that just joined or restarted)."""
+        try:
+            return self._verifier.check(method, credential)
+        except UnknownCallerError as exc:
+            await self._verifier.keys.refresh(exc.caller_id)
+        return self._verifier.check(method, credential)
 
     def _refusal(self, handler: grpc.RpcMethodHandler | None, err: AuthError) -> grpc.RpcMethodHandler | None:
         def log_peer(context) -> None:  # once per peer, at most _MAX_LOGGED_PEERS of them
@@ -163,13 +287,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 class InternalAuth:
-    """A service's side of the cluster secret: signers for its outgoing calls, an interceptor
-    for its incoming ones. Without a secret (loopback only, or --insecure-internal) both are
-    absent and internal calls go unauthenticated."""
+    """A service's side of internal authentication: the cluster secret, this process's own
+    call key (made here, never stored), signers for its outgoing calls, an interceptor for
+    its incoming ones, and `peers`, a worker's directory of the keys that verify its callers
+    (the router verifies with its registry's instead). Without a secret (loopback only, or
+    --insecure-internal) all are absent and internal calls go unauthenticated."""
 
     def __init__(self, secret: ClusterSecret | None, tls: InternalTLS | None = None) -> None:
         self.secret = secret
         self.tls = tls
+        self.key = CallKey() if secret is not None else None
+        self.peers = PeerKeys()
 
     @classmethod
     def from_settings(cls, role: str, host: str, secret_file: str, insecure_internal: bool,
@@ -187,8 +315,13 @@ class InternalAuth:
     def enabled(self) -> bool:
         return self.secret is not None
 
+    @property
+    def public_key(self) -> bytes:
+        """What verifies this process's calls (b"" without a secret)."""
+        return self.key.public_key if self.key is not None else b""
+
     def signer(self, caller_id: str) -> CallSigner | None:
-        return CallSigner(self.secret, caller_id) if self.secret is not None else None
+        return CallSigner(self.secret, caller_id, self.key) if self.secret is not None else None
 
     def handoff_mac(self) -> Mac | None:
         """The MAC decodes sign hand-offs with and prefills check them with."""
@@ -198,7 +331,14 @@ class InternalAuth:
         """A channel whose calls carry `caller_id`'s credential (and run over mutual TLS)."""
         return internal_channel(address, self.signer(caller_id), self.tls)
 
-    def interceptors(self, protected: Iterable[str], on_refused: Callable[[str], None]) -> list:
-        if self.secret is None:
-            return []
-        return [AuthInterceptor(CallVerifier(self.secret), protected, on_refused)]
+    def interceptors(self, protected: Iterable[str], on_refused: Callable[[str], None],
+                     keys: KeyDirectory | None = None) -> list:
+        """The credential check (with a secret; callers' keys from `keys`, default `peers`),
+        then the certificate's address (with mTLS)."""
+        found: list = []
+        if self.secret is not None:
+            verifier = CallVerifier(self.secret, keys if keys is not None else self.peers)
+            found.append(AuthInterceptor(verifier, protected, on_refused))
+        if self.tls is not None:
+            found.append(PeerAddressInterceptor(protected, on_refused))
+        return found

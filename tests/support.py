@@ -83,3 +83,30 @@ def grpc_flood_argv(target: str, method: str, n: int, size: int) -> list[str]:
     import sys
 
     return [sys.executable, "-c", GRPC_FLOOD, target, method, str(n), str(size)]
+
+
+class KeyBook:
+    """A `KeyDirectory` for tests that run a protected server without a registry: every
+    caller id gets its own key (minted on first use) and a role, as registration would bind."""
+
+    def __init__(self, secret, role: str = "decode") -> None:
+        self._secret = secret
+        self._role = role
+        self._keys: dict = {}  # caller id -> (CallKey, role)
+
+    def signer(self, caller_id: str, role: str = "", **kwargs):
+        """A signer with `caller_id`'s key (kwargs: CallSigner's, e.g. clock)."""
+        from pdserve.common.auth import CallKey, CallSigner
+
+        if caller_id not in self._keys:
+            self._keys[caller_id] = (CallKey(), role or self._role)
+        return CallSigner(self._secret, caller_id, self._keys[caller_id][0], **kwargs)
+
+    def identities(self, caller_id: str):
+        from pdserve.common.auth import Identity
+
+        found = self._keys.get(caller_id)
+        return (Identity(caller_id, found[1], found[0].public_key),) if found else ()
+
+    async def refresh(self, caller_id: str) -> None:
+        return None

@@ -5,6 +5,7 @@ import asyncio
 
 from pdserve.common.auth import CallSigner
 from pdserve.rpc.credentials import InternalTLS
+from pdserve.rpc.peer_keys import PeerKeys
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.worker.registry_client import RegistryClient
 from pdserve.worker.settings import WorkerSettings
@@ -35,10 +36,12 @@ class Registrar:
 
     def __init__(self, settings: WorkerSettings, info: registry_pb2.WorkerInfo, load_fn,
                  *, resolve_every_s: float = 15.0, signer: CallSigner | None = None,
-                 tls: InternalTLS | None = None) -> None:
+                 tls: InternalTLS | None = None, peers: PeerKeys | None = None) -> None:
+        """`peers`: learns each router's key, and where to look up peer workers' keys."""
         self.settings = settings
         self.signer = signer
         self.tls = tls
+        self.peers = peers
         self.info = info
         self.load_fn = load_fn
         self.resolve_every_s = resolve_every_s
@@ -69,7 +72,8 @@ class Registrar:
         heartbeat_s = self.settings.heartbeat_s
         return RegistryClient(address, self.info, self.load_fn, heartbeat_s=heartbeat_s,
                               retry_s=min(0.5, heartbeat_s), max_retry_s=heartbeat_s,
-                              rpc_timeout_s=5.0, register_timeout_s=10.0, signer=self.signer, tls=self.tls)
+                              rpc_timeout_s=5.0, register_timeout_s=10.0, signer=self.signer, tls=self.tls,
+                              peers=self.peers)
 
     async def _resolve_forever(self) -> None:
         while True:

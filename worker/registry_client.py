@@ -14,6 +14,10 @@ thread-safe with respect to the engine (a snapshot).
 
 One client talks to one router address; `pdserve.worker.registrar.Registrar` keeps one client
 per address a router name resolves to.
+
+With a cluster secret, Register carries this process's public key (`signer.public_key`) and
+the answer the router's: each registered router's key goes to `peers` (what verifies that
+router's calls), with `lookup` (its registry's answer for a peer worker's key).
 """
 from __future__ import annotations
 
@@ -25,13 +29,15 @@ from typing import Callable
 import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from pdserve.common.auth import CallSigner
+from pdserve.common.auth import CallSigner, Identity
 from pdserve.rpc.credentials import InternalTLS, internal_channel
+from pdserve.rpc.peer_keys import PeerKeys
 
 log = logging.getLogger("pdserve.registry_client")
 
 MAX_RETRY_S = 10.0
 MIN_INTERVAL_S = 0.05  # a router asking for a shorter heartbeat interval gets this one
+_ROLE_NAMES = {registry_pb2.WORKER_ROLE_PREFILL: "prefill", registry_pb2.WORKER_ROLE_DECODE: "decode"}
 
 
 class RegistryClient:
@@ -39,13 +45,15 @@ class RegistryClient:
                  load_fn: Callable[[], common_pb2.WorkerLoad], *, heartbeat_s: float = 2.0,
                  rpc_timeout_s: float = 5.0, retry_s: float = 0.5, max_retry_s: float = MAX_RETRY_S,
                  register_timeout_s: float | None = None, signer: CallSigner | None = None,
-                 tls: InternalTLS | None = None) -> None:
+                 tls: InternalTLS | None = None, peers: PeerKeys | None = None) -> None:
         """`retry_s` doubles after each failed Register up to `max_retry_s`. Register may take
         longer than other calls (the router fetches ModelInfo from a new decode worker), hence
         `register_timeout_s` (default `rpc_timeout_s`)."""
         self._address = router_address
         self._signer = signer
         self._tls = tls
+        self._peers = peers if peers is not None else PeerKeys()  # none given: what it learns goes unused
+        self._stub: registry_pb2_grpc.RegistryStub | None = None
         self._info = info
         self._load_fn = load_fn
         self._configured_s = heartbeat_s
@@ -71,7 +79,8 @@ class RegistryClient:
 
     def start(self) -> None:
         self._channel = internal_channel(self._address, self._signer, self._tls)
-        self._task = asyncio.get_running_loop().create_task(self._run(registry_pb2_grpc.RegistryStub(self._channel)))
+        self._stub = registry_pb2_grpc.RegistryStub(self._channel)
+        self._task = asyncio.get_running_loop().create_task(self._run(self._stub))
 
     async def wait_registered(self, timeout_s: float) -> None:
         """TimeoutError unless the router accepted us within `timeout_s`."""
@@ -91,8 +100,21 @@ class RegistryClient:
                                                                      reason="shutdown", lease=self._lease),
                                       timeout=self._rpc_timeout_s)
         self._registered.clear()
+        self._peers.forget_router(self._address)
         if self._channel is not None:
             await self._channel.close()
+
+    async def lookup(self, worker_id: str) -> Identity | None:
+        """The identity this router's registry holds for `worker_id`; None when it has none;
+        ConnectionError when it does not answer (rpc.peer_keys.Lookup)."""
+        try:
+            answer = await self._stub.Lookup(registry_pb2.LookupRequest(worker_id=worker_id),
+                                             timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise ConnectionError(f"{err.code().name} {err.details()}") from None
+        if not answer.found or answer.role not in _ROLE_NAMES:
+            return None
+        return Identity(worker_id, _ROLE_NAMES[answer.role], answer.public_key)
 
     async def _run(self, stub: registry_pb2_grpc.RegistryStub) -> None:
         backoff_s = self._retry_s
@@ -108,15 +130,21 @@ class RegistryClient:
             await self._heartbeat(stub)
 
     async def _register(self, stub: registry_pb2_grpc.RegistryStub) -> bool:
-        request = registry_pb2.RegisterRequest(worker=self._info, load=self._load(), lease=self._lease)
+        public_key = self._signer.public_key if self._signer is not None else b""
+        request = registry_pb2.RegisterRequest(worker=self._info, load=self._load(), lease=self._lease,
+                                               public_key=public_key)
+        self._peers.registering(self._address, True)
         try:
             answer = await stub.Register(request, timeout=self._register_timeout_s)
         except grpc.aio.AioRpcError as err:
             log.warning("register with router %s failed: %s %s", self._address, err.code().name, err.details())
             self.num_refused += 1
             return False
+        finally:
+            self._peers.registering(self._address, False)
         self._take_interval(answer.heartbeat_interval_ms)
         self._lease = answer.lease
+        self._peers.set_router(self._address, answer.router_public_key, self.lookup)
         self.num_registrations += 1
         self._registered.set()
         log.info("registered %s with router %s (heartbeat every %.2f s)", self._info.worker_id, self._address,

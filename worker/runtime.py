@@ -158,7 +158,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
         report.counters.CopyFrom(metrics.counters(loop.last_stats))
         return report
 
-    registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls)
+    registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls, peers=auth.peers)
     registrar.start()
     # one line that launchers (pdserve up) and tests wait for
     print(f"pdserve {role} ready on {runtime.address} worker_id={runtime.worker_id}", flush=True)

@@ -2,15 +2,17 @@
 OpenAI client, and transformers' greedy output as the oracle."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import grpc
 
-from pdserve.common.auth import CREDENTIAL_HEADER, CallSigner, ClusterSecret
+from pdserve.common.auth import CREDENTIAL_HEADER, CallKey, CallSigner, ClusterSecret
 from pdserve.deploy import up
 
 
@@ -33,7 +35,9 @@ class Deployment:
     secret_path: str = ""  # the deployment's cluster secret: tests sign their internal calls with it
 
     def credentials(self, method: str, caller: str = "test-operator") -> list[tuple[str, str]]:
-        """gRPC metadata that authenticates one internal call to `method` ("/pdserve.v1.Decode/Load")."""
+        """gRPC metadata that authenticates one internal call to `method` with the cluster
+        secret: enough for the admission calls (Register, ModelInfo, Load; "/pdserve.v1.Decode/Load"),
+        refused for any other (those need a registered caller's own key: `registered_decode`)."""
         if not self.secret_path:
             return []
         signer = CallSigner(ClusterSecret.load(self.secret_path), caller)
@@ -113,6 +117,34 @@ class Deployment:
                     time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def registered_decode(cluster: Deployment, worker_id: str, port: int) -> Iterator[CallSigner]:
+    """A signer of a decode id registered at the router with a key of the test's own (the
+    cluster secret admits its Register), as a worker joining would: a prefill finds that key
+    at the registry. Only the router may call a decode, so no test can call one directly. The
+    registration ends on exit. `port`: its (unused) address's, one per id (a live
+    registration keeps its address)."""
+    from pdserve.proto.pdserve.v1 import registry_pb2, registry_pb2_grpc
+
+    signer = CallSigner(ClusterSecret.load(cluster.secret_path), worker_id, CallKey())
+    argv = next(c.argv for c in cluster.children if "--router" in c.argv)
+    info = registry_pb2.WorkerInfo(worker_id=worker_id, role=registry_pb2.WORKER_ROLE_DECODE,
+                                   grpc_address=f"127.0.0.1:{port}", model_name=MODEL, block_size=16)
+
+    def metadata(method: str) -> list[tuple[str, str]]:
+        return [(CREDENTIAL_HEADER, signer.credential(f"/pdserve.v1.Registry/{method}"))]
+
+    with grpc.insecure_channel(argv[argv.index("--router") + 1]) as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        reply = stub.Register(registry_pb2.RegisterRequest(worker=info, public_key=signer.public_key),
+                              timeout=30, metadata=metadata("Register"))
+        try:
+            yield signer
+        finally:
+            stub.Deregister(registry_pb2.DeregisterRequest(worker_id=worker_id, lease=reply.lease),
+                            timeout=30, metadata=metadata("Deregister"))
+
+
 def secret_file() -> str:
     """A cluster secret for one test deployment (as `pdserve up` makes one per run)."""
     path = os.path.join(tempfile.mkdtemp(prefix="pdserve-test-"), "cluster-secret")
@@ -126,8 +158,10 @@ def deploy(**settings) -> Deployment:
                 "num_threads": 1, "transfer_timeout_s": 20, "cluster_secret_file": secret_file(), **settings}
     secret_path = settings["cluster_secret_file"]
     children, port = up.start(settings)
+    key = settings.get("api_key")
     try:
-        up.wait_ready(children, f"http://127.0.0.1:{port}", READY_TIMEOUT_S)
+        up.wait_ready(children, f"http://127.0.0.1:{port}", READY_TIMEOUT_S,
+                      headers={"Authorization": f"Bearer {key}"} if key else None)
     except BaseException:
         up.stop(children)
         raise
@@ -167,18 +201,21 @@ def deploy_workers(workers: list[tuple[str, str, list[str]]], router_args: list[
         children.append(up.Child(name, [*py, role, *base, "--worker-id", name, *extra]))
     for child in children:
         spawn(child)
+    key = os.environ.get("PDSERVE_API_KEY")  # the router's, from the environment the children inherit
     try:
-        up.wait_ready(children, f"http://127.0.0.1:{http_port}", READY_TIMEOUT_S)
+        up.wait_ready(children, f"http://127.0.0.1:{http_port}", READY_TIMEOUT_S,
+                      headers={"Authorization": f"Bearer {key}"} if key else None)
     except BaseException:
         up.stop(children)
         raise
     return Deployment(children, http_port, grpc_port, secret_path)
 
 
-def stream_and_disrupt(client, messages, max_tokens: int, disrupt) -> tuple[str, str, float]:
+def stream_and_disrupt(client, messages, max_tokens: int, disrupt,
+                       seen: list[dict] | None = None) -> tuple[str, str, float]:
     """Stream one greedy chat through the OpenAI `client`; after its third content chunk call
     `disrupt(worker_id)` for the decode serving it. Returns (the text, that decode, the
-    longest gap between chunks in seconds)."""
+    longest gap between chunks in seconds); `seen` gets each chunk's `pdserve` object."""
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
                                             temperature=0, stream=True)
     text, worker, chunks, longest, last = "", "", 0, 0.0, time.monotonic()
@@ -186,6 +223,8 @@ def stream_and_disrupt(client, messages, max_tokens: int, disrupt) -> tuple[str,
         now = time.monotonic()
         longest, last = max(longest, now - last), now
         extra = (chunk.model_extra or {}).get("pdserve") or {}
+        if seen is not None:
+            seen.append(extra)
         worker = worker or extra.get("routing", {}).get("decode_worker_id", "")
         if chunk.choices and chunk.choices[0].delta.content:
             text += chunk.choices[0].delta.content

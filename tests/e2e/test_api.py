@@ -24,25 +24,22 @@ def cluster():
     up.stop(d.children)
 
 
-def _decode(cluster, prompt_ids: list[int], seed: int, remote: bool) -> tuple[str, int]:
-    """One Decode call straight to the decode worker, told to prefill remotely or locally (the
-    router's choice, made here so the test does not depend on its cache view)."""
+def _generate(cluster, prompt_ids: list[int], seed: int) -> tuple[str, int]:
+    """One Generate call through the router's gRPC API: (the text, the transfer outcome). Only
+    the router may call a decode (its own key signs the call), so the router chooses: a prompt
+    the decode has not cached goes to the prefill service (its uncached part is over the
+    local-prefill threshold), the same prompt again is prefilled on the decode."""
     import grpc
 
-    from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+    from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-    (address,) = cluster.worker_addresses("decode").values()
-    (prefill_address,) = cluster.worker_addresses("prefill").values()
-    choice = decode_pb2.PrefillChoice(worker_id="prefill-0", address=prefill_address) if remote else \
-        decode_pb2.PrefillChoice(reason="test_local")
     sampling = common_pb2.SamplingParams(max_tokens=20, min_tokens=3, temperature=1.0, top_p=1.0, top_k=0,
                                          seed=seed, repetition_penalty=1.0)
-    request = decode_pb2.DecodeRequest(request_id=f"seed-{seed}-{remote}", prompt_token_ids=prompt_ids,
-                                       sampling=sampling, prefill=choice)
+    request = generation_pb2.GenerateRequest(request_id=f"seed-{seed}", model=MODEL, sampling=sampling,
+                                             token_ids=generation_pb2.TokenIds(ids=prompt_ids))
     text, outcome = [], None
-    with grpc.insecure_channel(address) as channel:
-        metadata = cluster.credentials("/pdserve.v1.Decode/Decode")
-        for message in decode_pb2_grpc.DecodeStub(channel).Decode(request, timeout=120, metadata=metadata):
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+        for message in generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120):
             text.append(message.text)
             if message.HasField("transfer"):
                 outcome = message.transfer.outcome
@@ -57,8 +54,8 @@ def test_seeded_sampling_gives_the_same_text_disaggregated_and_local(cluster, hf
     tok, _ = hf_reference
     for seed in (1, 7, 42, 1234):
         prompt_ids = tok.encode(f"Draft {seed}. {STORY}", add_special_tokens=False)
-        remote_text, remote_path = _decode(cluster, prompt_ids, seed, remote=True)
-        local_text, local_path = _decode(cluster, prompt_ids, seed, remote=False)
+        remote_text, remote_path = _generate(cluster, prompt_ids, seed)
+        local_text, local_path = _generate(cluster, prompt_ids, seed)
         assert (remote_path, local_path) == (common_pb2.TRANSFER_OUTCOME_TRANSFERRED,
                                              common_pb2.TRANSFER_OUTCOME_LOCAL)
         assert remote_text == local_text, seed

@@ -10,7 +10,9 @@ import time
 import grpc
 import httpx
 import pytest
-from harness import MODEL, deploy_workers
+from harness import MODEL, deploy_workers, registered_decode
+
+from pdserve.common.auth import CREDENTIAL_HEADER
 
 pytestmark = pytest.mark.slow
 
@@ -58,24 +60,26 @@ def test_internal_apis_refuse_anonymous_calls_and_unsigned_handoffs(cluster):
                     call(metadata)
                 assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # A hand-off that names a listener of ours: with no signature, or a forged one, the prefill
-    # refuses before it connects anywhere, even to a caller holding a valid call credential.
+    # refuses before it connects anywhere, even to a registered decode that calls as itself.
     with socket.socket() as bait:
         bait.bind(("127.0.0.1", 0))
         bait.listen(8)
         bait.setblocking(False)
         handoff = prefill_pb2.KVHandoff(
-            transfer_id="ab" * 16, backends=["ucx"], block_ids=[1], decode_worker_id="decode-recompute",
+            transfer_id="ab" * 16, backends=["ucx"], block_ids=[1], decode_worker_id="decode-probe",
             deadline_unix_ms=int(time.time() * 1000) + 30_000,
             endpoints=[prefill_pb2.TransferEndpoint(backend="ucx", address=f"127.0.0.1:{bait.getsockname()[1]}")])
-        with grpc.insecure_channel(prefill) as channel:
+        with grpc.insecure_channel(prefill) as channel, registered_decode(cluster, "decode-probe", 1) as probe:
             stub = prefill_pb2_grpc.PrefillStub(channel)
             for signature in (b"", b"\x01" * 32):
                 handoff.signature = signature
                 request = prefill_pb2.PrefillRequest(request_id=f"bait-{len(signature)}", prompt_token_ids=[1, 2, 3],
                                                      sampling=common_pb2.SamplingParams(max_tokens=1), handoff=handoff)
                 with pytest.raises(grpc.RpcError) as caught:
-                    stub.Prefill(request, timeout=30, metadata=cluster.credentials("/pdserve.v1.Prefill/Prefill"))
+                    stub.Prefill(request, timeout=30, metadata=[
+                        (CREDENTIAL_HEADER, probe.credential("/pdserve.v1.Prefill/Prefill"))])
                 assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "hand-off is not signed" in caught.value.details()
         with pytest.raises(BlockingIOError):
             bait.accept()  # nobody connected
     # still healthy: a chat goes through the same workers

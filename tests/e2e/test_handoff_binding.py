@@ -1,11 +1,11 @@
 """Hand-offs bound to their request and tenants kept apart (issue 25, items 3 and 6), on real
 processes with a cluster secret: router, one prefill, one decode, the disk backend.
 
-The attacker holds a worker's credential (the test mints credentials from the cluster secret,
-as a compromised worker could for itself) or has captured a signed hand-off. A replayed
-hand-off, a hand-off presented by a caller other than the decode it names, one carried with
-another prompt, and one whose block hashes are not the prompt's are each refused with a clear
-error; the services stay healthy and every KV block is back in its pool. Through the router,
+The attacker holds a worker's identity (the test registers decode ids of its own, each with
+its own key, as a compromised worker could for itself) or has captured a signed hand-off. A
+replayed hand-off, a hand-off presented by a caller other than the decode it names, one
+carried with another prompt, and one whose block hashes are not the prompt's are each refused
+with a clear error; the services stay healthy and every KV block is back in its pool. Through the router,
 prompts with different `cache_salt`s share no cached block and the same salt does."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import uuid
 import grpc
 import httpx
 import pytest
-from harness import MODEL, deploy_workers
+from harness import MODEL, deploy_workers, registered_decode
 
-from pdserve.common.auth import ClusterSecret, Mac
+from pdserve.common.auth import CREDENTIAL_HEADER, ClusterSecret, Mac
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.worker.transfer import sign_handoff
 
@@ -62,7 +62,7 @@ def test_cache_salt_separates_tenants_through_the_router(cluster):
     cluster.assert_no_leaks()
 
 
-def signed_request(cluster, prompt_ids: list[int], compat: int, *, decode: str = "decode-0",
+def signed_request(cluster, prompt_ids: list[int], compat: int, *, decode: str = "decode-probe",
                    block_hashes=()) -> prefill_pb2.PrefillRequest:
     handoff = prefill_pb2.KVHandoff(
         transfer_id=uuid.uuid4().hex, backends=["disk"], decode_worker_id=decode,
@@ -84,14 +84,17 @@ def refusal(call) -> grpc.RpcError:
 
 def test_handoffs_are_used_once_by_the_decode_they_name_for_their_own_prompt(cluster):
     prefill = cluster.worker_addresses("prefill")["prefill-0"]
-    with grpc.insecure_channel(prefill) as channel:
+    with grpc.insecure_channel(prefill) as channel, registered_decode(cluster, "decode-probe", 1) as probe, \
+            registered_decode(cluster, "decode-thief", 2) as thief:
         stub = prefill_pb2_grpc.PrefillStub(channel)
+        signers = {"decode-probe": probe, "decode-thief": thief}
 
-        def call(request, caller="decode-0"):
-            return stub.Prefill(request, timeout=60, metadata=cluster.credentials(PREFILL_METHOD, caller))
+        def call(request, caller="decode-probe"):
+            metadata = [(CREDENTIAL_HEADER, signers[caller].credential(PREFILL_METHOD))]
+            return stub.Prefill(request, timeout=60, metadata=metadata)
 
         info = stub.ModelInfo(common_pb2.ModelInfoRequest(), timeout=30,
-                              metadata=cluster.credentials("/pdserve.v1.Prefill/ModelInfo", "decode-0"))
+                              metadata=cluster.credentials("/pdserve.v1.Prefill/ModelInfo", "decode-probe"))
         prompt = list(range(100, 140))
         captured = signed_request(cluster, prompt, info.block_hash_salt)
         first = call(captured)  # the decode's own, legitimate use
@@ -100,8 +103,8 @@ def test_handoffs_are_used_once_by_the_decode_they_name_for_their_own_prompt(clu
         assert replayed.code() == grpc.StatusCode.UNAUTHENTICATED and "already used" in replayed.details()
 
         other = signed_request(cluster, prompt, info.block_hash_salt)
-        stolen = refusal(lambda: call(other, caller="prefill-0"))  # a worker presenting decode-0's hand-off
-        assert stolen.code() == grpc.StatusCode.UNAUTHENTICATED and "names decode 'decode-0'" in stolen.details()
+        stolen = refusal(lambda: call(other, caller="decode-thief"))  # another worker presenting the probe's
+        assert stolen.code() == grpc.StatusCode.UNAUTHENTICATED and "names decode 'decode-probe'" in stolen.details()
 
         relayed = signed_request(cluster, prompt, info.block_hash_salt)
         relayed.prompt_token_ids[:] = list(range(500, 540))  # same length, another prompt

@@ -30,6 +30,7 @@ from pdserve.proto.pdserve.v1 import (
 from pdserve.router.app import RouterApp
 from pdserve.router.config import RouterConfig
 from pdserve.rpc.credentials import InternalTLS, bind
+from pdserve.rpc.peer_keys import PeerKeys
 from pdserve.worker.registry_client import RegistryClient
 
 MODEL = "tiny-chat"
@@ -99,6 +100,9 @@ class Script:
     fail_after: int | None = None  # end the call with `fail_code` after this many tokens
     fail_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
     prefill_status_code: str = ""  # report the prefill leg failed with this code (then recomputed)
+    # on the first delta of each call and on the last, as a decode reports its first token's phases
+    timings: common_pb2.RequestTimings = field(
+        default_factory=lambda: common_pb2.RequestTimings(queue_ms=1, prefill_ms=2, first_decode_ms=1))
 
 
 @dataclass
@@ -113,6 +117,7 @@ class FakeWorker:
     aborts: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     address: str = ""
+    report: common_pb2.WorkerLoad | None = None  # what its heartbeats report (None: an idle worker)
     _server: Any = None
     client: RegistryClient | None = None
     _abort_events: dict = field(default_factory=dict)
@@ -133,13 +138,17 @@ class FakeWorker:
                                        block_size=BLOCK_SIZE, capacity=registry_pb2.WorkerCapacity(num_total_blocks=64))
 
     def load(self) -> common_pb2.WorkerLoad:
+        if self.report is not None:
+            return self.report
         return common_pb2.WorkerLoad(num_free_blocks=64, num_total_blocks=64, cached_block_hashes=self.cached_hashes)
 
     async def register(self, router_address: str, signer: CallSigner | None = None,
                        tls: InternalTLS | None = None) -> None:
-        """Through the real worker-side client (register, heartbeat, re-register on NOT_FOUND)."""
+        """Through the real worker-side client (register, heartbeat, re-register on NOT_FOUND);
+        `peers` learns the router's key."""
+        self.peers = PeerKeys()
         self.client = RegistryClient(router_address, self.info(), self.load, rpc_timeout_s=WAIT_S, retry_s=0.05,
-                                     signer=signer, tls=tls)
+                                     signer=signer, tls=tls, peers=self.peers)
         self.client.start()
         await self.client.wait_registered(WAIT_S)
 
@@ -191,6 +200,7 @@ class _FakeDecode(decode_pb2_grpc.DecodeServicer):
                         entry.top_logprobs.add(token_id=100 + i + k, logprob=-0.25 - k, token=f"t{k}")
                 if i == len(request.resumed_token_ids):
                     message.transfer.CopyFrom(verdict)
+                    message.timings.CopyFrom(script.timings)
                     if request.sampling.HasField("prompt_logprobs"):  # text left to the router
                         for j, token in enumerate(request.prompt_token_ids[1:]):
                             message.prompt_logprobs.add(token_id=token, logprob=-1.0 - j)
@@ -200,7 +210,7 @@ class _FakeDecode(decode_pb2_grpc.DecodeServicer):
                     message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
                                                             completion_tokens=n))
                     message.transfer.CopyFrom(verdict)
-                    message.timings.CopyFrom(common_pb2.RequestTimings(queue_ms=1, prefill_ms=2, first_decode_ms=1))
+                    message.timings.CopyFrom(script.timings)
                 yield message
         except asyncio.CancelledError:
             w.cancelled.append(request.request_id)

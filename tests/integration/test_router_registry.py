@@ -9,7 +9,7 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.common.auth import CREDENTIAL_HEADER, CallSigner, CallVerifier, ClusterSecret
+from pdserve.common.auth import CREDENTIAL_HEADER, CallKey, CallSigner, CallVerifier, ClusterSecret
 from pdserve.common.block_hash import hash_prompt_blocks
 from pdserve.proto.pdserve.v1 import registry_pb2, registry_pb2_grpc
 from pdserve.router.config import Role, StaticWorker
@@ -163,6 +163,19 @@ def test_static_workers_are_polled_without_registration(loop_thread, make_cluste
         loop_thread.run(static.kill())
 
 
+def test_static_workers_are_refused_with_a_cluster_secret(tmp_path):
+    """A worker verifies the router's calls with the key it learns by registering: a static
+    worker never does, so a router with a cluster secret refuses them at start, saying why."""
+    from pdserve.router.app import RouterApp
+    from pdserve.router.config import ConfigError, RouterConfig
+
+    ClusterSecret.create(tmp_path / "secret")
+    config = RouterConfig(cluster_secret_file=str(tmp_path / "secret"),
+                          static_workers=(StaticWorker(Role.DECODE, "127.0.0.1:1"),))
+    with pytest.raises(ConfigError, match="must register"):
+        RouterApp(config)
+
+
 def test_pdserve_router_command_serves_and_stops_on_sigterm():
     """The real entry point: `pdserve router` in its own process, stopped by SIGTERM."""
     import select
@@ -242,7 +255,7 @@ def test_registry_refuses_anonymous_and_impersonating_callers(make_cluster, tmp_
     secret_path = tmp_path / "cluster-secret"
     secret = ClusterSecret.create(secret_path)
     cluster = make_cluster(cluster_secret_file=str(secret_path))
-    cluster.add("d0", signer=CallSigner(secret, "d0"))
+    cluster.add("d0", signer=CallSigner(secret, "d0", CallKey()))
     impostor = FakeWorker(registry_pb2.WORKER_ROLE_DECODE, "d0", script=Script(pieces=("pwned",)))
     cluster.loop.run(impostor.start())
     cluster.workers["impostor"] = impostor
@@ -302,7 +315,7 @@ def test_router_calls_workers_with_its_credential(make_cluster, tmp_path):
     secret_path = tmp_path / "cluster-secret"
     secret = ClusterSecret.create(secret_path)
     cluster = make_cluster(cluster_secret_file=str(secret_path))
-    worker = cluster.add("d0", signer=CallSigner(secret, "d0"))
+    worker = cluster.add("d0", signer=CallSigner(secret, "d0", CallKey()))
     cluster.openai().completions.create(model=MODEL, prompt="hello", max_tokens=4)
     (credential,) = [v for k, v in worker.requests_metadata[-1] if k == CREDENTIAL_HEADER]
-    assert CallVerifier(secret).verify("/pdserve.v1.Decode/Decode", credential) == "router"
+    assert CallVerifier(secret, worker.peers).verify("/pdserve.v1.Decode/Decode", credential) == "router"

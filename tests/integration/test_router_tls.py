@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.common.auth import CallSigner, ClusterSecret
+from pdserve.common.auth import CallKey, CallSigner, ClusterSecret
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2_grpc, registry_pb2
 from pdserve.rpc.credentials import INTERNAL_SERVER_NAME, InternalTLS
 from pdserve.worker.registry_client import RegistryClient
@@ -113,7 +113,7 @@ def test_internal_grpc_over_mutual_tls(make_cluster, tmp_path, loop_thread):
     ours = InternalTLS.load(pki["ours_cert"], pki["ours_key"], pki["ours_ca"])
     cluster = make_cluster(cluster_secret_file=str(secret_path), internal_tls_cert=pki["ours_cert"],
                            internal_tls_key=pki["ours_key"], internal_tls_ca=pki["ours_ca"])
-    cluster.add("d0", signer=CallSigner(secret, "d0"), tls=ours)  # registry and router -> d0 both over mTLS
+    cluster.add("d0", signer=CallSigner(secret, "d0", CallKey()), tls=ours)  # registry and router -> d0 both over mTLS
     chat = cluster.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=8)
     assert chat.choices[0].message.content == "".join(REPLY)
@@ -125,7 +125,7 @@ def test_internal_grpc_over_mutual_tls(make_cluster, tmp_path, loop_thread):
             client = RegistryClient(cluster.registry_address, FakeWorker(registry_pb2.WORKER_ROLE_DECODE, "d9",
                                                                           address="127.0.0.1:9").info(),
                                     lambda: common_pb2.WorkerLoad(), rpc_timeout_s=2.0, retry_s=0.05,
-                                    signer=CallSigner(secret, "d9"), tls=tls)
+                                    signer=CallSigner(secret, "d9", CallKey()), tls=tls)
             client.start()
             try:
                 with pytest.raises(TimeoutError):

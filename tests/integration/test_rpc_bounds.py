@@ -14,9 +14,9 @@ import pytest
 
 from pdserve.common.auth import ClusterSecret
 from pdserve.proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
-from pdserve.rpc.credentials import InternalAuth
+from pdserve.rpc.credentials import InternalAuth, internal_channel
 from pdserve.rpc.server import WORKER_MAX_RECEIVE_BYTES, internal_server, service_name
-from support import grpc_flood_argv
+from support import KeyBook, grpc_flood_argv
 
 NUM_CALLS = 16
 
@@ -46,7 +46,8 @@ def test_anonymous_large_calls_cost_the_server_no_memory(size):
     name = service_name(prefill_pb2, "Prefill")
 
     async def run() -> tuple[list[str], float, float]:
-        server = internal_server(WORKER_MAX_RECEIVE_BYTES, auth.interceptors([name], lambda reason: None))
+        book = KeyBook(secret)
+        server = internal_server(WORKER_MAX_RECEIVE_BYTES, auth.interceptors([name], lambda reason: None, book))
         prefill_pb2_grpc.add_PrefillServicer_to_server(Echo(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -58,7 +59,7 @@ def test_anonymous_large_calls_cost_the_server_no_memory(size):
                 peak = max(peak, rss_mib())
                 await asyncio.wait({task}, timeout=0.02)
             codes = task.result()
-            async with auth.channel(f"127.0.0.1:{port}", "decode-0") as channel:
+            async with internal_channel(f"127.0.0.1:{port}", book.signer("decode-0")) as channel:
                 reply = await prefill_pb2_grpc.PrefillStub(channel).Prefill(
                     prefill_pb2.PrefillRequest(request_id="real"), timeout=10)
             assert reply.request_id == "real"  # a signed call still goes through

@@ -20,11 +20,11 @@ from pdserve.kvtransfer.codec import new_transfer_id
 from pdserve.prefill.runner import PrefillRunner
 from pdserve.prefill.servicer import PrefillService
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from pdserve.rpc.credentials import InternalAuth
+from pdserve.rpc.credentials import InternalAuth, internal_channel
 from pdserve.rpc.server import WORKER_MAX_RECEIVE_BYTES, internal_server
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.transfer import HandoffLedger, ReplayedHandoffError, sign_handoff
-from support import FakeClock
+from support import FakeClock, KeyBook
 
 
 class Engine:
@@ -77,10 +77,11 @@ class RecordingSends:
 async def prefill_server():
     """(runner, stub per caller id) of a Prefill service whose hand-offs are signed."""
     auth = InternalAuth(ClusterSecret(b"s" * 32))
+    book = KeyBook(auth.secret)
     runner = PrefillRunner(HoldingLoop(), RecordingSends(), WorkerMetrics("prefill"), max_queue=4,
                            handoff_mac=auth.handoff_mac())
     server = internal_server(WORKER_MAX_RECEIVE_BYTES, auth.interceptors(
-        [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name], lambda reason: None))
+        [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name], lambda reason: None, book))
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillService(runner, "tiny"), server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
@@ -88,7 +89,7 @@ async def prefill_server():
 
     def stub(caller: str) -> prefill_pb2_grpc.PrefillStub:
         if caller not in channels:
-            channels[caller] = auth.channel(address, caller)
+            channels[caller] = internal_channel(address, book.signer(caller))
         return prefill_pb2_grpc.PrefillStub(channels[caller])
 
     try:

@@ -27,10 +27,11 @@ from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
 from pdserve.prefill.runner import PrefillRunner
 from pdserve.prefill.servicer import PrefillService
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from pdserve.rpc.credentials import InternalAuth
+from pdserve.rpc.credentials import InternalAuth, internal_channel
 from pdserve.rpc.server import WORKER_MAX_RECEIVE_BYTES, internal_server
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.transfer import Sender, sign_handoff
+from support import KeyBook
 
 BLOCK = 16
 PROMPT = list(range(3, 40))  # 3 blocks
@@ -149,11 +150,12 @@ class PrefillServer:
 
     def __init__(self, llm: LLM, secret: ClusterSecret) -> None:
         self.auth = InternalAuth(secret)
+        self.book = KeyBook(secret)
         self.loop = EngineLoop(llm.engine)
         self.runner = PrefillRunner(self.loop, Sender(llm.engine.connector, BLOCK), WorkerMetrics("prefill"),
                                     max_queue=4, handoff_mac=self.auth.handoff_mac())
         self.server = internal_server(WORKER_MAX_RECEIVE_BYTES, self.auth.interceptors(
-            [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name], lambda reason: None))
+            [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name], lambda reason: None, self.book))
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillService(self.runner, "tiny"), self.server)
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self._channels: list[grpc.aio.Channel] = []
@@ -170,7 +172,7 @@ class PrefillServer:
         self.loop.stop()
 
     def stub(self, caller: str) -> prefill_pb2_grpc.PrefillStub:
-        self._channels.append(self.auth.channel(self.address, caller))
+        self._channels.append(internal_channel(self.address, self.book.signer(caller)))
         return prefill_pb2_grpc.PrefillStub(self._channels[-1])
 
     def request(self, rid: str, decode: str) -> prefill_pb2.PrefillRequest:

@@ -64,5 +64,5 @@ def test_rpc_names_are_the_documented_ones():
     assert rpcs(generation_pb2, "Generation") == ["Abort", "Generate", "ModelInfo"]
     assert rpcs(decode_pb2, "Decode") == ["Abort", "Decode", "Load", "ModelInfo"]
     assert rpcs(prefill_pb2, "Prefill") == ["Abort", "Load", "ModelInfo", "Prefill"]
-    assert rpcs(registry_pb2, "Registry") == ["Deregister", "Heartbeat", "Register"]
+    assert rpcs(registry_pb2, "Registry") == ["Deregister", "Heartbeat", "Lookup", "Register"]
     assert decode_pb2.DESCRIPTOR.package == "pdserve.v1"

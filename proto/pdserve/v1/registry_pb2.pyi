@@ -52,24 +52,28 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., grpc_address: _Optional[str] = ..., model_name: _Optional[str] = ..., compatibility_hash: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity: _Optional[_Union[WorkerCapacity, _Mapping]] = ..., kv_backends: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker", "load", "lease")
+    __slots__ = ("worker", "load", "lease", "public_key")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerInfo
     load: _common_pb2.WorkerLoad
     lease: bytes
-    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease: _Optional[bytes] = ...) -> None: ...
+    public_key: bytes
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., lease: _Optional[bytes] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "worker_timeout_ms", "lease")
+    __slots__ = ("heartbeat_interval_ms", "worker_timeout_ms", "lease", "router_public_key")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     WORKER_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     worker_timeout_ms: int
     lease: bytes
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., worker_timeout_ms: _Optional[int] = ..., lease: _Optional[bytes] = ...) -> None: ...
+    router_public_key: bytes
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., worker_timeout_ms: _Optional[int] = ..., lease: _Optional[bytes] = ..., router_public_key: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "load", "lease")
@@ -102,3 +106,19 @@ class DeregisterResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("found", "role", "public_key")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    role: WorkerRole
+    public_key: bytes
+    def __init__(self, found: _Optional[bool] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., public_key: _Optional[bytes] = ...) -> None: ...

@@ -50,6 +50,11 @@ class RegistryStub:
                 request_serializer=pdserve_dot_v1_dot_registry__pb2.DeregisterRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_registry__pb2.DeregisterResponse.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/pdserve.v1.Registry/Lookup',
+                request_serializer=pdserve_dot_v1_dot_registry__pb2.LookupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_registry__pb2.LookupResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -77,6 +82,14 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """The public key a registered worker signs its calls with (a worker checking a peer's
+        call asks; only registered workers may).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Deregister,
                     request_deserializer=pdserve_dot_v1_dot_registry__pb2.DeregisterRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_registry__pb2.DeregisterResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=pdserve_dot_v1_dot_registry__pb2.LookupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_registry__pb2.LookupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +196,33 @@ class Registry:
             '/pdserve.v1.Registry/Deregister',
             pdserve_dot_v1_dot_registry__pb2.DeregisterRequest.SerializeToString,
             pdserve_dot_v1_dot_registry__pb2.DeregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/Lookup',
+            pdserve_dot_v1_dot_registry__pb2.LookupRequest.SerializeToString,
+            pdserve_dot_v1_dot_registry__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
