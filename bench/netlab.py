@@ -29,6 +29,7 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
+import importlib.util
 import itertools
 import json
 import os
@@ -53,6 +54,8 @@ CLONE_NEWNET = 0x40000000
 STOP_GRACE_S = 10.0  # every pdserve process stops within 10 s of SIGTERM (DESIGN §8)
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-\d+-[a-z0-9-]+$")
 _SEQ = itertools.count()
+_USABLE = re.compile(r'^pdserve_router_kv_backend_usable\{([^}]*)\} (\S+)$', re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 _GAUGE = re.compile(r'^pdserve:(kv_cache_usage_perc|num_requests_running)\{[^}]*worker_id="([^"]+)"[^}]*\} (\S+)$',
                     re.MULTILINE)
 
@@ -326,6 +329,16 @@ class Deployment:
             seen.setdefault(worker, [0.0, 0.0])[metric == "num_requests_running"] = float(value)
         return {worker: (usage, running) for worker, (usage, running) in seen.items()}
 
+    def backends_usable(self) -> dict[tuple[str, str], bool]:
+        """(worker id, KV backend) -> whether the worker's last heartbeat reported it usable,
+        from the router's /metrics."""
+        text = self.lab.http(self.router.host.name, self.url + "/metrics", timeout_s=10).decode()
+        found = {}
+        for labels, value in _USABLE.findall(text):
+            named = dict(_LABEL.findall(labels))
+            found[named.get("worker_id", ""), named.get("backend", "")] = float(value) == 1.0
+        return found
+
     def wait_idle(self, timeout_s: float = 30.0, settle_s: float = 2.5) -> None:
         """Until every worker has reported its whole KV pool free and nothing running for
         `settle_s` (longer than a heartbeat, so no report from before the last request
@@ -352,11 +365,13 @@ class Deployment:
 
 def deploy(lab: Lab, secret_file: str, router: str, prefill: Sequence[str], decode: Sequence[str],
            router_args: Sequence[str] = (), worker_args: Sequence[str] = (),
-           worker_env: dict[str, str] | None = None, timeout_s: float = 240.0) -> Deployment:
+           worker_env: dict[str, str] | None = None, timeout_s: float = 240.0,
+           per_host_args: dict[str, Sequence[str]] | None = None) -> Deployment:
     """`pdserve router` on host `router`, one `pdserve prefill` per host in `prefill`, one
     `pdserve decode` per host in `decode`, each bound to its host's address on the default
     ports (hosts do not share ports), UCX over TCP only (no shared memory between hosts).
-    Returns once every worker is ready and registered."""
+    `per_host_args[name]` are added to the command of the worker on host `name` (its own
+    TLS certificate). Returns once every worker is ready and registered."""
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
     secret = ["--cluster-secret-file", secret_file]
     r = lab[router]
@@ -366,7 +381,7 @@ def deploy(lab: Lab, secret_file: str, router: str, prefill: Sequence[str], deco
     for role, hosts in (("prefill", prefill), ("decode", decode)):
         for name in hosts:
             argv = [*py, role, "--host", lab[name].address, "--router", f"{r.address}:{ROUTER_REGISTRY_PORT}",
-                    "--worker-id", name, *secret, *worker_args]
+                    "--worker-id", name, *secret, *worker_args, *(per_host_args or {}).get(name, ())]
             workers.append(lab.start(name, name, argv, env))
     deployment = Deployment(lab, router_service, workers)
     deadline = time.monotonic() + timeout_s
@@ -574,7 +589,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per prompt (default %(default)s)")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker (default %(default)s)")
     p.add_argument("--json", help="also write the samples to this file")
+    p.add_argument("--plot", help="also plot TTFT per rate and mode to this file (.svg, .png or .pdf; needs "
+                                  "matplotlib, the bench extra)")
     args = p.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: pip install 'pdserve[bench]'")
     reason = unavailable()
     if reason:
         print(f"pdserve bench network: {reason}", file=sys.stderr)
@@ -601,4 +620,8 @@ def main(argv: list[str]) -> int:
     print(table(samples, rates))
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(s) for s in samples], indent=1))
+    if args.plot:
+        from pdserve.bench.network_plot import write_plot
+
+        print(f"plot: {write_plot(samples, rates, args.plot, args.prompt_tokens)}")
     return 0

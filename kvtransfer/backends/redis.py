@@ -5,9 +5,12 @@ refreshed on every hit, so a server with `maxmemory-policy allkeys-lru` or the T
 least recently used), `pdkv:<compat>:t<16 hex>` for short-lived blocks (TTL
 `ephemeral_ttl_s`). Each value is a single-block wire message, checked on read.
 
-Every call is pipelined (one round trip per batch) under bounded socket timeouts with no
-retries; a failing or unreachable server reads as misses and marks the store unhealthy
-until a PING after the cool-down answers.
+Every call is pipelined (one round trip per batch) under bounded socket timeouts. A call
+whose connection broke (reset, broken pipe: a connection from before a partition or a server
+restart) is sent once more on a fresh connection; nothing else is retried, a timeout least
+of all. A failing or unreachable server reads as misses and marks the store unhealthy
+until a PING answers. The PING runs in the background every cool-down (no request waits on
+a server that is down), so the store reads unusable until the server answers again.
 """
 from __future__ import annotations
 
@@ -60,10 +63,11 @@ class RedisStore(CountsRecordReads, BlockStore):
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.ephemeral_ttl_ms = max(1, int(ephemeral_ttl_s * 1000))
         self.max_batch = max_batch
-        self.health = BackendHealth(self.name, health_policy)
+        self.health = BackendHealth(self.name, health_policy, probe=self.probe)
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)), retry_on_timeout=False,
+            health_check_interval=0)
         self._closed = False
         self.mac_key = mac_key
         self._reads = RecordReads("redis store")
@@ -148,6 +152,8 @@ class RedisStore(CountsRecordReads, BlockStore):
             self._trouble("discard", exc)
 
     def probe(self) -> bool:
+        if self._closed:  # a background probe racing close() opens no new connection
+            return False
         try:
             self._client.ping()
         except self._errors as exc:
@@ -159,6 +165,7 @@ class RedisStore(CountsRecordReads, BlockStore):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self.health.close()
             self._client.close()
 
     def _trouble(self, what: str, exc: Exception) -> None:

