@@ -16,10 +16,11 @@ it, the same acceptance as rejection sampling against a one-token proposal). A r
 draft's KV slot is rewritten by a later step; blocks past the kept tokens go back at once.
 
 Whether it pays is decided per step, for the whole batch (`Speculator.plan`): a step costs
-about `a + b * rows`, so a draft is worth its row when the chance it is kept exceeds the
-share of a token one row costs at the step's present rate (`StepCost`, fitted online from
-the engine's own decode steps). Each sequence's chance is its recent keep rate; a sequence
-whose drafts keep failing stops speculating and is probed again as its evidence ages.
+about `a + b * rows` (`StepCost`, fitted online from the engine's own decode steps), and a
+draft runs only while it lowers the mean time per token of the step's sequences
+(`choose_drafts`): a lone stream speculates whenever its tokens per second rise, a full batch
+only on drafts nearly sure to be kept. Each sequence's chance is its recent keep rate; a
+sequence whose drafts keep failing stops speculating and is probed again as its evidence ages.
 """
 from __future__ import annotations
 
@@ -160,27 +161,32 @@ class Candidate:
 
 def choose_drafts(candidates: Sequence[Candidate], ratio: float, num_rows: int, num_samples: int,
                   max_rows: int) -> dict[int, int]:
-    """How many of its drafts each candidate runs (by chunk index; absent: none), maximising
-    the step's expected tokens per unit of time. Draft j of a candidate is kept with chance
-    keep_rate**j; a step of R rows takes `1 + ratio * R` units and yields `num_samples`
-    tokens plus the kept drafts. Drafts go in by falling chance while each adds more tokens
-    than the step's rate per unit times its cost (the greedy order is optimal: each chance is
-    below the one before it in its sequence)."""
-    heap = [(-c.keep_rate, i, 1) for i, c in enumerate(candidates) if c.drafts]
+    """How many of its drafts each candidate runs (by chunk index; absent: none), minimising
+    the mean time per token of the step's sequences, T * sum(1 / n_s): a step of R rows takes
+    T = 1 + ratio * R units, and sequence s gives n_s tokens (1 and its kept drafts; draft j
+    of a candidate is kept with chance keep_rate**j). A draft shortens its own sequence's time
+    per token and lengthens every other's by a row: drafts go in, the largest drop in
+    sum(1 / n_s) first, while the drop outweighs the row. One sequence alone: its tokens per
+    unit of time; many: a draft must be nearly sure, so no sequence pays much for another's."""
+    heap = [(-c.keep_rate / (1.0 + c.keep_rate), i, 1, c.keep_rate, 1.0) for i, c in enumerate(candidates) if c.drafts]
     heapq.heapify(heap)
-    tokens, rows = float(num_samples), float(num_rows)
+    time, inverse = 1.0 + ratio * num_rows, float(num_samples)  # T and sum(1 / n_s)
     taken: dict[int, int] = {}
+    rows = num_rows
     while heap and rows < max_rows:
-        neg_chance, i, j = heapq.heappop(heap)
-        chance = -neg_chance
-        if chance * (1.0 + ratio * rows) <= ratio * tokens:
-            break  # this draft lowers the step's tokens per unit; every later one too
-        tokens += chance
+        neg_drop, i, j, chance, tokens = heapq.heappop(heap)
+        drop = -neg_drop
+        if drop * (time + ratio) <= ratio * inverse:
+            break  # (T + ratio)(H - drop) >= T H: this draft, and every later one, costs more than it gives
+        time += ratio
         rows += 1
+        inverse -= drop
+        tokens += chance
         candidate = candidates[i]
         taken[candidate.index] = j
         if j < len(candidate.drafts):
-            heapq.heappush(heap, (-chance * candidate.keep_rate, i, j + 1))
+            chance *= candidate.keep_rate
+            heapq.heappush(heap, (-chance / (tokens * (tokens + chance)), i, j + 1, chance, tokens))
     return taken
 
 
@@ -234,7 +240,9 @@ class Speculator:
             return {}
         ratio = self.cost.ratio
         num_samples = sum(1 for chunk in chunks if chunk.samples_token)
-        floor = ratio * num_samples / (1.0 + ratio * num_rows)  # what a first draft's chance must beat
+        # what a first draft's chance p must beat: p / (1 + p) > ratio * H / (T + ratio), H = num_samples
+        share = ratio * num_samples / (1.0 + ratio * (num_rows + 1))
+        floor = share / (1.0 - share) if share < 1.0 else 1.0
         candidates = self.candidates(chunks, max_rows - num_rows, floor)
         taken = choose_drafts(candidates, ratio, num_rows, num_samples, max_rows)
         for candidate in candidates:

@@ -52,11 +52,14 @@ def test_history_tracks_prompt_then_output_as_it_grows():
     assert history.sync(req).tolist() == [1, 2, 3] + list(range(10, 400))
 
 
-def test_choose_drafts_takes_sure_drafts_and_skips_unlikely_ones():
+def test_choose_drafts_weighs_every_sequence_of_the_step():
     sure = Candidate(0, (5, 6, 7, 8), keep_rate=0.95)
     unlikely = Candidate(1, (9, 9), keep_rate=0.05)
-    taken = choose_drafts([sure, unlikely], ratio=0.2, num_rows=2, num_samples=2, max_rows=64)
-    assert taken == {0: 4}
+    # alone, a sure sequence runs every draft: each raises its tokens per unit of time
+    assert choose_drafts([sure], ratio=0.2, num_rows=1, num_samples=1, max_rows=64) == {0: 4}
+    # beside another sequence, whose time per token each row lengthens: T * sum(1/n) is
+    # 1.6 * (1/1.95 + 1) = 2.42 with one draft, 1.8 * (1/2.85 + 1) = 2.43 with two
+    assert choose_drafts([sure, unlikely], ratio=0.2, num_rows=2, num_samples=2, max_rows=64) == {0: 1}
 
 
 def test_choose_drafts_reference_for_one_sequence():
@@ -68,9 +71,12 @@ def test_choose_drafts_reference_for_one_sequence():
 
 
 def test_choose_drafts_runs_plainly_when_rows_cost_more_than_they_give():
-    # 8 sequences decode: a 9th row must be kept with chance > 0.2*8/(1+0.2*8) = 0.62
-    batch = [Candidate(i, (1, 2, 3), 0.5) for i in range(8)]
+    # 8 sequences decode: a first draft kept with chance p must give p/(1+p) > 0.2*8/2.8 = 0.57,
+    # more than any chance can
+    batch = [Candidate(i, (1, 2, 3), 0.99) for i in range(8)]
     assert choose_drafts(batch, ratio=0.2, num_rows=8, num_samples=8, max_rows=64) == {}
+    # where rows are nearly free (a GPU's small batches), sure drafts all run
+    assert choose_drafts(batch, ratio=0.001, num_rows=8, num_samples=8, max_rows=64) == {i: 3 for i in range(8)}
     assert choose_drafts(batch, ratio=0.0, num_rows=8, num_samples=8, max_rows=64) == {i: 3 for i in range(8)}
     # the step's row budget caps the drafts
     assert sum(choose_drafts(batch, ratio=0.0, num_rows=8, num_samples=8, max_rows=12).values()) == 4
