@@ -23,6 +23,7 @@ import time
 import httpx
 import pytest
 from harness import MODEL, UpProcess, children_of, deploy_workers, pick_free_port
+from store_attack import listening_ports
 from support import grpc_flood_argv
 
 from pdserve.kvtransfer.local_redis import redis_server_binary
@@ -140,26 +141,6 @@ def proc_status(pid: int) -> tuple[int, int]:
     with open(f"/proc/{pid}/status") as f:
         fields = dict(line.split(":", 1) for line in f)
     return int(fields["Threads"]), int(fields["VmRSS"].split()[0]) // 1024
-
-
-def listening_ports(pid: int) -> set[int]:
-    """TCP ports process `pid` listens on (from its descriptors and /proc/net/tcp*)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in list(f)[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 def flood_grpc(target: str, method: str) -> list[str]:
