@@ -59,10 +59,8 @@ class ModelRunner:
             if req.needs_prompt_logprobs and chunk.start < req.num_prompt_tokens - 1:
                 prompt_rows.append((chunk, len(input_ids)))
             first_row = len(input_ids)
-            for pos in range(chunk.start, end):
-                input_ids.append(req.token_id_at(pos))
-            input_ids += chunk.draft_token_ids  # positions end, end + 1, ...
-            for pos in range(chunk.start, chunk.start + chunk.num_rows):
+            for pos in range(chunk.start, chunk.start + chunk.num_rows):  # drafts at end, end + 1, ...
+                input_ids.append(req.token_id_at(pos) if pos < end else chunk.draft_token_ids[pos - end])
                 positions.append(pos)
                 slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
             if chunk.num_new_tokens == 1:

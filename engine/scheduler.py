@@ -13,6 +13,7 @@ cache is full:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -23,7 +24,7 @@ from pdserve.engine.connector import ConnectorMetadata, ConnectorRequest, KVConn
 from pdserve.common.errors import CapacityError
 from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.speculation import NO_SPECULATION, Speculator, with_drafts
+from pdserve.engine.speculation import NO_SPECULATION, Speculator
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,7 @@ class Scheduler:
             chunk = out.chunks[index]
             drafts = drafts[:max(0, self.max_model_len - chunk.request.num_tokens - 1)]
             if drafts and self.kv.prepare_resources(chunk.request, 1 + len(drafts)):
-                out.chunks[index] = with_drafts(chunk, drafts)
+                out.chunks[index] = dataclasses.replace(chunk, draft_token_ids=drafts)
 
     def _shortest_first(self, budget: int) -> int:
         """SHORTEST_FIRST: a prompt goes ahead of those with at least twice its tokens left

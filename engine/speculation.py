@@ -25,7 +25,7 @@ sequence whose drafts keep failing stops speculating and is probed again as its 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -288,7 +288,3 @@ class NoSpeculation:
 
 NO_SPECULATION = NoSpeculation()
 
-
-def with_drafts(chunk, drafts: tuple[int, ...]):
-    """`chunk` carrying `drafts` (ScheduledChunk is frozen)."""
-    return replace(chunk, draft_token_ids=drafts)

@@ -52,6 +52,12 @@ class BackendHealth:
             return self._down_since is None
 
     @property
+    def is_probing(self) -> bool:
+        """A background probe runs (it ends once the backend is healthy or this is closed)."""
+        with self._lock:
+            return self._prober is not None
+
+    @property
     def num_consecutive_failures(self) -> int:
         with self._lock:
             return self._failures

@@ -13,6 +13,7 @@ per peer. Over mutual TLS, a certificate that names IP addresses is taken only f
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import ipaddress
 import logging
@@ -108,7 +109,7 @@ class InternalTLS:
         # the key is checked as the cluster secret is: private to this user, read from one descriptor
         return cls(cert, read_private_file(key_path, "internal TLS key", max_bytes=1 << 20), ca)
 
-    @property
+    @functools.cached_property
     def addresses(self) -> tuple[str, ...]:
         """The IP addresses `cert` names (none: the deployment's certificate, or one grpc will
         refuse anyway because it does not parse)."""

@@ -51,9 +51,11 @@ def test_an_unhealthy_backend_is_not_tried_until_its_background_probe_answers():
     probe.answering.set()
     _wait(lambda: health.is_healthy)
     assert health.can_try() and health.last_error == ""
+    _wait(lambda: not health.is_probing)  # healthy: the probe thread has ended
     calls = probe.num_calls
-    time.sleep(5 * COOLDOWN_S)
-    assert probe.num_calls == calls  # healthy: no more probes
+    for _ in range(3):
+        health.record_success()
+    assert probe.num_calls == calls and not health.is_probing  # no more probes
 
 
 def test_a_second_outage_is_probed_again_and_close_stops_the_probe():
@@ -69,12 +71,13 @@ def test_a_second_outage_is_probed_again_and_close_stops_the_probe():
     probe.answering.set()
     _wait(lambda: health.is_healthy)
     probe.answering.clear()
+    _wait(lambda: not health.is_probing)
     health.close()
+    calls = probe.num_calls
     for _ in range(2):
         health.record_failure("get: timed out")
-    calls = probe.num_calls
-    time.sleep(5 * COOLDOWN_S)
-    assert probe.num_calls == calls and not health.is_healthy  # closed: nobody probes
+    assert not health.is_probing and not health.is_healthy  # closed: no probe starts
+    assert probe.num_calls == calls
 
 
 def test_without_a_probe_the_next_call_after_the_cool_down_is_the_probe():

@@ -74,13 +74,13 @@ def test_peer_keys_know_routers_and_look_peers_up_at_a_bounded_rate():
 
     async def lookup(worker_id: str):
         asked.append(worker_id)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # a lookup in flight: the other refreshes run meanwhile
         return Identity(worker_id, "decode", keys[worker_id]) if worker_id in keys else None
 
     async def scenario() -> None:
         assert peers.identities("router") == []
         waiting = asyncio.ensure_future(peers.refresh("router"))  # a router calls before its answer arrived
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # it starts waiting
         peers.set_router("r:1", b"R" * 32, lookup)
         await asyncio.wait_for(waiting, 1)
         assert [i.public_key for i in peers.identities("router")] == [b"R" * 32]
@@ -133,7 +133,7 @@ def test_a_router_credential_waits_only_for_a_registration_in_flight():
         await asyncio.wait_for(peers.refresh("router"), 0.5)  # a key is known, nothing in flight: at once
         peers.registering("r:1", True)  # the router restarted; we register again
         waits = [asyncio.ensure_future(peers.refresh("router")) for _ in range(3)]
-        await asyncio.sleep(0.01)
+        await asyncio.wait(waits, timeout=1, return_when=asyncio.FIRST_COMPLETED)
         assert sum(w.done() for w in waits) == 1  # beyond max_router_waits: refused at once
         peers.registering("r:1", False)
         peers.set_router("r:1", b"B" * 32, lookup)
