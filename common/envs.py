@@ -21,9 +21,10 @@ KNOWN = {
                                    "1: Triton everywhere (CPU needs TRITON_INTERPRET=1); 0: never"),
     "PDSERVE_CPU_ATTENTION": ("auto", "CPU decode attention: auto (native C++ kernel, built on first use, "
                                       "else the torch path with a warning), native (must build), torch"),
-    "PDSERVE_CPU_ISA": ("native", "instruction set the native CPU kernels are compiled for: native (this "
-                                  "CPU's best) or avx2 (AVX-512 off: to test the AVX2 path on an AVX-512 "
-                                  "machine)"),
+    "PDSERVE_CPU_ISA": ("native", "instruction set of the native CPU kernels: native (this CPU's best, "
+                                  "chosen at start and logged), avx512vnni, avxvnni, avx2 (AVX-512 off in "
+                                  "the float kernels too) or scalar (integer-dot kernels in plain C): to "
+                                  "run a lower path on a machine that has a higher one"),
     "PDSERVE_CPU_PREPACK": ("1", "1: fp32 CPU linears use weights prepacked once at load for oneDNN "
                                  "(faster small-batch decode); 0: plain F.linear on MKL (A/B switch)"),
     "PDSERVE_LOG_LEVEL": ("INFO", "log level of every process"),

@@ -35,7 +35,12 @@ _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                               "cpu_quant_gemm.cpp"))
 _FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rope_store_kv", "quant_linear", "dequantize_rows",
               "dequantize_rows_into", "has_bf16_gemm", "quant_linear_bf16"]
-_ISAS = {"native": [], "avx2": ["-mno-avx512f"]}  # PDSERVE_CPU_ISA -> flags after -march=native
+# PDSERVE_CPU_ISA -> flags after -march=native for the float kernels; the integer-dot build
+# holds every path and takes the name itself (`kernels.int8_dot`)
+_ISAS = {"native": [], "avx512vnni": [], "avxvnni": ["-mno-avx512f"], "avx2": ["-mno-avx512f"],
+         "scalar": ["-mno-avx512f"]}
+_INT8_DOT = (Path(__file__).with_name("csrc") / "cpu_int8_dot.cpp", Path(__file__).with_name("csrc") / "int8_dot_tiles.h")
+_INT8_DOT_FLAGS = ["-O3", "-fopenmp"]  # the baseline x86-64: each vector path names its own target
 _MODES = ("auto", "native", "torch")
 BUILD_LOCK_TIMEOUT_S = 900.0  # the longest wait on another process's compile
 
@@ -82,6 +87,16 @@ def quant_module() -> object:
     return module
 
 
+def int8_dot_module() -> object:
+    """The integer-dot GGUF extension (`csrc/cpu_int8_dot.cpp`: `quantize_activations`,
+    `int8dot_linear`, `supported_isas`), one build with every instruction-set path in it.
+    Raises NativeBuildError when it does not build."""
+    module = _load_int8_dot()
+    if isinstance(module, Exception):
+        raise NativeBuildError(f"integer-dot CPU kernels did not build: {module}") from module
+    return module
+
+
 def backend_name() -> str:
     """What CPU decode attention runs in this process, 'native' or 'torch'. Builds the
     extension if needed, so a service calls it at start, not on its first request."""
@@ -105,6 +120,31 @@ def _load() -> object:
         return _build_once(name, build_dir, lambda: _compile(name, build_dir, source, flags))
     except Exception as e:  # compiler missing, ninja missing, read-only cache root, ...
         return e
+
+
+@functools.cache
+def _load_int8_dot() -> object:
+    """As `_load`, for the integer-dot extension, built from files (its tiles are included
+    once per instruction set) for the baseline x86-64."""
+    try:
+        source = "\n".join(path.read_text() for path in _INT8_DOT)
+        name = "pdserve_cpu_int8_dot_" + _fingerprint(source, _INT8_DOT_FLAGS)
+        prepared = _prepared(name)
+        if prepared is not None:
+            return _import_built(name, prepared)
+        build_dir = envs.cache_root() / "torch_extensions" / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        return _build_once(name, build_dir, lambda: _compile_files(name, build_dir))
+    except Exception as e:  # compiler missing, ninja missing, read-only cache root, ...
+        return e
+
+
+def _compile_files(name: str, build_dir: Path) -> object:
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=name, sources=[str(_INT8_DOT[0])], extra_include_paths=[str(_INT8_DOT[0].parent)],
+        extra_cflags=_INT8_DOT_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 
 def _prepared(name: str) -> Path | None:
@@ -165,11 +205,17 @@ def source_text() -> str:
     return "\n".join(path.read_text() for path in _SOURCES)
 
 
-def _flags() -> list[str]:
-    native = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
+def isa_setting() -> str:
+    """PDSERVE_CPU_ISA, checked: native (this CPU's best), avx512vnni, avxvnni, avx2 or scalar."""
     isa = envs.get("PDSERVE_CPU_ISA").strip().lower()
     if isa not in _ISAS:
         raise ValueError(f"PDSERVE_CPU_ISA={isa!r}: expected one of {', '.join(_ISAS)}")
+    return isa
+
+
+def _flags() -> list[str]:
+    native = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
+    isa = isa_setting()
     # -fopenmp: ATen's parallel_for is an inline OpenMP region, serial without it. The
     # libgomp.so.1 it needs is the one torch has already loaded (same soname).
     return ["-O3", "-fopenmp", native, *_ISAS[isa]]

@@ -1,0 +1,246 @@
+// Integer-dot linears over a GGUF file's blocks (`--quantization gguf-int8dot`): the weights
+// stay 4- or 8-bit integers, the activations are quantized once per call to 8 bits per block
+// of 32, each block's dot product is an integer sum, and the two block scales are applied
+// once per block.
+//
+//   quantize_activations(x) -> (q, scales, sums)
+//       x [M, K] float32 contiguous, K a multiple of 32. Per block of 32: d = max|x| / 127,
+//       q = round(x / d) int8 in [-127, 127] (all zero where the block is), sums = sum(q) (an
+//       integer, held exactly in float32). q [M, K] int8, scales and sums [M, K / 32] float32.
+//   int8dot_linear(q, scales, sums, blocks, qtype, bias, isa) -> y [M, N] float32
+//       blocks [N, K / 32 * block_bytes] uint8 as in `cpu_quant_gemm.cpp` (Q4_0 = 2, Q4_1 = 3,
+//       Q8_0 = 8); isa: 0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI.
+//   supported_isas() -> the isa codes this CPU runs, lowest first.
+//
+// One build holds every path: the file is compiled for the baseline x86-64, and each vector
+// path is the same tiles (`int8_dot_tiles.h`) compiled in its own target region; the caller
+// picks one at run time from what the CPU reports (`kernels.int8_dot`).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+
+int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    default: TORCH_CHECK(false, "unsupported GGML block type ", qtype, " (2 = Q4_0, 3 = Q4_1, 8 = Q8_0)");
+  }
+}
+
+// Quantized activations: rows x nblocks blocks; q row-major [rows, nblocks * 32].
+struct Acts {
+  const int8_t* q;
+  const float* scales;  // d_x per block
+  const float* sums;    // sum(q) per block
+  int64_t rows, nblocks;
+};
+
+// ---- scalar path: plain C, the reference every vector path is tested against -----------
+namespace scalar {
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+template <int64_t QT>
+inline int32_t block_sum(const uint8_t* blk, const int8_t* x) {
+  int32_t s = 0;
+  if constexpr (QT == kQ8_0) {
+    const int8_t* w = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int j = 0; j < 32; ++j) s += static_cast<int32_t>(w[j]) * x[j];
+  } else {
+    const uint8_t* qs = blk + (QT == kQ4_1 ? 4 : 2);
+    const int32_t zero = QT == kQ4_1 ? 0 : 8;
+    for (int j = 0; j < 16; ++j) {
+      s += (static_cast<int32_t>(qs[j] & 15) - zero) * x[j];
+      s += (static_cast<int32_t>(qs[j] >> 4) - zero) * x[j + 16];
+    }
+  }
+  return s;
+}
+
+template <int64_t QT>
+void gemv(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
+  const int64_t bb = block_bytes(QT), row_bytes = a.nblocks * bb;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < a.rows; ++m) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < a.nblocks; ++b) {
+          const uint8_t* blk = blocks + n * row_bytes + b * bb;
+          const int64_t row = m * a.nblocks + b;
+          acc += half_at(blk) * a.scales[row] * static_cast<float>(block_sum<QT>(blk, a.q + row * kBlock));
+          if constexpr (QT == kQ4_1) acc += half_at(blk + 2) * (a.scales[row] * a.sums[row]);
+        }
+        y[m * N + n] = acc;
+      }
+  });
+}
+
+}  // namespace scalar
+
+#if defined(__x86_64__)
+// ---- AVX2: vpmaddubsw (pairs into 16 bits) then vpmaddwd against ones --------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#include "int8_dot_tiles.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+// ---- AVX-VNNI: vpdpbusd, VEX-encoded (Alder Lake and later cores without AVX-512) -------
+#pragma GCC push_options
+#pragma GCC target("avxvnni,avx2,fma,f16c")
+namespace avxvnni {
+inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
+#include "int8_dot_tiles.h"
+}  // namespace avxvnni
+#pragma GCC pop_options
+
+// ---- AVX-512 VNNI: vpdpbusd, EVEX-encoded on 256-bit vectors (32 registers) --------------
+#pragma GCC push_options
+#pragma GCC target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")
+namespace avx512vnni {
+inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+#include "int8_dot_tiles.h"
+}  // namespace avx512vnni
+#pragma GCC pop_options
+#endif
+
+bool cpu_has(int64_t isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  switch (isa) {
+    case kScalar: return true;
+    case kAvx2: return avx2;
+    case kAvxVnni: return avx2 && __builtin_cpu_supports("avxvnni");
+    case kAvx512Vnni:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    default: return false;
+  }
+#else
+  return isa == kScalar;
+#endif
+}
+
+template <typename F>
+void by_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+    default: block_bytes(qtype);  // raises
+  }
+}
+
+void run(int64_t isa, int64_t qtype, const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
+  by_type(qtype, [&](auto qt) {
+    constexpr int64_t QT = decltype(qt)::value;
+    switch (isa) {
+#if defined(__x86_64__)
+      case kAvx2: return avx2::gemv<QT>(a, blocks, y, N);
+      case kAvxVnni: return avxvnni::gemv<QT>(a, blocks, y, N);
+      case kAvx512Vnni: return avx512vnni::gemv<QT>(a, blocks, y, N);
+#endif
+      default: return scalar::gemv<QT>(a, blocks, y, N);
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<int64_t> supported_isas() {
+  std::vector<int64_t> out;
+  for (int64_t isa : {kScalar, kAvx2, kAvxVnni, kAvx512Vnni})
+    if (cpu_has(isa)) out.push_back(isa);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(at::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                  x.size(1) % kBlock == 0, "x must be a contiguous float32 [M, K] CPU tensor, K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  at::Tensor q = at::empty({M, K}, at::kChar), scales = at::empty({M, nb}, at::kFloat),
+             sums = at::empty({M, nb}, at::kFloat);
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float *dp = scales.data_ptr<float>(), *sp = sums.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  // one block per index: x[i * 32, (i + 1) * 32) -> q at the same place, d and sum at i
+  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = xp + i * kBlock;
+      float amax = 0.0f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+        const int32_t c = std::min(127, std::max(-127, v));
+        qp[i * kBlock + j] = static_cast<int8_t>(c);
+        sum += c;
+      }
+      dp[i] = d;
+      sp[i] = static_cast<float>(sum);
+    }
+  });
+  return {q, scales, sums};
+}
+
+at::Tensor int8dot_linear(at::Tensor q, at::Tensor scales, at::Tensor sums, at::Tensor blocks, int64_t qtype,
+                          c10::optional<at::Tensor> bias, int64_t isa) {
+  const int64_t bb = block_bytes(qtype);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous() && blocks.size(1) % bb == 0,
+              "blocks must be a contiguous uint8 [N, whole blocks of ", bb, " bytes] CPU tensor");
+  const int64_t N = blocks.size(0), nb = blocks.size(1) / bb, K = nb * kBlock;
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) == K,
+              "q must be a contiguous int8 [M, ", K, "] tensor");
+  const int64_t M = q.size(0);
+  for (const at::Tensor* t : {&scales, &sums})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() && t->size(0) == M &&
+                    t->size(1) == nb, "scales and sums must be contiguous float32 [", M, ", ", nb, "] tensors");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N),
+              "bias: float32 [N]");
+  TORCH_CHECK(cpu_has(isa), "instruction-set path ", isa, " is not one this CPU runs (supported_isas())");
+  const Acts acts{q.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(), M, nb};
+  pybind11::gil_scoped_release no_gil;
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  run(isa, qtype, acts, blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supported_isas", &supported_isas);
+  m.def("quantize_activations", &quantize_activations);
+  m.def("int8dot_linear", &int8dot_linear);
+}

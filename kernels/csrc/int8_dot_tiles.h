@@ -1,0 +1,119 @@
+// The integer-dot tiles of `cpu_int8_dot.cpp`, compiled once per instruction set: the
+// includer opens `namespace <isa>` inside that ISA's `#pragma GCC target` region and defines
+//
+//   __m256i dot_u8s8(__m256i u, __m256i s)
+//       8 int32 lanes, lane i = sum of u[4i + t] * s[4i + t] for t < 4 (u unsigned bytes,
+//       s signed bytes), with no saturation for |u| <= 128 and |s| <= 127.
+//
+// Every path computes the same integer sum per block and row; only how the float32 scale
+// products are added up differs.
+//
+// Per block b of weight row n and activation row m:
+//   Q4_0: w = d (q - 8)   dot = d_w * d_x * sum((q - 8) * qx)
+//   Q4_1: w = d q + m     dot = d_w * d_x * sum(q * qx) + m_w * (d_x * sum(qx))
+//   Q8_0: w = d q         dot = d_w * d_x * sum(q * qx)
+// The signed weights (Q4_0, Q8_0) go through the sign trick: |w| is unsigned, and qx * sign(w)
+// carries the sign; |w| <= 128 and |qx| <= 127 keep AVX2's pairwise 16-bit sums below 32767.
+
+// The block's 32 weights as bytes in activation order: the 4-bit types' low nibbles are
+// weights 0-15 and the high nibbles 16-31.
+template <int64_t QT>
+inline __m256i block_weights(const uint8_t* blk) {
+  if constexpr (QT == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == kQ4_1 ? 4 : 2)));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+    const __m256i q = _mm256_and_si256(both, _mm256_set1_epi8(15));
+    if constexpr (QT == kQ4_1) return q;
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+// y[r * ldy + j] = x_r . W_j for NR weight rows j (row_bytes apart from w0) and MR activation
+// rows r of `a` from row m0: each block of a weight row is unpacked once for all MR rows.
+template <int64_t QT, int NR, int MR>
+inline void tile_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t bb = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
+  __m256 acc[NR][MR];
+  float offset[NR][MR];  // Q4_1: sum over blocks of m_w * d_x * sum(qx)
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) acc[j][r] = _mm256_setzero_ps(), offset[j][r] = 0.0f;
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    __m256i w[NR], u[NR];
+    float dw[NR], mw[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* blk = w0 + j * row_bytes + b * bb;
+      w[j] = block_weights<QT>(blk);
+      u[j] = QT == kQ4_1 ? w[j] : _mm256_sign_epi8(w[j], w[j]);
+      dw[j] = half_at(blk);
+      mw[j] = QT == kQ4_1 ? half_at(blk + 2) : 0.0f;
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = (m0 + r) * a.nblocks + b;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + row * kBlock));
+      const float dx = a.scales[row];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const __m256i s = QT == kQ4_1 ? x : _mm256_sign_epi8(x, w[j]);
+        const __m256 sums = _mm256_cvtepi32_ps(dot_u8s8(u[j], s));
+        acc[j][r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(dw[j] * dx), acc[j][r]);
+        if constexpr (QT == kQ4_1) offset[j][r] += mw[j] * (dx * a.sums[row]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) y[r * ldy + j] = hsum(acc[j][r]) + offset[j][r];
+}
+
+template <int64_t QT, int NR, int MR>
+void tile(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy, int rows) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return tile<QT, NR, MR - 1>(w0, row_bytes, a, m0, y, ldy, rows);
+  }
+  tile_dot<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
+}
+
+// y [M, N] = the activations against every weight row: tiles of NR weight rows split over
+// the threads, each against the activation rows kRows at a time, the next tile's blocks
+// asked for while one is computed (decode streams its weights from memory).
+template <int64_t QT, int NR>
+void gemv_tiles(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
+  constexpr int kRows = 4;  // NR x 4 float accumulators + the weight vectors fit 16 registers
+  const int64_t row_bytes = a.nblocks * block_bytes(QT), tile_bytes = NR * row_bytes;
+  at::parallel_for(0, N / NR, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (t + 1 < end) {
+        const char* next = reinterpret_cast<const char*>(blocks + (t + 1) * tile_bytes);
+        for (int64_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
+      }
+      for (int64_t m = 0; m < a.rows; m += kRows)
+        tile<QT, NR, kRows>(blocks + t * tile_bytes, row_bytes, a, m, y + m * N + NR * t, N,
+                            static_cast<int>(std::min<int64_t>(kRows, a.rows - m)));
+    }
+  });
+}
+
+template <int64_t QT>
+void gemv(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
+  if (N % 2 == 0) {
+    gemv_tiles<QT, 2>(a, blocks, y, N);
+  } else {
+    gemv_tiles<QT, 1>(a, blocks, y, N);
+  }
+}

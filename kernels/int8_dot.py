@@ -1,0 +1,144 @@
+"""Integer dot products over a GGUF file's blocks (`--quantization gguf-int8dot`).
+
+The weights stay the file's 4- or 8-bit integers (`QuantWeight`); a linear's input is
+quantized once per call to 8 bits per block of 32 (`quantize_activations`: one scale per
+block, round to nearest, [-127, 127]), each block's dot product is an integer sum, and the
+weight and activation scales are applied once per block (`csrc/cpu_int8_dot.cpp`). The
+engine merges every set of matrices that read one input (q/k/v, gate/up) into one linear
+(`QuantWeight.stack`), so each input is quantized once per step.
+
+One build holds every instruction-set path (`ISAS`, lowest first): plain C, AVX2
+(vpmaddubsw), AVX-VNNI and AVX-512 VNNI (vpdpbusd). The best one the CPU reports is chosen
+at start and logged once; PDSERVE_CPU_ISA (`common.envs`) names a lower one instead.
+Prompt-sized calls (GEMM_ROWS rows and more) are bound by arithmetic, not weight bytes:
+they take the exact mode's expanded-weights GEMM, so a prompt's KV is the `gguf` mode's.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels import cpu_native
+from pdserve.kernels.quant import GEMM_EVENT, GEMM_ROWS, Q4_0, Q4_1, Q8_0, QuantWeight, _expanded_linear
+
+log = logging.getLogger(__name__)
+
+ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")  # the kernel's isa code is the index
+TYPES = (Q4_0, Q4_1, Q8_0)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Activations:
+    """x [M, K] as blocks of 32: x[m, 32 b + j] ~= scales[m, b] * q[m, 32 b + j]."""
+
+    q: torch.Tensor  # int8 [M, K], each in [-127, 127]
+    scales: torch.Tensor  # float32 [M, K / 32]
+    sums: torch.Tensor  # float32 [M, K / 32]: sum of each block's q (an exact integer)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 activations these blocks stand for (what the integer dot multiplies)."""
+        m, k = self.q.shape
+        return (self.q.view(m, -1, 32).float() * self.scales.unsqueeze(-1)).view(m, k)
+
+
+def quantize_activations(x: torch.Tensor) -> Int8Activations:
+    """x float32 [M, K], K a multiple of 32, as 8-bit blocks."""
+    q, scales, sums = cpu_native.int8_dot_module().quantize_activations(x.contiguous())
+    return Int8Activations(q, scales, sums)
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The paths this CPU runs, lowest first (scalar always)."""
+    return tuple(ISAS[code] for code in cpu_native.int8_dot_module().supported_isas())
+
+
+def choose_isa(setting: str, supported: tuple[str, ...]) -> str:
+    """The path for PDSERVE_CPU_ISA=`setting`: `native` takes the best of `supported`; a
+    named path must be one of them (a path the CPU lacks would fault, not fall back)."""
+    if setting == "native":
+        return supported[-1]
+    if setting not in supported:
+        raise ValueError(f"PDSERVE_CPU_ISA={setting}: this CPU runs only {', '.join(supported)}")
+    return setting
+
+
+@functools.cache
+def chosen_isa() -> str:
+    """This process's path, chosen once and logged with what the CPU reports."""
+    supported = supported_isas()
+    isa = choose_isa(cpu_native.isa_setting(), supported)
+    log.info("integer-dot GGUF kernels: %s path on %s (CPU runs %s; torch's capability %s; "
+             "PDSERVE_CPU_ISA picks another)", isa, cpu_model(), ", ".join(supported),
+             torch.backends.cpu.get_cpu_capability())
+    return isa
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name as the OS reports it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def int8dot_linear(x: Int8Activations, weight: QuantWeight, bias: torch.Tensor | None = None,
+                   isa: str | None = None) -> torch.Tensor:
+    """x's blocks against `weight`'s: [M, out_features] float32, on `isa` (default: this
+    process's path)."""
+    if weight.qtype not in TYPES:
+        raise ValueError(f"{weight.type_name} has no integer-dot kernel")
+    code = ISAS.index(isa or chosen_isa())
+    module = cpu_native.int8_dot_module()
+    if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
+        with torch.profiler.record_function(GEMM_EVENT):
+            return module.int8dot_linear(x.q, x.scales, x.sums, weight.blocks, weight.qtype, bias, code)
+    return module.int8dot_linear(x.q, x.scales, x.sums, weight.blocks, weight.qtype, bias, code)
+
+
+class Int8DotLinear:
+    """The gguf-int8dot mode's linear over one weight's blocks: integer dots for decode-sized
+    calls, the exact expanded GEMM for prompts (see the module docstring)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: QuantWeight) -> None:
+        self.weight = weight
+
+    @classmethod
+    def build(cls, weight: QuantWeight) -> Int8DotLinear | None:
+        """None for a type without an integer-dot kernel: that linear runs exact."""
+        if weight.qtype not in TYPES:
+            log.info("%s blocks have no integer-dot kernel: that linear runs the exact kernel", weight.type_name)
+            return None
+        chosen_isa()  # chosen and logged at load, not on the first request
+        return cls(weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.in_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        if x2.shape[0] >= GEMM_ROWS:
+            y = _expanded_linear(cpu_native.quant_module(), x2, self.weight, bias)
+        else:
+            y = int8dot_linear(quantize_activations(x2), self.weight, bias)
+        return y.reshape(*lead, self.weight.out_features)

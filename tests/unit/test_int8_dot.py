@@ -1,0 +1,118 @@
+"""Integer-dot GGUF kernels (`kernels.int8_dot`, `csrc/cpu_int8_dot.cpp`) on every
+instruction-set path this CPU runs, the lower ones forced: each against float64 over the
+dequantized weights and the dequantized 8-bit activations (the integer sums are exact, so
+only float32 scale products and their order differ: tolerance 1e-5 of the largest output),
+against the scalar C path, and against the float32 activations (8-bit blocks: each activation
+within half a step of its block's scale; a dot product of random rows stays within 2% of the
+largest output).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.kernels import int8_dot, quant
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+TYPES = {"Q4_0": quant.Q4_0, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0}
+SUPPORTED = int8_dot.supported_isas()
+
+
+def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> tuple[quant.QuantWeight, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    return quant.QuantWeight(torch.from_numpy(blocks), qtype), torch.from_numpy(dequantize(blocks, qtype))
+
+
+def each_isa():
+    return [pytest.param(isa, marks=pytest.mark.skipif(isa not in SUPPORTED, reason=f"this CPU lacks {isa}"))
+            for isa in int8_dot.ISAS]
+
+
+def test_activations_are_blocks_of_8_bits():
+    x = torch.randn(3, 128) * torch.tensor([1e-3, 1.0, 40.0]).unsqueeze(1)
+    x[1, 32:64] = 0.0  # an all-zero block
+    acts = int8_dot.quantize_activations(x)
+    assert acts.q.dtype == torch.int8 and acts.q.shape == (3, 128) and acts.scales.shape == (3, 4)
+    q = acts.q.view(3, 4, 32).int()
+    assert q.abs().max() <= 127
+    assert torch.equal(acts.sums, q.sum(-1).float())
+    assert acts.scales[1, 1] == 0 and not q[1, 1].any()
+    nonzero = acts.scales > 0
+    assert torch.equal(q.abs().amax(-1)[nonzero], torch.full((int(nonzero.sum()),), 127, dtype=torch.int32))
+    step = acts.scales.unsqueeze(-1)
+    assert ((acts.dequantize().view(3, 4, 32) - x.view(3, 4, 32)).abs() <= step * 0.5001 + 1e-12).all()
+
+
+@pytest.mark.parametrize("isa", each_isa())
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 31])  # tiles of 4 rows and their remainders
+def test_each_path_matches_float64_over_the_quantized_activations(isa, name, rows):
+    weight, reference = random_weight(TYPES[name], 94, 160, seed=rows)  # pairs of rows, 5 blocks
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(94)
+    acts = int8_dot.quantize_activations(x)
+    expected = acts.dequantize().double() @ reference.double().T + bias.double()
+    got = int8_dot.int8dot_linear(acts, weight, bias, isa=isa)
+    assert got.dtype == torch.float32 and got.shape == (rows, 94)
+    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    scalar = int8_dot.int8dot_linear(acts, weight, bias, isa="scalar")
+    assert (got - scalar).abs().max() <= 1e-5 * scalar.abs().max()
+    exact = x.double() @ reference.double().T + bias.double()
+    assert (got.double() - exact).abs().max() <= 2e-2 * exact.abs().max()
+
+
+@pytest.mark.parametrize("isa", each_isa())
+@pytest.mark.parametrize("name", TYPES)
+def test_odd_rows_and_long_rows(isa, name):
+    """An odd number of weight rows (one-row tiles) and rows of 65 blocks (a 1B model's are 64-256)."""
+    weight, reference = random_weight(TYPES[name], 33, 65 * 32, seed=3)
+    acts = int8_dot.quantize_activations(torch.randn(6, 65 * 32, generator=torch.Generator().manual_seed(3)))
+    expected = acts.dequantize().double() @ reference.double().T
+    got = int8_dot.int8dot_linear(acts, weight, isa=isa)
+    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_the_linear_runs_prompts_exact_and_decode_rows_as_integers():
+    weight, _ = random_weight(quant.Q4_1, 64, 96)
+    linear = int8_dot.Int8DotLinear.build(weight)
+    prompt = torch.randn(40, 96)
+    assert torch.equal(linear(prompt), quant.quant_linear(prompt, weight))
+    step = torch.randn(2, 3, 96)
+    expected = int8_dot.int8dot_linear(int8_dot.quantize_activations(step.reshape(6, 96)), weight)
+    assert torch.equal(linear(step), expected.reshape(2, 3, 64))
+
+
+def test_choosing_a_path():
+    assert int8_dot.choose_isa("native", ("scalar", "avx2", "avxvnni")) == "avxvnni"
+    assert int8_dot.choose_isa("avx2", ("scalar", "avx2", "avx512vnni")) == "avx2"
+    with pytest.raises(ValueError, match="runs only scalar, avx2"):
+        int8_dot.choose_isa("avx512vnni", ("scalar", "avx2"))
+    assert int8_dot.chosen_isa() in SUPPORTED and SUPPORTED[0] == "scalar"
+
+
+def test_the_environment_forces_a_lower_path():
+    script = "from pdserve.kernels import int8_dot; print(int8_dot.chosen_isa())"
+    env = {**os.environ, "PDSERVE_CPU_ISA": "scalar"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "scalar"
+
+
+def test_bad_input_is_a_clear_error():
+    weight, _ = random_weight(quant.Q8_0, 4, 64)
+    acts = int8_dot.quantize_activations(torch.randn(2, 64))
+    with pytest.raises(RuntimeError, match="int8"):
+        int8_dot.int8dot_linear(int8_dot.Int8Activations(acts.q.float(), acts.scales, acts.sums), weight)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        int8_dot.quantize_activations(torch.randn(2, 40))
+    with pytest.raises(RuntimeError, match="not one this CPU runs"):
+        cpu = __import__("pdserve.kernels.cpu_native", fromlist=["x"]).int8_dot_module()
+        cpu.int8dot_linear(acts.q, acts.scales, acts.sums, weight.blocks, weight.qtype, None, 9)
