@@ -1,5 +1,5 @@
 """The linears of a GGUF file as its own quantized blocks, under transformers' names, for
-`--quantization gguf` / `gguf-fast` (see `kernels.quant`).
+`--quantization gguf` / `gguf-fast` / `gguf-int8dot` (see `kernels.quant`).
 
 The float32 model the engine would otherwise serve is the same file dequantized (by
 transformers, which also undoes llama.cpp's reordering of the q and k rows). Each block
@@ -19,7 +19,8 @@ import torch
 from pdserve.common.errors import ModelLoadError
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.kernels import cpu_native
-from pdserve.kernels.quant import NATIVE_TYPES, QuantWeight
+from pdserve.kernels import int8_dot
+from pdserve.kernels.quant import MODES, NATIVE_TYPES, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +38,25 @@ def weights_to_serve(config: EngineConfig, loaded, state: dict[str, torch.Tensor
     chosen = config.quantization
     if chosen == "auto":
         chosen = _auto(config, loaded)
-    if chosen not in ("gguf", "gguf-fast"):
+    if chosen not in MODES:
         return chosen, {}
     if loaded.gguf_path is None:
         raise ModelLoadError(f"--quantization {chosen} serves a GGUF file's own blocks: "
                              f"{loaded.model_dir} is not a GGUF model")
     cpu_native.quant_module()  # raises NativeBuildError with the compiler's reason
+    if chosen == "gguf-int8dot":
+        cpu_native.int8_dot_module()
     blocks = read_quantized(loaded.gguf_path, state, loaded.model_config)
     kinds = Counter(w.type_name for w in blocks.values())
     log.info("serving %s from its GGUF blocks (--quantization %s, %s activations): %s; "
              "--quantization none serves float32", loaded.name, chosen,
-             "float32" if chosen == "gguf" else "bfloat16 for 4-bit blocks",
+             _ACTIVATIONS[chosen],
              ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) or "no native block type")
     return chosen, blocks
+
+
+_ACTIVATIONS = {"gguf": "float32", "gguf-fast": "bfloat16 for 4-bit blocks",
+                "gguf-int8dot": "8-bit blocks and integer dot products in decode-sized steps"}
 
 
 def _auto(config: EngineConfig, loaded) -> str:
@@ -60,7 +67,7 @@ def _auto(config: EngineConfig, loaded) -> str:
     except cpu_native.NativeBuildError as e:
         log.warning("serving the GGUF model as float32: the native block kernels did not build (%s)", e)
         return ""
-    return "gguf"
+    return "gguf-int8dot" if int8_dot.AUTO_FOR_DECODE else "gguf"
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")  # the kernel's isa code is the index
 TYPES = (Q4_0, Q4_1, Q8_0)
+# Whether `auto` serves a GGUF model's decode in this mode. Decided once, by a recorded run,
+# never at start-up: `pdserve bench quantization` prints the verdict (greedy agreement with
+# float32 on its 100 prompts at least gguf-fast's) and docs/performance.md keeps the run.
+# This mode's KV differs from float32's (kv_weights): turning it on needs the prefill's
+# `auto` to pick the same mode (worker.settings.engine_quantization).
+AUTO_FOR_DECODE = False
 
 
 @dataclass(frozen=True, slots=True)

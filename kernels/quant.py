@@ -29,7 +29,7 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
 NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 BLOCK = 32
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-MODES = ("gguf", "gguf-fast")
+MODES = ("gguf", "gguf-fast", "gguf-int8dot")  # int8dot: see kernels.int8_dot
 FAST_TYPES = (Q4_0, Q4_1)  # what the fast mode runs in bfloat16 (see FastLinear)
 GEMM_EVENT = "pdserve::quant_linear"  # the profiler's name for the native block GEMM
 GEMM_ROWS = 32  # rows from which a call expands the weights and runs oneDNN's GEMM
@@ -212,6 +212,21 @@ class FastLinear:
         else:
             y = _native_gemm(module.quant_linear, x2, self.weight, bias)
         return y.reshape(*lead, self.weight.out_features)
+
+
+def mode_linear(weight: QuantWeight, mode: str):
+    """The linear a GGUF mode runs over `weight` (`__call__(x, bias)`, `nbytes`,
+    `out_features`, `in_features`), or None where the exact kernel (`quant_linear`) runs it:
+    the `gguf` mode, and a type the mode has no kernel for."""
+    if mode not in MODES:
+        raise ValueError(f"unknown GGUF mode {mode!r} ({', '.join(MODES)})")
+    if mode == "gguf-fast":
+        return FastLinear.build(weight)
+    if mode == "gguf-int8dot":
+        from pdserve.kernels.int8_dot import Int8DotLinear
+
+        return Int8DotLinear.build(weight)
+    return None
 
 
 @functools.cache

@@ -54,9 +54,10 @@ class WorkerSettings:
         "auto", "weights: auto (decode: a .gguf model's own blocks on CPU in float32; prefill: float32, "
         "faster for prompts, the same KV), none "
         "(float32), gguf (the .gguf's quantized blocks, float32 activations: same greedy text), "
-        "gguf-fast (bfloat16 activations for 4-bit blocks: faster, small differences), int8 "
+        "gguf-fast (bfloat16 activations for 4-bit blocks: faster, small differences), gguf-int8dot "
+        "(8-bit activations, integer dot products in decode steps: faster, small differences), int8 "
         "(dynamic int8 GEMMs); prefill and decode must agree", "engine",
-        choices=("auto", "none", "gguf", "gguf-fast", "int8"))
+        choices=("auto", "none", "gguf", "gguf-fast", "gguf-int8dot", "int8"))
     device: str = setting("cpu", "cpu or cuda[:N]", "engine")
     num_threads: int = setting(0, "torch intra-op threads (0: torch's choice)", "engine")
     block_size: int = setting(16, "tokens per KV block", "engine")

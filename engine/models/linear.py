@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.common import envs
-from pdserve.kernels.quant import FastLinear, QuantWeight, quant_linear
+from pdserve.kernels.quant import FastLinear, QuantWeight, mode_linear, quant_linear
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,7 +40,7 @@ class Linear:
         self._packed = None
         self._int8 = None
         self._blocks: QuantWeight | None = None
-        self._fast: FastLinear | None = None
+        self._fast: FastLinear | None = None  # or Int8DotLinear: a GGUF mode's own kernel
         if quantize == "int8":
             self._int8 = _pack_int8(weight, bias)
             self.weight = None
@@ -49,12 +49,13 @@ class Linear:
             self.weight = None  # the packed copy replaces it: no second set of weight bytes
 
     @classmethod
-    def from_blocks(cls, blocks: QuantWeight, bias: torch.Tensor | None = None, fast: bool = False) -> Linear:
-        """A linear over GGUF blocks: exact (float32 activations, the native kernel) or, with
-        `fast`, bfloat16 activations where this CPU has a kernel for them (`FastLinear`)."""
+    def from_blocks(cls, blocks: QuantWeight, bias: torch.Tensor | None = None, mode: str = "gguf") -> Linear:
+        """A linear over GGUF blocks in a GGUF `mode` (`kernels.quant.MODES`): exact (float32
+        activations, the native kernel), or the mode's own kernel where it has one for these
+        blocks (`FastLinear`: bfloat16 activations; `Int8DotLinear`: 8-bit activations)."""
         linear = cls.__new__(cls)
         linear.weight, linear.bias, linear._packed, linear._int8 = None, bias, None, None
-        linear._blocks, linear._fast = blocks, FastLinear.build(blocks) if fast else None
+        linear._blocks, linear._fast = blocks, mode_linear(blocks, mode)
         if linear._fast is not None:
             linear._blocks = None
         return linear

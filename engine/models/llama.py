@@ -40,7 +40,7 @@ class CausalLM:
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, quantization: str = "",
                  blocks: dict[str, QuantWeight] | None = None) -> None:
-        """`blocks`: GGUF linears by transformers' name (`--quantization gguf`/`gguf-fast`),
+        """`blocks`: GGUF linears by transformers' name (`--quantization gguf`/`gguf-fast`/`gguf-int8dot`),
         used in place of the float32 weights of the same name."""
         self.config = config
         self.device = device
@@ -99,7 +99,7 @@ class CausalLM:
         if all(parts):
             stacked = QuantWeight.stack(parts)
             if stacked is not None:
-                return Linear.from_blocks(stacked, bias, fast=self._quantization == "gguf-fast")
+                return Linear.from_blocks(stacked, bias, mode=self._quantization)
         weight = torch.cat([self._take(name) for name in names]) if len(names) > 1 else self._take(names[0])
         int8 = self._quantization if self._quantization == "int8" and int8 else ""
         return Linear(weight, bias, prepack=self._pack, quantize=int8)

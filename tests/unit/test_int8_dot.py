@@ -116,3 +116,11 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(RuntimeError, match="not one this CPU runs"):
         cpu = __import__("pdserve.kernels.cpu_native", fromlist=["x"]).int8_dot_module()
         cpu.int8dot_linear(acts.q, acts.scales, acts.sums, weight.blocks, weight.qtype, None, 9)
+
+
+def test_each_gguf_mode_picks_its_linear():
+    weight, _ = random_weight(quant.Q4_1, 32, 64)
+    assert isinstance(quant.mode_linear(weight, "gguf-int8dot"), int8_dot.Int8DotLinear)
+    assert quant.mode_linear(weight, "gguf") is None  # the exact kernel
+    with pytest.raises(ValueError, match="unknown GGUF mode"):
+        quant.mode_linear(weight, "gguf-int4")
