@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pdserve.common import envs
+
 FIRST_ORDINARY_TOKEN = 256  # below this, SmolLM2-style vocabularies keep special/byte tokens
 
 
@@ -82,7 +84,8 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, Path | None]:
     p.add_argument("--quick", action="store_true",
                    help="small shapes (concurrency 4 8, 16 new tokens, 64-token prompts, 256 prefill)")
     p.add_argument("--no-transformers", action="store_true", help="measure pdserve only")
-    p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "gguf-fast", "int8"),
+    p.add_argument("--quantization", default="auto",
+                   choices=("auto", "none", "gguf", "gguf-fast", "gguf-int8dot", "int8"),
                    help="pdserve's weights, as the workers' flag (auto: a .gguf's own blocks)")
     p.add_argument("--decode-batches", type=int, nargs="+", default=None,
                    help="decode-only steps timed at these batch sizes, beside their bound (default: 1 8 32)")
@@ -277,14 +280,13 @@ def run(s: Settings, log: Callable[[str], None]) -> list[Row]:
                         (lambda: theirs.generate([long_prompt], 1)) if theirs else None, s.repeats))
     log(format_row(rows[-1]))
     machine = measure_machine(s.threads)
-    log(f"this machine, {s.threads} threads: {machine.read_gbs:.1f} GB/s streaming reads, "
-        f"{machine.gemm_gflops:.0f} GFLOP/s float32 GEMM on cache-resident weights")
+    log(machine.describe(s.threads))
     model = ours.llm.engine.model
     for batch in s.decode_batches:
         step = decode_step(ours.llm, make_prompts(vocab, batch, s.prompt_len, next(seeds)))
         bound = step_bound(model, batch, machine)
         rows.append(Row(f"decode step, batch {batch}", "ms", step.ms, None, False))
-        log(format_row(rows[-1]) + f"  (bound {bound.ms:.1f} ms: {bound.why}; step/bound {step.ms / bound.ms:.2f})")
+        log(format_row(rows[-1]) + f"  bound {bound.ms:.2f} ms, step/bound {step.ms / bound.ms:.2f}: {bound.why}")
         log(f"  one step: {step.num_ops} operator calls, {step.gemm_share:.0%} of its CPU time in GEMM "
             f"({step.gemm_ms:.1f} ms), top: {step.top}")
     if s.profile:
@@ -312,6 +314,15 @@ GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::mkldnn_linear", "aten
 class Machine:
     read_gbs: float  # streaming reads from memory (a sum over 512 MB)
     gemm_gflops: float  # float32 GEMM with cache-resident operands
+    int8_gops: float | None  # the integer-dot kernel on cache-resident blocks (2 ops a multiply-add)
+    isa: str  # the integer-dot kernel's instruction-set path
+    cpu: str  # the CPU's model name
+
+    def describe(self, threads: int) -> str:
+        int8 = f"{self.int8_gops:.0f} GOP/s integer dot ({self.isa} path)" if self.int8_gops else \
+            "no integer-dot kernel"
+        return (f"this machine: {self.cpu}, {threads} threads: {self.read_gbs:.1f} GB/s streaming reads, "
+                f"{self.gemm_gflops:.0f} GFLOP/s float32 GEMM, {int8}, on cache-resident weights")
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,15 +332,40 @@ class Bound:
 
 
 def measure_machine(threads: int) -> Machine:
-    """What bounds a decode step here: memory bandwidth and GEMM throughput, best of 5."""
+    """What bounds a decode step here: memory bandwidth, float32 GEMM and integer-dot
+    throughput, best of 5."""
     import torch
+
+    from pdserve.kernels import int8_dot
 
     big = torch.ones(128 << 20)  # 512 MB: far beyond any cache
     a, b = torch.randn(64, 576), torch.randn(576, 1536)  # 3.5 MB: stays in L2/L3
     big.sum()
     read = min(_timed(big.sum) for _ in range(5))
     gemm = min(_timed(lambda: [torch.mm(a, b) for _ in range(20)]) for _ in range(5))
-    return Machine(read_gbs=big.numel() * 4 / read / 1e9, gemm_gflops=20 * 2 * 64 * 576 * 1536 / gemm / 1e9)
+    try:
+        isa, int8 = int8_dot.chosen_isa(), _int8_dot_gops()
+    except Exception as e:  # noqa: BLE001 - no compiler here: the bound leaves the integer rate out
+        isa, int8 = f"none ({e})", None
+    return Machine(read_gbs=big.numel() * 4 / read / 1e9, gemm_gflops=20 * 2 * 64 * 576 * 1536 / gemm / 1e9,
+                   int8_gops=int8, isa=isa, cpu=int8_dot.cpu_model())
+
+
+def _int8_dot_gops(rows: int = 8, n: int = 1536, k: int = 576) -> float:
+    """The integer-dot kernel's rate on a Q4_1 weight small enough to stay in cache (SmolLM2's
+    gate/up shape, 0.55 MB), `rows` activation rows: the arithmetic a step cannot beat."""
+    import torch
+
+    from pdserve.kernels import int8_dot, quant
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (n, k // 32 * 20), dtype=torch.uint8, generator=g)
+    blocks.view(n, -1, 20)[..., :4] = torch.tensor([0x00, 0x20, 0x00, 0xA0], dtype=torch.uint8)  # d, m
+    weight = quant.QuantWeight(blocks, quant.Q4_1)
+    acts = int8_dot.quantize_activations(torch.randn(rows, k, generator=g))
+    int8_dot.int8dot_linear(acts, weight)
+    seconds = min(_timed(lambda: [int8_dot.int8dot_linear(acts, weight) for _ in range(20)]) for _ in range(5))
+    return 20 * 2 * rows * n * k / seconds / 1e9
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -340,15 +376,24 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def step_bound(model, batch: int, machine: Machine) -> Bound:
     """The shortest a decode step of `batch` rows could take: its linears' weight bytes at the
-    machine's read bandwidth, or their multiply-adds at its GEMM rate, whichever is longer."""
+    machine's read bandwidth, or their multiply-adds at its rate for the kernel each runs
+    (the integer-dot rate for gguf-int8dot's few-row calls, float32 GEMM's for the rest),
+    whichever is longer. `why` gives both."""
+    from pdserve.kernels.int8_dot import Int8DotLinear
+    from pdserve.kernels.quant import GEMM_ROWS
+
     linears = model.linears()
     weight_bytes = sum(lin.weight_bytes for lin in linears)
-    flops = 2 * batch * sum(lin.macs_per_row for lin in linears)
     memory_ms = weight_bytes / machine.read_gbs / 1e6
-    compute_ms = flops / machine.gemm_gflops / 1e6
-    if memory_ms >= compute_ms:
-        return Bound(memory_ms, f"{weight_bytes / 1e6:.0f} MB of weights")
-    return Bound(compute_ms, f"{flops / 1e9:.2f} GFLOP")
+    # a linear's mode kernel is its `_fast` (engine.models.linear); integer dots run below GEMM_ROWS rows
+    integer = [isinstance(getattr(lin, "_fast", None), Int8DotLinear) and batch < GEMM_ROWS
+               and machine.int8_gops is not None for lin in linears]
+    int8_ops = 2 * batch * sum(lin.macs_per_row for lin, i in zip(linears, integer) if i)
+    float_ops = 2 * batch * sum(lin.macs_per_row for lin, i in zip(linears, integer) if not i)
+    compute_ms = (float_ops / machine.gemm_gflops + (int8_ops / machine.int8_gops if int8_ops else 0.0)) / 1e6
+    why = (f"weights {weight_bytes / 1e6:.0f} MB at {machine.read_gbs:.1f} GB/s = {memory_ms:.2f} ms; "
+           f"multiply-adds {int8_ops / 2e9:.3f} G integer dot + {float_ops / 2e9:.3f} G float32 = {compute_ms:.2f} ms")
+    return Bound(max(memory_ms, compute_ms), why)
 
 
 def decode_step(llm, prompts: list[list[int]], steps: int = 16) -> StepProfile:
@@ -409,7 +454,10 @@ def format_row(r: Row) -> str:
 def header(s: Settings) -> str:
     import torch
 
-    return (f"pdserve offline benchmark: model {s.model}, float32, CPU, torch {torch.__version__}, "
+    from pdserve.kernels import int8_dot
+
+    return (f"pdserve offline benchmark: model {s.model}, float32, CPU {int8_dot.cpu_model()}, "
+            f"PDSERVE_CPU_ISA={envs.get('PDSERVE_CPU_ISA')}, torch {torch.__version__}, "
             f"{s.threads} threads, median of {s.repeats} interleaved run(s)\n"
             f"ratio: pdserve vs transformers by wall time, > 1 = pdserve better; cpu: the same in "
             f"process CPU seconds; same: requests with identical greedy tokens\n"

@@ -1,10 +1,15 @@
 """What each `--quantization` costs and gains: `pdserve bench quantization [--prompts 100]`.
 
-Side by side in one run, on the same model, each quantization (int8, gguf, gguf-fast) against
-the float32 engine: greedy agreement over `--prompts` prompts (identical answers, and the mean
-share of each answer before the first differing token); perplexity of a fixed text, from each
-engine's own prompt logprobs; and decode throughput at batch `--batch`, interleaved rounds,
-best of `--rounds`.
+Side by side in one run, on the same model, each quantization (int8, gguf, gguf-fast,
+gguf-int8dot) against the float32 engine: greedy agreement over `--prompts` prompts (identical
+answers, and the mean share of each answer before the first differing token), run
+`--agreement-batch` prompts at a time so that decode steps take the few-row kernels a served
+decode runs (a step of 32 rows or more takes the prompt kernels); perplexity of a fixed text,
+from each engine's own prompt logprobs, once as one prompt (the prompt kernels) and once in
+steps of STEP_TOKENS tokens (the decode kernels); and decode throughput at batch `--batch`,
+interleaved rounds, best of `--rounds`. It ends with `auto`'s recorded check: whether
+gguf-int8dot agrees with float32 at least as often as gguf-fast (`kernels.int8_dot.AUTO_FOR_DECODE`
+is set from that verdict, with the run recorded in docs/performance.md).
 """
 from __future__ import annotations
 
@@ -33,13 +38,19 @@ def prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def agreement(fp32, other, texts: list[str], max_tokens: int) -> tuple[int, float]:
-    """(answers identical, mean share of an answer before the first differing token)."""
+STEP_TOKENS = 16  # prompt tokens a step in the decode-kernel perplexity (below the GEMM rows)
+
+
+def agreement(fp32, other, texts: list[str], max_tokens: int, batch: int) -> tuple[int, float]:
+    """(answers identical, mean share of an answer before the first differing token), the
+    prompts run `batch` at a time."""
     from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    a = fp32.generate(texts, params)
-    b = other.generate(texts, params)
+    a, b = [], []
+    for start in range(0, len(texts), batch):
+        a += fp32.generate(texts[start:start + batch], params)
+        b += other.generate(texts[start:start + batch], params)
     same, shares = 0, []
     for x, y in zip(a, b):
         ids_x, ids_y = list(x.token_ids), list(y.token_ids)
@@ -59,6 +70,22 @@ def perplexity(llm) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
+def step_perplexity(model: str, quantization: str, num_threads: int) -> float:
+    """Perplexity of TEXT computed STEP_TOKENS prompt tokens a step: through the kernels a
+    decode step runs (an engine of its own, whose step budget is that many tokens)."""
+    import gc
+
+    from pdserve.engine.llm import LLM
+
+    llm = LLM(model, num_threads=num_threads, quantization=quantization, max_num_tokens=STEP_TOKENS)
+    try:
+        return perplexity(llm)
+    finally:
+        llm.engine.assert_no_leaks()
+        del llm
+        gc.collect()
+
+
 def decode_rate(llm, batch: int, max_tokens: int) -> float:
     from pdserve.engine.sampling_params import SamplingParams
 
@@ -71,29 +98,27 @@ def decode_rate(llm, batch: int, max_tokens: int) -> float:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench quantization", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="default")
-    p.add_argument("--quantizations", default="int8,gguf,gguf-fast",
+    p.add_argument("--quantizations", default="int8,gguf,gguf-fast,gguf-int8dot",
                    help="comma-separated, each against float32 (the gguf ones need a GGUF model)")
     p.add_argument("--prompts", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--agreement-batch", type=int, default=8,
+                   help="prompts decoded together in the agreement check (decode-sized: below 32)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=1)
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", module="torch.ao")
     from pdserve.engine.llm import LLM
+    from pdserve.kernels import int8_dot
 
+    print(f"CPU {int8_dot.cpu_model()}, integer-dot path {int8_dot.chosen_isa()}, {args.num_threads} threads",
+          flush=True)
     engines = {"fp32": LLM(args.model, num_threads=args.num_threads, quantization="")}
     for name in args.quantizations.split(","):
         engines[name] = LLM(args.model, num_threads=args.num_threads, quantization=name)
-    texts = prompts(args.prompts)
-    base_ppl = perplexity(engines["fp32"])
-    print(f"perplexity of a fixed {len(TEXT.split())}-word text, fp32: {base_ppl:.4f}", flush=True)
-    for name, llm in list(engines.items())[1:]:
-        same, share = agreement(engines["fp32"], llm, texts, args.max_tokens)
-        ppl = perplexity(llm)
-        print(f"{name}: greedy agreement with fp32 over {args.prompts} prompts, {args.max_tokens} tokens: "
-              f"{same} identical ({same / args.prompts:.0%}), mean share before the first difference "
-              f"{share:.1%}; perplexity {ppl:.4f} ({ppl / base_ppl - 1:+.2%})", flush=True)
+    agreed = report_accuracy(engines, args)
+    print(auto_verdict(agreed, args.prompts), flush=True)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, llm in engines.items():
@@ -105,3 +130,32 @@ def main(argv: list[str]) -> int:
     for llm in engines.values():
         llm.engine.assert_no_leaks()
     return 0
+
+
+def report_accuracy(engines: dict, args) -> dict[str, int]:
+    """Prints each quantization's agreement and perplexities; returns the identical answers."""
+    texts = prompts(args.prompts)
+    base_ppl = perplexity(engines["fp32"])
+    base_step = step_perplexity(args.model, "", args.num_threads)
+    print(f"perplexity of a fixed {len(TEXT.split())}-word text, fp32: {base_ppl:.4f} as one prompt, "
+          f"{base_step:.4f} in {STEP_TOKENS}-token steps", flush=True)
+    agreed = {}
+    for name, llm in list(engines.items())[1:]:
+        same, share = agreement(engines["fp32"], llm, texts, args.max_tokens, args.agreement_batch)
+        agreed[name] = same
+        ppl, step = perplexity(llm), step_perplexity(args.model, name, args.num_threads)
+        print(f"{name}: greedy agreement with fp32 over {args.prompts} prompts, {args.max_tokens} tokens, "
+              f"{args.agreement_batch} at a time: {same} identical ({same / args.prompts:.0%}), mean share "
+              f"before the first difference {share:.1%}; perplexity {ppl:.4f} ({ppl / base_ppl - 1:+.2%}) as "
+              f"one prompt, {step:.4f} ({step / base_step - 1:+.2%}) in {STEP_TOKENS}-token steps", flush=True)
+    return agreed
+
+
+def auto_verdict(agreed: dict[str, int], num_prompts: int) -> str:
+    """`auto`'s recorded check, as a line to keep with the run."""
+    if "gguf-int8dot" not in agreed or "gguf-fast" not in agreed:
+        return "auto's check needs both gguf-fast and gguf-int8dot in --quantizations"
+    ok = agreed["gguf-int8dot"] >= agreed["gguf-fast"]
+    return (f"auto's check: gguf-int8dot {agreed['gguf-int8dot']} of {num_prompts} identical, gguf-fast "
+            f"{agreed['gguf-fast']}: auto {'may' if ok else 'must not'} serve decode with gguf-int8dot "
+            f"(kernels.int8_dot.AUTO_FOR_DECODE = {ok}, with this run in docs/performance.md)")

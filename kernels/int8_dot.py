@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")  # the kernel's isa code is the index
 TYPES = (Q4_0, Q4_1, Q8_0)
+QUANTIZE_EVENT = "pdserve::quantize_activations"  # the profiler's name for the activations' quantization
 # Whether `auto` serves a GGUF model's decode in this mode. Decided once, by a recorded run,
 # never at start-up: `pdserve bench quantization` prints the verdict (greedy agreement with
 # float32 on its 100 prompts at least gguf-fast's) and docs/performance.md keeps the run.
@@ -54,8 +55,11 @@ class Int8Activations:
 
 def quantize_activations(x: torch.Tensor) -> Int8Activations:
     """x float32 [M, K], K a multiple of 32, as 8-bit blocks."""
-    q, scales, sums = cpu_native.int8_dot_module().quantize_activations(x.contiguous())
-    return Int8Activations(q, scales, sums)
+    module = cpu_native.int8_dot_module()
+    if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
+        with torch.profiler.record_function(QUANTIZE_EVENT):
+            return Int8Activations(*module.quantize_activations(x.contiguous()))
+    return Int8Activations(*module.quantize_activations(x.contiguous()))
 
 
 def supported_isas() -> tuple[str, ...]:

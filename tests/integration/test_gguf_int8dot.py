@@ -35,3 +35,22 @@ def test_integer_dot_mode_agrees_with_float32(tmp_path):
     assert all(g[:4] == w[:4] for g, w in zip(got, want))
     for llm in (fp32, int8dot):
         llm.engine.assert_no_leaks()
+
+
+def test_offline_bench_prints_each_step_beside_its_bound(tmp_path, capsys):
+    """`bench offline` on the integer-dot mode (a smoke test, not a timing): the machine's
+    rates, path and CPU, and each decode step with its weight-read and multiply-add bounds."""
+    from pdserve.bench import offline
+    from pdserve.kernels import int8_dot
+
+    path = write_gguf(tmp_path / "tiny.Q4_1.gguf", hidden=128, layers=2, ffn=256, heads=4, kv_heads=2, seed=3)
+    rc = offline.main(["--model", str(path), "--quantization", "gguf-int8dot", "--no-transformers",
+                       "--threads", "1", "--concurrency", "2", "--new-tokens", "4", "--prompt-len", "20",
+                       "--prefill-len", "64", "--decode-batches", "1", "8"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert f"integer dot ({int8_dot.chosen_isa()} path)" in printed and int8_dot.cpu_model() in printed
+    steps = [line for line in printed.splitlines() if line.startswith("decode step, batch")]
+    assert len(steps) == 2 and all("step/bound" in line and "GB/s" in line for line in steps)
+    assert all("G float32" in line and "G integer dot" in line for line in steps)
+    assert "0.000 G integer dot" not in steps[0]  # the decode rows ran the integer-dot kernel
