@@ -9,7 +9,7 @@
 //       integer, held exactly in float32). q [M, K] int8, scales and sums [M, K / 32] float32.
 //   int8dot_linear(q, scales, sums, blocks, qtype, bias, isa) -> y [M, N] float32
 //       blocks [N, K / 32 * block_bytes] uint8 as in `cpu_quant_gemm.cpp` (Q4_0 = 2, Q4_1 = 3,
-//       Q8_0 = 8); isa: 0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI.
+//       Q8_0 = 8); isa: 0 scalar, 1 AVX2, 2 AVX-VNNI (256-bit), 3 AVX-512 VNNI (512-bit).
 //   supported_isas() -> the isa codes this CPU runs, lowest first.
 //
 // One build holds every path: the file is compiled for the baseline x86-64, and each vector
@@ -123,12 +123,74 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_
 }  // namespace avxvnni
 #pragma GCC pop_options
 
-// ---- AVX-512 VNNI: vpdpbusd, EVEX-encoded on 256-bit vectors (32 registers) --------------
+// ---- AVX-512 VNNI: vpdpbusd on 512-bit vectors, two blocks each ---------------------------
 #pragma GCC push_options
 #pragma GCC target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")
 namespace avx512vnni {
 inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+template <int64_t QT, int NR, int MR>
+void tile_dot512(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy);
+#define PD_WIDE_TILE tile_dot512
 #include "int8_dot_tiles.h"
+#undef PD_WIDE_TILE
+
+// Lanes 0-7 v0, lanes 8-15 v1: one scale per block of a block pair.
+inline __m512 pair(__m128 two) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                               _mm512_castps128_ps512(two));
+}
+
+// The tiles of int8_dot_tiles.h with blocks b and b + 1 in one vector: lanes 0-7 hold block
+// b's sums and scale, lanes 8-15 block b + 1's (the activations of both are adjacent). An
+// odd last block runs through the 256-bit blocks_dot. AVX-512 has no vpsignb: the signed
+// weights' activations are negated under the mask of the negative weights instead.
+template <int64_t QT, int NR, int MR>
+void tile_dot512(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t bb = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
+  __m512 acc[NR][MR];
+  __m256 tail[NR][MR];
+  float offset[NR][MR];  // Q4_1: sum over blocks of m_w * d_x * sum(qx)
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) acc[j][r] = _mm512_setzero_ps(), tail[j][r] = _mm256_setzero_ps(), offset[j][r] = 0.0f;
+  const int64_t pairs = a.nblocks / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t b = 2 * p;
+    __m512i u[NR];
+    __mmask64 neg[NR];
+    __m512 dw[NR];
+    float mw0[NR], mw1[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* blk = w0 + j * row_bytes + b * bb;
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(block_weights<QT>(blk)), block_weights<QT>(blk + bb), 1);
+      if constexpr (QT == kQ4_1) {
+        u[j] = w;
+        mw0[j] = half_at(blk + 2), mw1[j] = half_at(blk + bb + 2);
+      } else {
+        u[j] = _mm512_abs_epi8(w);
+        neg[j] = _mm512_movepi8_mask(w);
+      }
+      dw[j] = pair(_mm_unpacklo_ps(_mm_set_ss(half_at(blk)), _mm_set_ss(half_at(blk + bb))));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = (m0 + r) * a.nblocks + b;
+      const __m512i x = _mm512_loadu_si512(a.q + row * kBlock);
+      const __m512 dx = pair(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.scales + row))));
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const __m512i s = QT == kQ4_1 ? x : _mm512_mask_sub_epi8(x, neg[j], _mm512_setzero_si512(), x);
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], s));
+        acc[j][r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(dw[j], dx), acc[j][r]);
+        if constexpr (QT == kQ4_1)
+          offset[j][r] += mw0[j] * (a.scales[row] * a.sums[row]) + mw1[j] * (a.scales[row + 1] * a.sums[row + 1]);
+      }
+    }
+  }
+  if (a.nblocks % 2) blocks_dot<QT, NR, MR>(w0, row_bytes, a, m0, a.nblocks - 1, tail, offset);
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) y[r * ldy + j] = _mm512_reduce_add_ps(acc[j][r]) + hsum(tail[j][r]) + offset[j][r];
+}
 }  // namespace avx512vnni
 #pragma GCC pop_options
 #endif

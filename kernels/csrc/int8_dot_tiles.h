@@ -45,14 +45,13 @@ inline float half_at(const uint8_t* p) {
 
 // y[r * ldy + j] = x_r . W_j for NR weight rows j (row_bytes apart from w0) and MR activation
 // rows r of `a` from row m0: each block of a weight row is unpacked once for all MR rows.
+// Blocks [b0, a.nblocks) into acc and offset (y = hsum(acc) + offset); a wider tile runs
+// the blocks it leaves over through here.
 template <int64_t QT, int NR, int MR>
-inline void tile_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+inline void blocks_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, int64_t b0,
+                       __m256 (&acc)[NR][MR], float (&offset)[NR][MR]) {
   constexpr int64_t bb = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
-  __m256 acc[NR][MR];
-  float offset[NR][MR];  // Q4_1: sum over blocks of m_w * d_x * sum(qx)
-  for (int j = 0; j < NR; ++j)
-    for (int r = 0; r < MR; ++r) acc[j][r] = _mm256_setzero_ps(), offset[j][r] = 0.0f;
-  for (int64_t b = 0; b < a.nblocks; ++b) {
+  for (int64_t b = b0; b < a.nblocks; ++b) {
     __m256i w[NR], u[NR];
     float dw[NR], mw[NR];
 #pragma GCC unroll 4
@@ -77,16 +76,31 @@ inline void tile_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_
       }
     }
   }
+}
+
+template <int64_t QT, int NR, int MR>
+inline void tile_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+  __m256 acc[NR][MR];
+  float offset[NR][MR];  // Q4_1: sum over blocks of m_w * d_x * sum(qx)
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) acc[j][r] = _mm256_setzero_ps(), offset[j][r] = 0.0f;
+  blocks_dot<QT, NR, MR>(w0, row_bytes, a, m0, 0, acc, offset);
   for (int j = 0; j < NR; ++j)
     for (int r = 0; r < MR; ++r) y[r * ldy + j] = hsum(acc[j][r]) + offset[j][r];
 }
 
+// PD_WIDE_TILE, where the includer defines it, names a tile_dot of its own for this ISA
+// (declared before the include, same arguments).
 template <int64_t QT, int NR, int MR>
 void tile(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy, int rows) {
   if constexpr (MR > 1) {
     if (rows < MR) return tile<QT, NR, MR - 1>(w0, row_bytes, a, m0, y, ldy, rows);
   }
+#if defined(PD_WIDE_TILE)
+  PD_WIDE_TILE<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
+#else
   tile_dot<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
+#endif
 }
 
 // y [M, N] = the activations against every weight row: tiles of NR weight rows split over
