@@ -3,7 +3,10 @@
 The weights stay the file's 4- or 8-bit integers (`QuantWeight`); a linear's input is
 quantized once per call to 8 bits per block of 32 (`quantize_activations`: one scale per
 block, round to nearest, [-127, 127]), each block's dot product is an integer sum, and the
-weight and activation scales are applied once per block (`csrc/cpu_int8_dot.cpp`). The
+weight and activation scales are applied once per block (`csrc/cpu_int8_dot.cpp`). Q8_0
+blocks take 16-bit activation blocks (`ACTIVATION_BITS`): in a GGUF file Q8_0 is the output
+projection, whose logits pick the token, and 8-bit activations there changed greedy answers
+from the first token on; its 16-bit products still sum as integers. The
 engine merges every set of matrices that read one input (q/k/v, gate/up) into one linear
 (`QuantWeight.stack`), so each input is quantized once per step.
 
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")  # the kernel's isa code is the index
 TYPES = (Q4_0, Q4_1, Q8_0)
+ACTIVATION_BITS = {Q4_0: 8, Q4_1: 8, Q8_0: 16}  # what each type's linear quantizes its input to
 QUANTIZE_EVENT = "pdserve::quantize_activations"  # the profiler's name for the activations' quantization
 # Whether `auto` serves a GGUF model's decode in this mode. Decided once, by a recorded run,
 # never at start-up: `pdserve bench quantization` prints the verdict (greedy agreement with
@@ -43,7 +47,7 @@ AUTO_FOR_DECODE = False
 class Int8Activations:
     """x [M, K] as blocks of 32: x[m, 32 b + j] ~= scales[m, b] * q[m, 32 b + j]."""
 
-    q: torch.Tensor  # int8 [M, K], each in [-127, 127]
+    q: torch.Tensor  # int8 [M, K], each in [-127, 127]; or int16, in [-32767, 32767] (Q8_0 only)
     scales: torch.Tensor  # float32 [M, K / 32]
     sums: torch.Tensor  # float32 [M, K / 32]: sum of each block's q (an exact integer)
 
@@ -53,13 +57,13 @@ class Int8Activations:
         return (self.q.view(m, -1, 32).float() * self.scales.unsqueeze(-1)).view(m, k)
 
 
-def quantize_activations(x: torch.Tensor) -> Int8Activations:
-    """x float32 [M, K], K a multiple of 32, as 8-bit blocks."""
+def quantize_activations(x: torch.Tensor, bits: int = 8) -> Int8Activations:
+    """x float32 [M, K], K a multiple of 32, as 8-bit (or 16-bit) blocks."""
     module = cpu_native.int8_dot_module()
     if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
         with torch.profiler.record_function(QUANTIZE_EVENT):
-            return Int8Activations(*module.quantize_activations(x.contiguous()))
-    return Int8Activations(*module.quantize_activations(x.contiguous()))
+            return Int8Activations(*module.quantize_activations(x.contiguous(), bits))
+    return Int8Activations(*module.quantize_activations(x.contiguous(), bits))
 
 
 def supported_isas() -> tuple[str, ...]:
@@ -150,5 +154,5 @@ class Int8DotLinear:
         if x2.shape[0] >= GEMM_ROWS:
             y = _expanded_linear(cpu_native.quant_module(), x2, self.weight, bias)
         else:
-            y = int8dot_linear(quantize_activations(x2), self.weight, bias)
+            y = int8dot_linear(quantize_activations(x2, ACTIVATION_BITS[self.weight.qtype]), self.weight, bias)
         return y.reshape(*lead, self.weight.out_features)

@@ -3,10 +3,12 @@
 // of 32, each block's dot product is an integer sum, and the two block scales are applied
 // once per block.
 //
-//   quantize_activations(x) -> (q, scales, sums)
-//       x [M, K] float32 contiguous, K a multiple of 32. Per block of 32: d = max|x| / 127,
-//       q = round(x / d) int8 in [-127, 127] (all zero where the block is), sums = sum(q) (an
-//       integer, held exactly in float32). q [M, K] int8, scales and sums [M, K / 32] float32.
+//   quantize_activations(x, bits) -> (q, scales, sums)
+//       x [M, K] float32 contiguous, K a multiple of 32. Per block of 32, with L = 127 (bits 8)
+//       or 32767 (bits 16): d = max|x| / L, q = round(x / d) in [-L, L] (all zero where the
+//       block is), sums = sum(q) (an integer, held exactly in float32). q [M, K] int8 or int16,
+//       scales and sums [M, K / 32] float32. 16 bits serve Q8_0 (the output projection,
+//       whose logits pick the token): 8-bit activations there changed greedy answers.
 //   int8dot_linear(q, scales, sums, blocks, qtype, bias, isa) -> y [M, N] float32
 //       blocks [N, K / 32 * block_bytes] uint8 as in `cpu_quant_gemm.cpp` (Q4_0 = 2, Q4_1 = 3,
 //       Q8_0 = 8); isa: 0 scalar, 1 AVX2, 2 AVX-VNNI (256-bit), 3 AVX-512 VNNI (512-bit).
@@ -48,9 +50,11 @@ int64_t block_bytes(int64_t qtype) {
   }
 }
 
-// Quantized activations: rows x nblocks blocks; q row-major [rows, nblocks * 32].
+// Quantized activations: rows x nblocks blocks, row-major [rows, nblocks * 32]: 8-bit in q,
+// or (Q8_0 only) 16-bit in q16, the other one null.
 struct Acts {
   const int8_t* q;
+  const int16_t* q16;
   const float* scales;  // d_x per block
   const float* sums;    // sum(q) per block
   int64_t rows, nblocks;
@@ -65,8 +69,8 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-template <int64_t QT>
-inline int32_t block_sum(const uint8_t* blk, const int8_t* x) {
+template <int64_t QT, typename X>
+inline int32_t block_sum(const uint8_t* blk, const X* x) {
   int32_t s = 0;
   if constexpr (QT == kQ8_0) {
     const int8_t* w = reinterpret_cast<const int8_t*>(blk + 2);
@@ -92,7 +96,9 @@ void gemv(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
         for (int64_t b = 0; b < a.nblocks; ++b) {
           const uint8_t* blk = blocks + n * row_bytes + b * bb;
           const int64_t row = m * a.nblocks + b;
-          acc += half_at(blk) * a.scales[row] * static_cast<float>(block_sum<QT>(blk, a.q + row * kBlock));
+          const int32_t sum = a.q16 != nullptr ? block_sum<QT>(blk, a.q16 + row * kBlock)
+                                               : block_sum<QT>(blk, a.q + row * kBlock);
+          acc += half_at(blk) * a.scales[row] * static_cast<float>(sum);
           if constexpr (QT == kQ4_1) acc += half_at(blk + 2) * (a.scales[row] * a.sums[row]);
         }
         y[m * N + n] = acc;
@@ -246,34 +252,45 @@ std::vector<int64_t> supported_isas() {
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(at::Tensor x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
-                  x.size(1) % kBlock == 0, "x must be a contiguous float32 [M, K] CPU tensor, K a multiple of 32");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
-  at::Tensor q = at::empty({M, K}, at::kChar), scales = at::empty({M, nb}, at::kFloat),
-             sums = at::empty({M, nb}, at::kFloat);
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float *dp = scales.data_ptr<float>(), *sp = sums.data_ptr<float>();
-  pybind11::gil_scoped_release no_gil;
-  // one block per index: x[i * 32, (i + 1) * 32) -> q at the same place, d and sum at i
-  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+namespace {
+// Block i of x (x[i * 32, (i + 1) * 32)) into q at the same place, its scale and sum at i.
+template <typename T>
+void quantize_blocks(const float* xp, T* qp, float* dp, float* sp, int64_t count, float levels) {
+  at::parallel_for(0, count, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* xb = xp + i * kBlock;
       float amax = 0.0f;
       for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const float inv = amax > 0.0f ? levels / amax : 0.0f;
       int32_t sum = 0;
       for (int j = 0; j < kBlock; ++j) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
-        const int32_t c = std::min(127, std::max(-127, v));
-        qp[i * kBlock + j] = static_cast<int8_t>(c);
+        const float v = std::nearbyint(xb[j] * inv);
+        const int32_t c = static_cast<int32_t>(std::min(levels, std::max(-levels, v)));
+        qp[i * kBlock + j] = static_cast<T>(c);
         sum += c;
       }
-      dp[i] = d;
+      dp[i] = amax / levels;
       sp[i] = static_cast<float>(sum);
     }
   });
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(at::Tensor x, int64_t bits) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                  x.size(1) % kBlock == 0, "x must be a contiguous float32 [M, K] CPU tensor, K a multiple of 32");
+  TORCH_CHECK(bits == 8 || bits == 16, "activations are quantized to 8 or 16 bits, not ", bits);
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  at::Tensor q = at::empty({M, K}, bits == 8 ? at::kChar : at::kShort), scales = at::empty({M, nb}, at::kFloat),
+             sums = at::empty({M, nb}, at::kFloat);
+  pybind11::gil_scoped_release no_gil;
+  if (bits == 8) {
+    quantize_blocks(x.data_ptr<float>(), q.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(),
+                    M * nb, 127.0f);
+  } else {
+    quantize_blocks(x.data_ptr<float>(), q.data_ptr<int16_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(),
+                    M * nb, 32767.0f);
+  }
   return {q, scales, sums};
 }
 
@@ -284,8 +301,10 @@ at::Tensor int8dot_linear(at::Tensor q, at::Tensor scales, at::Tensor sums, at::
                   blocks.is_contiguous() && blocks.size(1) % bb == 0,
               "blocks must be a contiguous uint8 [N, whole blocks of ", bb, " bytes] CPU tensor");
   const int64_t N = blocks.size(0), nb = blocks.size(1) / bb, K = nb * kBlock;
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) == K,
-              "q must be a contiguous int8 [M, ", K, "] tensor");
+  const bool wide = q.scalar_type() == at::kShort;
+  TORCH_CHECK((q.scalar_type() == at::kChar || wide) && q.dim() == 2 && q.is_contiguous() && q.size(1) == K,
+              "q must be a contiguous int8 (or, for Q8_0, int16) [M, ", K, "] tensor");
+  TORCH_CHECK(!wide || qtype == kQ8_0, "16-bit activations multiply Q8_0 blocks only");
   const int64_t M = q.size(0);
   for (const at::Tensor* t : {&scales, &sums})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() && t->size(0) == M &&
@@ -293,7 +312,8 @@ at::Tensor int8dot_linear(at::Tensor q, at::Tensor scales, at::Tensor sums, at::
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N),
               "bias: float32 [N]");
   TORCH_CHECK(cpu_has(isa), "instruction-set path ", isa, " is not one this CPU runs (supported_isas())");
-  const Acts acts{q.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(), M, nb};
+  const Acts acts{wide ? nullptr : q.data_ptr<int8_t>(), wide ? q.data_ptr<int16_t>() : nullptr,
+                  scales.data_ptr<float>(), sums.data_ptr<float>(), M, nb};
   pybind11::gil_scoped_release no_gil;
   at::Tensor y = at::empty({M, N}, at::kFloat);
   run(isa, qtype, acts, blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), N);

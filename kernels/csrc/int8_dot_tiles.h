@@ -5,7 +5,8 @@
 //       8 int32 lanes, lane i = sum of u[4i + t] * s[4i + t] for t < 4 (u unsigned bytes,
 //       s signed bytes), with no saturation for |u| <= 128 and |s| <= 127.
 //
-// Every path computes the same integer sum per block and row; only how the float32 scale
+// Q8_0 may also take 16-bit activations (Acts::q16, tile16_dot). Every path computes the
+// same integer sum per block and row; only how the float32 scale
 // products are added up differs.
 //
 // Per block b of weight row n and activation row m:
@@ -89,24 +90,64 @@ inline void tile_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_
     for (int r = 0; r < MR; ++r) y[r * ldy + j] = hsum(acc[j][r]) + offset[j][r];
 }
 
-// PD_WIDE_TILE, where the includer defines it, names a tile_dot of its own for this ISA
-// (declared before the include, same arguments).
-template <int64_t QT, int NR, int MR>
+// Q8_0 against 16-bit activation blocks (Acts::q16): each block's 32 weights widened to
+// 16 bits, vpmaddwd sums pairs of products into 8 int32 lanes (2 * 127 * 32767 each, exact in
+// float32 after the two halves are added).
+template <int NR, int MR>
+inline void tile16_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t bb = 34;
+  __m256 acc[NR][MR];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) acc[j][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    __m256i lo[NR], hi[NR];
+    float dw[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* blk = w0 + j * row_bytes + b * bb;
+      lo[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+      hi[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+      dw[j] = half_at(blk);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = (m0 + r) * a.nblocks + b;
+      const __m256i* x = reinterpret_cast<const __m256i*>(a.q16 + row * kBlock);
+      const __m256i xlo = _mm256_loadu_si256(x), xhi = _mm256_loadu_si256(x + 1);
+      const float dx = a.scales[row];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo[j], xlo), _mm256_madd_epi16(hi[j], xhi));
+        acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw[j] * dx), acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) y[r * ldy + j] = hsum(acc[j][r]);
+}
+
+// X16: the activations are 16-bit (Q8_0 only). PD_WIDE_TILE, where the includer defines it,
+// names an 8-bit tile_dot of its own for this ISA (declared before the include, same arguments).
+template <int64_t QT, bool X16, int NR, int MR>
 void tile(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy, int rows) {
   if constexpr (MR > 1) {
-    if (rows < MR) return tile<QT, NR, MR - 1>(w0, row_bytes, a, m0, y, ldy, rows);
+    if (rows < MR) return tile<QT, X16, NR, MR - 1>(w0, row_bytes, a, m0, y, ldy, rows);
   }
+  if constexpr (X16) {
+    tile16_dot<NR, MR>(w0, row_bytes, a, m0, y, ldy);
+  } else {
 #if defined(PD_WIDE_TILE)
-  PD_WIDE_TILE<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
+    PD_WIDE_TILE<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
 #else
-  tile_dot<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
+    tile_dot<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
 #endif
+  }
 }
 
 // y [M, N] = the activations against every weight row: tiles of NR weight rows split over
 // the threads, each against the activation rows kRows at a time, the next tile's blocks
 // asked for while one is computed (decode streams its weights from memory).
-template <int64_t QT, int NR>
+template <int64_t QT, bool X16, int NR>
 void gemv_tiles(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
   constexpr int kRows = 4;  // NR x 4 float accumulators + the weight vectors fit 16 registers
   const int64_t row_bytes = a.nblocks * block_bytes(QT), tile_bytes = NR * row_bytes;
@@ -117,7 +158,7 @@ void gemv_tiles(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
         for (int64_t off = 0; off < tile_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
       }
       for (int64_t m = 0; m < a.rows; m += kRows)
-        tile<QT, NR, kRows>(blocks + t * tile_bytes, row_bytes, a, m, y + m * N + NR * t, N,
+        tile<QT, X16, NR, kRows>(blocks + t * tile_bytes, row_bytes, a, m, y + m * N + NR * t, N,
                             static_cast<int>(std::min<int64_t>(kRows, a.rows - m)));
     }
   });
@@ -125,9 +166,15 @@ void gemv_tiles(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
 
 template <int64_t QT>
 void gemv(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
+  if constexpr (QT == kQ8_0) {
+    if (a.q16 != nullptr) {
+      if (N % 2 == 0) return gemv_tiles<QT, true, 2>(a, blocks, y, N);
+      return gemv_tiles<QT, true, 1>(a, blocks, y, N);
+    }
+  }
   if (N % 2 == 0) {
-    gemv_tiles<QT, 2>(a, blocks, y, N);
+    gemv_tiles<QT, false, 2>(a, blocks, y, N);
   } else {
-    gemv_tiles<QT, 1>(a, blocks, y, N);
+    gemv_tiles<QT, false, 1>(a, blocks, y, N);
   }
 }
