@@ -85,7 +85,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, Path | None]:
                    help="small shapes (concurrency 4 8, 16 new tokens, 64-token prompts, 256 prefill)")
     p.add_argument("--no-transformers", action="store_true", help="measure pdserve only")
     p.add_argument("--quantization", default="auto",
-                   choices=("auto", "none", "gguf", "gguf-fast", "gguf-int8dot", "int8"),
+                   choices=("auto", "none", "gguf", "gguf-fast", "gguf-int8dot", "gguf-int16dot", "int8"),
                    help="pdserve's weights, as the workers' flag (auto: a .gguf's own blocks)")
     p.add_argument("--decode-batches", type=int, nargs="+", default=None,
                    help="decode-only steps timed at these batch sizes, beside their bound (default: 1 8 32)")
@@ -377,7 +377,7 @@ def _timed(fn: Callable[[], object]) -> float:
 def step_bound(model, batch: int, machine: Machine) -> Bound:
     """The shortest a decode step of `batch` rows could take: its linears' weight bytes at the
     machine's read bandwidth, or their multiply-adds at its rate for the kernel each runs
-    (the integer-dot rate for gguf-int8dot's few-row calls, float32 GEMM's for the rest),
+    (the integer-dot rate for the integer-dot modes' few-row calls, float32 GEMM's for the rest),
     whichever is longer. `why` gives both."""
     from pdserve.kernels.int8_dot import Int8DotLinear
     from pdserve.kernels.quant import GEMM_ROWS

@@ -1,15 +1,15 @@
 """What each `--quantization` costs and gains: `pdserve bench quantization [--prompts 100]`.
 
 Side by side in one run, on the same model, each quantization (int8, gguf, gguf-fast,
-gguf-int8dot) against the float32 engine: greedy agreement over `--prompts` prompts (identical
+gguf-int8dot, gguf-int16dot) against the float32 engine: greedy agreement over `--prompts` prompts (identical
 answers, and the mean share of each answer before the first differing token), run
 `--agreement-batch` prompts at a time so that decode steps take the few-row kernels a served
 decode runs (a step of 32 rows or more takes the prompt kernels); perplexity of a fixed text,
 from each engine's own prompt logprobs, once as one prompt (the prompt kernels) and once in
 steps of STEP_TOKENS tokens (the decode kernels); and decode throughput at batch `--batch`,
-interleaved rounds, best of `--rounds`. It ends with `auto`'s recorded check: whether
-gguf-int8dot agrees with float32 at least as often as gguf-fast (`kernels.int8_dot.AUTO_FOR_DECODE`
-is set from that verdict, with the run recorded in docs/performance.md).
+interleaved rounds, best of `--rounds`. It ends with `auto`'s recorded check: which
+integer-dot modes agree with float32 at least as often as gguf-fast (`kernels.int8_dot.
+AUTO_DECODE_MODE` is set from that verdict, with the run recorded in docs/performance.md).
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def decode_rate(llm, batch: int, max_tokens: int) -> float:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench quantization", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="default")
-    p.add_argument("--quantizations", default="int8,gguf,gguf-fast,gguf-int8dot",
+    p.add_argument("--quantizations", default="int8,gguf,gguf-fast,gguf-int8dot,gguf-int16dot",
                    help="comma-separated, each against float32 (the gguf ones need a GGUF model)")
     p.add_argument("--prompts", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -152,10 +152,17 @@ def report_accuracy(engines: dict, args) -> dict[str, int]:
 
 
 def auto_verdict(agreed: dict[str, int], num_prompts: int) -> str:
-    """`auto`'s recorded check, as a line to keep with the run."""
-    if "gguf-int8dot" not in agreed or "gguf-fast" not in agreed:
-        return "auto's check needs both gguf-fast and gguf-int8dot in --quantizations"
-    ok = agreed["gguf-int8dot"] >= agreed["gguf-fast"]
-    return (f"auto's check: gguf-int8dot {agreed['gguf-int8dot']} of {num_prompts} identical, gguf-fast "
-            f"{agreed['gguf-fast']}: auto {'may' if ok else 'must not'} serve decode with gguf-int8dot "
-            f"(kernels.int8_dot.AUTO_FOR_DECODE = {ok}, with this run in docs/performance.md)")
+    """`auto`'s recorded check, as a line to keep with the run: an integer-dot mode may serve
+    decode where its identical answers are at least gguf-fast's."""
+    from pdserve.kernels.quant import INTEGER_DOT_MODES
+
+    modes = [m for m in INTEGER_DOT_MODES if m in agreed]
+    if "gguf-fast" not in agreed or not modes:
+        return "auto's check needs gguf-fast and an integer-dot mode in --quantizations"
+    passed = [m for m in modes if agreed[m] >= agreed["gguf-fast"]]
+    counts = ", ".join(f"{m} {agreed[m]}" for m in ["gguf-fast", *modes])
+    head = f"auto's check, identical of {num_prompts}: {counts}: "
+    if not passed:
+        return head + "no integer-dot mode qualifies (AUTO_DECODE_MODE stays gguf)"
+    return (head + f"{', '.join(passed)} may serve decode "
+            f"(set kernels.int8_dot.AUTO_DECODE_MODE to the faster of them, with this run in docs/performance.md)")

@@ -213,7 +213,7 @@ class SpeculativeConfig:
         return cls(**values)
 
 
-QUANTIZATIONS = ("", "int8", "gguf", "gguf-fast", "gguf-int8dot", "auto")
+QUANTIZATIONS = ("", "int8", "gguf", "gguf-fast", "gguf-int8dot", "gguf-int16dot", "auto")
 
 
 def kv_weights(quantization: str) -> str:
@@ -235,8 +235,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # "" (float32 weights) | "int8" (CPU, fp32: dynamic int8 GEMMs) | "gguf" (a GGUF model's own
     # blocks, float32 activations) | "gguf-fast" (the same, bfloat16 activations for 4-bit
-    # blocks) | "gguf-int8dot" (the same, 8-bit activations and integer dot products for
-    # decode-sized steps) | "auto" ("gguf" for a GGUF model on CPU in float32, else "")
+    # blocks) | "gguf-int8dot" / "gguf-int16dot" (the same, 8- or 16-bit activations and integer
+    # dot products in decode-sized steps) | "auto" ("gguf" for a GGUF model on CPU in float32, else "")
     quantization: str = ""
     # the key of the prompt blocks' digests (common.block_hash.block_hash_key): secret-derived
     # in a deployment with a cluster secret; never shown in a repr

@@ -1,5 +1,5 @@
 """The linears of a GGUF file as its own quantized blocks, under transformers' names, for
-`--quantization gguf` / `gguf-fast` / `gguf-int8dot` (see `kernels.quant`).
+`--quantization gguf` / `gguf-fast` / `gguf-int8dot` / `gguf-int16dot` (see `kernels.quant`).
 
 The float32 model the engine would otherwise serve is the same file dequantized (by
 transformers, which also undoes llama.cpp's reordering of the q and k rows). Each block
@@ -20,7 +20,7 @@ from pdserve.common.errors import ModelLoadError
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.kernels import cpu_native
 from pdserve.kernels import int8_dot
-from pdserve.kernels.quant import MODES, NATIVE_TYPES, QuantWeight
+from pdserve.kernels.quant import INTEGER_DOT_MODES, MODES, NATIVE_TYPES, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def weights_to_serve(config: EngineConfig, loaded, state: dict[str, torch.Tensor
         raise ModelLoadError(f"--quantization {chosen} serves a GGUF file's own blocks: "
                              f"{loaded.model_dir} is not a GGUF model")
     cpu_native.quant_module()  # raises NativeBuildError with the compiler's reason
-    if chosen == "gguf-int8dot":
+    if chosen in INTEGER_DOT_MODES:
         cpu_native.int8_dot_module()
     blocks = read_quantized(loaded.gguf_path, state, loaded.model_config)
     kinds = Counter(w.type_name for w in blocks.values())
@@ -56,7 +56,8 @@ def weights_to_serve(config: EngineConfig, loaded, state: dict[str, torch.Tensor
 
 
 _ACTIVATIONS = {"gguf": "float32", "gguf-fast": "bfloat16 for 4-bit blocks",
-                "gguf-int8dot": "8-bit blocks and integer dot products in decode-sized steps"}
+                "gguf-int8dot": "8-bit blocks (16 into Q8_0) and integer dot products in decode-sized steps",
+                "gguf-int16dot": "16-bit blocks and integer dot products in decode-sized steps"}
 
 
 def _auto(config: EngineConfig, loaded) -> str:
@@ -67,7 +68,7 @@ def _auto(config: EngineConfig, loaded) -> str:
     except cpu_native.NativeBuildError as e:
         log.warning("serving the GGUF model as float32: the native block kernels did not build (%s)", e)
         return ""
-    return "gguf-int8dot" if int8_dot.AUTO_FOR_DECODE else "gguf"
+    return int8_dot.AUTO_DECODE_MODE
 
 
 def hf_name(gguf_name: str) -> str | None:

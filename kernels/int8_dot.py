@@ -1,4 +1,4 @@
-"""Integer dot products over a GGUF file's blocks (`--quantization gguf-int8dot`).
+"""Integer dot products over a GGUF file's blocks (`--quantization gguf-int8dot`, `gguf-int16dot`).
 
 The weights stay the file's 4- or 8-bit integers (`QuantWeight`); a linear's input is
 quantized once per call to 8 bits per block of 32 (`quantize_activations`: one scale per
@@ -6,7 +6,9 @@ block, round to nearest, [-127, 127]), each block's dot product is an integer su
 weight and activation scales are applied once per block (`csrc/cpu_int8_dot.cpp`). Q8_0
 blocks take 16-bit activation blocks (`ACTIVATION_BITS`): in a GGUF file Q8_0 is the output
 projection, whose logits pick the token, and 8-bit activations there changed greedy answers
-from the first token on; its 16-bit products still sum as integers. The
+from the first token on; 16-bit products still sum as integers (vpmaddwd). `gguf-int16dot`
+takes 16-bit blocks for every type: twice the integer instructions of the 8-bit dot, the same
+float work per block, and closer to float32 (`bench quantization` measures both). The
 engine merges every set of matrices that read one input (q/k/v, gate/up) into one linear
 (`QuantWeight.stack`), so each input is quantized once per step.
 
@@ -33,21 +35,23 @@ log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")  # the kernel's isa code is the index
 TYPES = (Q4_0, Q4_1, Q8_0)
-ACTIVATION_BITS = {Q4_0: 8, Q4_1: 8, Q8_0: 16}  # what each type's linear quantizes its input to
+# mode -> block type -> the bits its linears quantize their inputs to
+ACTIVATION_BITS = {"gguf-int8dot": {Q4_0: 8, Q4_1: 8, Q8_0: 16}, "gguf-int16dot": {Q4_0: 16, Q4_1: 16, Q8_0: 16}}
 QUANTIZE_EVENT = "pdserve::quantize_activations"  # the profiler's name for the activations' quantization
-# Whether `auto` serves a GGUF model's decode in this mode. Decided once, by a recorded run,
-# never at start-up: `pdserve bench quantization` prints the verdict (greedy agreement with
-# float32 on its 100 prompts at least gguf-fast's) and docs/performance.md keeps the run.
-# This mode's KV differs from float32's (kv_weights): turning it on needs the prefill's
-# `auto` to pick the same mode (worker.settings.engine_quantization).
-AUTO_FOR_DECODE = False
+# The GGUF mode `auto` serves a GGUF model's decode with. Decided once, by a recorded run,
+# never at start-up: an integer-dot mode only where `pdserve bench quantization` found its
+# greedy agreement with float32 on its 100 prompts at least gguf-fast's (it prints the
+# verdict; docs/performance.md keeps the run). An integer-dot mode's KV differs from
+# float32's (kv_weights): choosing one needs the prefill's `auto` to pick the same mode
+# (worker.settings.engine_quantization).
+AUTO_DECODE_MODE = "gguf"
 
 
 @dataclass(frozen=True, slots=True)
 class Int8Activations:
     """x [M, K] as blocks of 32: x[m, 32 b + j] ~= scales[m, b] * q[m, 32 b + j]."""
 
-    q: torch.Tensor  # int8 [M, K], each in [-127, 127]; or int16, in [-32767, 32767] (Q8_0 only)
+    q: torch.Tensor  # int8 [M, K], each in [-127, 127]; or int16, in [-32767, 32767]
     scales: torch.Tensor  # float32 [M, K / 32]
     sums: torch.Tensor  # float32 [M, K / 32]: sum of each block's q (an exact integer)
 
@@ -119,22 +123,23 @@ def int8dot_linear(x: Int8Activations, weight: QuantWeight, bias: torch.Tensor |
 
 
 class Int8DotLinear:
-    """The gguf-int8dot mode's linear over one weight's blocks: integer dots for decode-sized
+    """An integer-dot mode's linear over one weight's blocks: integer dots for decode-sized
     calls, the exact expanded GEMM for prompts (see the module docstring)."""
 
-    __slots__ = ("weight",)
+    __slots__ = ("weight", "bits")
 
-    def __init__(self, weight: QuantWeight) -> None:
-        self.weight = weight
+    def __init__(self, weight: QuantWeight, bits: int) -> None:
+        self.weight, self.bits = weight, bits
 
     @classmethod
-    def build(cls, weight: QuantWeight) -> Int8DotLinear | None:
-        """None for a type without an integer-dot kernel: that linear runs exact."""
+    def build(cls, weight: QuantWeight, mode: str = "gguf-int8dot") -> Int8DotLinear | None:
+        """The linear of integer-dot `mode` (ACTIVATION_BITS); None for a type without an
+        integer-dot kernel: that linear runs exact."""
         if weight.qtype not in TYPES:
             log.info("%s blocks have no integer-dot kernel: that linear runs the exact kernel", weight.type_name)
             return None
         chosen_isa()  # chosen and logged at load, not on the first request
-        return cls(weight)
+        return cls(weight, ACTIVATION_BITS[mode][weight.qtype])
 
     @property
     def nbytes(self) -> int:
@@ -154,5 +159,5 @@ class Int8DotLinear:
         if x2.shape[0] >= GEMM_ROWS:
             y = _expanded_linear(cpu_native.quant_module(), x2, self.weight, bias)
         else:
-            y = int8dot_linear(quantize_activations(x2, ACTIVATION_BITS[self.weight.qtype]), self.weight, bias)
+            y = int8dot_linear(quantize_activations(x2, self.bits), self.weight, bias)
         return y.reshape(*lead, self.weight.out_features)

@@ -29,7 +29,8 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
 NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 BLOCK = 32
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-MODES = ("gguf", "gguf-fast", "gguf-int8dot")  # int8dot: see kernels.int8_dot
+MODES = ("gguf", "gguf-fast", "gguf-int8dot", "gguf-int16dot")  # the integer dots: kernels.int8_dot
+INTEGER_DOT_MODES = ("gguf-int8dot", "gguf-int16dot")
 FAST_TYPES = (Q4_0, Q4_1)  # what the fast mode runs in bfloat16 (see FastLinear)
 GEMM_EVENT = "pdserve::quant_linear"  # the profiler's name for the native block GEMM
 GEMM_ROWS = 32  # rows from which a call expands the weights and runs oneDNN's GEMM
@@ -222,10 +223,10 @@ def mode_linear(weight: QuantWeight, mode: str):
         raise ValueError(f"unknown GGUF mode {mode!r} ({', '.join(MODES)})")
     if mode == "gguf-fast":
         return FastLinear.build(weight)
-    if mode == "gguf-int8dot":
+    if mode in INTEGER_DOT_MODES:
         from pdserve.kernels.int8_dot import Int8DotLinear
 
-        return Int8DotLinear.build(weight)
+        return Int8DotLinear.build(weight, mode)
     return None
 
 

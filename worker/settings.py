@@ -55,9 +55,10 @@ class WorkerSettings:
         "faster for prompts, the same KV), none "
         "(float32), gguf (the .gguf's quantized blocks, float32 activations: same greedy text), "
         "gguf-fast (bfloat16 activations for 4-bit blocks: faster, small differences), gguf-int8dot "
-        "(8-bit activations, integer dot products in decode steps: faster, small differences), int8 "
+        "(8-bit activations, integer dot products in decode steps: faster, small differences), "
+        "gguf-int16dot (the same with 16-bit activations: closer to float32), int8 "
         "(dynamic int8 GEMMs); prefill and decode must agree", "engine",
-        choices=("auto", "none", "gguf", "gguf-fast", "gguf-int8dot", "int8"))
+        choices=("auto", "none", "gguf", "gguf-fast", "gguf-int8dot", "gguf-int16dot", "int8"))
     device: str = setting("cpu", "cpu or cuda[:N]", "engine")
     num_threads: int = setting(0, "torch intra-op threads (0: torch's choice)", "engine")
     block_size: int = setting(16, "tokens per KV block", "engine")

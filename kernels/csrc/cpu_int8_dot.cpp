@@ -7,8 +7,8 @@
 //       x [M, K] float32 contiguous, K a multiple of 32. Per block of 32, with L = 127 (bits 8)
 //       or 32767 (bits 16): d = max|x| / L, q = round(x / d) in [-L, L] (all zero where the
 //       block is), sums = sum(q) (an integer, held exactly in float32). q [M, K] int8 or int16,
-//       scales and sums [M, K / 32] float32. 16 bits serve Q8_0 (the output projection,
-//       whose logits pick the token): 8-bit activations there changed greedy answers.
+//       scales and sums [M, K / 32] float32. `kernels.int8_dot.ACTIVATION_BITS` says which
+//       block types take 16 bits.
 //   int8dot_linear(q, scales, sums, blocks, qtype, bias, isa) -> y [M, N] float32
 //       blocks [N, K / 32 * block_bytes] uint8 as in `cpu_quant_gemm.cpp` (Q4_0 = 2, Q4_1 = 3,
 //       Q8_0 = 8); isa: 0 scalar, 1 AVX2, 2 AVX-VNNI (256-bit), 3 AVX-512 VNNI (512-bit).
@@ -51,7 +51,7 @@ int64_t block_bytes(int64_t qtype) {
 }
 
 // Quantized activations: rows x nblocks blocks, row-major [rows, nblocks * 32]: 8-bit in q,
-// or (Q8_0 only) 16-bit in q16, the other one null.
+// or 16-bit in q16, the other one null.
 struct Acts {
   const int8_t* q;
   const int16_t* q16;
@@ -303,8 +303,7 @@ at::Tensor int8dot_linear(at::Tensor q, at::Tensor scales, at::Tensor sums, at::
   const int64_t N = blocks.size(0), nb = blocks.size(1) / bb, K = nb * kBlock;
   const bool wide = q.scalar_type() == at::kShort;
   TORCH_CHECK((q.scalar_type() == at::kChar || wide) && q.dim() == 2 && q.is_contiguous() && q.size(1) == K,
-              "q must be a contiguous int8 (or, for Q8_0, int16) [M, ", K, "] tensor");
-  TORCH_CHECK(!wide || qtype == kQ8_0, "16-bit activations multiply Q8_0 blocks only");
+              "q must be a contiguous int8 or int16 [M, ", K, "] tensor");
   const int64_t M = q.size(0);
   for (const at::Tensor* t : {&scales, &sums})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() && t->size(0) == M &&

@@ -5,7 +5,7 @@
 //       8 int32 lanes, lane i = sum of u[4i + t] * s[4i + t] for t < 4 (u unsigned bytes,
 //       s signed bytes), with no saturation for |u| <= 128 and |s| <= 127.
 //
-// Q8_0 may also take 16-bit activations (Acts::q16, tile16_dot). Every path computes the
+// Any type may also take 16-bit activations (Acts::q16, tile16_dot). Every path computes the
 // same integer sum per block and row; only how the float32 scale
 // products are added up differs.
 //
@@ -90,24 +90,27 @@ inline void tile_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_
     for (int r = 0; r < MR; ++r) y[r * ldy + j] = hsum(acc[j][r]) + offset[j][r];
 }
 
-// Q8_0 against 16-bit activation blocks (Acts::q16): each block's 32 weights widened to
-// 16 bits, vpmaddwd sums pairs of products into 8 int32 lanes (2 * 127 * 32767 each, exact in
+// 16-bit activation blocks (Acts::q16): each block's 32 weights widened to 16 bits,
+// vpmaddwd sums pairs of products into 8 int32 lanes (at most 2 * 128 * 32767 each, exact in
 // float32 after the two halves are added).
-template <int NR, int MR>
+template <int64_t QT, int NR, int MR>
 inline void tile16_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy) {
-  constexpr int64_t bb = 34;
+  constexpr int64_t bb = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
   __m256 acc[NR][MR];
+  float offset[NR][MR];  // Q4_1: sum over blocks of m_w * d_x * sum(qx)
   for (int j = 0; j < NR; ++j)
-    for (int r = 0; r < MR; ++r) acc[j][r] = _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r) acc[j][r] = _mm256_setzero_ps(), offset[j][r] = 0.0f;
   for (int64_t b = 0; b < a.nblocks; ++b) {
     __m256i lo[NR], hi[NR];
-    float dw[NR];
+    float dw[NR], mw[NR];
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
       const uint8_t* blk = w0 + j * row_bytes + b * bb;
-      lo[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
-      hi[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+      const __m256i w = block_weights<QT>(blk);  // signed bytes: Q4_1's 0..15 are too
+      lo[j] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+      hi[j] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
       dw[j] = half_at(blk);
+      mw[j] = QT == kQ4_1 ? half_at(blk + 2) : 0.0f;
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -119,14 +122,15 @@ inline void tile16_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int6
       for (int j = 0; j < NR; ++j) {
         const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo[j], xlo), _mm256_madd_epi16(hi[j], xhi));
         acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw[j] * dx), acc[j][r]);
+        if constexpr (QT == kQ4_1) offset[j][r] += mw[j] * (dx * a.sums[row]);
       }
     }
   }
   for (int j = 0; j < NR; ++j)
-    for (int r = 0; r < MR; ++r) y[r * ldy + j] = hsum(acc[j][r]);
+    for (int r = 0; r < MR; ++r) y[r * ldy + j] = hsum(acc[j][r]) + offset[j][r];
 }
 
-// X16: the activations are 16-bit (Q8_0 only). PD_WIDE_TILE, where the includer defines it,
+// X16: the activations are 16-bit. PD_WIDE_TILE, where the includer defines it,
 // names an 8-bit tile_dot of its own for this ISA (declared before the include, same arguments).
 template <int64_t QT, bool X16, int NR, int MR>
 void tile(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy, int rows) {
@@ -134,7 +138,7 @@ void tile(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float
     if (rows < MR) return tile<QT, X16, NR, MR - 1>(w0, row_bytes, a, m0, y, ldy, rows);
   }
   if constexpr (X16) {
-    tile16_dot<NR, MR>(w0, row_bytes, a, m0, y, ldy);
+    tile16_dot<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
   } else {
 #if defined(PD_WIDE_TILE)
     PD_WIDE_TILE<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
@@ -166,11 +170,9 @@ void gemv_tiles(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
 
 template <int64_t QT>
 void gemv(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
-  if constexpr (QT == kQ8_0) {
-    if (a.q16 != nullptr) {
-      if (N % 2 == 0) return gemv_tiles<QT, true, 2>(a, blocks, y, N);
-      return gemv_tiles<QT, true, 1>(a, blocks, y, N);
-    }
+  if (a.q16 != nullptr) {
+    if (N % 2 == 0) return gemv_tiles<QT, true, 2>(a, blocks, y, N);
+    return gemv_tiles<QT, true, 1>(a, blocks, y, N);
   }
   if (N % 2 == 0) {
     gemv_tiles<QT, false, 2>(a, blocks, y, N);

@@ -1,4 +1,4 @@
-"""`--quantization gguf-int8dot` on a tiny random GGUF (the synthetic Llama of `pdserve bench
+"""`--quantization gguf-int8dot` (and `gguf-int16dot`) on a tiny random GGUF (the synthetic Llama of `pdserve bench
 gguf-1b`): every linear runs the integer-dot kernel in decode steps, and greedy decoding agrees
 with the float32 engine over the same file on at least 14 of 16 prompts (16 tokens each, every
 prompt agreeing on its first 4). 8-bit activation blocks move each logit a little, so a near tie
@@ -18,10 +18,11 @@ from pdserve.kernels.int8_dot import Int8DotLinear
 pytestmark = pytest.mark.slow
 
 
-def test_integer_dot_mode_agrees_with_float32(tmp_path):
+@pytest.mark.parametrize("mode", ["gguf-int8dot", "gguf-int16dot"])
+def test_integer_dot_mode_agrees_with_float32(tmp_path, mode):
     path = write_gguf(tmp_path / "tiny.Q4_1.gguf", hidden=128, layers=2, ffn=256, heads=4, kv_heads=2, seed=3)
     fp32 = LLM(str(path), quantization="", num_blocks=128)
-    int8dot = LLM(str(path), quantization="gguf-int8dot", num_blocks=128)
+    int8dot = LLM(str(path), quantization=mode, num_blocks=128)
     assert int8dot.engine.compat_hash != fp32.engine.compat_hash
     linears = int8dot.engine.model.linears()
     assert len(linears) == 2 * 4 + 1 and all(isinstance(lin._fast, Int8DotLinear) for lin in linears)

@@ -1,9 +1,9 @@
-"""`--quantization gguf-int8dot` on the default model (SmolLM2-135M-Instruct's Q4_1 and Q8_0
+"""`--quantization gguf-int8dot` and `gguf-int16dot` on the default model (SmolLM2-135M-Instruct's Q4_1 and Q8_0
 blocks): every linear runs the integer-dot kernel in decode steps, and greedy answers to a few
 chat prompts, decoded together (decode-sized steps), agree with the float32 engine's: at
 least 2 of 4 identical over 16 tokens, and every answer's first 8 tokens equal (this machine's
-AVX-512 VNNI path: all 4; over 32 tokens one differs from its 18th). 8-bit activation blocks move each
-logit a little; a near tie late in an answer may flip."""
+AVX-512 VNNI path: all 4 in both modes; over 32 tokens one of gguf-int8dot's differs from its
+18th). Quantized activation blocks move each logit a little; a near tie late in an answer may flip."""
 from __future__ import annotations
 
 import pytest
@@ -18,9 +18,14 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
              "Explain gravity to a child in two sentences."]
 
 
-def test_default_model_in_integer_dot_mode_agrees_with_float32(one_torch_thread):
-    fp32 = LLM("default", num_blocks=128, quantization="")
-    int8dot = LLM("default", num_blocks=128, quantization="gguf-int8dot")
+@pytest.fixture(scope="module")
+def fp32(one_torch_thread) -> LLM:
+    return LLM("default", num_blocks=128, quantization="")
+
+
+@pytest.mark.parametrize("mode", ["gguf-int8dot", "gguf-int16dot"])
+def test_default_model_in_integer_dot_mode_agrees_with_float32(fp32, mode):
+    int8dot = LLM("default", num_blocks=128, quantization=mode)
     linears = int8dot.engine.model.linears()
     assert all(isinstance(lin._fast, Int8DotLinear) for lin in linears)
     assert {lin._fast.weight.type_name for lin in linears} == {"Q4_1", "Q8_0"}

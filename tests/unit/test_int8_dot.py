@@ -4,7 +4,7 @@ dequantized weights and the dequantized 8-bit activations (the integer sums are 
 only float32 scale products and their order differ: tolerance 1e-5 of the largest output),
 against the scalar C path, and against the float32 activations (8-bit blocks: each activation
 within half a step of its block's scale; a dot product of random rows stays within 2% of the
-largest output, 1e-4 with the 16-bit blocks Q8_0 takes).
+largest output, 1e-4 with 16-bit blocks).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 TYPES = {"Q4_0": quant.Q4_0, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0}
-CASES = [("Q4_0", 8), ("Q4_1", 8), ("Q8_0", 8), ("Q8_0", 16)]  # (type, activation bits)
+CASES = [(name, bits) for name in TYPES for bits in (8, 16)]  # (type, activation bits)
 SUPPORTED = int8_dot.supported_isas()
 
 
@@ -84,7 +84,7 @@ def test_odd_rows_and_long_rows(isa, name, bits):
 
 def test_the_linear_runs_prompts_exact_and_decode_rows_as_integers():
     weight, _ = random_weight(quant.Q4_1, 64, 96)
-    linear = int8_dot.Int8DotLinear.build(weight)
+    linear = int8_dot.Int8DotLinear.build(weight, "gguf-int8dot")
     prompt = torch.randn(40, 96)
     assert torch.equal(linear(prompt), quant.quant_linear(prompt, weight))
     step = torch.randn(2, 3, 96)
@@ -120,9 +120,7 @@ def test_bad_input_is_a_clear_error():
         int8_dot.quantize_activations(torch.randn(2, 40))
     with pytest.raises(RuntimeError, match="8 or 16 bits"):
         int8_dot.quantize_activations(torch.randn(2, 64), 4)
-    q4, _ = random_weight(quant.Q4_1, 4, 64)
-    with pytest.raises(RuntimeError, match="Q8_0 blocks only"):
-        int8_dot.int8dot_linear(int8_dot.quantize_activations(torch.randn(2, 64), 16), q4)
+
     with pytest.raises(RuntimeError, match="not one this CPU runs"):
         cpu = __import__("pdserve.kernels.cpu_native", fromlist=["x"]).int8_dot_module()
         cpu.int8dot_linear(acts.q, acts.scales, acts.sums, weight.blocks, weight.qtype, None, 9)
@@ -130,7 +128,10 @@ def test_bad_input_is_a_clear_error():
 
 def test_each_gguf_mode_picks_its_linear():
     weight, _ = random_weight(quant.Q4_1, 32, 64)
-    assert isinstance(quant.mode_linear(weight, "gguf-int8dot"), int8_dot.Int8DotLinear)
+    assert quant.mode_linear(weight, "gguf-int8dot").bits == 8
+    assert quant.mode_linear(weight, "gguf-int16dot").bits == 16
+    head, _ = random_weight(quant.Q8_0, 32, 64)
+    assert quant.mode_linear(head, "gguf-int8dot").bits == 16  # the output projection's logits
     assert quant.mode_linear(weight, "gguf") is None  # the exact kernel
     with pytest.raises(ValueError, match="unknown GGUF mode"):
         quant.mode_linear(weight, "gguf-int4")
