@@ -314,13 +314,15 @@ GEMM_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::mkldnn_linear", "aten
 class Machine:
     read_gbs: float  # streaming reads from memory (a sum over 512 MB)
     gemm_gflops: float  # float32 GEMM with cache-resident operands
-    int8_gops: float | None  # the integer-dot kernel on cache-resident blocks (2 ops a multiply-add)
+    # the integer-dot kernel on cache-resident Q4_1 blocks by activation bits (2 ops a
+    # multiply-add); empty without the kernel
+    int_dot_gops: dict[int, float]
     isa: str  # the integer-dot kernel's instruction-set path
     cpu: str  # the CPU's model name
 
     def describe(self, threads: int) -> str:
-        int8 = f"{self.int8_gops:.0f} GOP/s integer dot ({self.isa} path)" if self.int8_gops else \
-            "no integer-dot kernel"
+        rates = ", ".join(f"{g:.0f} GOP/s with {bits}-bit activations" for bits, g in self.int_dot_gops.items())
+        int8 = f"integer dot ({self.isa} path) {rates}" if rates else "no integer-dot kernel"
         return (f"this machine: {self.cpu}, {threads} threads: {self.read_gbs:.1f} GB/s streaming reads, "
                 f"{self.gemm_gflops:.0f} GFLOP/s float32 GEMM, {int8}, on cache-resident weights")
 
@@ -344,14 +346,14 @@ def measure_machine(threads: int) -> Machine:
     read = min(_timed(big.sum) for _ in range(5))
     gemm = min(_timed(lambda: [torch.mm(a, b) for _ in range(20)]) for _ in range(5))
     try:
-        isa, int8 = int8_dot.chosen_isa(), _int8_dot_gops()
+        isa, rates = int8_dot.chosen_isa(), {bits: _int_dot_gops(bits) for bits in (8, 16)}
     except Exception as e:  # noqa: BLE001 - no compiler here: the bound leaves the integer rate out
-        isa, int8 = f"none ({e})", None
+        isa, rates = f"none ({e})", {}
     return Machine(read_gbs=big.numel() * 4 / read / 1e9, gemm_gflops=20 * 2 * 64 * 576 * 1536 / gemm / 1e9,
-                   int8_gops=int8, isa=isa, cpu=int8_dot.cpu_model())
+                   int_dot_gops=rates, isa=isa, cpu=int8_dot.cpu_model())
 
 
-def _int8_dot_gops(rows: int = 8, n: int = 1536, k: int = 576) -> float:
+def _int_dot_gops(bits: int, rows: int = 8, n: int = 1536, k: int = 576) -> float:
     """The integer-dot kernel's rate on a Q4_1 weight small enough to stay in cache (SmolLM2's
     gate/up shape, 0.55 MB), `rows` activation rows: the arithmetic a step cannot beat."""
     import torch
@@ -362,7 +364,7 @@ def _int8_dot_gops(rows: int = 8, n: int = 1536, k: int = 576) -> float:
     blocks = torch.randint(0, 256, (n, k // 32 * 20), dtype=torch.uint8, generator=g)
     blocks.view(n, -1, 20)[..., :4] = torch.tensor([0x00, 0x20, 0x00, 0xA0], dtype=torch.uint8)  # d, m
     weight = quant.QuantWeight(blocks, quant.Q4_1)
-    acts = int8_dot.quantize_activations(torch.randn(rows, k, generator=g))
+    acts = int8_dot.quantize_activations(torch.randn(rows, k, generator=g), bits)
     int8_dot.int8dot_linear(acts, weight)
     seconds = min(_timed(lambda: [int8_dot.int8dot_linear(acts, weight) for _ in range(20)]) for _ in range(5))
     return 20 * 2 * rows * n * k / seconds / 1e9
@@ -385,14 +387,18 @@ def step_bound(model, batch: int, machine: Machine) -> Bound:
     linears = model.linears()
     weight_bytes = sum(lin.weight_bytes for lin in linears)
     memory_ms = weight_bytes / machine.read_gbs / 1e6
-    # a linear's mode kernel is its `_fast` (engine.models.linear); integer dots run below GEMM_ROWS rows
-    integer = [isinstance(getattr(lin, "_fast", None), Int8DotLinear) and batch < GEMM_ROWS
-               and machine.int8_gops is not None for lin in linears]
-    int8_ops = 2 * batch * sum(lin.macs_per_row for lin, i in zip(linears, integer) if i)
-    float_ops = 2 * batch * sum(lin.macs_per_row for lin, i in zip(linears, integer) if not i)
-    compute_ms = (float_ops / machine.gemm_gflops + (int8_ops / machine.int8_gops if int8_ops else 0.0)) / 1e6
+    float_ops, int_ops, int_ms = 0, 0, 0.0
+    for lin in linears:
+        ops = 2 * batch * lin.macs_per_row
+        kernel = getattr(lin, "_fast", None)  # a GGUF mode's own kernel (engine.models.linear)
+        rate = machine.int_dot_gops.get(kernel.bits) if isinstance(kernel, Int8DotLinear) else None
+        if rate is not None and batch < GEMM_ROWS:  # prompt-sized calls take the float32 GEMM
+            int_ops, int_ms = int_ops + ops, int_ms + ops / rate / 1e6
+        else:
+            float_ops += ops
+    compute_ms = float_ops / machine.gemm_gflops / 1e6 + int_ms
     why = (f"weights {weight_bytes / 1e6:.0f} MB at {machine.read_gbs:.1f} GB/s = {memory_ms:.2f} ms; "
-           f"multiply-adds {int8_ops / 2e9:.3f} G integer dot + {float_ops / 2e9:.3f} G float32 = {compute_ms:.2f} ms")
+           f"multiply-adds {int_ops / 2e9:.3f} G integer dot + {float_ops / 2e9:.3f} G float32 = {compute_ms:.2f} ms")
     return Bound(max(memory_ms, compute_ms), why)
 
 
