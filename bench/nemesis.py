@@ -125,7 +125,7 @@ def run(clients: int, duration_s: float, max_tokens: int, deadline_s: float, see
     expected = expected_texts(max_tokens)
     tally = Tally()
     with tempfile.TemporaryDirectory(prefix="pdserve-nemesis-") as tmp, Lab(HOSTS) as lab:
-        from pdserve.common.auth import ClusterSecret
+        from pdserve.security.secret import ClusterSecret
 
         secret = os.path.join(tmp, "cluster-secret")
         ClusterSecret.create(secret)

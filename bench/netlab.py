@@ -598,7 +598,7 @@ def main(argv: list[str]) -> int:
     if reason:
         print(f"pdserve bench network: {reason}", file=sys.stderr)
         return 2
-    from pdserve.common.auth import ClusterSecret
+    from pdserve.security.secret import ClusterSecret
 
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

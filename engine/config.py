@@ -237,7 +237,7 @@ class EngineConfig:
     # blocks, float32 activations) | "gguf-fast" (the same, bfloat16 activations for 4-bit
     # blocks) | "auto" ("gguf" for a GGUF model on CPU in float32, else "")
     quantization: str = ""
-    # the key of the prompt blocks' digests (common.block_hash.block_hash_key): secret-derived
+    # the key of the prompt blocks' digests (security.secret.block_hash_key): secret-derived
     # in a deployment with a cluster secret; never shown in a repr
     block_hash_key: bytes = field(default=INSECURE_KEY, repr=False)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding

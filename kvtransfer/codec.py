@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from pdserve.common.auth import Mac
+from pdserve.security.secret import Mac
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.wire import (
     DTYPE_NAMES, HEADER, HEADER_SIZE, INDEX_ENTRY, NO_BLOCK, BlockHeader, WireError, WireLimits,

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Protocol
 
-from pdserve.common.auth import Mac
+from pdserve.security.secret import Mac
 from pdserve.common.block_hash import PromptBlocks, check_cache_salt
 from pdserve.common.errors import (AlreadyExistsError, DeadlinePassedError, IncompatiblePeerError,
                                    InvalidRequestError, OverloadedError, PdserveError)

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 import grpc
 
-from pdserve.common.auth import read_private_file
+from pdserve.security.secret import read_private_file
 from pdserve.common.errors import UnauthenticatedError
 from pdserve.router.config import ConfigError, RouterConfig
 from pdserve.rpc.server import refuse_unread

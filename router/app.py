@@ -21,9 +21,9 @@ from typing import Iterator
 import grpc
 import uvicorn
 
-from pdserve.common.block_hash import block_hash_key
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, InternalTLS
+from pdserve.security.secret import block_hash_key
 from pdserve.rpc.server import (REGISTRY_MAX_RECEIVE_BYTES, MalformedRequestInterceptor, add_health_and_reflection,
                                 internal_server, server_options, service_name, set_serving)
 from pdserve.router.admission import InFlight

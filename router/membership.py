@@ -16,7 +16,7 @@ from typing import Iterable
 
 import grpc
 
-from pdserve.common.auth import PUBLIC_KEY_BYTES, ROUTER_ID
+from pdserve.security.credentials import PUBLIC_KEY_BYTES, ROUTER_ID
 from pdserve.common.errors import (EXPECTED_ERRORS, IncompatiblePeerError, InvalidRequestError,
                                    NotFoundError, UnavailableError)
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2

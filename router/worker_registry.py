@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from pdserve.common.auth import Identity
+from pdserve.security.credentials import Identity
 from pdserve.common.errors import AlreadyExistsError, AuthError
 from pdserve.router.config import Role
 

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from pdserve.proto.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.common.auth import CallSigner
+from pdserve.security.credentials import CallSigner
 from pdserve.rpc.credentials import InternalTLS, internal_channel
 
 

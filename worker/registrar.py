@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.common.auth import CallSigner
+from pdserve.security.credentials import CallSigner
 from pdserve.rpc.credentials import InternalTLS
-from pdserve.rpc.peer_keys import PeerKeys
+from pdserve.security.key_directory import PeerKeys
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.worker.registry_client import RegistryClient
 from pdserve.worker.settings import WorkerSettings

@@ -29,9 +29,9 @@ from typing import Callable
 import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from pdserve.common.auth import CallSigner, Identity
+from pdserve.security.credentials import CallSigner, Identity
 from pdserve.rpc.credentials import InternalTLS, internal_channel
-from pdserve.rpc.peer_keys import PeerKeys
+from pdserve.security.key_directory import PeerKeys
 
 log = logging.getLogger("pdserve.registry_client")
 
@@ -106,7 +106,7 @@ class RegistryClient:
 
     async def lookup(self, worker_id: str) -> Identity | None:
         """The identity this router's registry holds for `worker_id`; None when it has none;
-        ConnectionError when it does not answer (rpc.peer_keys.Lookup)."""
+        ConnectionError when it does not answer (security.key_directory.Lookup)."""
         try:
             answer = await self._stub.Lookup(registry_pb2.LookupRequest(worker_id=worker_id),
                                              timeout=self._rpc_timeout_s)

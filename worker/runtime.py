@@ -15,7 +15,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.common import progress
-from pdserve.common.auth import ClusterSecret
+from pdserve.security.secret import ClusterSecret
 from pdserve.rpc.credentials import InternalAuth, InternalTLS, bind
 from pdserve.worker.convert import load_to_proto
 from pdserve.worker.registrar import Registrar

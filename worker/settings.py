@@ -173,8 +173,9 @@ class WorkerSettings:
 
     def transfer_config(self, secret=None):
         """The transfer layer's config (`KVTransferConfig`); its keys derive from the cluster
-        `secret` (`common.auth.ClusterSecret`) when there is one."""
+        `secret` (`security.secret.ClusterSecret`) when there is one."""
         from pdserve.common import envs
+        from pdserve.security.secret import store_key, transfer_key
 
         return KVTransferConfig.from_settings(
             backends=self.kv_backends, host=self.host, transfer_port=self.transfer_port,
@@ -183,8 +184,7 @@ class WorkerSettings:
             probe_cooldown_s=self.kv_probe_cooldown_s,
             prefix_cache=self.prefix_store if self.prefix_store != "none" else None,
             layerwise=envs.get("PDSERVE_KV_LAYERWISE") != "0",
-            transfer_key=secret.key("transfer") if secret else None,
-            store_key=secret.key("store") if secret else None)
+            transfer_key=transfer_key(secret), store_key=store_key(secret))
 
     def engine_quantization(self) -> str:
         """The engine's quantization. `auto` on a prefill service is float32: its batches are
@@ -219,8 +219,8 @@ class WorkerSettings:
     def engine_config(self, secret=None):
         """The engine's config; its block-hash key derives from the cluster `secret` when
         there is one (else the public fixed key: `common.block_hash.INSECURE_KEY`)."""
-        from pdserve.common.block_hash import block_hash_key
         from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+        from pdserve.security.secret import block_hash_key
 
         return EngineConfig(
             model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,

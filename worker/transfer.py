@@ -14,7 +14,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from pdserve.common.auth import ClusterSecret, Mac, encode_fields
+from pdserve.common.util import encode_fields
+from pdserve.security.secret import ClusterSecret, Mac
 from pdserve.common.block_hash import hashes_digest, prompt_digest
 from pdserve.common.errors import AuthError, OverloadedError
 from pdserve.kvtransfer.config import STORES

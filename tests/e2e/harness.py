@@ -12,7 +12,8 @@ from typing import Iterator
 
 import grpc
 
-from pdserve.common.auth import CREDENTIAL_HEADER, CallKey, CallSigner, ClusterSecret
+from pdserve.security.credentials import CREDENTIAL_HEADER, CallKey, CallSigner
+from pdserve.security.secret import ClusterSecret
 from pdserve.deploy import up
 
 

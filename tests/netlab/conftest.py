@@ -47,7 +47,7 @@ def long_prompt() -> str:
 @pytest.fixture
 def secret_file(tmp_path) -> str:
     """A new cluster secret's file (0600)."""
-    from pdserve.common.auth import ClusterSecret
+    from pdserve.security.secret import ClusterSecret
 
     path = str(tmp_path / "cluster-secret")
     ClusterSecret.create(path)

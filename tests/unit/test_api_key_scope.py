@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.auth import ClusterSecretError
+from pdserve.security.secret import ClusterSecretError
 from pdserve.common.errors import ErrorKind, InvalidRequestError, ServiceError, UnauthenticatedError
 from pdserve.router.api_key import ApiKeyCheck, Scope
 from pdserve.router.config import ConfigError, RouterConfig

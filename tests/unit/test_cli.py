@@ -96,7 +96,7 @@ def test_up_makes_a_private_cluster_secret_per_run_and_removes_it(tmp_path):
     import os
     import stat
 
-    from pdserve.common.auth import ClusterSecret
+    from pdserve.security.secret import ClusterSecret
     from pdserve.deploy import up
 
     with up.cluster_secret({"num_decode": 1}) as settings:
@@ -124,7 +124,7 @@ def test_up_keeps_its_secret_across_runs_when_it_has_a_prefix_store(tmp_path, mo
 
     import pytest
 
-    from pdserve.common.auth import ClusterSecret
+    from pdserve.security.secret import ClusterSecret
     from pdserve.deploy import up
 
     monkeypatch.setenv("PDSERVE_CACHE_ROOT", str(tmp_path / "cache"))

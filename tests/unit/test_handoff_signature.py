@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.auth import ClusterSecret, Mac
+from pdserve.security.secret import ClusterSecret, Mac
 from pdserve.common.errors import AuthError
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 from pdserve.worker.transfer import check_handoff_signature, sign_handoff

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from pdserve.common.auth import ClusterSecretError
+from pdserve.security.secret import ClusterSecretError
 from pdserve.rpc.credentials import InternalAuth
 
 

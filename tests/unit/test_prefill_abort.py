@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from pdserve.common.auth import ClusterSecret
+from pdserve.security.secret import ClusterSecret
 from pdserve.common.block_hash import prompt_blocks
 from pdserve.common.errors import OverloadedError
 from pdserve.kvtransfer.codec import new_transfer_id

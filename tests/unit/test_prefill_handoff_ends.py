@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from pdserve.common.auth import ClusterSecret
+from pdserve.security.secret import ClusterSecret
 from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm import LLM

@@ -85,7 +85,7 @@ def test_the_handoff_ledger_accepts_each_once_until_its_deadline_and_stays_bound
 async def test_a_handoff_from_another_caller_is_refused_before_any_work():
     import pytest
 
-    from pdserve.common.auth import ClusterSecret, Mac
+    from pdserve.security.secret import ClusterSecret, Mac
     from pdserve.worker.transfer import HandoffCallerError, sign_handoff
 
     mac = Mac(ClusterSecret(b"s" * 32).key("handoff"))
