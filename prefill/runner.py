@@ -14,8 +14,8 @@ from pdserve.common.block_hash import PromptBlocks, check_cache_salt
 from pdserve.common.errors import (AlreadyExistsError, DeadlinePassedError, IncompatiblePeerError,
                                    InvalidRequestError, OverloadedError, PdserveError)
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.worker.transfer import (MAX_HANDOFF_HORIZON_S, HandoffCallerError, HandoffLedger,
-                                     check_handoff_signature)
+from pdserve.security.handoffs import MAX_HANDOFF_HORIZON_S, HandoffLedger, check_presenter
+from pdserve.worker.transfer import check_handoff_signature
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
 
@@ -73,9 +73,7 @@ class PrefillRunner:
         handoff = request.handoff
         if self.handoff_mac is not None:
             check_handoff_signature(request, self.handoff_mac)
-            if handoff.decode_worker_id != caller:
-                raise HandoffCallerError(f"the hand-off names decode {handoff.decode_worker_id!r}; "
-                                         f"the caller is {caller!r}")
+            check_presenter(handoff.decode_worker_id, caller)
         ours = self.loop.engine.compat_hash
         if handoff.compatibility_hash != ours:
             raise IncompatiblePeerError(f"compatibility hash {handoff.compatibility_hash:#x} != ours {ours:#x}")

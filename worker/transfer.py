@@ -2,28 +2,25 @@
 
 Converts between the proto hand-off and verdict (KVHandoff, TransferVerdict) and the
 connector's typed objects (TransferParams, kvtransfer.verdict.TransferVerdict), signs and
-checks hand-offs, and gives each role its facade over the engine's connector: `Sender`
-(prefill) and `Receiver` (decode). Each process converts a verdict once, at its edge.
+checks hand-offs (`security.handoffs` keeps the rule; this only fills its claim from the
+proto), and gives each role its facade over the engine's connector: `Sender` (prefill) and
+`Receiver` (decode). Each process converts a verdict once, at its edge.
 """
 from __future__ import annotations
 
 import asyncio
-import heapq
-import struct
-import threading
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
-from pdserve.common.util import encode_fields
-from pdserve.security.secret import ClusterSecret, Mac
-from pdserve.common.block_hash import hashes_digest, prompt_digest
-from pdserve.common.errors import AuthError, OverloadedError
 from pdserve.kvtransfer.config import STORES
 from pdserve.kvtransfer.connector import PdConnector, connector_factory
 from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.ports import ReceiveControl, SendControl
 from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict, failure_reason
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
+from pdserve.security import handoffs
+from pdserve.security.handoffs import HandoffClaim
+from pdserve.security.secret import ClusterSecret, Mac
 
 _OUTCOMES = {
     Outcome.TRANSFERRED: common_pb2.TRANSFER_OUTCOME_TRANSFERRED,
@@ -69,77 +66,23 @@ def params_to_handoff(tp: TransferParams, block_ids: Sequence[int], block_size: 
         decode_worker_id=decode_worker_id)
 
 
-def handoff_fields(request: prefill_pb2.PrefillRequest) -> tuple:
-    """What the decode's signature on a hand-off covers: every field of the hand-off but the
-    signature, and every field of the request it is for (id, prompt digest, block hashes
-    digest, sampling, cache salt), so a captured hand-off cannot carry another prompt's KV
-    into the same blocks or draw its first token otherwise. Each list is length-prefixed item
-    by item (`encode_fields`): no two different lists encode alike."""
+def handoff_claim(request: prefill_pb2.PrefillRequest) -> HandoffClaim:
+    """What the decode's signature on the request's hand-off covers (`security.handoffs`)."""
     h = request.handoff
-    endpoints = [part for e in h.endpoints for part in (e.backend, e.address)]
-    return ("handoff-v3", h.transfer_id, _encoded_list(h.backends), _encoded_list(endpoints),
-            struct.pack(f"<{len(h.block_ids)}I", *h.block_ids), h.num_cached_tokens,
-            h.deadline_unix_ms, h.compatibility_hash, h.decode_worker_id, request.request_id,
-            prompt_digest(request.prompt_token_ids), hashes_digest(request.block_hashes),
-            request.sampling.SerializeToString(deterministic=True), request.cache_salt)
-
-
-def _encoded_list(items: Sequence[str]) -> bytes:
-    return encode_fields(len(items), *items)
+    return HandoffClaim(
+        h.transfer_id, h.backends, [(e.backend, e.address) for e in h.endpoints], h.block_ids,
+        h.num_cached_tokens, h.deadline_unix_ms, h.compatibility_hash, h.decode_worker_id,
+        request.request_id, request.prompt_token_ids, request.block_hashes,
+        request.sampling.SerializeToString(deterministic=True), request.cache_salt)
 
 
 def sign_handoff(request: prefill_pb2.PrefillRequest, mac: Mac) -> None:
-    request.handoff.signature = mac.tag(*handoff_fields(request))
+    request.handoff.signature = handoffs.sign(mac, handoff_claim(request))
 
 
 def check_handoff_signature(request: prefill_pb2.PrefillRequest, mac: Mac) -> None:
     """AuthError unless the decode's signature on the request's hand-off holds."""
-    h = request.handoff
-    if not h.signature or not mac.check(h.signature, *handoff_fields(request)):
-        raise AuthError("the hand-off is not signed by a decode of this deployment for this request")
-
-
-class HandoffCallerError(AuthError):
-    """A hand-off presented by a caller other than the decode it names."""
-
-
-class ReplayedHandoffError(AuthError):
-    """A hand-off this prefill has accepted before (each is used once)."""
-
-
-MAX_HANDOFF_HORIZON_S = 3600.0  # a hand-off's deadline may be at most this far ahead
-
-
-class HandoffLedger:
-    """The hand-offs a prefill accepted, by transfer id, remembered until their deadline
-    (after it a replay is refused as late anyway; a deadline is at most
-    MAX_HANDOFF_HORIZON_S ahead): each is accepted once. Bounded: when
-    `max_remembered` live ones are held, new ones are refused (OverloadedError) rather than
-    an unexpired one forgotten."""
-
-    def __init__(self, max_remembered: int = 100_000, clock: Callable[[], float] = time.time) -> None:
-        self._max_remembered = max_remembered
-        self._clock = clock
-        self._live: set[str] = set()  # transfer ids accepted, deadline not passed
-        self._by_deadline: list[tuple[float, str]] = []  # heap of (deadline unix s, transfer id), one per live id
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def accept(self, transfer_id: str, deadline_unix_s: float) -> None:
-        """Remember `transfer_id` until its deadline; ReplayedHandoffError if it is known."""
-        now = self._clock()
-        with self._lock:
-            # expired ones go by deadline, whatever order they came in
-            while self._by_deadline and self._by_deadline[0][0] < now:
-                self._live.discard(heapq.heappop(self._by_deadline)[1])
-            if transfer_id in self._live:
-                raise ReplayedHandoffError(f"hand-off {transfer_id} was already used")
-            if len(self._live) >= self._max_remembered:
-                raise OverloadedError("too many live hand-offs remembered")
-            self._live.add(transfer_id)
-            heapq.heappush(self._by_deadline, (deadline_unix_s, transfer_id))
+    handoffs.check_signature(mac, handoff_claim(request), request.handoff.signature)
 
 
 def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferParams:

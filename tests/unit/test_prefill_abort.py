@@ -23,7 +23,8 @@ from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, internal_channel
 from pdserve.rpc.server import WORKER_MAX_RECEIVE_BYTES, internal_server
 from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.transfer import HandoffLedger, ReplayedHandoffError, sign_handoff
+from pdserve.security.handoffs import HandoffLedger, ReplayedHandoffError
+from pdserve.worker.transfer import sign_handoff
 from support import FakeClock, KeyBook
 
 

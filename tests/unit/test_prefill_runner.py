@@ -66,7 +66,7 @@ def test_the_handoff_ledger_accepts_each_once_until_its_deadline_and_stays_bound
     import pytest
 
     from pdserve.common.errors import OverloadedError
-    from pdserve.worker.transfer import HandoffLedger, ReplayedHandoffError
+    from pdserve.security.handoffs import HandoffLedger, ReplayedHandoffError
     from support import FakeClock
 
     clock = FakeClock(1000.0)
@@ -86,7 +86,8 @@ async def test_a_handoff_from_another_caller_is_refused_before_any_work():
     import pytest
 
     from pdserve.security.secret import ClusterSecret, Mac
-    from pdserve.worker.transfer import HandoffCallerError, sign_handoff
+    from pdserve.security.handoffs import HandoffCallerError
+    from pdserve.worker.transfer import sign_handoff
 
     mac = Mac(ClusterSecret(b"s" * 32).key("handoff"))
     runner = PrefillRunner(NeverRunLoop(), Sender.__new__(Sender), WorkerMetrics("prefill"), max_queue=4,
