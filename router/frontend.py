@@ -23,7 +23,7 @@ from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError, to_s
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, generation_pb2
 from pdserve.router.cpu_pool import CpuPool
 from pdserve.router.admission import InFlight
-from pdserve.router.api_key import Scope
+from pdserve.security.client_keys import Scope
 from pdserve.router.catalog import ModelCatalog, ServedModel
 from pdserve.router.dispatch import DecodeClient, DecodeWorkerLost
 from pdserve.router.guided import GuidedOptions, compile_constraint

@@ -10,7 +10,7 @@ from pdserve.rpc.errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
 from pdserve.router import fanout
-from pdserve.router.api_key import ApiKeyCheck
+from pdserve.security.client_keys import ClientKeys
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontend import Frontend
@@ -35,7 +35,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     on; Abort stops only a request of the same caller (`caller_of`). Generate's responses
     carry routing, transfer and timings only for the admin key (`Scope`)."""
 
-    def __init__(self, frontend: Frontend, catalog: ModelCatalog, auth: ApiKeyCheck) -> None:
+    def __init__(self, frontend: Frontend, catalog: ModelCatalog, auth: ClientKeys) -> None:
         self._frontend = frontend
         self._catalog = catalog
         self._auth = auth

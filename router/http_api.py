@@ -24,7 +24,7 @@ from pdserve.common.errors import (EXPECTED_ERRORS, ErrorKind, InvalidRequestErr
                                    ServiceError, to_service_error)
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router import fanout, tokenize_api
-from pdserve.router.api_key import ApiKeyCheck, Scope
+from pdserve.security.client_keys import ClientKeys, Scope
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
 from pdserve.router.frontend import Frontend
@@ -112,7 +112,7 @@ class DisconnectAwareStream(StreamingResponse):
 
 
 class OpenAIHandlers:
-    def __init__(self, frontend: Frontend, catalog: ModelCatalog, config: RouterConfig, auth: ApiKeyCheck) -> None:
+    def __init__(self, frontend: Frontend, catalog: ModelCatalog, config: RouterConfig, auth: ClientKeys) -> None:
         self._frontend = frontend
         self._catalog = catalog
         self._max_body_bytes = config.max_body_bytes
@@ -278,7 +278,7 @@ async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
 
 
 def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRegistry, metrics: RouterMetrics,
-                   config: RouterConfig, auth: ApiKeyCheck) -> FastAPI:
+                   config: RouterConfig, auth: ClientKeys) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
     handlers = OpenAIHandlers(frontend, catalog, config, auth)
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
