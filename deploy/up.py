@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pdserve.common import envs
-from pdserve.security.secret import ClusterSecret
 from pdserve.deploy.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
+from pdserve.security.secret import ClusterSecret
 from pdserve.worker.settings import WorkerSettings
 
 GRACE_S = 10.0

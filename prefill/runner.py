@@ -9,14 +9,14 @@ import logging
 import time
 from typing import Protocol
 
-from pdserve.security.secret import Mac
 from pdserve.common.block_hash import PromptBlocks, check_cache_salt
 from pdserve.common.errors import (AlreadyExistsError, DeadlinePassedError, IncompatiblePeerError,
                                    InvalidRequestError, OverloadedError, PdserveError)
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.security.handoffs import MAX_HANDOFF_HORIZON_S, HandoffLedger, check_presenter
 from pdserve.worker.transfer import check_handoff_signature
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
+from pdserve.security.handoffs import MAX_HANDOFF_HORIZON_S, HandoffLedger, check_presenter
+from pdserve.security.secret import Mac
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
 
 log = logging.getLogger("pdserve.prefill")

@@ -23,7 +23,6 @@ import uvicorn
 
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, InternalTLS
-from pdserve.security.secret import block_hash_key
 from pdserve.rpc.server import (REGISTRY_MAX_RECEIVE_BYTES, MalformedRequestInterceptor, add_health_and_reflection,
                                 internal_server, server_options, service_name, set_serving)
 from pdserve.router.admission import InFlight
@@ -42,6 +41,7 @@ from pdserve.router.planner import RoutePlanner
 from pdserve.router.guided import GuidedOptions
 from pdserve.router.policies import make_policy
 from pdserve.router.worker_registry import RegistryKeys, WorkerRegistry
+from pdserve.security.secret import block_hash_key
 
 log = logging.getLogger("pdserve.router")
 

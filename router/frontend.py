@@ -23,7 +23,6 @@ from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError, to_s
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, generation_pb2
 from pdserve.router.cpu_pool import CpuPool
 from pdserve.router.admission import InFlight
-from pdserve.security.client_keys import Scope
 from pdserve.router.catalog import ModelCatalog, ServedModel
 from pdserve.router.dispatch import DecodeClient, DecodeWorkerLost
 from pdserve.router.guided import GuidedOptions, compile_constraint
@@ -32,6 +31,7 @@ from pdserve.router.planner import RoutePlan, RoutePlanner
 from pdserve.router.request_ids import check_label, new_request_id
 from pdserve.router.stream_timings import StreamTimings
 from pdserve.router.validation import check_prompt_fits, resolve_sampling
+from pdserve.security.client_keys import Scope
 
 log = logging.getLogger("pdserve.router.frontend")
 

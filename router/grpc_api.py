@@ -10,13 +10,13 @@ from pdserve.rpc.errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
 from pdserve.router import fanout
-from pdserve.security.client_keys import ClientKeys
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontend import Frontend
 from pdserve.router.membership import Membership, load_from_proto, worker_from_proto
 from pdserve.router.request_ids import check_label
 from pdserve.router.tools import apply_tools, grpc_tool_calls
+from pdserve.security.client_keys import ClientKeys
 
 log = logging.getLogger("pdserve.router.grpc")
 

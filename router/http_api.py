@@ -24,7 +24,6 @@ from pdserve.common.errors import (EXPECTED_ERRORS, ErrorKind, InvalidRequestErr
                                    ServiceError, to_service_error)
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router import fanout, tokenize_api
-from pdserve.security.client_keys import ClientKeys, Scope
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
 from pdserve.router.frontend import Frontend
@@ -34,6 +33,7 @@ from pdserve.router.planner import can_carry
 from pdserve.router.request_ids import new_request_id
 from pdserve.router.openai_request import IgnoredFieldLog, OpenAIRequest, parse_chat, parse_completion
 from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.security.client_keys import ClientKeys, Scope
 
 log = logging.getLogger("pdserve.router.http")
 

@@ -16,7 +16,6 @@ from typing import Iterable
 
 import grpc
 
-from pdserve.security.credentials import PUBLIC_KEY_BYTES, ROUTER_ID
 from pdserve.common.errors import (EXPECTED_ERRORS, IncompatiblePeerError, InvalidRequestError,
                                    NotFoundError, UnavailableError)
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2
@@ -24,6 +23,7 @@ from pdserve.router.catalog import ModelCatalog
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import Role, RouterConfig, StaticWorker
 from pdserve.router.worker_registry import KVBackendState, Load, Worker, WorkerRegistry
+from pdserve.security.credentials import PUBLIC_KEY_BYTES, ROUTER_ID
 
 log = logging.getLogger("pdserve.router.membership")
 

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from pdserve.security.credentials import Identity
 from pdserve.common.errors import AlreadyExistsError, AuthError
 from pdserve.router.config import Role
+from pdserve.security.credentials import Identity
 
 log = logging.getLogger("pdserve.router.worker_registry")
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.security.credentials import CallSigner
 from pdserve.rpc.credentials import InternalTLS
-from pdserve.security.key_directory import PeerKeys
 from pdserve.proto.pdserve.v1 import registry_pb2
+from pdserve.security.credentials import CallSigner
+from pdserve.security.key_directory import PeerKeys
 from pdserve.worker.registry_client import RegistryClient
 from pdserve.worker.settings import WorkerSettings
 

@@ -29,8 +29,8 @@ from typing import Callable
 import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from pdserve.security.credentials import CallSigner, Identity
 from pdserve.rpc.credentials import InternalTLS, internal_channel
+from pdserve.security.credentials import CallSigner, Identity
 from pdserve.security.key_directory import PeerKeys
 
 log = logging.getLogger("pdserve.registry_client")

@@ -15,12 +15,12 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.common import progress
-from pdserve.security.secret import ClusterSecret
 from pdserve.rpc.credentials import InternalAuth, InternalTLS, bind
 from pdserve.worker.convert import load_to_proto
 from pdserve.worker.registrar import Registrar
 from pdserve.rpc.server import (WORKER_MAX_RECEIVE_BYTES, add_health_and_reflection, internal_server,
                                     set_serving)
+from pdserve.security.secret import ClusterSecret
 from pdserve.worker.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")

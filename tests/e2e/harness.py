@@ -12,9 +12,9 @@ from typing import Iterator
 
 import grpc
 
+from pdserve.deploy import up
 from pdserve.security.credentials import CREDENTIAL_HEADER, CallKey, CallSigner
 from pdserve.security.secret import ClusterSecret
-from pdserve.deploy import up
 
 
 def pick_free_port() -> int:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.security.secret import ClusterSecretError
 from pdserve.common.errors import ErrorKind, InvalidRequestError, ServiceError, UnauthenticatedError
 from pdserve.router.api_key import client_keys
-from pdserve.security.client_keys import ClientKeys, Scope
 from pdserve.router.config import ConfigError, RouterConfig
 from pdserve.router.frontend import client_error
+from pdserve.security.client_keys import ClientKeys, Scope
+from pdserve.security.secret import ClusterSecretError
 
 
 @pytest.mark.parametrize("api_key, admin_key, sent, scope", [

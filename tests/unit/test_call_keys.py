@@ -9,12 +9,13 @@ import pytest
 from support import FakeClock, KeyBook
 
 from pdserve.common.errors import AuthError
-from pdserve.security.credentials import ADMISSION_METHODS, CallKey, CallSigner, CallVerifier, Identity, UnknownCallerError
-from pdserve.security.secret import ClusterSecret
 from pdserve.common.errors import AlreadyExistsError
 from pdserve.router.config import Role
 from pdserve.router.worker_registry import Load, RegistryKeys, Worker, WorkerRegistry
+from pdserve.security.credentials import (ADMISSION_METHODS, CallKey, CallSigner, CallVerifier, Identity,
+                                          UnknownCallerError)
 from pdserve.security.key_directory import PeerKeys
+from pdserve.security.secret import ClusterSecret
 
 METHOD = "/pdserve.v1.Decode/Decode"
 REGISTER = "/pdserve.v1.Registry/Register"

@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from pdserve.security.secret import ClusterSecretError
 from pdserve.rpc.credentials import InternalAuth
+from pdserve.security.secret import ClusterSecretError
 
 
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])

@@ -8,9 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.security.internal_tls import CertificateError, certificate_ip_addresses, peer_address
 from pdserve.rpc.credentials import INTERNAL_SERVER_NAME, InternalTLS, PeerAddressInterceptor, bind
 from pdserve.rpc.server import internal_server
+from pdserve.security.internal_tls import CertificateError, certificate_ip_addresses, peer_address
 from pki import TestCA
 
 HEALTH = "grpc.health.v1.Health"

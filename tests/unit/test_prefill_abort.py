@@ -13,7 +13,6 @@ import time
 import grpc
 import pytest
 
-from pdserve.security.secret import ClusterSecret
 from pdserve.common.block_hash import prompt_blocks
 from pdserve.common.errors import OverloadedError
 from pdserve.kvtransfer.codec import new_transfer_id
@@ -22,8 +21,9 @@ from pdserve.prefill.servicer import PrefillService
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, internal_channel
 from pdserve.rpc.server import WORKER_MAX_RECEIVE_BYTES, internal_server
-from pdserve.worker.metrics import WorkerMetrics
 from pdserve.security.handoffs import HandoffLedger, ReplayedHandoffError
+from pdserve.security.secret import ClusterSecret
+from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.transfer import sign_handoff
 from support import FakeClock, KeyBook
 

@@ -13,7 +13,6 @@ import time
 import grpc
 import pytest
 
-from pdserve.security.secret import ClusterSecret
 from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm import LLM
@@ -29,6 +28,7 @@ from pdserve.prefill.servicer import PrefillService
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, internal_channel
 from pdserve.rpc.server import WORKER_MAX_RECEIVE_BYTES, internal_server
+from pdserve.security.secret import ClusterSecret
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.transfer import Sender, sign_handoff
 from support import KeyBook
