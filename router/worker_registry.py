@@ -6,19 +6,19 @@ Workers silent for three timeouts are forgotten: their next heartbeat is answere
 NOT_FOUND and they register again.
 
 A registration binds the worker id to its lease and, with a cluster secret, to the public
-key its calls are signed with (`RegistryKeys`: the router's directory of workers' keys).
+key its calls are signed with (the rule: `security.registration`; `RegistryKeys`: the
+router's directory of workers' keys).
 """
 from __future__ import annotations
 
-import hmac
 import logging
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from pdserve.common.errors import AlreadyExistsError, AuthError
 from pdserve.router.config import Role
+from pdserve.security import registration
 from pdserve.security.credentials import Identity
 
 log = logging.getLogger("pdserve.router.worker_registry")
@@ -133,7 +133,7 @@ class WorkerRegistry:
             if other.worker_id != worker.worker_id:
                 log.info("worker %s replaces %s at %s", worker.worker_id, other.worker_id, worker.address)
                 del self._records[other.worker_id]
-        new_lease = secrets.token_bytes(16) if leased else b""
+        new_lease = registration.new_lease() if leased else b""
         self._records[worker.worker_id] = WorkerRecord(worker, load, self._clock(), lease=new_lease,
                                                        public_key=public_key)
         self._set_cached(self._records[worker.worker_id], cached_hashes)
@@ -152,11 +152,9 @@ class WorkerRegistry:
         current = self._records.get(worker.worker_id)
         if current is None or not self.is_alive(current):
             return
-        if not _holds(current, lease) and (current.lease or current.worker.address != worker.address):
-            raise AlreadyExistsError(f"worker id {worker.worker_id!r} is alive at {current.worker.address}",
-                                     param="worker_id")
-        if not hmac.compare_digest(current.public_key, public_key):
-            raise AlreadyExistsError(f"worker id {worker.worker_id!r} is alive with another key", param="worker_id")
+        registration.check_takeover(worker.worker_id, worker.address, lease, public_key,
+                                    live_address=current.worker.address, live_lease=current.lease,
+                                    live_key=current.public_key)
 
     def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int] = (), *,
                   lease: bytes | None = None) -> bool:
@@ -253,14 +251,12 @@ class WorkerRegistry:
         record.cached_hashes = hashes
 
 
-def _holds(record: WorkerRecord, lease: bytes) -> bool:
-    return bool(record.lease) and hmac.compare_digest(record.lease, lease)
-
-
 def _check_lease(record: WorkerRecord, lease: bytes | None) -> None:
-    if lease is not None and record.lease and not _holds(record, lease):
+    try:
+        registration.check_lease(record.worker_id, record.lease, lease)
+    except AuthError:
         log.warning("refused a call for worker %s without its registration's lease", record.worker_id)
-        raise AuthError(f"worker {record.worker_id!r}: not the lease of its registration")
+        raise
 
 
 class RegistryKeys:

@@ -7,6 +7,7 @@ adapters that ask these modules. Depends only on `common` and `cryptography`.
 * `key_directory`  a worker's directory of the keys that verify its callers
 * `internal_tls`   internal certificates: the addresses a host certificate binds
 * `handoffs`       the decode's signed order to a prefill, accepted once
+* `registration`   a worker's claim on an id in a router's registry: lease and key
 * `store_records`  the MAC that seals a Redis/disk KV record
 * `client_keys`    the API and admin keys, and what each caller may see
 
