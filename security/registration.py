@@ -7,7 +7,8 @@ worker, or registering under the routers' own caller id or with a key that verif
 Rule: a registration binds the worker id to a fresh random lease (`new_lease`) and, with a
 cluster secret, to the public key its calls are signed with. While it lives, its id is
 taken again only by the holder of its lease and its key (`check_takeover`); heartbeats and
-deregistrations must show the lease, compared in constant time (`check_lease`); no worker
+deregistrations must show the lease, compared in constant time (`check_lease`); a worker's
+credential acts only for its own id (`check_acts_for`); no worker
 registers as ROUTER_ID, and its key is an Ed25519 public key (`check_worker_key`). The
 registry's state (who is alive, which address is whose) and the Registry service are
 adapters in `pdserve.router`.
@@ -38,6 +39,12 @@ def check_lease(worker_id: str, granted: bytes, shown: bytes | None) -> None:
     own report, from polling a static worker, which shows none)."""
     if shown is not None and granted and not holds_lease(granted, shown):
         raise AuthError(f"worker {worker_id!r}: not the lease of its registration")
+
+
+def check_acts_for(caller_id: str, worker_id: str) -> None:
+    """AuthError unless the verified `caller_id` is the worker a registry call acts for."""
+    if caller_id != worker_id:
+        raise AuthError(f"a credential of {caller_id!r} cannot act for worker {worker_id!r}")
 
 
 def check_takeover(worker_id: str, address: str, lease: bytes, public_key: bytes, *,

@@ -92,3 +92,6 @@ def test_a_live_registration_is_taken_only_with_its_lease_and_key():
         registration.check_worker_key("router", key)
     with pytest.raises(InvalidRequestError, match="Ed25519"):
         registration.check_worker_key("d0", b"short")
+    registration.check_acts_for("d0", "d0")
+    with pytest.raises(AuthError, match="a credential of 'd1' cannot act for worker 'd0'"):
+        registration.check_acts_for("d1", "d0")
