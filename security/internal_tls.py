@@ -1,7 +1,7 @@
 """Internal certificates (mutual TLS between the services of one deployment).
 
 Threat: a host's certificate, stolen or copied, used from another address to speak for that
-host; or a certificate that does not parse taken as one that names no address.
+host.
 
 Rule: a certificate that names IP addresses (its iPAddress subjectAltNames) binds its holder
 to them: its calls to a protected service are taken only from one of those addresses
