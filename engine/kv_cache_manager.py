@@ -116,7 +116,7 @@ class KVCacheManager:
 
     def get_needed_resource_to_completion(self, request: Request, max_model_len: int) -> int:
         """Blocks still to allocate for `request` to reach its max length (beyond those held)."""
-        final = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_model_len)
+        final = min(request.final_length, max_model_len)
         held = len(self._blocks.get(request.request_id, ())) - self._num_dropped_blocks.get(
             request.request_id, 0)
         return max(0, self.num_blocks_for_tokens(final) - held)
@@ -214,6 +214,11 @@ class KVCacheManager:
         if self.num_digest_mismatches == 1:  # logged once; counted always
             log.warning("prefix cache: block %d of request %s has a cached key but another prefix's "
                         "digest (a hash collision): treated as a miss", index, request.request_id)
+
+    def num_free_blocks_after_taking(self, hit: PrefixHit) -> int:
+        """Free blocks left once a request takes `hit`: a cached block of it that sits in the
+        free list (no holder now) leaves the free list when taken."""
+        return self.pool.get_num_free_blocks() - sum(1 for b in hit.blocks if b.ref_cnt == 0)
 
     def take_prefix_hit(self, request: Request, hit: PrefixHit) -> None:
         """Adopt `hit`'s blocks as `request`'s first blocks (before it holds any)."""

@@ -94,6 +94,18 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def final_length(self) -> int:
+        """Its tokens once it runs to max_tokens: what admission reserves blocks for. Within
+        the engine's max_model_len (`check_prompt` resolves max_tokens to fit it)."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    @property
+    def waits_for_remote_prefill(self) -> bool:
+        """Decode side: its prompt's KV is to arrive from a prefill service (a request resumed
+        with tokens generated elsewhere prefills here)."""
+        return self.remote_prefill and not self.output_token_ids
+
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
