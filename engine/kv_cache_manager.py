@@ -228,6 +228,19 @@ class KVCacheManager:
         self._blocks[request.request_id] = list(hit.blocks)
         self._num_cached_blocks[request.request_id] = hit.num_blocks
 
+    def try_take_prefix_hit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
+        """Admit `request` (holding no blocks) into the cache: `hit`'s blocks as its first, and
+        fresh blocks for `num_new_tokens` tokens after them. False, and nothing held, if the
+        pool is short. The hit is taken first, so the allocation never evicts it."""
+        self.take_prefix_hit(request, hit)
+        need = cdiv(hit.num_blocks * self.block_size + num_new_tokens, self.block_size) - hit.num_blocks
+        new = self.pool.try_allocate(need) if need > 0 else []
+        if new is None:
+            self.free_resources(request.request_id)
+            return False
+        self._blocks[request.request_id].extend(new)
+        return True
+
     def blocks_of(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 

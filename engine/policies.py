@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Iterable
+from typing import Callable, Iterable
 
 from pdserve.engine.config import CapacityPolicy, ChunkingPolicy, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixHit
@@ -39,11 +39,10 @@ SHORTEST_FIRST_STEP = 1.25
 class Capacity:
     """Admission and growth under one capacity policy. Contract: `has_room` is asked before
     a waiting request takes any block (False: it waits, and the scan of the queue stops);
-    `can_preempt` says whether a running request that cannot grow may free the newest
-    running one; `admits_while_running` False keeps the queue shut while any request runs
-    or waits for a remote prefill."""
+    `grow` gets a running request its blocks for the step, or says it sits this step out;
+    `admits_while_running` False keeps the queue shut while any request runs or waits for
+    a remote prefill."""
 
-    can_preempt = False
     admits_while_running = True
 
     def __init__(self, kv: KVCacheManager, max_model_len: int) -> None:
@@ -58,16 +57,26 @@ class Capacity:
         reserved = sum(self.kv.get_needed_resource_to_completion(r, self.max_model_len) for r in holders)
         return free - reserved >= needed
 
+    def grow(self, request: Request, num_new_tokens: int, preempt_newest: Callable[[], Request]) -> bool:
+        """Blocks for `num_new_tokens` more tokens of running `request`; False: not now.
+        Admission reserved room, so only a racing free fails here; nothing is preempted."""
+        return self.kv.prepare_resources(request, num_new_tokens)
+
 
 class GuaranteedNoEvict(Capacity):
     pass
 
 
 class MaxUtilization(Capacity):
-    can_preempt = True
-
     def has_room(self, request: Request, hit: PrefixHit, holders: Iterable[Request]) -> bool:
         return True  # the allocation decides; a full cache preempts later
+
+    def grow(self, request: Request, num_new_tokens: int, preempt_newest: Callable[[], Request]) -> bool:
+        """Preempts the newest running request (`request` itself last) until the blocks fit."""
+        while not self.kv.prepare_resources(request, num_new_tokens):
+            if preempt_newest() is request:
+                return False
+        return True
 
 
 class StaticBatch(Capacity):
@@ -104,6 +113,12 @@ class Chunking:
 
     def chunk_cap(self, num_prefilling: int, budget: int) -> int:
         return budget if self.chunked else UNCAPPED
+
+    def chunk(self, remaining: int, room: int, num_prefilling: int, budget: int) -> int:
+        """Tokens a prompt with `remaining` left computes in a step that leaves it `room` of
+        `budget`; 0 when it cannot run (no room, or too little for a prompt that runs whole)."""
+        n = min(remaining, room, self.chunk_cap(num_prefilling, budget))
+        return n if n == remaining or self.chunked else 0
 
 
 class FirstComeFirstServed(Chunking):

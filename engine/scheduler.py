@@ -8,11 +8,11 @@ objects chosen once (`engine.policies`).
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.connector import ConnectorMetadata, ConnectorRequest, KVConnectorScheduler
@@ -71,7 +71,6 @@ class Scheduler:
         self.speculator = speculator
         self.kv = kv
         self.connector = connector
-        self.max_model_len = max_model_len
         self.capacity = CAPACITY[config.capacity_policy](kv, max_model_len)
         self.chunking = CHUNKING[config.chunking_policy](config, kv.block_size)
         self.waiting: deque[Request] = deque()
@@ -82,18 +81,14 @@ class Scheduler:
         self.num_prefix_hits = 0  # of those, found in the prefix cache
 
     # -- admission control --------------------------------------------------------------
-    def check_fits(self, request: Request) -> None:
-        """Raise CapacityError if the cache could never hold `request`, even alone. Every
+    def add(self, request: Request) -> None:
+        """Queue `request`; CapacityError if the cache could never hold it, even alone. Every
         policy checks the full length: under MAX_UTILIZATION a request that outgrows the
         whole cache would preempt itself and then wait forever."""
         need = self.kv.num_blocks_for_tokens(request.final_length)
         if need > self.kv.get_max_resource_count():
-            raise CapacityError(
-                f"request needs {need} KV blocks but the cache has "
-                f"{self.kv.get_max_resource_count()}: lower max_tokens or enlarge the cache")
-
-    def add(self, request: Request) -> None:
-        self.check_fits(request)
+            raise CapacityError(f"request needs {need} KV blocks but the cache has "
+                                f"{self.kv.get_max_resource_count()}: lower max_tokens or enlarge the cache")
         self.waiting.append(request)
 
     @property
@@ -105,11 +100,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget, reserve = self.chunking.begin_step(self.waiting, self.running, self.config.max_num_tokens)
         had_running = bool(self.running) or bool(self.remote)
-        budget = self._schedule_running(out, budget, reserve)
+        budget = self._schedule_running(out, budget, reserve, lambda: self._preempt(self.running[-1], out))
         if self.capacity.admits_while_running or not had_running:
             self._schedule_waiting(out, budget)
-        if self.speculator.enabled and out.chunks:
-            self._add_drafts(out)
+        self.speculator.add_drafts(out.chunks, self.config.max_num_tokens)
         now = time.monotonic()
         for chunk in out.chunks:
             if chunk.request.first_scheduled_time is None:
@@ -117,20 +111,8 @@ class Scheduler:
         out.connector_meta = self.connector.build_connector_meta()
         return out
 
-    def _add_drafts(self, out: SchedulerOutput) -> None:
-        """Drafts for the decoding chunks the speculator picks, in blocks the pool has free
-        now (a draft never preempts; its blocks go back after verification, `trim`). A
-        draft's position stays below the request's final length, so its blocks are within
-        what admission reserved for it."""
-        num_rows = out.num_tokens
-        for index, drafts in self.speculator.plan(out.chunks, num_rows,
-                                                  max(num_rows, self.config.max_num_tokens)).items():
-            chunk = out.chunks[index]
-            drafts = drafts[:max(0, self.max_model_len - chunk.request.num_tokens - 1)]
-            if drafts and self.kv.prepare_resources(chunk.request, 1 + len(drafts)):
-                out.chunks[index] = dataclasses.replace(chunk, draft_token_ids=drafts)
-
-    def _schedule_running(self, out: SchedulerOutput, budget: int, reserve: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, reserve: int,
+                          preempt_newest: Callable[[], Request]) -> int:
         """Decodes first (a token each), then running prompts in the chunking policy's order;
         `reserve`: tokens the prompts leave to a shorter waiting one."""
         decodes = [r for r in self.running if tokens_left(r) == 1]
@@ -140,28 +122,16 @@ class Scheduler:
             if request not in self.running:  # preempted earlier in this loop
                 continue
             remaining = tokens_left(request)
-            n = min(remaining, budget - reserve, self.chunking.chunk_cap(len(prefills) + len(self.waiting), budget)) \
+            n = self.chunking.chunk(remaining, budget - reserve, len(prefills) + len(self.waiting), budget) \
                 if remaining > 1 else 1
-            if n > budget or n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
-                continue
-            if not self._grow(request, n, out):
+            if n > budget or n <= 0 or not self.capacity.grow(request, n, preempt_newest):
                 continue
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
             budget -= n
         return budget
 
-    def _grow(self, request: Request, n: int, out: SchedulerOutput) -> bool:
-        """Blocks for `n` more tokens of a running request, preempting if the policy allows."""
-        while not self.kv.prepare_resources(request, n):
-            if not self.capacity.can_preempt:
-                return False  # admission guaranteed room; only a racing free can get here
-            victim = self.running[-1]
-            self._preempt(victim, out)
-            if victim is request:
-                return False
-        return True
-
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> Request:
+        """Free `request`'s blocks and queue it first, to be recomputed."""
         self.running.remove(request)
         out.chunks[:] = [c for c in out.chunks if c.request is not request]
         self.kv.free_resources(request.request_id)
@@ -171,6 +141,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted_ids.append(request.request_id)
+        return request
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in arrival order while the budget lasts. A request whose
@@ -218,31 +189,25 @@ class Scheduler:
         if wants_remote:
             n = request.num_prompt_tokens - hit_tokens  # the whole uncached prompt arrives
         else:
-            cap = self.chunking.chunk_cap(num_prefilling, budget)
-            n = min(remaining, budget, cap)
-            if n < remaining and not self.config.enable_chunked_prefill:
+            n = self.chunking.chunk(remaining, budget, num_prefilling, budget)
+            if n == 0 and remaining:  # a prompt that runs whole: alone in the step, over budget
                 if out.chunks:
                     return False
-                n = remaining  # alone in the step: run the whole prompt over budget
-        self.kv.take_prefix_hit(request, hit)
-        request.num_computed_tokens = hit_tokens
-        if not self.kv.prepare_resources(request, (n if wants_remote else num_external + n)):
-            self.kv.free_resources(request.request_id)
-            request.num_computed_tokens = 0
+                n = remaining
+        if not self.kv.try_take_prefix_hit(request, hit, n if wants_remote else num_external + n):
             return False
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens < 0:  # its first admission
             request.num_cached_tokens = hit_tokens
             self.num_prefix_queries += request.num_prompt_tokens
             self.num_prefix_hits += hit_tokens
         self.connector.update_state_after_alloc(creq, self.kv.blocks_of(request.request_id), num_external)
         if num_external:
             request.num_external_tokens = request.num_loaded_tokens = num_external
-        if wants_remote:  # loads land before the step ends; the prefill fills the rest
-            request.num_computed_tokens = computed
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            return True
         request.num_computed_tokens = computed
-        out.chunks.append(ScheduledChunk(request, computed, n))
+        if wants_remote:  # loads land before the step ends; the prefill fills the rest
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        else:
+            out.chunks.append(ScheduledChunk(request, computed, n))
         return True
 
     # -- remote prefill (decode side of a disaggregated request) ------------------------
@@ -256,24 +221,15 @@ class Scheduler:
 
     def recompute_remote(self, request_id: str) -> Request | None:
         """The remote prefill failed: compute the prompt here, in the blocks already held."""
-        request = self.remote.pop(request_id, None)
+        request = self.finish_remote(request_id)
         if request is not None:
             request.remote_prefill = False
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
         return request
 
     # -- endings ------------------------------------------------------------------------
     def find(self, request_id: str) -> Request | None:
-        for r in self.running:
-            if r.request_id == request_id:
-                return r
-        if request_id in self.remote:
-            return self.remote[request_id]
-        for r in self.waiting:
-            if r.request_id == request_id:
-                return r
-        return None
+        everyone = itertools.chain(self.running, self.remote.values(), self.waiting)
+        return next((r for r in everyone if r.request_id == request_id), None)
 
     def finish(self, request: Request, status: RequestStatus) -> bool:
         """End `request`. Returns True if its blocks were freed now (False: the connector
@@ -285,8 +241,7 @@ class Scheduler:
             del self.remote[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
-        keep = self.connector.request_finished(
-            connector_view(request), self.kv.blocks_of(request.request_id))
+        keep = self.connector.request_finished(connector_view(request), self.kv.blocks_of(request.request_id))
         if not keep:
             self.kv.free_resources(request.request_id)
         return not keep

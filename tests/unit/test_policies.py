@@ -56,3 +56,25 @@ def test_equal_progress_shares_the_budget_and_chunked_prefill_off_uncaps_it():
     assert equal.chunk_cap(1, 256) == 256
     whole = CHUNKING[ChunkingPolicy.EQUAL_PROGRESS](SchedulerConfig(enable_chunked_prefill=False), BS)
     assert whole.chunk_cap(4, 256) == UNCAPPED
+
+
+def test_a_request_the_pool_cannot_hold_takes_neither_its_hit_nor_fresh_blocks():
+    kv = KVCacheManager(MODEL, CacheConfig(block_size=BS, num_blocks=4), torch.device("cpu"))
+    prompt = list(range(2 * BS + 1))
+    first = Request("first", prompt, SamplingParams(max_tokens=1))
+    first.block_hashes = hash_prompt_blocks(prompt, BS, salt=1)
+    assert kv.try_take_prefix_hit(first, kv.find_prefix_hit(first), len(prompt))
+    first.num_computed_tokens = len(prompt)
+    kv.update_resources(first)
+    kv.free_resources("first")
+    second = Request("second", prompt, SamplingParams(max_tokens=1))
+    second.block_hashes = first.block_hashes
+    hit = kv.find_prefix_hit(second)
+    assert hit.num_blocks == 2
+    assert not kv.try_take_prefix_hit(second, hit, 3 * BS)  # 2 + 3 blocks > 4
+    assert kv.blocks_of("second") == [] and kv.get_num_free_blocks() == 4
+    assert kv.pool.get_cached_block(first.block_hashes[0]) is hit.blocks[0]  # the hit stays cached
+    assert kv.try_take_prefix_hit(second, hit, 1)
+    assert kv.blocks_of("second")[:2] == [b.block_id for b in hit.blocks]
+    kv.free_resources("second")
+    kv.assert_all_free()
