@@ -161,9 +161,9 @@ class KVCacheManager:
                 self._num_dropped_blocks[request.request_id] = first_live
 
     def trim(self, request: Request) -> None:
-        """Give back the blocks past the one `request`'s next token goes in (speculative
-        decoding allocated blocks for drafts that were not kept; output blocks are never
-        cached, so nothing else refers to them)."""
+        """Give back the blocks past the one `request`'s next token goes in (blocks allocated
+        for positions that were computed and then not kept; output blocks are never cached,
+        so nothing else refers to them)."""
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return

@@ -221,9 +221,7 @@ class LLMEngine:
                            self.kv.get_num_free_blocks(), self.kv.get_max_resource_count(),
                            s.num_preemptions, self._num_prompt_computed, self._num_generated,
                            s.num_prefix_queries, s.num_prefix_hits, self._num_steps, self._step_seconds,
-                           queued, self._prefill_rate.tokens_per_s, decoding,
-                           self.speculator.num_draft_tokens, self.speculator.num_accepted_tokens,
-                           self.speculator.num_verified_sequences)
+                           queued, self._prefill_rate.tokens_per_s, decoding, *self.speculator.totals())
 
     def assert_no_leaks(self) -> None:
         """Every KV block is back in the pool (call when nothing is in flight)."""

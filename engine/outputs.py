@@ -40,7 +40,7 @@ class RequestOutput:
 def delta(request: Request, tokens: Sequence[int], text: str, logprobs: Sequence[TokenLogprob]) -> RequestOutput:
     """`request`'s delta: these new tokens (and their text and logprobs), with its state now.
     Its prompt's logprobs, when wanted, go with the first delta that carries tokens."""
-    prompt_logprobs = None
+    prompt_logprobs, spec = None, request.speculation  # spec: speculation.SequenceDrafts or None
     if tokens and request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
         prompt_logprobs, request.prompt_logprobs_sent = tuple(request.prompt_logprobs), True
     return RequestOutput(
@@ -49,8 +49,9 @@ def delta(request: Request, tokens: Sequence[int], text: str, logprobs: Sequence
         request.num_output_tokens, max(0, request.num_cached_tokens),
         request.num_external_tokens, num_loaded_tokens=request.num_loaded_tokens,
         prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time,
-        first_token_time=request.first_token_time, num_draft_tokens=request.num_draft_tokens,
-        num_accepted_tokens=request.num_accepted_tokens, num_draft_steps=request.num_draft_steps)
+        first_token_time=request.first_token_time, num_draft_tokens=spec.num_draft_tokens if spec else 0,
+        num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+        num_draft_steps=spec.num_draft_steps if spec else 0)
 
 
 def merge_deltas(deltas: Sequence[RequestOutput]) -> RequestOutput:

@@ -39,6 +39,12 @@ class ScheduledChunk:
         return self.num_new_tokens + len(self.draft_token_ids)
 
     @property
+    def token_ids(self) -> list[int]:
+        """The tokens the step feeds at its positions: its request's, then its drafts."""
+        ids = self.request.token_ids(self.start, self.start + self.num_new_tokens)
+        return ids + list(self.draft_token_ids) if self.draft_token_ids else ids
+
+    @property
     def samples_token(self) -> bool:
         """True when this chunk reaches the end of the known tokens (logits are needed)."""
         return self.start + self.num_new_tokens == self.request.num_tokens

@@ -209,8 +209,11 @@ def choose_drafts(candidates: Sequence[Candidate], ratio: float, num_rows: int, 
 class NoSpeculation:
     """Speculation off: no step carries drafts; a step's logits are sampled in one batch."""
 
-    enabled = False
     num_draft_tokens = num_accepted_tokens = num_verified_sequences = 0
+
+    def totals(self) -> tuple[int, int, int]:
+        """(drafts checked, drafts kept, sequence-steps that checked drafts), all requests."""
+        return self.num_draft_tokens, self.num_accepted_tokens, self.num_verified_sequences
 
     def add_drafts(self, chunks: list[ScheduledChunk], max_num_tokens: int) -> None:
         pass
@@ -230,8 +233,6 @@ NO_SPECULATION = NoSpeculation()
 class Speculator(NoSpeculation):
     """The engine's speculative decoding: drafts for a planned step (and the blocks they are
     computed in), their verification, and what it found. Used on the engine's thread only."""
-
-    enabled = True
 
     def __init__(self, config: SpeculativeConfig, kv: KVCacheManager) -> None:
         self.config = config
