@@ -58,7 +58,7 @@ class EngineParts:
     kv: KVCacheManager
     layout: KVCacheLayout
     connector: Connector
-    speculator: Speculator | NoSpeculation
+    speculator: NoSpeculation  # a Speculator, or NO_SPECULATION
 
 
 def assemble(config: EngineConfig, connector: Connector | ConnectorFactory | None = None,

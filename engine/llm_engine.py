@@ -161,7 +161,7 @@ class LLMEngine:
             self._num_steps += 1
             elapsed = time.perf_counter() - started
             self._step_seconds += elapsed
-            self.speculator.note_step(plan.chunks, plan.num_tokens, elapsed)
+            self.speculator.note_step(plan, elapsed)
             self._prefill_rate.note(self._num_prompt_computed - computed_before, elapsed)
         outputs += self._pending
         self._pending = []

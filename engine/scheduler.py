@@ -20,7 +20,7 @@ from pdserve.common.errors import CapacityError
 from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from pdserve.engine.policies import CAPACITY, CHUNKING, tokens_left
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.speculation import NO_SPECULATION, Speculator
+from pdserve.engine.speculation import NO_SPECULATION, NoSpeculation
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ def connector_view(request: Request) -> ConnectorRequest:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  connector: KVConnectorScheduler, max_model_len: int,
-                 speculator: Speculator = NO_SPECULATION) -> None:
+                 speculator: NoSpeculation = NO_SPECULATION) -> None:
         self.config = config
         self.speculator = speculator
         self.kv = kv
@@ -121,8 +121,8 @@ class Scheduler:
                           preempt_newest: Callable[[], Request]) -> int:
         """Decodes first (a token each), then running prompts in the chunking policy's order;
         `reserve`: tokens the prompts leave to a shorter waiting one."""
-        decodes = [r for r in self.running if tokens_left(r) == 1]
-        prefills = [r for r in self.running if tokens_left(r) > 1]
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         self.chunking.order_prefills(prefills)
         for request in decodes + prefills:
             if request not in self.running:  # preempted earlier in this loop

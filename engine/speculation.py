@@ -44,7 +44,7 @@ from pdserve.engine.sampler import SampledToken, sample
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_cache_manager import KVCacheManager
-    from pdserve.engine.scheduler import ScheduledChunk
+    from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 # the engine's recorder of sampled tokens: (request, token id, logprob) items in, their
 # token deltas out (none for a request that had finished already)
@@ -207,7 +207,11 @@ def choose_drafts(candidates: Sequence[Candidate], ratio: float, num_rows: int, 
 
 
 class NoSpeculation:
-    """Speculation off: no step carries drafts; a step's logits are sampled in one batch."""
+    """Speculation off: no step carries drafts; a step's logits are sampled in one batch.
+    The contract every speculator keeps (`Speculator` extends it): `add_drafts` may put
+    drafts on decoding chunks of a planned step, holding their blocks; `sample` takes the
+    step's sampling chunks and logits, records each token through `record` in order, and
+    returns the deltas; `note_step` hears each forward's time."""
 
     num_draft_tokens = num_accepted_tokens = num_verified_sequences = 0
 
@@ -223,7 +227,7 @@ class NoSpeculation:
         requests = [c.request for c in chunks]
         return record([(r, t.token_id, t.logprob) for r, t in zip(requests, sample(logits, requests))])
 
-    def note_step(self, chunks: list[ScheduledChunk], num_rows: int, seconds: float) -> None:
+    def note_step(self, step: SchedulerOutput, seconds: float) -> None:
         pass
 
 
@@ -334,10 +338,10 @@ class Speculator(NoSpeculation):
                 deltas.append(merge_deltas(mine))
         return deltas
 
-    def note_step(self, chunks: list[ScheduledChunk], num_rows: int, seconds: float) -> None:
+    def note_step(self, step: SchedulerOutput, seconds: float) -> None:
         """A step's forward took `seconds`: a decode-only one refines the step cost."""
-        if all(c.num_new_tokens == 1 for c in chunks):
-            self.cost.note(num_rows, seconds)
+        if all(c.num_new_tokens == 1 for c in step.chunks):
+            self.cost.note(step.num_tokens, seconds)
 
 
 def verify(request: Request, drafts: Sequence[int], logits, append: Callable[[SampledToken], None]) -> tuple[int, int]:
