@@ -317,7 +317,7 @@ class Speculator(NoSpeculation):
         """Sample each chunk's rows of `logits` (`StepResult.logits`): one batch for the
         chunks without drafts, then each chunk with drafts in order of its rows (`verify`).
         A checked chunk keeps the KV of its kept drafts, gives back the blocks past them and
-        sends its tokens as one delta."""
+        sends its tokens as one delta, which counts this verification in its usage."""
         firsts = list(itertools.accumulate((1 + len(c.draft_token_ids) for c in chunks), initial=0))
         plain = [i for i, c in enumerate(chunks) if not c.draft_token_ids]
         deltas: list[RequestOutput] = []
@@ -334,8 +334,11 @@ class Speculator(NoSpeculation):
             self.observe(request, len(chunk.draft_token_ids), num_kept, num_tested)
             if not request.is_finished:
                 self.kv.trim(request)
-            if mine:
-                deltas.append(merge_deltas(mine))
+            if mine:  # its usage as of this verification, which its deltas were built before
+                state = request.speculation
+                deltas.append(dataclasses.replace(
+                    merge_deltas(mine), num_draft_tokens=state.num_draft_tokens,
+                    num_accepted_tokens=state.num_accepted_tokens, num_draft_steps=state.num_draft_steps))
         return deltas
 
     def note_step(self, step: SchedulerOutput, seconds: float) -> None:
