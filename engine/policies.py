@@ -72,7 +72,8 @@ class MaxUtilization(Capacity):
         return True  # the allocation decides; a full cache preempts later
 
     def grow(self, request: Request, num_new_tokens: int, preempt_newest: Callable[[], Request]) -> bool:
-        """Preempts the newest running request (`request` itself last) until the blocks fit."""
+        """Preempts the newest running request until the blocks fit; when that is `request`
+        itself, it sits this step out."""
         while not self.kv.prepare_resources(request, num_new_tokens):
             if preempt_newest() is request:
                 return False
