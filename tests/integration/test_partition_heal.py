@@ -21,7 +21,7 @@ import time
 import pytest
 from test_transport_p2p import BACKENDS, DEADLINE_S, SLACK_S, make_message, payload_digests
 
-from pdserve.bench.child import Child
+from pdserve.lab.child import Child
 from pdserve.common.errors import TransferError, UpstreamFailedError
 from pdserve.decode.prefill_leg import PrefillLeg, RemotePrefill
 from pdserve.kvtransfer.backends import _p2p
@@ -201,7 +201,7 @@ def receiver_main(backend: str) -> None:
     """A receiving process: the transport under test over test_transport_p2p's TensorSink."""
     from test_transport_p2p import TensorSink, make_transport
 
-    from pdserve.bench.child import serve_commands
+    from pdserve.lab.child import serve_commands
 
     sink = TensorSink()
     transport = make_transport(backend)
