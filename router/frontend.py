@@ -69,7 +69,7 @@ class Frontend:
                  in_flight: InFlight, metrics: RouterMetrics, cpu: CpuPool | None = None,
                  max_migrations: int = 2, guided: GuidedOptions = GuidedOptions(),
                  block_hash_key: bytes = INSECURE_KEY) -> None:
-        """`block_hash_key`: the deployment's (common.block_hash.block_hash_key), so the
+        """`block_hash_key`: the deployment's (security.secret.block_hash_key), so the
         router's block hashes are the workers'."""
         self._catalog = catalog
         self._block_hash_key = block_hash_key

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def lab_allowed() -> None:
     """Skips, with the reason, where a lab cannot be built (not root, no iproute2, no netns)."""
-    from pdserve.bench.netlab import unavailable
+    from pdserve.lab.namespaces import unavailable
 
     reason = unavailable()
     if reason:
