@@ -70,6 +70,7 @@ def _add_shared_worker(p: argparse.ArgumentParser, role: str) -> None:
     """Flags that `up` passes to every worker it starts."""
     _add_settings(p, role, "engine")
     _add_settings(p, role, "kv transfer")
+    _add_settings(p, role, "lifecycle")
 
 
 def _add_up(sub) -> None:

@@ -347,7 +347,7 @@ def test_worker_settings_are_the_one_table_of_worker_flags():
     assert all(spec.get("group") in GROUPS and spec.get("help") for spec in table.values())
     for role in ("prefill", "decode"):
         assert _dests(role) - {"config"} == {n for n, spec in table.items() if role in spec["roles"]}
-    shared = {n for n, spec in table.items() if spec["group"] in ("engine", "kv transfer")}
+    shared = {n for n, spec in table.items() if spec["group"] in ("engine", "kv transfer", "lifecycle")}
     assert set(worker_pass_through()) == shared | {"log_level"}
 
 
