@@ -19,6 +19,7 @@ from pdserve.common.errors import PdserveError
 from pdserve.deploy import prepare
 from pdserve.deploy import up as up_defaults
 from pdserve.deploy.supervisor import RestartPolicy
+from pdserve.planner.settings import PlannerSettings
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT, RouterConfig
 from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,  # noqa: F401 - the
                                      WorkerSettings)  # chart test reads the ports here
@@ -92,6 +93,7 @@ def _add_up(sub) -> None:
                     help="a service that exits is restarted; one that exits more often than this within "
                          f"{RestartPolicy().window_s:g} s stops `up` (default {RestartPolicy().max_restarts})")
     _add_table(up, RouterConfig, "router", "routing", "router")
+    _add_table(up, PlannerSettings, "up", "planner", "planner (scales workers to the SLO)")
 
 
 def _add_router(sub) -> None:
