@@ -1,4 +1,4 @@
-"""`pdserve` command line: `up`, `router`, `prefill`, `decode`, `bench`.
+"""`pdserve` command line: `up`, `router`, `prefill`, `decode`, `planner`, `bench`.
 
 Every flag can also come from a YAML file (`--config`, keys = flag names with `_`) and from
 `PDSERVE_<FLAG>` environment variables. Precedence: flag > environment > YAML > default.
@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     decode = sub.add_parser("decode", help="one decode service")
     _add_common(decode, "decode")
     _add_worker(decode, "decode")
+    planner = sub.add_parser("planner", help="the live planner in a Kubernetes cluster: scales the prefill and "
+                             "decode Deployments to the SLO")
+    planner.add_argument("--config", help="YAML file of flag values (keys are flag names with _)")
+    planner.add_argument("--host", help="address its metrics listener binds (default 0.0.0.0)")
+    planner.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    _add_table(planner, PlannerSettings, "planner", "planner", "planner")
+    _add_table(planner, PlannerSettings, "planner", "kubernetes", "kubernetes")
     prepare.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
     bench.add_argument("what", choices=BENCHMARKS)
@@ -217,6 +224,8 @@ def _role_main(command: str) -> Callable[[dict[str, Any]], int]:
         from pdserve.prefill.main import main as fn
     elif command == "decode":
         from pdserve.decode.main import main as fn
+    elif command == "planner":
+        from pdserve.planner.kube import main as fn
     else:
         raise SystemExit(f"pdserve: unknown command {command}")
     return fn

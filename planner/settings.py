@@ -38,6 +38,8 @@ class PlannerSettings:
     planner_metrics_port: int = _opt(0, "planner: serve its Prometheus /metrics on this port (0: off)")
     router_url: str = _opt("http://127.0.0.1:8000", "planner: the router's HTTP address, whose /metrics it reads",
                            "kubernetes", ("planner",))
+    api_key: str = _opt("", "planner: the router's API key, when its /metrics asks for one (prefer "
+                        "PDSERVE_API_KEY: flags show in ps)", "kubernetes", ("planner",))
     namespace: str = _opt("default", "planner: the namespace of the worker Deployments", "kubernetes", ("planner",))
     prefill_deployment: str = _opt("pdserve-prefill", "planner: the prefill workers' Deployment", "kubernetes",
                                    ("planner",))
