@@ -304,6 +304,10 @@ def kept_secret(cache_root: Path) -> Path:
 
 
 def main(settings: dict[str, Any]) -> int:
+    if settings.get("planner"):  # a planner setting it cannot take stops `up` before anything starts
+        from pdserve.planner.settings import PlannerSettings
+
+        PlannerSettings.from_settings(settings)
     with cluster_secret(settings) as settings, core_share(settings) as settings:
         return _run(settings)
 
