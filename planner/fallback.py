@@ -3,9 +3,10 @@ three thresholds, for use until (or where) the simulator-backed advisor of `plan
 is not available. It predicts nothing about SLOs; it reacts to what the last interval showed.
 
 - decode: the streams the forecast load keeps open (Little's law: forecast arrival rate x the
-  mean request time just observed) over `streams_per_decode`, rounded up; one more than ready
-  now while the SLO's TPOT attainment is below target, a request waits for admission on a
-  decode, or the decodes' KV use is at or over `kv_high`.
+  mean request time just observed; at least the requests in flight now, which an interval
+  shorter than a request's life would otherwise miss) over `streams_per_decode`, rounded up;
+  one more than ready now while the SLO's TPOT attainment is below target, a request waits
+  for admission on a decode, or the decodes' KV use is at or over `kv_high`.
 - prefill: the prompt tokens per second the forecast load brings over what one prefill worker
   computes (its measured rate x `prefill_utilisation`), rounded up; one more than ready now
   while TTFT attainment is below target and prompts queue at the prefill workers. Before any
@@ -54,7 +55,7 @@ class ThresholdAdvisor:
 
     def _decode(self, load: WorkloadStats, slo: Slo, seen: Observation) -> tuple[int, str]:
         ready = seen.num_alive.get("decode", 1)
-        streams = load.request_rate * seen.mean_latency_s
+        streams = max(load.request_rate * seen.mean_latency_s, seen.num_in_flight)
         need = max(1, math.ceil(streams / self.rules.streams_per_decode - 1e-9))
         why = f"{streams:.1f} streams forecast"
         if seen.tpot_attainment < slo.attainment:

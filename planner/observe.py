@@ -52,6 +52,7 @@ class Observation:
     ttft_attainment: float  # share of first tokens within the SLO's TTFT
     tpot_attainment: float  # share of inter-token gaps within the SLO's TPOT
     mean_latency_s: float  # of the requests that finished (0: none)
+    num_in_flight: float  # requests admitted and not finished, at the interval's end
     queued: Mapping[str, float]
     running: Mapping[str, float]
     num_alive: Mapping[str, int]
@@ -135,7 +136,7 @@ def observe(before: Sample, after: Sample, slo: Slo, last: WorkloadStats | None 
         num_finished=finished, num_failed=max(0.0, after.num_failed - before.num_failed),
         ttft_attainment=_share_within(before.ttft_buckets, after.ttft_buckets, slo.ttft_ms / 1000),
         tpot_attainment=_share_within(before.itl_buckets, after.itl_buckets, slo.tpot_ms / 1000),
-        mean_latency_s=latency, queued=dict(after.queued), running=dict(after.running),
+        mean_latency_s=latency, num_in_flight=after.num_in_flight, queued=dict(after.queued), running=dict(after.running),
         num_alive=dict(after.num_alive), kv_usage=after.kv_usage, prefill_tokens_per_s=after.prefill_tokens_per_s)
 
 

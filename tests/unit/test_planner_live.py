@@ -198,3 +198,15 @@ def test_threshold_fallback_grows_with_the_load_and_shrinks_after_it():
         clock.now += INTERVAL
     assert max(history) == 3 and history[-1] == 1  # 5 req/s x 1 s = 5 streams -> 3; then back to 1
     assert history.index(3) >= 4  # not before two intervals of high load agreed
+
+
+def test_the_fallback_counts_streams_in_flight_when_none_finished():
+    from dataclasses import replace
+
+    samples = recorded([0.2] * 4).samples
+    long = [replace(s, num_in_flight=6.0) for s in samples]  # six long answers, none ending
+    scaler = FakeScaler(prefill=1, decode=1)
+    planner, clock = planner_of(ThresholdAdvisor(ThresholdRules(streams_per_decode=2)), scaler,
+                                RecordedMetrics(long), limits=Limits(1, 2, 1, 4))
+    run(planner, clock, 4)
+    assert scaler.count["decode"].target == 3
