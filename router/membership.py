@@ -54,7 +54,7 @@ def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
     return Load(load.num_queued, load.num_running, load.num_free_blocks, load.num_total_blocks,
                 tuple(KVBackendState(b.name, b.usable, b.detail) for b in load.kv_backends),
                 load.counters if load.HasField("counters") else None,
-                load.queued_prompt_tokens, _rate(load.prefill_tokens_per_s), load.num_decoding)
+                load.queued_prompt_tokens, _rate(load.prefill_tokens_per_s), load.num_decoding, load.draining)
 
 
 def _rate(value: float) -> float:

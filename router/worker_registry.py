@@ -1,7 +1,8 @@
 """Which workers exist, whether they are alive, how loaded they are and what they cache.
 
-A worker is *routable* when its last heartbeat is younger than the timeout and no RPC to
-it has failed since (a failed RPC marks it suspect; its next heartbeat clears that).
+A worker is *routable* when its last heartbeat is younger than the timeout, no RPC to it
+has failed since (a failed RPC marks it suspect; its next heartbeat clears that) and it has
+not announced that it is draining (it is leaving: its open streams go on, no new work comes).
 Workers silent for three timeouts are forgotten: their next heartbeat is answered
 NOT_FOUND and they register again.
 
@@ -63,6 +64,7 @@ class Load:
     queued_prompt_tokens: int = 0  # prompt tokens queued or running, not computed yet
     prefill_tokens_per_s: float = 0.0  # its recent prefill rate (0: not measured yet)
     num_decoding: int = 0  # running requests past their prompt
+    draining: bool = False  # leaving: routed no new work, finishing its own
 
 
 @dataclass(slots=True)
@@ -168,6 +170,8 @@ class WorkerRegistry:
         _check_lease(record, lease)
         if record.suspect:
             log.info("worker %s is reachable again", worker_id)
+        if load.draining and not record.load.draining:
+            log.info("worker %s is draining: no new work goes to it", worker_id)
         record.load, record.last_seen, record.suspect = load, self._clock(), False
         record.num_routed_since_report = record.num_routed_prompt_tokens = 0
         self._set_cached(record, cached_hashes)
@@ -216,10 +220,10 @@ class WorkerRegistry:
         return self._clock() - record.last_seen <= self._timeout_s
 
     def routable(self, role: Role, model_name: str) -> list[WorkerRecord]:
-        """Alive, non-suspect workers of `role` serving `model_name`, sorted by id."""
+        """Alive, non-suspect, non-draining workers of `role` serving `model_name`, sorted by id."""
         return sorted((r for r in self._records.values()
                        if r.worker.role is role and r.worker.model_name == model_name
-                       and not r.suspect and self.is_alive(r)),
+                       and not r.suspect and not r.load.draining and self.is_alive(r)),
                       key=lambda r: r.worker_id)
 
     def alive(self, role: Role | None = None) -> list[WorkerRecord]:

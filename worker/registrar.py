@@ -85,6 +85,11 @@ class Registrar:
                 await self._clients.pop(addr).stop(deregister=False)
             await asyncio.sleep(self.resolve_every_s)
 
+    async def announce(self) -> bool:
+        """Report the load to every router now (in parallel); True when each acknowledged."""
+        answers = await asyncio.gather(*(c.report_now() for c in list(self._clients.values())))
+        return all(answers)
+
     async def stop(self) -> None:
         """Stop resolving, deregister from every router (best effort, in parallel)."""
         if self._task is not None:

@@ -151,7 +151,14 @@ class RegistryClient:
                  self._interval_s)
         return True
 
-    async def _heartbeat(self, stub: registry_pb2_grpc.RegistryStub) -> None:
+    async def report_now(self) -> bool:
+        """One heartbeat now, out of turn (a draining worker's news must not wait an
+        interval); True when the router acknowledged it."""
+        if self._stub is None or not self.registered:
+            return False
+        return await self._heartbeat(self._stub)
+
+    async def _heartbeat(self, stub: registry_pb2_grpc.RegistryStub) -> bool:
         request = registry_pb2.HeartbeatRequest(worker_id=self._info.worker_id, load=self._load(), lease=self._lease)
         try:
             answer = await stub.Heartbeat(request, timeout=self._rpc_timeout_s)
@@ -161,8 +168,9 @@ class RegistryClient:
                 self._registered.clear()
             else:
                 log.warning("heartbeat to router %s failed: %s %s", self._address, err.code().name, err.details())
-            return
+            return False
         self._take_interval(answer.heartbeat_interval_ms)
+        return True
 
     def _load(self) -> common_pb2.WorkerLoad:
         """The load to report; a failing `load_fn` costs one report's numbers, never the loop

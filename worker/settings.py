@@ -37,7 +37,7 @@ ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-GROUPS = ("common", "worker", "engine", "kv transfer")  # "engine" and "kv transfer": `up` shares them
+GROUPS = ("common", "worker", "engine", "kv transfer", "lifecycle")  # `up` shares all but common and worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +112,9 @@ class WorkerSettings:
     transfer_port: int = setting(0, "decode: UCX listener port; the NCCL/gloo store listens on the next port (0 "
                                  "picks free ones)", "worker")  # from_settings: DECODE_TRANSFER_PORT for decode
     max_queue: int = setting(64, "prefills in flight before refusing", "worker", roles=("prefill",))
+    drain_timeout_s: float = setting(
+        5.0, "on SIGTERM, how long the worker keeps serving what it has while routed nothing new (a decode "
+        "stream still open then migrates); keep it under the 10 s a process has to stop", "lifecycle")
     core_share: str = setting(
         "", "a file through which the workers on this machine share its cores (none: no sharing); `up` "
         "sets it", "worker", roles=("decode", "prefill"))
