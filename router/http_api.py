@@ -18,7 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
+from starlette.types import Scope as AsgiScope
 
 from pdserve.common.errors import (EXPECTED_ERRORS, ErrorKind, InvalidRequestError, PayloadTooLargeError,
                                    ServiceError, to_service_error)
@@ -96,7 +97,7 @@ class DisconnectAwareStream(StreamingResponse):
     """A streaming response whose body iterator is closed as soon as the client goes away,
     whatever the ASGI server's spec version (closing it aborts the request)."""
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: AsgiScope, receive: Receive, send: Send) -> None:
         streaming = asyncio.ensure_future(self.stream_response(send))
         watching = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
