@@ -22,7 +22,7 @@ BENCHMARKS = {
     "quantization": "quantization",  # each --quantization against fp32: agreement, perplexity, decode tok/s
     "gguf-1b": "synthetic_gguf",  # a synthetic ~1B GGUF: decode tok/s, fp32 vs its own blocks
     "layerwise": "layerwise",  # a long prompt's KV streamed layer by layer vs sent whole: the transfer's tail
-    "network": "netlab",  # prefill and decode on separate hosts (network namespaces): TTFT at shaped link rates
+    "network": "network",  # prefill and decode on separate hosts (network namespaces): TTFT at shaped link rates
     "nemesis": "nemesis",  # 2 prefill + 2 decode hosts under cut links and killed workers: every request ends right
 }
 

@@ -1,6 +1,6 @@
 """`pdserve bench nemesis`: a deployment across hosts under faults, in the spirit of Jepsen.
 
-Two prefill hosts, two decode hosts and a router in the network lab (`bench.netlab`);
+Two prefill hosts, two decode hosts and a router in the network lab (`pdserve.lab`);
 `--clients` clients send greedy completions for `--duration-s` seconds while a nemesis, every
 few seconds, cuts a worker host's link (healed a few seconds later) or kills a worker (started
 again a few seconds later). Every request must either complete with transformers' greedy
@@ -25,7 +25,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from pdserve.bench.netlab import Lab, deploy, unavailable
+from pdserve.lab.hosts import Lab
+from pdserve.lab.namespaces import unavailable
+from pdserve.lab.services import deploy
 
 HOSTS = ["router", "prefill-0", "prefill-1", "decode-0", "decode-1"]
 WORKERS = HOSTS[1:]
@@ -125,7 +127,7 @@ def run(clients: int, duration_s: float, max_tokens: int, deadline_s: float, see
     expected = expected_texts(max_tokens)
     tally = Tally()
     with tempfile.TemporaryDirectory(prefix="pdserve-nemesis-") as tmp, Lab(HOSTS) as lab:
-        from pdserve.common.auth import ClusterSecret
+        from pdserve.security.secret import ClusterSecret
 
         secret = os.path.join(tmp, "cluster-secret")
         ClusterSecret.create(secret)

@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from pdserve.bench.netlab import Sample
+from pdserve.bench.network import Sample
 
 MODE_STYLE = {"disaggregated": ("tab:blue", "o"), "local": ("tab:orange", "s"), "router": ("tab:green", "^")}
 

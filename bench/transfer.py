@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from pdserve.bench.child import Child, serve_commands
+from pdserve.lab.child import Child, serve_commands
 from pdserve.kvtransfer.config import BACKENDS, TRANSPORTS
 from pdserve.kvtransfer.local_redis import RedisServer, redis_server_binary
 

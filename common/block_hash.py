@@ -7,7 +7,7 @@ may steer two prompts into one key):
     d[i]    = BLAKE2b_key(d[i-1] || block i's token ids as little-endian int64)
     hash[i] = the top KEY_BITS bits of d[i]'s first 8 bytes (an int64 for protos, >= 0)
 
-`key` is derived from the cluster secret (`block_hash_key`); without one (loopback only, or
+`key` is derived from the cluster secret (`security.secret.block_hash_key`); without one (loopback only, or
 --insecure-internal) it is the fixed, public `INSECURE_KEY`, and the digests are then as
 strong as unkeyed BLAKE2b: collision-resistant, but anyone can compute them. `salt` is
 the model's compatibility hash; `cache_salt` is the request's tenant salt (vLLM's field): it
@@ -27,7 +27,7 @@ from typing import Iterable
 
 import xxhash
 
-from pdserve.common.auth import encode_fields
+from pdserve.common.util import encode_fields
 from pdserve.common.errors import InvalidRequestError
 
 # Without a cluster secret every service uses this key (public: it is in the source).
@@ -47,12 +47,6 @@ def check_cache_salt(cache_salt: str) -> str:
         raise InvalidRequestError(f"'cache_salt' is {len(cache_salt)} characters; at most "
                                   f"{MAX_CACHE_SALT_CHARS} are allowed", param="cache_salt")
     return cache_salt
-
-
-def block_hash_key(secret) -> bytes:
-    """The block-hash key of a deployment: derived from its `ClusterSecret`, or
-    `INSECURE_KEY` when it has none."""
-    return secret.key("block-hash") if secret is not None else INSECURE_KEY
 
 
 def stable_hash64(*parts: object) -> int:

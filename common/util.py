@@ -1,6 +1,9 @@
 """Small helpers with no better home."""
 from __future__ import annotations
 
+import ipaddress
+import struct
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling of a / b for non-negative a and positive b."""
@@ -43,3 +46,32 @@ def _cgroup_memory_left() -> int | None:
             return None
         return max(0, int(limit) - usage)
     return None
+
+
+def encode_fields(*fields: object) -> bytes:
+    """An unambiguous byte encoding of ints, strs and bytes (each tagged, strs and bytes
+    length-prefixed): no two different field lists encode alike. What MACs and keyed hashes
+    are computed over."""
+    out = bytearray()
+    for field in fields:
+        if isinstance(field, bool) or isinstance(field, int):
+            out += b"i" + struct.pack("<q", int(field))
+        elif isinstance(field, str):
+            data = field.encode()
+            out += b"s" + struct.pack("<I", len(data)) + data
+        elif isinstance(field, (bytes, bytearray, memoryview)):
+            out += b"b" + struct.pack("<I", len(field)) + bytes(field)
+        else:
+            raise TypeError(f"cannot encode {type(field).__name__}")
+    return bytes(out)
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost; a wildcard or any other address is not."""
+    name = host.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

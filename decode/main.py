@@ -10,7 +10,7 @@ from pdserve.worker.settings import WorkerSettings
 
 class DecodeBuild:
     """How `run_worker` builds a decode service: its connector (none for local prefill only
-    without a prefix store), then its gRPC service, whose KV receiver drives transfers through
+    without a prefix store), then its gRPC service, whose prefill leg drives transfers through
     that connector's `receives`."""
 
     def make_connector(self, settings: WorkerSettings, secret=None):
@@ -29,8 +29,7 @@ class DecodeBuild:
         from pdserve.proto.pdserve.v1 import decode_pb2, decode_pb2_grpc
 
         settings = runtime.settings
-        receiver = make_receiver(runtime)
-        leg = PrefillLeg(receiver, worker_id=runtime.worker_id,
+        leg = PrefillLeg(make_receives(runtime), worker_id=runtime.worker_id,
                          compat_hash=runtime.engine.compat_hash,
                          block_size=runtime.engine.kv.block_size,
                          timeout_s=settings.prefill_timeout_s, auth=runtime.auth)
@@ -43,22 +42,30 @@ class DecodeBuild:
 
         async def close():
             await leg.close()
-            receiver.close()
+            connector = runtime.engine.connector
+            if _receives_through(connector, settings):
+                connector.worker.close()
 
         return add, [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name], close
 
 
-def make_receiver(runtime):
-    """Decode's KV receiver for the configured backends (none configured: local prefill only)."""
-    from pdserve.decode.prefill_leg import NoReceiver
+def make_receives(runtime):
+    """Decode's `ReceiveControl` for the configured backends (none configured: local prefill
+    only, `NoReceives`)."""
+    if not _receives_through(runtime.engine.connector, runtime.settings):
+        from pdserve.kvtransfer.ports import NoReceives
+
+        return NoReceives()
+    from pdserve.worker.transfer import AdvertisedReceives
+
+    return AdvertisedReceives(runtime.engine.connector.receives, runtime.settings)
+
+
+def _receives_through(connector, settings: WorkerSettings) -> bool:
+    """Whether transfers land through `connector` (a pdserve connector with KV backends)."""
     from pdserve.kvtransfer.connector import PdConnector
 
-    connector = runtime.engine.connector
-    if not isinstance(connector, PdConnector) or not runtime.settings.backends:
-        return NoReceiver()
-    from pdserve.worker.transfer import Receiver
-
-    return Receiver(connector, runtime.settings)
+    return isinstance(connector, PdConnector) and bool(settings.backends)
 
 
 def main(settings: dict[str, Any]) -> int:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import grpc
 
@@ -21,39 +21,18 @@ from pdserve.common.errors import DeadlinePassedError, UpstreamFailedError
 from pdserve.rpc.channels import CONNECT_TIMEOUT_S, WorkerChannels
 from pdserve.rpc.credentials import InternalAuth
 from pdserve.worker.convert import logprob_from_proto
-from pdserve.kvtransfer.verdict import Outcome, TransferVerdict, decide
+from pdserve.kvtransfer.ports import ReceiveControl
+from pdserve.kvtransfer.verdict import Landing, Outcome, RequestVerdict, TransferVerdict, decide
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.decode.prefill_leg")
 
 
-class KVReceiver(Protocol):
-    """Decode's side of the transfer layer (worker.transfer.Receiver)."""
-
-    backends: tuple[str, ...]
-
-    def endpoints(self) -> list[tuple[str, str]]:
-        """(backend, address) pairs the prefill worker can deliver to."""
-
-    def prepare(self, request_id: str, block_ids: Sequence[int], num_prompt_tokens: int,
-                num_cached_tokens: int, timeout_s: float, block_hashes: Sequence[int] | None = None):
-        """Reserve the uncached prompt blocks for one transfer; returns its TransferParams.
-        With `block_hashes` (ours, of the prompt's full blocks) a block arriving under any
-        other hash is refused."""
-
-    def complete(self, request_id: str, verdict: TransferVerdict) -> TransferVerdict:
-        """Settle with prefill's verdict (fetching from a store if one carried the blocks);
-        outcome TRANSFERRED only if every block is in place and verified."""
-
-    def cancel(self, request_id: str) -> None:
-        """Drop the reservation; later writes are refused. Idempotent."""
-
-
 @dataclass(frozen=True, slots=True)
 class LegResult:
-    """How a prefill leg ended. From `PrefillLeg.run`, the verdict is what arrived
-    (TRANSFERRED, FAILED: did not land, ABORTED); from `RemotePrefill.run`, the request's
-    decided outcome (`verdict.decide`), or LOCAL for a prompt prefilled here."""
+    """How a prefill leg ended: its transfer's verdict says whether the KV landed here
+    (LANDED, MISSING with its reason, ABORTED); what the request does about it is decided
+    apart (`RemotePrefill.run`, `verdict.decide`)."""
 
     verdict: TransferVerdict
     first_token_id: int = 0
@@ -67,25 +46,6 @@ class LegResult:
         return self.verdict.ok
 
 
-class NoReceiver:
-    backends: tuple[str, ...] = ()
-
-    def endpoints(self):
-        return []
-
-    def prepare(self, request_id, block_ids, num_prompt_tokens, num_cached_tokens, timeout_s, block_hashes=None):
-        raise RuntimeError("no KV transfer backend is configured")
-
-    def complete(self, request_id, verdict):
-        return verdict
-
-    def cancel(self, request_id):
-        pass
-
-    def close(self):
-        pass
-
-
 class _NotConnected(Exception):
     """The channel to a prefill did not connect in time; read like an UNAVAILABLE call."""
 
@@ -97,11 +57,12 @@ class _NotConnected(Exception):
 
 
 class PrefillLeg:
-    def __init__(self, receiver: KVReceiver, *, worker_id: str, compat_hash: int,
+    def __init__(self, receives: ReceiveControl, *, worker_id: str, compat_hash: int,
                  block_size: int, timeout_s: float, auth: InternalAuth = InternalAuth(None)) -> None:
-        """With `auth` enabled, every Prefill call carries this decode's credential and every
-        hand-off its signature."""
-        self.receiver = receiver
+        """`receives`: the transfer layer's receive side (`worker.transfer.AdvertisedReceives`,
+        or `NoReceives`). With `auth` enabled, every Prefill call carries this decode's
+        credential and every hand-off its signature."""
+        self.receives = receives
         self._channels = WorkerChannels(auth.signer(worker_id), auth.tls)
         self._handoff_mac = auth.handoff_mac()
         self.worker_id = worker_id
@@ -113,7 +74,7 @@ class PrefillLeg:
 
     @property
     def can_receive(self) -> bool:
-        return bool(self.receiver.endpoints())
+        return bool(self.receives.endpoints)
 
     async def run(self, request_id: str, prompt_ids: list[int], block_hashes: list[int],
                   sampling: common_pb2.SamplingParams, choice, block_ids: Sequence[int],
@@ -123,15 +84,16 @@ class PrefillLeg:
         from pdserve.worker.transfer import params_to_handoff, sign_handoff, verdict_from_proto
 
         start = time.monotonic()
-        tp = self.receiver.prepare(request_id, block_ids, len(prompt_ids), num_cached_tokens,
-                                   self.timeout_s, block_hashes)
+        tp = self.receives.prepare_receive(request_id, block_ids, len(prompt_ids),
+                                           num_cached_tokens // self.block_size, time.time() + self.timeout_s,
+                                           block_hashes=block_hashes)
         handoff = params_to_handoff(tp, block_ids, self.block_size, self.worker_id)
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                              block_hashes=block_hashes, sampling=sampling, handoff=handoff,
                                              cache_salt=cache_salt)
         if self._handoff_mac is not None:
             sign_handoff(request, self._handoff_mac)
-        failed = TransferVerdict(handoff.transfer_id, Outcome.FAILED, "", peer=choice.worker_id)
+        failed = TransferVerdict(handoff.transfer_id, Landing.MISSING, "", peer=choice.worker_id)
         task = asyncio.ensure_future(self._prefill(choice.address, request, start + self.timeout_s))
         self._inflight[request_id] = task
         try:
@@ -140,9 +102,9 @@ class PrefillLeg:
             if request_id not in self._aborted:
                 raise  # our own caller was cancelled
             self._aborted.discard(request_id)
-            return LegResult(replace(failed, outcome=Outcome.ABORTED, reason="aborted"))
+            return LegResult(replace(failed, landing=Landing.ABORTED, reason="aborted"))
         except (grpc.aio.AioRpcError, _NotConnected) as exc:
-            self.receiver.cancel(request_id)
+            self.receives.cancel_receive(request_id)
             return LegResult(replace(
                 failed, peer_status=exc.code().name, duration_s=time.monotonic() - start,
                 reason=f"prefill_unavailable: {exc.code().name} {exc.details() or ''}".strip()))
@@ -150,10 +112,10 @@ class PrefillLeg:
             self._inflight.pop(request_id, None)
         sent = replace(verdict_from_proto(resp.verdict), peer=choice.worker_id)
         if resp.skipped:  # no KV backend could carry the blocks: the prefill computed nothing
-            self.receiver.cancel(request_id)
-            return LegResult(replace(sent, outcome=Outcome.FAILED, duration_s=time.monotonic() - start))
+            self.receives.cancel_receive(request_id)
+            return LegResult(replace(sent, landing=Landing.MISSING, duration_s=time.monotonic() - start))
         settle_start = time.monotonic()
-        final = await asyncio.to_thread(self.receiver.complete, request_id, sent)
+        final = await asyncio.to_thread(self.receives.complete_receive, request_id, sent)
         tail_ms = resp.timings.transfer_ms + (time.monotonic() - settle_start) * 1000
         if not final.ok:
             return LegResult(final, tail_ms=tail_ms)
@@ -177,7 +139,7 @@ class PrefillLeg:
         if task is not None:
             self._aborted.add(request_id)
             task.cancel()
-        self.receiver.cancel(request_id)
+        self.receives.cancel_receive(request_id)
 
     async def close(self) -> None:
         await self._channels.close()
@@ -187,7 +149,8 @@ class RemotePrefill:
     """The remote prefill of one admitted request, with decode's failure policy: wait for the
     engine to reserve the prompt's blocks, run the leg, then either hand the first token to
     the engine, recompute the prompt here (`recompute`), or fail the request (`fail`:
-    `UpstreamFailedError`). The verdict it returns says which, always."""
+    `UpstreamFailedError`). The request's verdict it returns says which, always, beside the
+    leg's result."""
 
     def __init__(self, leg: PrefillLeg, loop, *, failure_policy: str, timeout_s: float) -> None:
         self.leg = leg
@@ -200,13 +163,14 @@ class RemotePrefill:
         return self.leg.can_receive
 
     async def run(self, rid: str, request, stream, timings: common_pb2.RequestTimings,
-                  t_arrival: float) -> LegResult:
+                  t_arrival: float) -> tuple[RequestVerdict, LegResult]:
         try:
             ready = await asyncio.wait_for(stream.remote_ready, self.timeout_s)
         except asyncio.TimeoutError:
             raise DeadlinePassedError(f"not admitted within {self.timeout_s:g} s") from None
         if ready is None:  # aborted while waiting for admission: the stream carries the end
-            return LegResult(TransferVerdict("", Outcome.ABORTED, "", reason="aborted"))
+            aborted = TransferVerdict("", Landing.ABORTED, "", reason="aborted")
+            return decide(aborted, self.failure_policy), LegResult(aborted)
         block_ids, num_cached = ready
         t_admitted = time.monotonic()
         timings.queue_ms = (t_admitted - t_arrival) * 1000
@@ -227,4 +191,4 @@ class RemotePrefill:
             log.warning("request %s: prefill leg failed (%s); failing it", rid, verdict.reason)
             raise UpstreamFailedError(f"prefill failed and failure policy is 'fail': {verdict.reason}")
         # ABORTED: the engine ends the stream with finish_reason abort
-        return replace(result, verdict=verdict)
+        return verdict, result

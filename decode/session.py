@@ -13,10 +13,10 @@ from pdserve.common.errors import DeadlinePassedError
 from pdserve.decode.placement import Placement, place
 from pdserve.decode.prefill_leg import LegResult, RemotePrefill
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.kvtransfer.verdict import Outcome, TransferVerdict
+from pdserve.kvtransfer.verdict import NO_TRANSFER, Outcome, RequestVerdict
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
-from pdserve.worker.transfer import verdict_to_proto
+from pdserve.worker.transfer import request_verdict_to_proto
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ABORT}
@@ -74,18 +74,18 @@ class DecodeSessions:
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
         timings = common_pb2.RequestTimings()
-        outcome = LegResult(TransferVerdict("", Outcome.LOCAL, "", reason=placement.reason))
+        decided, leg = RequestVerdict.local(placement.reason), LegResult(NO_TRANSFER)
         try:
             if placement.remote:
-                outcome = await self.remote.run(rid, request, stream, timings, t_arrival)
-            verdict = verdict_to_proto(outcome.verdict)  # the request's verdict leaves this process
+                decided, leg = await self.remote.run(rid, request, stream, timings, t_arrival)
+            verdict = request_verdict_to_proto(decided)  # the request's verdict leaves this process
             self.metrics.prefill_decisions.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome),
                                                   reason=verdict.reason.split(":")[0]).inc()
             first = True
-            transferred = outcome.verdict.outcome == Outcome.TRANSFERRED
+            transferred = decided.outcome == Outcome.TRANSFERRED
             if transferred:  # what the link from that prefill worker delivers, for the router
-                self.metrics.observe_received(outcome.verdict, outcome.tail_ms)
-            async for out, response in self._stream(stream, rid, outcome.num_cached_tokens if transferred else None):
+                self.metrics.observe_received(leg.verdict, leg.tail_ms)
+            async for out, response in self._stream(stream, rid, leg.num_cached_tokens if transferred else None):
                 if first and (out.new_token_ids or out.finished):
                     first = False
                     response.transfer.CopyFrom(verdict)

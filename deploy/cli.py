@@ -1,4 +1,4 @@
-"""`pdserve` command line: `up`, `router`, `prefill`, `decode`, `bench`.
+"""`pdserve` command line: `up`, `router`, `prefill`, `decode`, `planner`, `bench`.
 
 Every flag can also come from a YAML file (`--config`, keys = flag names with `_`) and from
 `PDSERVE_<FLAG>` environment variables. Precedence: flag > environment > YAML > default.
@@ -19,6 +19,7 @@ from pdserve.common.errors import PdserveError
 from pdserve.deploy import prepare
 from pdserve.deploy import up as up_defaults
 from pdserve.deploy.supervisor import RestartPolicy
+from pdserve.planner.settings import PlannerSettings
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT, RouterConfig
 from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,  # noqa: F401 - the
                                      WorkerSettings)  # chart test reads the ports here
@@ -70,6 +71,7 @@ def _add_shared_worker(p: argparse.ArgumentParser, role: str) -> None:
     """Flags that `up` passes to every worker it starts."""
     _add_settings(p, role, "engine")
     _add_settings(p, role, "kv transfer")
+    _add_settings(p, role, "lifecycle")
 
 
 def _add_up(sub) -> None:
@@ -91,6 +93,7 @@ def _add_up(sub) -> None:
                     help="a service that exits is restarted; one that exits more often than this within "
                          f"{RestartPolicy().window_s:g} s stops `up` (default {RestartPolicy().max_restarts})")
     _add_table(up, RouterConfig, "router", "routing", "router")
+    _add_table(up, PlannerSettings, "up", "planner", "planner (scales workers to the SLO)")
 
 
 def _add_router(sub) -> None:
@@ -131,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     decode = sub.add_parser("decode", help="one decode service")
     _add_common(decode, "decode")
     _add_worker(decode, "decode")
+    planner = sub.add_parser("planner", help="the live planner in a Kubernetes cluster: scales the prefill and "
+                             "decode Deployments to the SLO")
+    planner.add_argument("--config", help="YAML file of flag values (keys are flag names with _)")
+    planner.add_argument("--host", help="address its metrics listener binds (default 0.0.0.0)")
+    planner.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    _add_table(planner, PlannerSettings, "planner", "planner", "planner")
+    _add_table(planner, PlannerSettings, "planner", "kubernetes", "kubernetes")
     prepare.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
     bench.add_argument("what", choices=BENCHMARKS)
@@ -214,6 +224,8 @@ def _role_main(command: str) -> Callable[[dict[str, Any]], int]:
         from pdserve.prefill.main import main as fn
     elif command == "decode":
         from pdserve.decode.main import main as fn
+    elif command == "planner":
+        from pdserve.planner.kube import main as fn
     else:
         raise SystemExit(f"pdserve: unknown command {command}")
     return fn

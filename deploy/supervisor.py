@@ -64,6 +64,23 @@ class Supervisor:
         self._returning: set[str] = set()  # restarted, not ready yet
         self._was_ready: set[str] = set()
 
+    def adopt(self, child) -> None:
+        """Supervise `child` from now on (a worker the planner added, once ready)."""
+        self._restarts.setdefault(child.name, collections.deque())
+        self._was_ready.add(child.name)
+        self.children.append(child)
+
+    def release(self, child) -> None:
+        """Stop supervising `child` (a worker being drained: its exit is wanted, not restarted)."""
+        if child in self.children:
+            self.children.remove(child)
+        self._due.pop(child.name, None)
+        self._returning.discard(child.name)
+
+    def restarting(self, child) -> bool:
+        """Whether `child` exited and waits for its restart."""
+        return child.name in self._due
+
     @property
     def num_restarts(self) -> int:
         return sum(len(times) for times in self._restarts.values())

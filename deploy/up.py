@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pdserve.common import envs
-from pdserve.common.auth import ClusterSecret
 from pdserve.deploy.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
+from pdserve.security.secret import ClusterSecret
 from pdserve.worker.settings import WorkerSettings
 
 GRACE_S = 10.0
@@ -64,7 +64,7 @@ def _flags(settings: dict[str, Any], names) -> list[str]:
 def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     """The processes of this deployment. `settings["cluster_secret_file"]` is the secret
     every child authenticates internal calls with (`main` makes one when none is given)."""
-    from pdserve.deploy.cli import router_pass_through, worker_pass_through  # the flags' one table
+    from pdserve.deploy.cli import router_pass_through  # the flags' one table
 
     host = settings.get("host") or "127.0.0.1"
     http_port = int(settings.get("http_port") or ROUTER_HTTP_PORT)
@@ -80,6 +80,22 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
     children = [Child("router", router, env={"PDSERVE_API_KEY": settings["api_key"]} if settings.get("api_key") else {})]
+    make = worker_maker(settings, num_prefill, num_decode)
+    children += [make("prefill", i) for i in range(num_prefill)] + [make("decode", i) for i in range(num_decode)]
+    return children, http_port
+
+
+def worker_maker(settings: dict[str, Any], num_prefill: int, num_decode: int):
+    """`make(role, i)`: the `Child` of worker `<role>-<i>`. The machine's cores and memory are
+    split among the workers: those started now, or with the planner the most it may run."""
+    from pdserve.deploy.cli import worker_pass_through  # the flags' one table
+
+    host = settings.get("host") or "127.0.0.1"
+    registry_port = int(settings.get("router_registry_port") or ROUTER_REGISTRY_PORT)
+    sharing = num_prefill + num_decode
+    if settings.get("planner"):
+        sharing = max(sharing, int(settings.get("planner_max_prefill") or 0) * (num_prefill > 0)
+                      + int(settings.get("planner_max_decode") or 0))
     threads: list[str] = []
     if settings.get("num_threads") is None:
         # the engines split this machine's cores; with a core share, each takes them all
@@ -91,21 +107,21 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
             threads = ["--core-share", str(settings["core_share"]), "--burst-threads", str(cores)]
     if settings.get("free_memory_fraction") is None:
         # ... and its memory: each KV cache takes an even share of the default fraction
-        share = WorkerSettings("decode").free_memory_fraction / (num_prefill + num_decode)
+        share = WorkerSettings("decode").free_memory_fraction / sharing
         settings = dict(settings, free_memory_fraction=round(share, 4))
     # the Redis URL may carry a password: it reaches the workers in their environment, never argv
     worker_env = {"PDSERVE_REDIS_URL": settings["redis_url"]} if settings.get("redis_url") else {}
-    worker_common = ["--host", host, "--router", f"{host}:{registry_port}", "--grpc-port", "0", *security,
-                     *_flags(settings, [name for name in worker_pass_through() if name != "redis_url"])]
-    if local:
-        worker_common += ["--kv-backends", ""]
-    for i in range(num_prefill):
-        children.append(Child(f"prefill-{i}", [*py, "prefill", *worker_common, *threads,
-                                               "--worker-id", f"prefill-{i}", "--transfer-port", "0"], env=worker_env))
-    for i in range(num_decode):
-        children.append(Child(f"decode-{i}", [*py, "decode", *worker_common, *threads,
-                                              "--worker-id", f"decode-{i}", "--transfer-port", "0"], env=worker_env))
-    return children, http_port
+    common = ["--host", host, "--router", f"{host}:{registry_port}", "--grpc-port", "0",
+              *_flags(settings, SECURITY_FLAGS),
+              *_flags(settings, [name for name in worker_pass_through() if name != "redis_url"])]
+    if settings.get("local_prefill"):
+        common += ["--kv-backends", ""]
+    py = [sys.executable, "-m", "pdserve.deploy.cli"]
+
+    def make(role: str, i: int) -> Child:
+        return Child(f"{role}-{i}", [*py, role, *common, *threads, "--worker-id", f"{role}-{i}",
+                                     "--transfer-port", "0"], env=worker_env)
+    return make
 
 
 def _pump(child: Child) -> None:
@@ -288,6 +304,10 @@ def kept_secret(cache_root: Path) -> Path:
 
 
 def main(settings: dict[str, Any]) -> int:
+    if settings.get("planner"):  # a planner setting it cannot take stops `up` before anything starts
+        from pdserve.planner.settings import PlannerSettings
+
+        PlannerSettings.from_settings(settings)
     with cluster_secret(settings) as settings, core_share(settings) as settings:
         return _run(settings)
 
@@ -307,7 +327,8 @@ def _run(settings: dict[str, Any]) -> int:
     policy = RestartPolicy()
     if settings.get("max_restarts") is not None:
         policy = dataclasses.replace(policy, max_restarts=int(settings["max_restarts"]))
-    supervisor = Supervisor(children, spawn, _say, policy)
+    supervisor = Supervisor(list(children), spawn, _say, policy)  # `children` also gets the planner's workers
+    planner = None
     try:
         url = base_url(settings, http_port)
         headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
@@ -315,8 +336,11 @@ def _run(settings: dict[str, Any]) -> int:
                    headers)
         if not stopping.is_set():
             print(banner(url, _served_model(url, settings), bool(settings.get("api_key"))), flush=True)
+            planner = start_planner(settings, children, supervisor, url)
         while not stopping.is_set():
             supervisor.check()
+            if planner is not None:
+                planner[0].step()
             stopping.wait(0.5)
         return 0
     except (GaveUp, RuntimeError, TimeoutError) as exc:
@@ -324,8 +348,34 @@ def _run(settings: dict[str, Any]) -> int:
         return 1
     finally:
         stopping.set()
+        if planner is not None:
+            planner[1].stop()
         stop(children, hurry=hurry)
         print("pdserve up: stopped", flush=True)
+
+
+def start_planner(settings: dict[str, Any], children: list[Child], supervisor: Supervisor, url: str):
+    """With `--planner`: (the process scaler, the running live planner); else None."""
+    if not settings.get("planner"):
+        return None
+    from pdserve.deploy.scaler import ProcessScaler
+    from pdserve.planner.runner import RunningPlanner, log_to
+    from pdserve.planner.settings import PlannerSettings
+
+    planner_settings = PlannerSettings.from_settings(settings)
+    num_prefill = sum(1 for c in children if c.name.startswith("prefill-"))
+    make = worker_maker(settings, num_prefill, sum(1 for c in children if c.name.startswith("decode-")))
+    drain_s = float(settings.get("drain_timeout_s") or WorkerSettings("decode").drain_timeout_s)
+    scaler = ProcessScaler(children, supervisor, make, spawn, _say, drain_timeout_s=drain_s,
+                           ready_timeout_s=float(settings.get("ready_timeout_s") or READY_TIMEOUT_S))
+    log_to(_say)
+    running = RunningPlanner(planner_settings, scaler, url, settings.get("api_key") or "",
+                             host=settings.get("host") or "127.0.0.1").start()
+    limits = planner_settings.limits()
+    _say(f"planner on: every {planner_settings.planner_interval_s:g} s toward TTFT {planner_settings.slo_ttft_ms:g} ms"
+         f" / TPOT {planner_settings.slo_tpot_ms:g} ms; prefill {limits.min_prefill}-{limits.max_prefill}, "
+         f"decode {limits.min_decode}-{limits.max_decode} (advisor: {getattr(running.planner.advisor, 'name', '?')})")
+    return scaler, running
 
 
 def _say(line: str) -> None:

@@ -14,7 +14,7 @@ import torch
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token (-1 = none)
-    num_decode_tokens: int  # decode rows: one per decoding sequence and one per draft it checks
+    num_decode_tokens: int  # decode rows; each attends to its sequence's positions up to its own
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor  # [num_decodes] int32, incl. the new token
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32

@@ -238,7 +238,7 @@ class EngineConfig:
     # blocks) | "gguf-int8dot" / "gguf-int16dot" (the same, 8- or 16-bit activations and integer
     # dot products in decode-sized steps) | "auto" ("gguf" for a GGUF model on CPU in float32, else "")
     quantization: str = ""
-    # the key of the prompt blocks' digests (common.block_hash.block_hash_key): secret-derived
+    # the key of the prompt blocks' digests (security.secret.block_hash_key): secret-derived
     # in a deployment with a cluster secret; never shown in a repr
     block_hash_key: bytes = field(default=INSECURE_KEY, repr=False)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -94,8 +94,7 @@ class GrammarMatcher:
         self._matcher.consume_token(token_id)  # a refused token (EOS past the end) is harmless
 
     def num_valid(self, token_ids: list[int]) -> int:
-        """How many of `token_ids`, from the first, the grammar accepts next (state unchanged):
-        a speculative draft past them could never be kept."""
+        """How many of `token_ids`, from the first, the grammar accepts next (state unchanged)."""
         return self._matcher.validate_tokens(token_ids) if token_ids else 0
 
 

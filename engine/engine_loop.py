@@ -13,7 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from pdserve.engine.llm_engine import EngineStats, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import EngineStats
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import Request
 

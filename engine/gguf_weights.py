@@ -18,9 +18,8 @@ import torch
 
 from pdserve.common.errors import ModelLoadError
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.kernels import cpu_native
-from pdserve.kernels import int8_dot
-from pdserve.kernels.quant import INTEGER_DOT_MODES, MODES, NATIVE_TYPES, QuantWeight
+from pdserve.kernels import cpu_native, int8_dot
+from pdserve.kernels.quant import INTEGER_DOT_MODES, NATIVE_TYPES, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -30,29 +29,22 @@ _LAYER_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "a
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
-def weights_to_serve(config: EngineConfig, loaded, state: dict[str, torch.Tensor]
-                     ) -> tuple[str, dict[str, QuantWeight]]:
-    """The quantization the engine runs (`auto` resolved) and, for the GGUF modes, the block
-    linears to serve. `auto`: a GGUF model's own blocks on CPU in float32 when the native
-    kernels build, else its float32 weights; said once at start-up either way."""
-    chosen = config.quantization
-    if chosen == "auto":
-        chosen = _auto(config, loaded)
-    if chosen not in MODES:
-        return chosen, {}
+def gguf_blocks(mode: str, loaded, state: dict[str, torch.Tensor]) -> dict[str, QuantWeight]:
+    """The block linears to serve under a GGUF mode (`kernels.quant.MODES`): a
+    GGUF model's own blocks, those that dequantize bit for bit to `state`; said once at
+    start-up."""
     if loaded.gguf_path is None:
-        raise ModelLoadError(f"--quantization {chosen} serves a GGUF file's own blocks: "
+        raise ModelLoadError(f"--quantization {mode} serves a GGUF file's own blocks: "
                              f"{loaded.model_dir} is not a GGUF model")
     cpu_native.quant_module()  # raises NativeBuildError with the compiler's reason
-    if chosen in INTEGER_DOT_MODES:
+    if mode in INTEGER_DOT_MODES:
         cpu_native.int8_dot_module()
     blocks = read_quantized(loaded.gguf_path, state, loaded.model_config)
     kinds = Counter(w.type_name for w in blocks.values())
     log.info("serving %s from its GGUF blocks (--quantization %s, %s activations): %s; "
-             "--quantization none serves float32", loaded.name, chosen,
-             _ACTIVATIONS[chosen],
+             "--quantization none serves float32", loaded.name, mode, _ACTIVATIONS[mode],
              ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) or "no native block type")
-    return chosen, blocks
+    return blocks
 
 
 _ACTIVATIONS = {"gguf": "float32", "gguf-fast": "bfloat16 for 4-bit blocks",
@@ -60,7 +52,9 @@ _ACTIVATIONS = {"gguf": "float32", "gguf-fast": "bfloat16 for 4-bit blocks",
                 "gguf-int16dot": "16-bit blocks and integer dot products in decode-sized steps"}
 
 
-def _auto(config: EngineConfig, loaded) -> str:
+def resolve_auto(config: EngineConfig, loaded) -> str:
+    """`--quantization auto`: a GGUF model's own blocks on CPU in float32 when the native
+    kernels build, else its float32 weights (said once either way)."""
     if loaded.gguf_path is None or config.device != "cpu" or config.dtype != "float32":
         return ""
     try:

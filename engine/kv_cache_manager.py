@@ -116,7 +116,7 @@ class KVCacheManager:
 
     def get_needed_resource_to_completion(self, request: Request, max_model_len: int) -> int:
         """Blocks still to allocate for `request` to reach its max length (beyond those held)."""
-        final = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_model_len)
+        final = min(request.final_length, max_model_len)
         held = len(self._blocks.get(request.request_id, ())) - self._num_dropped_blocks.get(
             request.request_id, 0)
         return max(0, self.num_blocks_for_tokens(final) - held)
@@ -161,9 +161,9 @@ class KVCacheManager:
                 self._num_dropped_blocks[request.request_id] = first_live
 
     def trim(self, request: Request) -> None:
-        """Give back the blocks past the one `request`'s next token goes in (speculative
-        decoding allocated blocks for drafts that were not kept; output blocks are never
-        cached, so nothing else refers to them)."""
+        """Give back the blocks past the one `request`'s next token goes in (blocks allocated
+        for positions that were computed and then not kept; output blocks are never cached,
+        so nothing else refers to them)."""
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return
@@ -215,6 +215,11 @@ class KVCacheManager:
             log.warning("prefix cache: block %d of request %s has a cached key but another prefix's "
                         "digest (a hash collision): treated as a miss", index, request.request_id)
 
+    def num_free_blocks_after_taking(self, hit: PrefixHit) -> int:
+        """Free blocks left once a request takes `hit`: a cached block of it that sits in the
+        free list (no holder now) leaves the free list when taken."""
+        return self.pool.get_num_free_blocks() - sum(1 for b in hit.blocks if b.ref_cnt == 0)
+
     def take_prefix_hit(self, request: Request, hit: PrefixHit) -> None:
         """Adopt `hit`'s blocks as `request`'s first blocks (before it holds any)."""
         if request.request_id in self._blocks:
@@ -222,6 +227,19 @@ class KVCacheManager:
         self.pool.touch(hit.blocks)
         self._blocks[request.request_id] = list(hit.blocks)
         self._num_cached_blocks[request.request_id] = hit.num_blocks
+
+    def try_take_prefix_hit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
+        """Admit `request` (holding no blocks) into the cache: `hit`'s blocks as its first, and
+        fresh blocks for `num_new_tokens` tokens after them. False, and nothing held, if the
+        pool is short. The hit is taken first, so the allocation never evicts it."""
+        self.take_prefix_hit(request, hit)
+        need = cdiv(hit.num_blocks * self.block_size + num_new_tokens, self.block_size) - hit.num_blocks
+        new = self.pool.try_allocate(need) if need > 0 else []
+        if new is None:
+            self.free_resources(request.request_id)
+            return False
+        self._blocks[request.request_id].extend(new)
+        return True
 
     def blocks_of(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]

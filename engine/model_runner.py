@@ -23,8 +23,8 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits exist
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    # chunks whose last token's logits are below, in order; a chunk with drafts has one row
-    # per position it computed (its token's, then each draft's), consecutive
+    # chunks whose last token's logits are below, in order; a decoding chunk of several rows
+    # has one row per position it computed, consecutive
     sampling_chunks: list[ScheduledChunk]
     logits: torch.Tensor  # [sum of the sampling chunks' rows, vocab] fp32
     # chunks of requests that want prompt logprobs: (chunk, entries for positions chunk.start..)
@@ -59,17 +59,17 @@ class ModelRunner:
             if req.needs_prompt_logprobs and chunk.start < req.num_prompt_tokens - 1:
                 prompt_rows.append((chunk, len(input_ids)))
             first_row = len(input_ids)
-            for pos in range(chunk.start, chunk.start + chunk.num_rows):  # drafts at end, end + 1, ...
-                input_ids.append(req.token_id_at(pos) if pos < end else chunk.draft_token_ids[pos - end])
+            input_ids += chunk.token_ids
+            for pos in range(chunk.start, chunk.start + chunk.num_rows):
                 positions.append(pos)
                 slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
             if chunk.num_new_tokens == 1:
-                # a decode, and each draft after it, is one decode row that attends to the
-                # positions up to its own (the drafts' KV is written before attention reads)
+                # each of a decoding chunk's rows is one decode row that attends to the
+                # positions up to its own (their KV is written before attention reads)
                 num_decodes += chunk.num_rows
                 dec_tables += [block_ids] * chunk.num_rows
                 dec_lens += range(end, end + chunk.num_rows)
-                if chunk.draft_token_ids:
+                if chunk.num_rows > 1:
                     logit_rows += range(first_row, first_row + chunk.num_rows - 1)
             else:
                 pre_tables.append(block_ids)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from pdserve.engine.request import TokenLogprob
+from pdserve.engine.request import Request, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,23 @@ class RequestOutput:
     num_draft_steps: int = 0  # steps that checked drafts for it
 
 
+def delta(request: Request, tokens: Sequence[int], text: str, logprobs: Sequence[TokenLogprob]) -> RequestOutput:
+    """`request`'s delta: these new tokens (and their text and logprobs), with its state now.
+    Its prompt's logprobs, when wanted, go with the first delta that carries tokens."""
+    prompt_logprobs, spec = None, request.speculation  # spec: speculation.SequenceDrafts or None
+    if tokens and request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+        prompt_logprobs, request.prompt_logprobs_sent = tuple(request.prompt_logprobs), True
+    return RequestOutput(
+        request.request_id, tuple(tokens), text, tuple(logprobs), request.is_finished,
+        request.finish_reason, request.stop_reason, request.num_prompt_tokens,
+        request.num_output_tokens, max(0, request.num_cached_tokens),
+        request.num_external_tokens, num_loaded_tokens=request.num_loaded_tokens,
+        prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time,
+        first_token_time=request.first_token_time, num_draft_tokens=spec.num_draft_tokens if spec else 0,
+        num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+        num_draft_steps=spec.num_draft_steps if spec else 0)
+
+
 def merge_deltas(deltas: Sequence[RequestOutput]) -> RequestOutput:
     """Consecutive deltas of one request as one (a step that kept several tokens of it)."""
     last = deltas[-1]
@@ -67,6 +84,29 @@ class Completion:
     def num_computed_prompt_tokens(self) -> int:
         """Prompt tokens this engine actually ran through the model."""
         return len(self.prompt_token_ids) - self.num_cached_tokens - self.num_external_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_waiting_remote: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    num_prompt_tokens_computed: int  # prompt tokens run through the model, all requests
+    num_generation_tokens: int
+    num_prefix_queries: int = 0  # prompt tokens of admitted requests
+    num_prefix_hits: int = 0  # of those, found in the prefix cache
+    num_steps: int = 0  # steps that ran a forward
+    step_seconds: float = 0.0  # their total time
+    num_queued_prompt_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
+    prefill_tokens_per_s: float = 0.0  # recent prompt tokens per second of forward time (0: none yet)
+    num_decoding: int = 0  # running requests past their prompt
+    # speculative decoding: drafts checked, drafts kept, and sequence-steps that checked drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verified_sequences: int = 0
 
 
 class PrefillRate:

@@ -67,20 +67,7 @@ class Request:
     first_token_time: float | None = None
     generator: object | None = None  # torch.Generator when seeded
     grammar: object = NO_GRAMMAR  # constraints.GrammarMatcher when sampling_params.constraint
-    speculation: object | None = None  # speculation.SequenceDrafts once it was offered drafts
-
-    @property
-    def num_draft_tokens(self) -> int:
-        """Drafts verified for this request (speculative decoding), and of those kept."""
-        return self.speculation.num_draft_tokens if self.speculation is not None else 0
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        return self.speculation.num_accepted_tokens if self.speculation is not None else 0
-
-    @property
-    def num_draft_steps(self) -> int:
-        return self.speculation.num_draft_steps if self.speculation is not None else 0
+    speculation: object | None = None  # the speculator's state for it (engine.speculation), once made
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,6 +80,27 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def final_length(self) -> int:
+        """Its tokens once it runs to max_tokens: what admission reserves blocks for. Within
+        the engine's max_model_len (`check_prompt` resolves max_tokens to fit it)."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    @property
+    def waits_for_remote_prefill(self) -> bool:
+        """Decode side: its prompt's KV is to arrive from a prefill service (a request resumed
+        with tokens generated elsewhere prefills here)."""
+        return self.remote_prefill and not self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Its tokens at positions [start, end) (the prompt's, then the output's)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)

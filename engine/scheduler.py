@@ -2,29 +2,25 @@
 
 One step's token budget (`max_num_tokens`) goes first to running requests that decode (one
 token each), then to running prompts still being prefilled in chunks, then to waiting
-requests in arrival order. Capacity policies decide admission and what happens when the
-cache is full:
-
-* GUARANTEED_NO_EVICT: admit only if the free blocks cover every running request's blocks
-  to completion plus the new one's; nothing is ever preempted.
-* MAX_UTILIZATION: admit whatever fits now; when a running request cannot grow, preempt the
-  most recently admitted one (its blocks are freed, it is recomputed later).
-* STATIC_BATCH: admit a batch only when nothing runs; run it to its end.
+requests in arrival order. The capacity policy decides admission and what happens when
+the cache is full, the chunking policy how the budget is shared among prompts: both are
+objects chosen once (`engine.policies`).
 """
 from __future__ import annotations
 
-import dataclasses
-import math
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-from pdserve.engine.config import CapacityPolicy, ChunkingPolicy, SchedulerConfig
+from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.connector import ConnectorMetadata, ConnectorRequest, KVConnectorScheduler
 from pdserve.common.errors import CapacityError
 from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixHit
+from pdserve.engine.policies import CAPACITY, CHUNKING, tokens_left
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.speculation import NO_SPECULATION, Speculator
+from pdserve.engine.speculation import NO_SPECULATION, NoSpeculation
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +37,12 @@ class ScheduledChunk:
     def num_rows(self) -> int:
         """Positions the step computes for this chunk: its tokens and its drafts."""
         return self.num_new_tokens + len(self.draft_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens the step feeds at its positions: its request's, then its drafts."""
+        ids = self.request.token_ids(self.start, self.start + self.num_new_tokens)
+        return ids + list(self.draft_token_ids) if self.draft_token_ids else ids
 
     @property
     def samples_token(self) -> bool:
@@ -66,43 +68,33 @@ def connector_view(request: Request) -> ConnectorRequest:
                             tuple(request.block_hashes), request.transfer_params,
                             tuple(request.block_digests), request.stream_layers)
 
-# SHORTEST_FIRST: a step that carries the shortest prompt left holds at most this many times
-# its tokens (`pdserve bench mixed-prefill`: a 40-token chat behind a 2,000-token prompt)
-SHORTEST_FIRST_STEP = 1.25
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  connector: KVConnectorScheduler, max_model_len: int,
-                 speculator: Speculator = NO_SPECULATION) -> None:
+                 speculator: NoSpeculation = NO_SPECULATION) -> None:
         self.config = config
         self.speculator = speculator
         self.kv = kv
         self.connector = connector
-        self.max_model_len = max_model_len
+        self.capacity = CAPACITY[config.capacity_policy](kv, max_model_len)
+        self.chunking = CHUNKING[config.chunking_policy](config, kv.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, blocks held
         self.num_preemptions = 0
         self.num_prefix_queries = 0  # prompt tokens of admitted requests (first admission)
         self.num_prefix_hits = 0  # of those, found in the prefix cache
-        self._reserve = 0  # SHORTEST_FIRST: step tokens running prompts leave to a shorter waiting one
 
     # -- admission control --------------------------------------------------------------
-    def check_fits(self, request: Request) -> None:
-        """Raise CapacityError if the cache could never hold `request`, even alone. Every
+    def add(self, request: Request) -> None:
+        """Queue `request`; CapacityError if the cache could never hold it, even alone. Every
         policy checks the full length: under MAX_UTILIZATION a request that outgrows the
         whole cache would preempt itself and then wait forever."""
-        final = min(request.num_prompt_tokens + request.sampling_params.max_tokens,
-                    self.max_model_len)
-        need = self.kv.num_blocks_for_tokens(final)
+        need = self.kv.num_blocks_for_tokens(request.final_length)
         if need > self.kv.get_max_resource_count():
-            raise CapacityError(
-                f"request needs {need} KV blocks but the cache has "
-                f"{self.kv.get_max_resource_count()}: lower max_tokens or enlarge the cache")
-
-    def add(self, request: Request) -> None:
-        self.check_fits(request)
+            raise CapacityError(f"request needs {need} KV blocks but the cache has "
+                                f"{self.kv.get_max_resource_count()}: lower max_tokens or enlarge the cache")
         self.waiting.append(request)
 
     @property
@@ -112,16 +104,12 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_tokens
-        self._reserve = 0
-        if self.config.chunking_policy == ChunkingPolicy.SHORTEST_FIRST:
-            budget = self._shortest_first(budget)
+        budget, reserve = self.chunking.begin_step(self.waiting, self.running, self.config.max_num_tokens)
         had_running = bool(self.running) or bool(self.remote)
-        budget = self._schedule_running(out, budget)
-        if not (self.config.capacity_policy == CapacityPolicy.STATIC_BATCH and had_running):
+        budget = self._schedule_running(out, budget, reserve, lambda: self._preempt(self.running[-1], out))
+        if self.capacity.admits_while_running or not had_running:
             self._schedule_waiting(out, budget)
-        if self.speculator.enabled and out.chunks:
-            self._add_drafts(out)
+        self.speculator.add_drafts(out.chunks, self.config.max_num_tokens)
         now = time.monotonic()
         for chunk in out.chunks:
             if chunk.request.first_scheduled_time is None:
@@ -129,87 +117,27 @@ class Scheduler:
         out.connector_meta = self.connector.build_connector_meta()
         return out
 
-    def _add_drafts(self, out: SchedulerOutput) -> None:
-        """Drafts for the decoding chunks the speculator picks, in blocks the pool has free
-        now (a draft never preempts; its blocks go back after verification, `trim`). A
-        draft's position stays below the request's final length, so its blocks are within
-        what admission reserved for it."""
-        num_rows = out.num_tokens
-        for index, drafts in self.speculator.plan(out.chunks, num_rows,
-                                                  max(num_rows, self.config.max_num_tokens)).items():
-            chunk = out.chunks[index]
-            drafts = drafts[:max(0, self.max_model_len - chunk.request.num_tokens - 1)]
-            if drafts and self.kv.prepare_resources(chunk.request, 1 + len(drafts)):
-                out.chunks[index] = dataclasses.replace(chunk, draft_token_ids=drafts)
-
-    def _shortest_first(self, budget: int) -> int:
-        """SHORTEST_FIRST: a prompt goes ahead of those with at least twice its tokens left
-        (prompts are ranked by the power of two of their remaining tokens; within a rank,
-        first come first served, so a steady flow of similar prompts cannot starve one), and
-        while prompts of different ranks wait, a step holds at most 1.25x the shortest one's
-        tokens: a 40-token prompt behind a 2,000-token one runs in a 50-token step, not a
-        256-token one. A running prompt leaves a shorter waiting one room (`_reserve`).
-        Returns the step's budget."""
-        def left(request: Request) -> int:
-            return request.num_tokens - request.num_computed_tokens
-
-        def rank(request: Request) -> int:
-            return left(request).bit_length()
-
-        local = [r for r in self.waiting if not (r.remote_prefill and r.num_output_tokens == 0)]
-        if len(local) > 1:
-            order = sorted(self.waiting, key=rank)  # stable: FIFO within a rank
-            self.waiting.clear()
-            self.waiting.extend(order)
-        prefilling = [r for r in self.running if left(r) > 1]
-        candidates = prefilling + local
-        if len({rank(r) for r in candidates}) < 2:
-            return budget  # nothing much shorter than the rest: plain steps
-        top = min(rank(r) for r in candidates)
-        shortest = min(left(r) for r in candidates if rank(r) == top)
-        if any(rank(r) == top for r in local) and all(rank(r) > top for r in prefilling):
-            self._reserve = shortest  # the shortest is still waiting: running prompts leave it room
-        num_decodes = sum(1 for r in self.running if left(r) == 1)
-        return min(budget, num_decodes + max(self.kv.block_size, math.ceil(SHORTEST_FIRST_STEP * shortest)))
-
-    def _chunk_cap(self, num_prefilling: int, budget: int) -> int:
-        if not self.config.enable_chunked_prefill:
-            return 1 << 30
-        if self.config.chunking_policy == ChunkingPolicy.EQUAL_PROGRESS and num_prefilling > 1:
-            return max(self.kv.block_size, budget // num_prefilling)
-        return budget
-
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, reserve: int,
+                          preempt_newest: Callable[[], Request]) -> int:
+        """Decodes first (a token each), then running prompts in the chunking policy's order;
+        `reserve`: tokens the prompts leave to a shorter waiting one."""
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        if self.config.chunking_policy == ChunkingPolicy.SHORTEST_FIRST:
-            prefills.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens).bit_length())
+        self.chunking.order_prefills(prefills)
         for request in decodes + prefills:
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            remaining = request.num_tokens - request.num_computed_tokens
-            n = min(remaining, budget - self._reserve, self._chunk_cap(len(prefills) + len(self.waiting), budget)) \
+            remaining = tokens_left(request)
+            n = self.chunking.chunk(remaining, budget - reserve, len(prefills) + len(self.waiting), budget) \
                 if remaining > 1 else 1
-            if n > budget or n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
-                continue
-            if not self._grow(request, n, out):
+            if n > budget or n <= 0 or not self.capacity.grow(request, n, preempt_newest):
                 continue
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
             budget -= n
         return budget
 
-    def _grow(self, request: Request, n: int, out: SchedulerOutput) -> bool:
-        """Blocks for `n` more tokens of a running request, preempting if the policy allows."""
-        while not self.kv.prepare_resources(request, n):
-            if self.config.capacity_policy != CapacityPolicy.MAX_UTILIZATION:
-                return False  # admission guaranteed room; only a racing free can get here
-            victim = self.running[-1]
-            self._preempt(victim, out)
-            if victim is request:
-                return False
-        return True
-
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> Request:
+        """Free `request`'s blocks and queue it first, to be recomputed."""
         self.running.remove(request)
         out.chunks[:] = [c for c in out.chunks if c.request is not request]
         self.kv.free_resources(request.request_id)
@@ -219,6 +147,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted_ids.append(request.request_id)
+        return request
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in arrival order while the budget lasts. A request whose
@@ -227,13 +156,13 @@ class Scheduler:
         prefill starts now instead of after theirs. A passed prompt keeps its slot in the
         batch (not its blocks); the first request that cannot be admitted (blocks, batch
         size) stops the scan."""
-        prefilling = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        prefilling = sum(1 for r in self.running if tokens_left(r) > 1)
         passed: list[Request] = []  # prompts left for a later step's budget, in order
         while self.waiting:
             if len(self.running) + len(self.remote) + len(passed) >= self.config.max_batch_size:
                 break  # (a passed prompt keeps its place in the batch)
             request = self.waiting[0]
-            if budget <= 0 and not (request.remote_prefill and request.num_output_tokens == 0):
+            if budget <= 0 and not request.waits_for_remote_prefill:
                 passed.append(self.waiting.popleft())
                 continue
             if not self._admit(request, out, budget, prefilling + len(self.waiting) + len(passed)):
@@ -258,46 +187,33 @@ class Scheduler:
         num_external = self.connector.get_num_new_matched_tokens(creq, hit_tokens)  # it learns of the request
         if whole:
             num_external = 0
-        wants_remote = request.remote_prefill and request.num_output_tokens == 0
-        if self.config.capacity_policy != CapacityPolicy.MAX_UTILIZATION:
-            final = min(request.num_tokens + request.sampling_params.max_tokens
-                        - request.num_output_tokens, self.max_model_len)
-            needed = self.kv.num_blocks_for_tokens(final) - hit.num_blocks
-            free = self.kv.get_num_free_blocks() - sum(1 for b in hit.blocks if b.ref_cnt == 0)
-            reserved = sum(self.kv.get_needed_resource_to_completion(r, self.max_model_len)
-                           for r in (*self.running, *self.remote.values()))
-            if free - reserved < needed:
-                return False
+        wants_remote = request.waits_for_remote_prefill
+        if not self.capacity.has_room(request, hit, itertools.chain(self.running, self.remote.values())):
+            return False
         computed = hit_tokens + num_external
         remaining = request.num_tokens - computed
         if wants_remote:
             n = request.num_prompt_tokens - hit_tokens  # the whole uncached prompt arrives
         else:
-            cap = self._chunk_cap(num_prefilling, budget)
-            n = min(remaining, budget, cap)
-            if n < remaining and not self.config.enable_chunked_prefill:
+            n = self.chunking.chunk(remaining, budget, num_prefilling, budget)
+            if n == 0 and remaining:  # a prompt that runs whole: alone in the step, over budget
                 if out.chunks:
                     return False
-                n = remaining  # alone in the step: run the whole prompt over budget
-        self.kv.take_prefix_hit(request, hit)
-        request.num_computed_tokens = hit_tokens
-        if not self.kv.prepare_resources(request, (n if wants_remote else num_external + n)):
-            self.kv.free_resources(request.request_id)
-            request.num_computed_tokens = 0
+                n = remaining
+        if not self.kv.try_take_prefix_hit(request, hit, n if wants_remote else num_external + n):
             return False
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens < 0:  # its first admission
             request.num_cached_tokens = hit_tokens
             self.num_prefix_queries += request.num_prompt_tokens
             self.num_prefix_hits += hit_tokens
         self.connector.update_state_after_alloc(creq, self.kv.blocks_of(request.request_id), num_external)
         if num_external:
             request.num_external_tokens = request.num_loaded_tokens = num_external
-        if wants_remote:  # loads land before the step ends; the prefill fills the rest
-            request.num_computed_tokens = computed
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            return True
         request.num_computed_tokens = computed
-        out.chunks.append(ScheduledChunk(request, computed, n))
+        if wants_remote:  # loads land before the step ends; the prefill fills the rest
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        else:
+            out.chunks.append(ScheduledChunk(request, computed, n))
         return True
 
     # -- remote prefill (decode side of a disaggregated request) ------------------------
@@ -311,24 +227,15 @@ class Scheduler:
 
     def recompute_remote(self, request_id: str) -> Request | None:
         """The remote prefill failed: compute the prompt here, in the blocks already held."""
-        request = self.remote.pop(request_id, None)
+        request = self.finish_remote(request_id)
         if request is not None:
             request.remote_prefill = False
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
         return request
 
     # -- endings ------------------------------------------------------------------------
     def find(self, request_id: str) -> Request | None:
-        for r in self.running:
-            if r.request_id == request_id:
-                return r
-        if request_id in self.remote:
-            return self.remote[request_id]
-        for r in self.waiting:
-            if r.request_id == request_id:
-                return r
-        return None
+        everyone = itertools.chain(self.running, self.remote.values(), self.waiting)
+        return next((r for r in everyone if r.request_id == request_id), None)
 
     def finish(self, request: Request, status: RequestStatus) -> bool:
         """End `request`. Returns True if its blocks were freed now (False: the connector
@@ -340,8 +247,7 @@ class Scheduler:
             del self.remote[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
-        keep = self.connector.request_finished(
-            connector_view(request), self.kv.blocks_of(request.request_id))
+        keep = self.connector.request_finished(connector_view(request), self.kv.blocks_of(request.request_id))
         if not keep:
             self.kv.free_resources(request.request_id)
         return not keep

@@ -21,18 +21,34 @@ draft runs only while it lowers the mean time per token of the step's sequences
 (`choose_drafts`): a lone stream speculates whenever its tokens per second rise, a full batch
 only on drafts nearly sure to be kept. Each sequence's chance is its recent keep rate; a
 sequence whose drafts keep failing stops speculating and is probed again as its evidence ages.
+
+The engine's one collaborator for all of it is a `Speculator` (or `NO_SPECULATION`): the
+scheduler asks it to attach drafts to a planned step (`add_drafts`) and then sees only the
+draft tokens on the chunks; the engine hands it the step's logits (`sample`) and gets the
+step's token deltas back, whether or not drafts were checked.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import itertools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from pdserve.engine.config import SpeculativeConfig
+from pdserve.engine.outputs import RequestOutput, merge_deltas
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampledToken, sample
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_cache_manager import KVCacheManager
+    from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+# the engine's recorder of sampled tokens: (request, token id, logprob) items in, their
+# token deltas out (none for a request that had finished already)
+Record = Callable[[list], list[RequestOutput]]
 
 PRIOR_KEPT, PRIOR_TESTED = 1.0, 2.0  # a sequence's keep rate starts at 1/2
 EVIDENCE_DECAY = 0.9  # per verification: about the last 10 drafts tested count
@@ -190,14 +206,41 @@ def choose_drafts(candidates: Sequence[Candidate], ratio: float, num_rows: int, 
     return taken
 
 
-class Speculator:
-    """The engine's speculative decoding: drafts for a planned step, and what verification
-    found. Used on the engine's thread only."""
+class NoSpeculation:
+    """Speculation off: no step carries drafts; a step's logits are sampled in one batch.
+    The contract every speculator keeps (`Speculator` extends it): `add_drafts` may put
+    drafts on decoding chunks of a planned step, holding their blocks; `sample` takes the
+    step's sampling chunks and logits, records each token through `record` in order, and
+    returns the deltas; `note_step` hears each forward's time."""
 
-    enabled = True
+    num_draft_tokens = num_accepted_tokens = num_verified_sequences = 0
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def totals(self) -> tuple[int, int, int]:
+        """(drafts checked, drafts kept, sequence-steps that checked drafts), all requests."""
+        return self.num_draft_tokens, self.num_accepted_tokens, self.num_verified_sequences
+
+    def add_drafts(self, chunks: list[ScheduledChunk], max_num_tokens: int) -> None:
+        pass
+
+    def sample(self, chunks: list[ScheduledChunk], logits, record: Record) -> list[RequestOutput]:
+        """Each chunk's token from its row of `logits`, recorded; returns the deltas."""
+        requests = [c.request for c in chunks]
+        return record([(r, t.token_id, t.logprob) for r, t in zip(requests, sample(logits, requests))])
+
+    def note_step(self, step: SchedulerOutput, seconds: float) -> None:
+        pass
+
+
+NO_SPECULATION = NoSpeculation()
+
+
+class Speculator(NoSpeculation):
+    """The engine's speculative decoding: drafts for a planned step (and the blocks they are
+    computed in), their verification, and what it found. Used on the engine's thread only."""
+
+    def __init__(self, config: SpeculativeConfig, kv: KVCacheManager) -> None:
         self.config = config
+        self.kv = kv
         self.cost = StepCost()
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -217,7 +260,7 @@ class Speculator:
             request = chunk.request
             if chunk.num_new_tokens != 1 or request.num_output_tokens == 0 or not chunk.samples_token:
                 continue
-            left = request.sampling_params.max_tokens - request.num_output_tokens - 1
+            left = request.final_length - request.num_tokens - 1  # a draft stays below the final length
             k = min(c.num_speculative_tokens, left, room)
             if k <= 0:
                 continue
@@ -256,6 +299,53 @@ class Speculator:
         self.num_accepted_tokens += num_kept
         self.num_verified_sequences += 1
 
+    # -- the engine's side: attach drafts to a planned step, check them after its forward --
+    def add_drafts(self, chunks: list[ScheduledChunk], max_num_tokens: int) -> None:
+        """Drafts, on the decoding chunks `plan` picks, in blocks the pool has free now (a
+        draft never preempts; its blocks go back after verification, `kv.trim`). A draft's
+        position stays below the request's final length, so its blocks are within what
+        admission reserved for it."""
+        if not chunks:
+            return
+        num_rows = sum(c.num_rows for c in chunks)
+        for index, drafts in self.plan(chunks, num_rows, max(num_rows, max_num_tokens)).items():
+            chunk = chunks[index]
+            if self.kv.prepare_resources(chunk.request, 1 + len(drafts)):
+                chunks[index] = dataclasses.replace(chunk, draft_token_ids=drafts)
+
+    def sample(self, chunks: list[ScheduledChunk], logits, record: Record) -> list[RequestOutput]:
+        """Sample each chunk's rows of `logits` (`StepResult.logits`): one batch for the
+        chunks without drafts, then each chunk with drafts in order of its rows (`verify`).
+        A checked chunk keeps the KV of its kept drafts, gives back the blocks past them and
+        sends its tokens as one delta, which counts this verification in its usage."""
+        firsts = list(itertools.accumulate((1 + len(c.draft_token_ids) for c in chunks), initial=0))
+        plain = [i for i, c in enumerate(chunks) if not c.draft_token_ids]
+        deltas: list[RequestOutput] = []
+        if plain:
+            rows = logits if len(plain) == len(chunks) else logits[[firsts[i] for i in plain]]
+            deltas += super().sample([chunks[i] for i in plain], rows, record)
+        for i, chunk in enumerate(chunks):
+            if not chunk.draft_token_ids:
+                continue
+            request, mine = chunk.request, []
+            num_kept, num_tested = verify(request, chunk.draft_token_ids, logits[firsts[i]:firsts[i + 1]],
+                                          lambda token: mine.extend(record([(request, token.token_id, token.logprob)])))
+            request.num_computed_tokens += num_kept
+            self.observe(request, len(chunk.draft_token_ids), num_kept, num_tested)
+            if not request.is_finished:
+                self.kv.trim(request)
+            if mine:  # its usage as of this verification, which its deltas were built before
+                state = request.speculation
+                deltas.append(dataclasses.replace(
+                    merge_deltas(mine), num_draft_tokens=state.num_draft_tokens,
+                    num_accepted_tokens=state.num_accepted_tokens, num_draft_steps=state.num_draft_steps))
+        return deltas
+
+    def note_step(self, step: SchedulerOutput, seconds: float) -> None:
+        """A step's forward took `seconds`: a decode-only one refines the step cost."""
+        if all(c.num_new_tokens == 1 for c in step.chunks):
+            self.cost.note(step.num_tokens, seconds)
+
 
 def verify(request: Request, drafts: Sequence[int], logits, append: Callable[[SampledToken], None]) -> tuple[int, int]:
     """Sample `logits`' rows (one per position: the request's next token, then after each
@@ -274,17 +364,3 @@ def verify(request: Request, drafts: Sequence[int], logits, append: Callable[[Sa
         if request.is_finished:
             break
     return num_kept, num_tested
-
-
-class NoSpeculation:
-    """Speculation off: no step carries drafts."""
-
-    enabled = False
-    num_draft_tokens = num_accepted_tokens = num_verified_sequences = 0
-
-    def plan(self, chunks: list, num_rows: int, max_rows: int) -> dict[int, tuple[int, ...]]:
-        return {}
-
-
-NO_SPECULATION = NoSpeculation()
-

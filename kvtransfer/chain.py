@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence
 from pdserve.engine.connector import BackendState
 from pdserve.kvtransfer.base import BlockMessage, BlockStore, KVTransport
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
-from pdserve.kvtransfer.verdict import RECOMPUTE, Fallback, Outcome, TransferVerdict
+from pdserve.kvtransfer.verdict import RECOMPUTE, Fallback, Landing, TransferVerdict
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +82,10 @@ class FallbackChain:
             step_deadline = min(job.deadline, now + self.step_timeout_s)
             error = self._attempt(name, job, step_deadline)
             if error is None:
-                return self._verdict(job, start, Outcome.TRANSFERRED, name, fallbacks)
+                return self._verdict(job, start, Landing.LANDED, name, fallbacks)
             fallbacks.append(Fallback(name, error, time.monotonic() - now))
             log.warning("transfer %s: %s failed: %s", job.transfer_id.hex()[:12], name, error)
-        return self._verdict(job, start, Outcome.FAILED, "", fallbacks)
+        return self._verdict(job, start, Landing.MISSING, "", fallbacks)
 
     def stream_backend(self, endpoints: Mapping[str, str], order: Sequence[str] = ()) -> str | None:
         """The backend a layer-wise stream may go through now: the first of `order` that
@@ -170,11 +170,11 @@ class FallbackChain:
         detail = store.health.last_error or "backend refused"
         return f"stored {stored} of {job.num_blocks} blocks ({detail})"
 
-    def _verdict(self, job: SendJob, start: float, outcome: Outcome, backend: str,
+    def _verdict(self, job: SendJob, start: float, landing: Landing, backend: str,
                  fallbacks: list[Fallback]) -> TransferVerdict:
-        moved = outcome == Outcome.TRANSFERRED
+        moved = landing == Landing.LANDED
         return TransferVerdict(
-            transfer_id=job.transfer_id.hex(), outcome=outcome, backend=backend,
+            transfer_id=job.transfer_id.hex(), landing=landing, backend=backend,
             num_blocks=job.num_blocks if moved else 0,
             num_bytes=job.message.nbytes if moved else 0,
             duration_s=time.monotonic() - start, fallbacks=tuple(fallbacks),

@@ -16,13 +16,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from pdserve.common.auth import Mac
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.kvtransfer.wire import (
     DTYPE_NAMES, HEADER, HEADER_SIZE, INDEX_ENTRY, NO_BLOCK, BlockHeader, WireError, WireLimits,
     encode_header, encode_index, is_device_payload, parse_header, parse_index, verify_payload,
 )
 from pdserve.common.block_hash import DIGEST_BYTES, stable_hash64
+from pdserve.security import store_records
 
 NO_TRANSFER = bytes(16)  # transfer id of content-addressed records (shared by every transfer)
 
@@ -80,13 +80,6 @@ def layout_of(message: BlockMessage) -> WireLimits:
                       head_dim, max_blocks=num_blocks)
 
 
-RECORD_MAC_BYTES = 32  # HMAC-SHA256 trailer of a store record when the store has a key
-
-
-def _record_mac(mac_key: bytes, key: int, body: bytes | memoryview) -> bytes:
-    return Mac(mac_key).tag(int(key), bytes(body))
-
-
 NO_DIGEST = bytes(DIGEST_BYTES)  # the digest slot of a record whose block has none
 
 
@@ -94,8 +87,8 @@ def split_records(message: BlockMessage, keys: Sequence[int], mac_key: bytes | N
                   digests: Sequence[bytes] = ()) -> list[bytes]:
     """One self-checking single-block record per block of `message`, block i under keys[i]
     with digests[i] (NO_DIGEST where `digests` is shorter). With `mac_key` (the deployment's
-    store key) each record ends with a MAC over its key and bytes, so only a holder of the
-    cluster secret can write a record a service will load."""
+    store key) each record is sealed with a MAC over its key and bytes (`security.store_records`),
+    so only a holder of the cluster secret can write a record a service will load."""
     layout = layout_of(message)
     if len(keys) != layout.max_blocks:
         raise ValueError(f"{len(keys)} keys for {layout.max_blocks} blocks")
@@ -112,7 +105,7 @@ def split_records(message: BlockMessage, keys: Sequence[int], mac_key: bytes | N
             num_blocks=1, num_layers=layout.num_layers, block_size=layout.block_size,
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, index=index, payload=one)
         record = b"".join((header, index, one, digests[i] if i < len(digests) else NO_DIGEST))
-        records.append(record + _record_mac(mac_key, key, record) if mac_key else record)
+        records.append(store_records.seal(mac_key, key, record))
     return records
 
 
@@ -122,7 +115,7 @@ def record_nbytes(limits: WireLimits, keyed: bool = False) -> int:
 
     return HEADER_SIZE + INDEX_ENTRY_SIZE + payload_nbytes(
         1, limits.num_layers, limits.block_size, limits.num_kv_heads, limits.head_dim,
-        limits.dtype) + DIGEST_BYTES + (RECORD_MAC_BYTES if keyed else 0)
+        limits.dtype) + DIGEST_BYTES + store_records.sealed_overhead(keyed)
 
 
 class UnauthenticatedRecord(WireError):
@@ -141,10 +134,9 @@ def decode_record(data: bytes | memoryview, limits: WireLimits, key: int,
     it (DigestMismatch). Raises WireError."""
     view = memoryview(data)
     if mac_key is not None:
-        body, tag = view[:-RECORD_MAC_BYTES], view[-RECORD_MAC_BYTES:]
-        if len(view) < RECORD_MAC_BYTES or not hmac.compare_digest(bytes(tag), _record_mac(mac_key, key, body)):
+        view = store_records.open_sealed(mac_key, key, view)
+        if view is None:
             raise UnauthenticatedRecord(f"record {key:#x} fails its MAC")
-        view = body
     header = parse_header(view, limits)
     if header.num_blocks != 1 or not header.is_whole:
         raise WireError(f"a store record holds one whole block, not {header.num_blocks} of "

@@ -42,7 +42,7 @@ from pdserve.kvtransfer.blocks import gather_for_send
 from pdserve.kvtransfer.chain import FallbackChain, SendJob
 from pdserve.kvtransfer.codec import encode_message
 from pdserve.kvtransfer.params import TransferParams
-from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict
+from pdserve.kvtransfer.verdict import Fallback, Landing, TransferVerdict
 from pdserve.kvtransfer.wire import WireLimits
 
 log = logging.getLogger("pdserve.kvtransfer.stream")
@@ -239,7 +239,7 @@ class LayerStream:
         now = time.monotonic()
         if self.broken is None:
             verdict = TransferVerdict(
-                self.params.transfer_id.hex(), Outcome.TRANSFERRED, self.backend, self.num_blocks,
+                self.params.transfer_id.hex(), Landing.LANDED, self.backend, self.num_blocks,
                 self.num_bytes, now - (self._started or now), layer_send_s=self.layer_send_s,
                 num_messages=self.num_sent)
         else:
@@ -260,7 +260,7 @@ class LayerStream:
                                             dict(self.params.endpoints), self.params.backends,
                                             self.params.monotonic_deadline(), self.digests), broken=self.broken)
         except Exception as exc:  # the request must still get a verdict
-            return TransferVerdict(self.params.transfer_id.hex(), Outcome.FAILED, "",
+            return TransferVerdict(self.params.transfer_id.hex(), Landing.MISSING, "",
                                    fallbacks=(self.broken, Fallback("sender", repr(exc))))
 
     @property

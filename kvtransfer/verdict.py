@@ -1,10 +1,12 @@
-"""The transfer verdict: what happened to one request's KV, for the caller to see and log.
+"""Two answers, two types: did one request's KV land (`TransferVerdict`, its `Landing`), and
+what did the request do about it (`RequestVerdict`, its `Outcome`).
 
-Every transfer ends in exactly one verdict, whichever way it ends. A fallback is never
-silent: each backend that was tried (or skipped) before the one that answered is listed with
-its reason. Senders and the receiver's settlement say only whether the KV landed
-(TRANSFERRED, else FAILED, or ABORTED); what the request does about KV that did not land is
-decided once, by `decide` under the decode's failure policy.
+Every transfer ends in exactly one `TransferVerdict`, whichever way it ends. A fallback is
+never silent: each backend that was tried (or skipped) before the one that answered is
+listed with its reason. Senders and the receiver's settlement say only whether the KV landed
+(LANDED, MISSING with a reason, or ABORTED); what the request does about KV that did not land
+is decided once, by `decide` under the decode's failure policy, and only that decision has an
+`Outcome`.
 """
 from __future__ import annotations
 
@@ -12,10 +14,20 @@ import enum
 from dataclasses import dataclass, replace
 
 
+class Landing(str, enum.Enum):
+    """Whether a transfer's KV landed: what senders and the receiver's settlement say."""
+
+    LANDED = "landed"  # the blocks landed (point-to-point) or wait in a store
+    MISSING = "missing"  # they did not land; the verdict's reason or last fallback says why
+    ABORTED = "aborted"  # the request ended before the transfer did
+
+
 class Outcome(str, enum.Enum):
-    TRANSFERRED = "transferred"  # the blocks landed (point-to-point) or wait in a store
-    RECOMPUTED = "recomputed"  # they did not land; by its policy the decode computes the prompt
-    FAILED = "failed"  # they did not land (and, decided, the request fails)
+    """What the request did about its KV: decided once, by `decide` (or LOCAL, by placement)."""
+
+    TRANSFERRED = "transferred"  # its KV landed: the decode decodes from it
+    RECOMPUTED = "recomputed"  # it did not land; by its policy the decode computes the prompt
+    FAILED = "failed"  # it did not land; by its policy the request fails
     ABORTED = "aborted"  # the request ended before the transfer did
     LOCAL = "local"  # no transfer was asked for: the decode prefilled the prompt itself
 
@@ -35,7 +47,7 @@ class Fallback:
 
 @dataclass(frozen=True, slots=True)
 class TransferVerdict:
-    """The outcome of one transfer.
+    """How one transfer ended: whether its KV landed, through which backend, at what cost.
 
     `fetch_keys` is set when a store carried the blocks: the receiver fetches
     `fetch_keys[i]` from store `backend` into its i-th destination block. A non-negative key
@@ -44,8 +56,8 @@ class TransferVerdict:
     """
 
     transfer_id: str  # hex
-    outcome: Outcome
-    backend: str  # the backend that carried the blocks, "recompute", or "" (failed/aborted)
+    landing: Landing
+    backend: str  # the backend that carried the blocks, or "" (missing/aborted)
     num_blocks: int = 0
     num_bytes: int = 0
     duration_s: float = 0.0
@@ -58,16 +70,17 @@ class TransferVerdict:
     # each) and the mean time of one. 0: the prompt went as one message.
     num_messages: int = 0
     layer_send_s: float = 0.0
-    # Receiver side, the request's verdict: why this outcome ("" for a transfer that landed;
-    # "short_uncached_prompt", "prefill_unavailable: ...", "transfer_failed: ...", ...), the
-    # peer that sent (a prefill worker id) and, when calling it failed, its status code
+    # Why the KV is missing when a step other than a backend said so ("" otherwise: the
+    # last fallback says why; "no_usable_kv_backend: ...", "prefill_unavailable: ...",
+    # "aborted", ...), the peer that sent (a prefill worker id, receiver side) and, when
+    # calling it failed, its status code
     reason: str = ""
     peer: str = ""
     peer_status: str = ""
 
     @property
     def ok(self) -> bool:
-        return self.outcome == Outcome.TRANSFERRED
+        return self.landing == Landing.LANDED
 
     @property
     def via_store(self) -> bool:
@@ -76,13 +89,13 @@ class TransferVerdict:
     def with_fallback(self, backend: str, reason: str, duration_s: float = 0.0) -> "TransferVerdict":
         """This verdict after the receiver could not use `backend` (e.g. a store miss): the
         KV did not land."""
-        return replace(self, outcome=Outcome.FAILED, backend="",
+        return replace(self, landing=Landing.MISSING, backend="",
                        fallbacks=self.fallbacks + (Fallback(backend, reason, duration_s),),
                        fetch_keys=())
 
     def describe(self) -> str:
         """One log line."""
-        head = (f"transfer {self.transfer_id[:12]} {self.outcome.value}"
+        head = (f"transfer {self.transfer_id[:12]} {self.landing.value}"
                 + (f" via {self.backend}" if self.backend else "")
                 + f": {self.num_blocks} blocks, {self.num_bytes} B in {self.duration_s * 1e3:.1f} ms"
                 + (f" (tail {self.tail_s * 1e3:.1f} ms after the forward)" if self.tail_s else "")
@@ -94,21 +107,47 @@ class TransferVerdict:
         return f"{head} (fell back past {tried})"
 
 
-def decide(settled: TransferVerdict, failure_policy: str) -> TransferVerdict:
-    """The request's outcome, decided here only: from what the receiver settled (TRANSFERRED,
-    ABORTED or LOCAL stand; KV that did not land is RECOMPUTED under the "recompute" policy,
-    else FAILED), with the reason a failure carries."""
+NO_TRANSFER = TransferVerdict("", Landing.MISSING, "")  # the transfer of a request that asked for none
+
+
+@dataclass(frozen=True, slots=True)
+class RequestVerdict:
+    """The request's outcome, from its transfer's verdict (`decide`), with the reason that
+    goes to the response, the metrics and the log: "" for KV that landed, the placement's
+    reason for LOCAL ("short_uncached_prompt", ...), else why the KV is missing."""
+
+    outcome: Outcome
+    transfer: TransferVerdict = NO_TRANSFER
+    reason: str = ""
+
+    @classmethod
+    def local(cls, reason: str) -> "RequestVerdict":
+        return cls(Outcome.LOCAL, NO_TRANSFER, reason)
+
+    @property
+    def backend(self) -> str:
+        """The backend that carried the KV, "recompute" when the decode computes it, else ""."""
+        if self.outcome == Outcome.RECOMPUTED:
+            return RECOMPUTE
+        return "" if self.outcome == Outcome.FAILED else self.transfer.backend
+
+
+_STANDS = {Landing.LANDED: Outcome.TRANSFERRED, Landing.ABORTED: Outcome.ABORTED}
+
+
+def decide(settled: TransferVerdict, failure_policy: str) -> RequestVerdict:
+    """The request's outcome, decided here only: from what the receiver settled (KV that
+    landed is TRANSFERRED, an aborted transfer ABORTED; KV that is missing is RECOMPUTED under
+    the "recompute" policy, else FAILED), with the reason a missing one carries."""
     if failure_policy not in FAILURE_POLICIES:
         raise ValueError(f"unknown failure policy {failure_policy!r}")
-    if settled.outcome in (Outcome.TRANSFERRED, Outcome.ABORTED, Outcome.LOCAL):
-        return settled
+    if settled.landing in _STANDS:
+        return RequestVerdict(_STANDS[settled.landing], settled, settled.reason)
     reason = settled.reason or failure_reason(settled)
-    if failure_policy == RECOMPUTE:
-        return replace(settled, outcome=Outcome.RECOMPUTED, backend=RECOMPUTE, reason=reason)
-    return replace(settled, outcome=Outcome.FAILED, backend="", reason=reason)
+    return RequestVerdict(Outcome.RECOMPUTED if failure_policy == RECOMPUTE else Outcome.FAILED, settled, reason)
 
 
 def failure_reason(verdict: TransferVerdict) -> str:
     """Why KV did not land, from its last fallback: "transfer_failed: ..."."""
-    last = verdict.fallbacks[-1].reason if verdict.fallbacks else verdict.outcome.value
+    last = verdict.fallbacks[-1].reason if verdict.fallbacks else "failed"
     return f"transfer_failed: {last}"

@@ -21,18 +21,18 @@ class PrefillBuild:
         from pdserve.prefill.runner import PrefillRunner
         from pdserve.prefill.servicer import PrefillService
         from pdserve.proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
-        from pdserve.worker.transfer import Sender
 
-        sender = Sender(runtime.engine.connector, runtime.engine.kv.block_size)
-        runner = PrefillRunner(runtime.loop, sender, runtime.metrics, max_queue=runtime.settings.max_queue,
-                               handoff_mac=runtime.auth.handoff_mac(), core_share=runtime.core_share)
+        connector = runtime.engine.connector
+        runner = PrefillRunner(runtime.loop, connector.sends, runtime.metrics, block_size=runtime.engine.kv.block_size,
+                               max_queue=runtime.settings.max_queue, handoff_mac=runtime.auth.handoff_mac(),
+                               core_share=runtime.core_share)
         service = PrefillService(runner, runtime.served_name)
 
         def add(server):
             prefill_pb2_grpc.add_PrefillServicer_to_server(service, server)
 
         async def close():
-            sender.close()
+            connector.worker.close()
 
         return add, [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name], close
 

@@ -7,36 +7,21 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Protocol
 
-from pdserve.common.auth import Mac
 from pdserve.common.block_hash import PromptBlocks, check_cache_salt
 from pdserve.common.errors import (AlreadyExistsError, DeadlinePassedError, IncompatiblePeerError,
                                    InvalidRequestError, OverloadedError, PdserveError)
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.worker.transfer import (MAX_HANDOFF_HORIZON_S, HandoffCallerError, HandoffLedger,
-                                     check_handoff_signature)
+from pdserve.kvtransfer.params import TransferParams
+from pdserve.kvtransfer.ports import SendControl
+from pdserve.kvtransfer.verdict import Landing, TransferVerdict
+from pdserve.worker.transfer import check_handoff_signature, handoff_to_params, verdict_to_proto
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
+from pdserve.security.handoffs import MAX_HANDOFF_HORIZON_S, HandoffLedger, check_presenter
+from pdserve.security.secret import Mac
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
 
 log = logging.getLogger("pdserve.prefill")
-
-
-class KVSender(Protocol):
-    """Prefill's side of the transfer layer (implemented in kvtransfer): turns a hand-off into
-    the engine's transfer params, and reports each request's verdict once its blocks went."""
-
-    def transfer_params(self, request_id: str, handoff: prefill_pb2.KVHandoff) -> object: ...
-
-    def refusal(self, handoff: prefill_pb2.KVHandoff) -> common_pb2.TransferVerdict | None:
-        """None when some backend could carry the hand-off's blocks now; else a FAILED
-        verdict saying why none can."""
-
-    async def verdict(self, request_id: str, timeout: float) -> tuple[common_pb2.TransferVerdict, float]:
-        """(the verdict, its tail in ms: end of the prompt's forward to the verdict in hand —
-        the transfer time not overlapped with compute; 0 when no send ran)."""
-
-    def abort(self, request_id: str) -> None: ...
 
 
 def first_token_params(params):
@@ -48,10 +33,11 @@ def first_token_params(params):
 
 
 class PrefillRunner:
-    def __init__(self, loop: EngineLoop, sender: KVSender, metrics, *, max_queue: int,
+    def __init__(self, loop: EngineLoop, sends: SendControl, metrics, *, block_size: int, max_queue: int,
                  handoff_mac: Mac | None = None, ledger: HandoffLedger | None = None,
                  core_share=None) -> None:
-        """With `handoff_mac`, a hand-off must carry a decode's valid signature over it and its
+        """`sends`: the transfer layer's send side (`PdConnector.sends`); `block_size`: the
+        engine's, that of the hand-offs' block counts. With `handoff_mac`, a hand-off must carry a decode's valid signature over it and its
         request, and come from the decode it names. Each hand-off is accepted once (`ledger`).
         With a `core_share` (worker.core_share), a prompt that arrives while every other
         worker of the machine is idle is sent whole after its forward: that forward takes
@@ -59,7 +45,8 @@ class PrefillRunner:
         self.loop = loop
         self.handoff_mac = handoff_mac
         self.ledger = ledger or HandoffLedger()
-        self.sender = sender
+        self.sends = sends
+        self.block_size = block_size
         self.metrics = metrics
         self.max_queue = max_queue
         self.num_inflight = 0
@@ -73,9 +60,7 @@ class PrefillRunner:
         handoff = request.handoff
         if self.handoff_mac is not None:
             check_handoff_signature(request, self.handoff_mac)
-            if handoff.decode_worker_id != caller:
-                raise HandoffCallerError(f"the hand-off names decode {handoff.decode_worker_id!r}; "
-                                         f"the caller is {caller!r}")
+            check_presenter(handoff.decode_worker_id, caller)
         ours = self.loop.engine.compat_hash
         if handoff.compatibility_hash != ours:
             raise IncompatiblePeerError(f"compatibility hash {handoff.compatibility_hash:#x} != ours {ours:#x}")
@@ -107,12 +92,13 @@ class PrefillRunner:
         arrival = time.monotonic()
         handoff, rid = request.handoff, request.request_id
         remaining_s, blocks = self._check(request, caller)
-        refusal = self.sender.refusal(handoff)
+        tp = handoff_to_params(handoff, self.block_size)
+        refusal = self._refusal(tp, handoff.transfer_id)
         if refusal is not None:  # the KV could go nowhere: computing it would be wasted work
             self.metrics.requests.labels(outcome="SKIPPED_NO_USABLE_BACKEND").inc()
             return prefill_pb2.PrefillResponse(request_id=rid, verdict=refusal, skipped=True)
         params = first_token_params(sampling_from_proto(request.sampling))
-        tp = self.sender.transfer_params(rid, handoff)
+        self.sends.connect_ahead(tp)  # first contact: connect while the prompt computes
         self._owners[rid] = handoff.decode_worker_id
         self.num_inflight += 1
         stream_layers = self.core_share is None or not self.core_share.others_idle()
@@ -122,6 +108,25 @@ class PrefillRunner:
         finally:
             self.num_inflight -= 1
             del self._owners[rid]
+
+    def _refusal(self, tp: TransferParams, transfer_id: str) -> common_pb2.TransferVerdict | None:
+        """None when some backend could carry the hand-off's blocks now; else the verdict
+        (KV missing, reason no_usable_kv_backend, a fallback per backend) that spares
+        computing the prompt only to throw its KV away."""
+        skipped = self.sends.unusable(tp)
+        if not skipped:
+            return None
+        why = "no_usable_kv_backend: " + "; ".join(f"{f.backend}: {f.reason}" for f in skipped)
+        return verdict_to_proto(TransferVerdict(transfer_id, Landing.MISSING, "", fallbacks=tuple(skipped),
+                                                reason=why))
+
+    async def _verdict(self, rid: str, timeout_s: float) -> tuple[common_pb2.TransferVerdict, float]:
+        """(the send's verdict, its tail in ms: end of the prompt's forward to the verdict in
+        hand, the transfer time not overlapped with compute; 0 when no send ran)."""
+        v = await asyncio.to_thread(self.sends.wait_verdict, rid, timeout_s)
+        if v is None:
+            v = TransferVerdict("", Landing.MISSING, "", reason="transfer_failed: no verdict before the deadline")
+        return verdict_to_proto(v), v.tail_s * 1000
 
     async def _add(self, request: prefill_pb2.PrefillRequest, params, tp, stream_layers: bool,
                    blocks: PromptBlocks):
@@ -152,7 +157,7 @@ class PrefillRunner:
             if isinstance(out, BaseException):
                 raise out
             computed = time.monotonic()
-            verdict, tail_ms = await self.sender.verdict(rid, max(0.1, deadline_s - time.time()))
+            verdict, tail_ms = await self._verdict(rid, max(0.1, deadline_s - time.time()))
             self.metrics.observe_verdict(verdict, tail_ms)
             self.metrics.requests.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome)).inc()
             return self._response(rid, out, verdict, (computed - arrival) * 1000, tail_ms)
@@ -163,7 +168,7 @@ class PrefillRunner:
     async def _end(self, rid: str) -> None:
         """End `rid` wherever it is: a send not started never starts, and the engine lets its
         blocks go (after a send under way ends, within the hand-off's deadline)."""
-        self.sender.abort(rid)
+        self.sends.abort_send(rid)
         await asyncio.shield(self.loop.abort(rid))
 
     def _response(self, rid: str, out, verdict, compute_ms: float,
@@ -186,6 +191,6 @@ class PrefillRunner:
         if self.handoff_mac is not None and self._owners.get(rid) != caller:
             log.warning("abort of request %r by %r refused: no request of that decode here", rid, caller)
             return False
-        self.sender.abort(rid)
+        self.sends.abort_send(rid)
         return await self.loop.abort(rid)
 

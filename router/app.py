@@ -21,13 +21,12 @@ from typing import Iterator
 import grpc
 import uvicorn
 
-from pdserve.common.block_hash import block_hash_key
 from pdserve.proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, InternalTLS
 from pdserve.rpc.server import (REGISTRY_MAX_RECEIVE_BYTES, MalformedRequestInterceptor, add_health_and_reflection,
                                 internal_server, server_options, service_name, set_serving)
 from pdserve.router.admission import InFlight
-from pdserve.router.api_key import ApiKeyCheck, ApiKeyInterceptor
+from pdserve.router.api_key import ApiKeyInterceptor, client_keys
 from pdserve.router.catalog import ModelCatalog
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import ConfigError, RouterConfig
@@ -42,6 +41,7 @@ from pdserve.router.planner import RoutePlanner
 from pdserve.router.guided import GuidedOptions
 from pdserve.router.policies import make_policy
 from pdserve.router.worker_registry import RegistryKeys, WorkerRegistry
+from pdserve.security.secret import block_hash_key
 
 log = logging.getLogger("pdserve.router")
 
@@ -88,7 +88,7 @@ class RouterApp:
                                  guided=GuidedOptions(config.lenient_json_schema),
                                  block_hash_key=block_hash_key(self.auth.secret))
         self.membership = Membership(config, self.registry, self.catalog, self.channels)
-        self.api_key = ApiKeyCheck.from_config(config)
+        self.api_key = client_keys(config)
         self.http_port = 0
         self.grpc_port = 0
         self.registry_port = 0

@@ -23,7 +23,6 @@ from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError, to_s
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, generation_pb2
 from pdserve.router.cpu_pool import CpuPool
 from pdserve.router.admission import InFlight
-from pdserve.router.api_key import Scope
 from pdserve.router.catalog import ModelCatalog, ServedModel
 from pdserve.router.dispatch import DecodeClient, DecodeWorkerLost
 from pdserve.router.guided import GuidedOptions, compile_constraint
@@ -32,6 +31,7 @@ from pdserve.router.planner import RoutePlan, RoutePlanner
 from pdserve.router.request_ids import check_label, new_request_id
 from pdserve.router.stream_timings import StreamTimings
 from pdserve.router.validation import check_prompt_fits, resolve_sampling
+from pdserve.security.client_keys import Scope
 
 log = logging.getLogger("pdserve.router.frontend")
 
@@ -69,7 +69,7 @@ class Frontend:
                  in_flight: InFlight, metrics: RouterMetrics, cpu: CpuPool | None = None,
                  max_migrations: int = 2, guided: GuidedOptions = GuidedOptions(),
                  block_hash_key: bytes = INSECURE_KEY) -> None:
-        """`block_hash_key`: the deployment's (common.block_hash.block_hash_key), so the
+        """`block_hash_key`: the deployment's (security.secret.block_hash_key), so the
         router's block hashes are the workers'."""
         self._catalog = catalog
         self._block_hash_key = block_hash_key

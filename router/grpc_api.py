@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.common.errors import EXPECTED_ERRORS, AuthError, InvalidRequestError
+from pdserve.common.errors import EXPECTED_ERRORS, InvalidRequestError
 from pdserve.rpc.credentials import caller_id
 from pdserve.rpc.errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
 from pdserve.router import fanout
-from pdserve.router.api_key import ApiKeyCheck
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontend import Frontend
 from pdserve.router.membership import Membership, load_from_proto, worker_from_proto
 from pdserve.router.request_ids import check_label
 from pdserve.router.tools import apply_tools, grpc_tool_calls
+from pdserve.security.client_keys import ClientKeys
+from pdserve.security.registration import check_acts_for
 
 log = logging.getLogger("pdserve.router.grpc")
 
@@ -35,7 +36,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     on; Abort stops only a request of the same caller (`caller_of`). Generate's responses
     carry routing, transfer and timings only for the admin key (`Scope`)."""
 
-    def __init__(self, frontend: Frontend, catalog: ModelCatalog, auth: ApiKeyCheck) -> None:
+    def __init__(self, frontend: Frontend, catalog: ModelCatalog, auth: ClientKeys) -> None:
         self._frontend = frontend
         self._catalog = catalog
         self._auth = auth
@@ -97,8 +98,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self._timeout_ms = int(config.worker_timeout_s * 1000)
 
     def _check_caller(self, context, worker_id: str) -> None:
-        if self._authenticated and caller_id(context) != worker_id:
-            raise AuthError(f"a credential of {caller_id(context)!r} cannot act for worker {worker_id!r}")
+        if self._authenticated:
+            check_acts_for(caller_id(context), worker_id)
 
     @grpc_errors
     async def Register(self, request, context):

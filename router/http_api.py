@@ -18,13 +18,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
+from starlette.types import Scope as AsgiScope
 
 from pdserve.common.errors import (EXPECTED_ERRORS, ErrorKind, InvalidRequestError, PayloadTooLargeError,
                                    ServiceError, to_service_error)
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router import fanout, tokenize_api
-from pdserve.router.api_key import ApiKeyCheck, Scope
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
 from pdserve.router.frontend import Frontend
@@ -34,6 +34,7 @@ from pdserve.router.planner import can_carry
 from pdserve.router.request_ids import new_request_id
 from pdserve.router.openai_request import IgnoredFieldLog, OpenAIRequest, parse_chat, parse_completion
 from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.security.client_keys import ClientKeys, Scope
 
 log = logging.getLogger("pdserve.router.http")
 
@@ -96,7 +97,7 @@ class DisconnectAwareStream(StreamingResponse):
     """A streaming response whose body iterator is closed as soon as the client goes away,
     whatever the ASGI server's spec version (closing it aborts the request)."""
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: AsgiScope, receive: Receive, send: Send) -> None:
         streaming = asyncio.ensure_future(self.stream_response(send))
         watching = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
@@ -112,7 +113,7 @@ class DisconnectAwareStream(StreamingResponse):
 
 
 class OpenAIHandlers:
-    def __init__(self, frontend: Frontend, catalog: ModelCatalog, config: RouterConfig, auth: ApiKeyCheck) -> None:
+    def __init__(self, frontend: Frontend, catalog: ModelCatalog, config: RouterConfig, auth: ClientKeys) -> None:
         self._frontend = frontend
         self._catalog = catalog
         self._max_body_bytes = config.max_body_bytes
@@ -278,7 +279,7 @@ async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
 
 
 def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRegistry, metrics: RouterMetrics,
-                   config: RouterConfig, auth: ApiKeyCheck) -> FastAPI:
+                   config: RouterConfig, auth: ClientKeys) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
     handlers = OpenAIHandlers(frontend, catalog, config, auth)
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])

@@ -16,7 +16,6 @@ from typing import Iterable
 
 import grpc
 
-from pdserve.common.auth import PUBLIC_KEY_BYTES, ROUTER_ID
 from pdserve.common.errors import (EXPECTED_ERRORS, IncompatiblePeerError, InvalidRequestError,
                                    NotFoundError, UnavailableError)
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2
@@ -24,6 +23,7 @@ from pdserve.router.catalog import ModelCatalog
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import Role, RouterConfig, StaticWorker
 from pdserve.router.worker_registry import KVBackendState, Load, Worker, WorkerRegistry
+from pdserve.security.registration import check_worker_key
 
 log = logging.getLogger("pdserve.router.membership")
 
@@ -50,19 +50,11 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
                   max_model_len=info.capacity.max_model_len, kv_backends=tuple(info.kv_backends))
 
 
-def _check_key(worker: Worker, public_key: bytes) -> None:
-    if worker.worker_id == ROUTER_ID:
-        raise InvalidRequestError(f"worker id {ROUTER_ID!r} is the routers' own", param="worker_id")
-    if len(public_key) != PUBLIC_KEY_BYTES:
-        raise InvalidRequestError(f"public_key must be an Ed25519 public key ({PUBLIC_KEY_BYTES} bytes)",
-                                  param="public_key")
-
-
 def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
     return Load(load.num_queued, load.num_running, load.num_free_blocks, load.num_total_blocks,
                 tuple(KVBackendState(b.name, b.usable, b.detail) for b in load.kv_backends),
                 load.counters if load.HasField("counters") else None,
-                load.queued_prompt_tokens, _rate(load.prefill_tokens_per_s), load.num_decoding)
+                load.queued_prompt_tokens, _rate(load.prefill_tokens_per_s), load.num_decoding, load.draining)
 
 
 def _rate(value: float) -> float:
@@ -87,7 +79,7 @@ class Membership:
         async with self._lock:
             self._registry.check_free(worker, lease, public_key)  # before anything reaches out to its address
             if require_key:
-                _check_key(worker, public_key)
+                check_worker_key(worker.worker_id, public_key)
             self._check_compatible(worker)
             if worker.role is Role.DECODE and self._needs_model_info(worker):
                 info = await self._fetch_model_info(worker)

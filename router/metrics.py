@@ -48,7 +48,8 @@ class RouterMetrics:
                                   "Requests whose decode worker was lost mid-stream, by what followed "
                                   "(migrated to another decode, or ended: limit reached)", ("outcome",), registry=r)
         self.in_flight = Gauge("pdserve_router_in_flight_requests", "Requests admitted and not finished", registry=r)
-        self.workers = Gauge("pdserve_router_workers", "Known workers by role and state", ("role", "state"), registry=r)
+        self.workers = Gauge("pdserve_router_workers", "Known workers by role and state (alive, draining, suspect, "
+                             "dead)", ("role", "state"), registry=r)
         self.auth_refused = Counter("pdserve_router_auth_refused_total",
                                     "Registry calls refused for want of a valid credential", ("reason",), registry=r)
 
@@ -81,7 +82,8 @@ class RouterMetrics:
         self.workers.clear()
         for record in registry_view.records():
             alive = registry_view.is_alive(record)
-            state = "suspect" if record.suspect and alive else ("alive" if alive else "dead")
+            state = "dead" if not alive else ("suspect" if record.suspect else (
+                "draining" if record.load.draining else "alive"))
             self.workers.labels(record.worker.role.value, state).inc()
         return generate_latest(self.registry)
 
@@ -105,6 +107,8 @@ class WorkerEngineMetrics:
         running = g("pdserve:num_requests_running", "Requests running on the worker's engine")
         waiting = g("pdserve:num_requests_waiting", "Requests waiting for admission or compute")
         usage = g("pdserve:kv_cache_usage_perc", "Share of the KV cache in use (0-1)")
+        rate = g("pdserve:prefill_tokens_per_s", "Prompt tokens computed per second of forward time, recently "
+                 "(absent: none measured yet)")
         prompt = c("pdserve:prompt_tokens", "Prompt tokens run through the model")
         generation = c("pdserve:generation_tokens", "Tokens generated")
         queries = c("pdserve:prefix_cache_queries", "Prompt tokens of admitted requests")
@@ -118,7 +122,7 @@ class WorkerEngineMetrics:
         failures = c("pdserve:kv_transfer_failures", "Transfer steps that failed, by backend", ("backend",))
         usable = GaugeMetricFamily("pdserve_router_kv_backend_usable", "1 while a live worker reports a KV "
                                    "transfer backend usable, 0 while it skips it", labels=("worker_id", "backend"))
-        families = (running, waiting, usage, prompt, generation, queries, hits, preemptions, steps, step_seconds,
+        families = (running, waiting, usage, rate, prompt, generation, queries, hits, preemptions, steps, step_seconds,
                     transfers, transfer_bytes, transfer_seconds, failures, usable)
         for record in self._workers.alive():
             labels = (record.worker_id, record.worker.role.value, record.worker.model_name)
@@ -129,6 +133,8 @@ class WorkerEngineMetrics:
             waiting.add_metric(labels, load.num_queued)
             if load.num_total_blocks:
                 usage.add_metric(labels, 1 - load.num_free_blocks / load.num_total_blocks)
+            if load.prefill_tokens_per_s:
+                rate.add_metric(labels, load.prefill_tokens_per_s)
             n = load.counters
             if n is None:
                 continue

@@ -3,7 +3,7 @@
 Besides OpenAI's fields every response carries a non-standard `pdserve` object:
 `{"request_id", "routing": {...}, "transfer": {...}, "timings": {...}}` (what is known at
 that point of the stream; the transfer verdict on the first and the last chunk). Routing,
-transfer and timings are an admin's (`api_key.Scope`): for anyone else the frontend leaves
+transfer and timings are an admin's (`security.client_keys.Scope`): for anyone else the frontend leaves
 them out of the messages, and so they are left out here; usage's cached_tokens stays, as
 OpenAI sends it.
 """

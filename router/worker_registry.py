@@ -1,25 +1,26 @@
 """Which workers exist, whether they are alive, how loaded they are and what they cache.
 
-A worker is *routable* when its last heartbeat is younger than the timeout and no RPC to
-it has failed since (a failed RPC marks it suspect; its next heartbeat clears that).
+A worker is *routable* when its last heartbeat is younger than the timeout, no RPC to it
+has failed since (a failed RPC marks it suspect; its next heartbeat clears that) and it has
+not announced that it is draining (it is leaving: its open streams go on, no new work comes).
 Workers silent for three timeouts are forgotten: their next heartbeat is answered
 NOT_FOUND and they register again.
 
 A registration binds the worker id to its lease and, with a cluster secret, to the public
-key its calls are signed with (`RegistryKeys`: the router's directory of workers' keys).
+key its calls are signed with (the rule: `security.registration`; `RegistryKeys`: the
+router's directory of workers' keys).
 """
 from __future__ import annotations
 
-import hmac
 import logging
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from pdserve.common.auth import Identity
 from pdserve.common.errors import AlreadyExistsError, AuthError
 from pdserve.router.config import Role
+from pdserve.security import registration
+from pdserve.security.credentials import Identity
 
 log = logging.getLogger("pdserve.router.worker_registry")
 
@@ -63,6 +64,7 @@ class Load:
     queued_prompt_tokens: int = 0  # prompt tokens queued or running, not computed yet
     prefill_tokens_per_s: float = 0.0  # its recent prefill rate (0: not measured yet)
     num_decoding: int = 0  # running requests past their prompt
+    draining: bool = False  # leaving: routed no new work, finishing its own
 
 
 @dataclass(slots=True)
@@ -133,7 +135,7 @@ class WorkerRegistry:
             if other.worker_id != worker.worker_id:
                 log.info("worker %s replaces %s at %s", worker.worker_id, other.worker_id, worker.address)
                 del self._records[other.worker_id]
-        new_lease = secrets.token_bytes(16) if leased else b""
+        new_lease = registration.new_lease() if leased else b""
         self._records[worker.worker_id] = WorkerRecord(worker, load, self._clock(), lease=new_lease,
                                                        public_key=public_key)
         self._set_cached(self._records[worker.worker_id], cached_hashes)
@@ -152,11 +154,9 @@ class WorkerRegistry:
         current = self._records.get(worker.worker_id)
         if current is None or not self.is_alive(current):
             return
-        if not _holds(current, lease) and (current.lease or current.worker.address != worker.address):
-            raise AlreadyExistsError(f"worker id {worker.worker_id!r} is alive at {current.worker.address}",
-                                     param="worker_id")
-        if not hmac.compare_digest(current.public_key, public_key):
-            raise AlreadyExistsError(f"worker id {worker.worker_id!r} is alive with another key", param="worker_id")
+        registration.check_takeover(worker.worker_id, worker.address, lease, public_key,
+                                    live_address=current.worker.address, live_lease=current.lease,
+                                    live_key=current.public_key)
 
     def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int] = (), *,
                   lease: bytes | None = None) -> bool:
@@ -170,6 +170,8 @@ class WorkerRegistry:
         _check_lease(record, lease)
         if record.suspect:
             log.info("worker %s is reachable again", worker_id)
+        if load.draining and not record.load.draining:
+            log.info("worker %s is draining: no new work goes to it", worker_id)
         record.load, record.last_seen, record.suspect = load, self._clock(), False
         record.num_routed_since_report = record.num_routed_prompt_tokens = 0
         self._set_cached(record, cached_hashes)
@@ -218,10 +220,10 @@ class WorkerRegistry:
         return self._clock() - record.last_seen <= self._timeout_s
 
     def routable(self, role: Role, model_name: str) -> list[WorkerRecord]:
-        """Alive, non-suspect workers of `role` serving `model_name`, sorted by id."""
+        """Alive, non-suspect, non-draining workers of `role` serving `model_name`, sorted by id."""
         return sorted((r for r in self._records.values()
                        if r.worker.role is role and r.worker.model_name == model_name
-                       and not r.suspect and self.is_alive(r)),
+                       and not r.suspect and not r.load.draining and self.is_alive(r)),
                       key=lambda r: r.worker_id)
 
     def alive(self, role: Role | None = None) -> list[WorkerRecord]:
@@ -253,14 +255,12 @@ class WorkerRegistry:
         record.cached_hashes = hashes
 
 
-def _holds(record: WorkerRecord, lease: bytes) -> bool:
-    return bool(record.lease) and hmac.compare_digest(record.lease, lease)
-
-
 def _check_lease(record: WorkerRecord, lease: bytes | None) -> None:
-    if lease is not None and record.lease and not _holds(record, lease):
+    try:
+        registration.check_lease(record.worker_id, record.lease, lease)
+    except AuthError:
         log.warning("refused a call for worker %s without its registration's lease", record.worker_id)
-        raise AuthError(f"worker {record.worker_id!r}: not the lease of its registration")
+        raise
 
 
 class RegistryKeys:

@@ -7,8 +7,8 @@ import asyncio
 import grpc
 
 from pdserve.proto.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.common.auth import CallSigner
 from pdserve.rpc.credentials import InternalTLS, internal_channel
+from pdserve.security.credentials import CallSigner
 
 
 CONNECT_TIMEOUT_S = 4.0  # a peer whose channel does not connect within this is unreachable

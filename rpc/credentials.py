@@ -1,54 +1,39 @@
-"""Call credentials on internal gRPC (DESIGN §7), used by the workers and the router.
+"""The gRPC adapter of internal authentication (DESIGN §7): it carries and checks what
+`pdserve.security` decides.
 
 Clients: `internal_channel(address, signer)` is a grpc.aio channel whose every call carries
-a fresh credential (`pdserve-credential` metadata) bound to the method: the caller's own
-signature, or for admission calls the cluster secret's MAC (`pdserve.common.auth`). Servers:
-`AuthInterceptor` refuses, with UNAUTHENTICATED, every call to a protected service whose
-credential does not verify or whose caller's role may not call that service
-(`CALLER_ROLES`); the credential is checked before the request is read (a refused call's
-message is never received, whatever its size).
-Health checking and reflection stay open (probes). Each refusal is counted and logged once
-per peer. Over mutual TLS, a certificate that names IP addresses is taken only from them
-(`PeerAddressInterceptor`).
+a fresh credential (`pdserve-credential` metadata) made by a `security.credentials.CallSigner`.
+Servers: `AuthInterceptor` asks the wing's `CallVerifier` and `check_role`, and refuses with
+UNAUTHENTICATED, before the request is read (a refused call's message is never received,
+whatever its size). Health checking and reflection stay open (probes). Each refusal is
+counted and logged once per peer. Over mutual TLS, `PeerAddressInterceptor` applies the
+wing's certificate-address rule (`security.internal_tls`).
 """
 from __future__ import annotations
 
 import functools
 import inspect
-import ipaddress
 import logging
-import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import grpc
 
-from pdserve.common.auth import (CREDENTIAL_HEADER, AuthError, CallKey, CallSigner, CallVerifier,
-                                 ClusterSecret, ClusterSecretError, Identity, KeyDirectory, Mac,
-                                 UnknownCallerError, caller_of, is_loopback, read_private_file,
-                                 require_secret_off_loopback)
-from pdserve.rpc.certificates import CertificateError, certificate_ip_addresses
+from pdserve.common.errors import AuthError
+from pdserve.common.util import is_loopback
 from pdserve.rpc.errors import abort_grpc
-from pdserve.rpc.peer_keys import PeerKeys
 from pdserve.rpc.server import CHANNEL_OPTIONS, refuse_unread
+from pdserve.security.credentials import (CREDENTIAL_HEADER, CallKey, CallSigner, CallVerifier, KeyDirectory,
+                                          caller_of, check_role, only_credential)
+from pdserve.security.internal_tls import (CertificateError, certificate_ip_addresses, check_peer_address,
+                                           named_addresses, peer_address)
+from pdserve.security.key_directory import PeerKeys
+from pdserve.security.secret import (INSECURE_INTERNAL_OFF, ClusterSecret, ClusterSecretError, Mac, handoff_key,
+                                     read_private_file, require_secret_off_loopback)
 
 log = logging.getLogger("pdserve.auth")
 
 _MAX_LOGGED_PEERS = 1024
-# Who may call each internal service with their own signature: the router drives decodes,
-# decodes drive prefills, workers keep their own registration. A v1 (cluster-secret)
-# credential carries no role; it is accepted for ADMISSION_METHODS only.
-CALLER_ROLES = {
-    "pdserve.v1.Decode": frozenset({"router"}),
-    "pdserve.v1.Prefill": frozenset({"decode"}),
-    "pdserve.v1.Registry": frozenset({"prefill", "decode"}),
-}
-INSECURE_INTERNAL_OFF = (
-    "these are OFF for anyone who can reach this host: internal gRPC authentication (any caller may "
-    "register, heartbeat, decode, prefill or abort as any worker), hand-off signatures (a prefill sends KV "
-    "wherever a hand-off says), the KV transfer challenge and the MACs on transfer frames and payloads "
-    "(anyone may write KV into a decode's reserved blocks), and the MACs on Redis/disk prefix-store records "
-    "(a planted record is served as cached KV)")
 
 
 def _with_credential(signer: CallSigner, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
@@ -151,30 +136,10 @@ def bind(server: grpc.aio.Server, address: str, tls: InternalTLS | None) -> int:
         return 0
 
 
-def _peer_address(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The IP address of a grpc peer string ("ipv4:10.0.0.1:5000", "ipv6:[::1]:5000", the
-    brackets maybe %-escaped); None for another kind (a unix socket)."""
-    kind, _, rest = urllib.parse.unquote(peer).partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        return None
-    try:
-        address = ipaddress.ip_address(rest.rpartition(":")[0].strip("[]"))
-    except ValueError:
-        return None
-    mapped = getattr(address, "ipv4_mapped", None)
-    return mapped or address
-
-
 def certificate_addresses(context: grpc.aio.ServicerContext) -> set:
     """The IP addresses the peer's verified certificate names (its IP SANs); empty without
     mutual TLS or for a certificate naming none."""
-    found = set()
-    for name in context.auth_context().get("x509_subject_alternative_name", ()):
-        try:
-            found.add(ipaddress.ip_address(name.decode()))
-        except ValueError:
-            continue  # a DNS name
-    return found
+    return named_addresses(context.auth_context().get("x509_subject_alternative_name", ()))
 
 
 def _guarded(handler: grpc.RpcMethodHandler, check) -> grpc.RpcMethodHandler:
@@ -217,15 +182,12 @@ class PeerAddressInterceptor(grpc.aio.ServerInterceptor):
         return _guarded(handler, self._check)
 
     async def _check(self, context: grpc.aio.ServicerContext) -> None:
-        named = certificate_addresses(context)
-        source = _peer_address(context.peer() or "")
-        if not named or source in named:
-            return
-        reason = (f"the peer's certificate names {', '.join(sorted(map(str, named)))}, not {source}, "
-                  "the address its call came from")
-        self._on_refused(reason)
-        log.warning("refused an internal call: %s", reason)
-        await abort_grpc(context, AuthError(reason))
+        try:
+            check_peer_address(certificate_addresses(context), peer_address(context.peer() or ""))
+        except AuthError as err:
+            self._on_refused(str(err))
+            log.warning("refused an internal call: %s", err)
+            await abort_grpc(context, err)
 
 
 def credentials_of(metadata) -> list[str]:
@@ -255,27 +217,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         service = details.method.lstrip("/").split("/", 1)[0]
         if service not in self._protected:
             return await continuation(details)
-        found = credentials_of(details.invocation_metadata)
         try:
-            if len(found) > 1:  # the one verified must be the one whose caller id is used
-                raise AuthError(f"a call carries exactly one {CREDENTIAL_HEADER}, not {len(found)}")
-            identity = await self._check(details.method, found[0] if found else None)
-            roles = CALLER_ROLES.get(service)
-            if identity.role and roles is not None and identity.role not in roles:
-                raise AuthError(f"a {identity.role} may not call {service}")
+            credential = only_credential(credentials_of(details.invocation_metadata))
+            check_role(await self._verifier.check_learning(details.method, credential), service)
         except AuthError as exc:
             self._on_refused(str(exc))
             return self._refusal(await continuation(details), exc)
         return await continuation(details)
-
-    async def _check(self, method: str, credential: str | None) -> Identity:
-        """The verified identity; a caller whose key is not known here yet gets one more try
-        after the directory's refresh (a peer that just joined or restarted)."""
-        try:
-            return self._verifier.check(method, credential)
-        except UnknownCallerError as exc:
-            await self._verifier.keys.refresh(exc.caller_id)
-        return self._verifier.check(method, credential)
 
     def _refusal(self, handler: grpc.RpcMethodHandler | None, err: AuthError) -> grpc.RpcMethodHandler | None:
         def log_peer(context) -> None:  # once per peer, at most _MAX_LOGGED_PEERS of them
@@ -326,7 +274,7 @@ class InternalAuth:
 
     def handoff_mac(self) -> Mac | None:
         """The MAC decodes sign hand-offs with and prefills check them with."""
-        return Mac(self.secret.key("handoff")) if self.secret is not None else None
+        return Mac(handoff_key(self.secret)) if self.secret is not None else None
 
     def channel(self, address: str, caller_id: str) -> grpc.aio.Channel:
         """A channel whose calls carry `caller_id`'s credential (and run over mutual TLS)."""

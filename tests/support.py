@@ -96,14 +96,14 @@ class KeyBook:
 
     def signer(self, caller_id: str, role: str = "", **kwargs):
         """A signer with `caller_id`'s key (kwargs: CallSigner's, e.g. clock)."""
-        from pdserve.common.auth import CallKey, CallSigner
+        from pdserve.security.credentials import CallKey, CallSigner
 
         if caller_id not in self._keys:
             self._keys[caller_id] = (CallKey(), role or self._role)
         return CallSigner(self._secret, caller_id, self._keys[caller_id][0], **kwargs)
 
     def identities(self, caller_id: str):
-        from pdserve.common.auth import Identity
+        from pdserve.security.credentials import Identity
 
         found = self._keys.get(caller_id)
         return (Identity(caller_id, found[1], found[0].public_key),) if found else ()

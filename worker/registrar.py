@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.common.auth import CallSigner
 from pdserve.rpc.credentials import InternalTLS
-from pdserve.rpc.peer_keys import PeerKeys
 from pdserve.proto.pdserve.v1 import registry_pb2
+from pdserve.security.credentials import CallSigner
+from pdserve.security.key_directory import PeerKeys
 from pdserve.worker.registry_client import RegistryClient
 from pdserve.worker.settings import WorkerSettings
 
@@ -84,6 +84,11 @@ class Registrar:
             for addr in set(self._clients) - addrs:
                 await self._clients.pop(addr).stop(deregister=False)
             await asyncio.sleep(self.resolve_every_s)
+
+    async def announce(self) -> bool:
+        """Report the load to every router now (in parallel); True when each acknowledged."""
+        answers = await asyncio.gather(*(c.report_now() for c in list(self._clients.values())))
+        return all(answers)
 
     async def stop(self) -> None:
         """Stop resolving, deregister from every router (best effort, in parallel)."""

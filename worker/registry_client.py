@@ -29,9 +29,9 @@ from typing import Callable
 import grpc
 
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from pdserve.common.auth import CallSigner, Identity
 from pdserve.rpc.credentials import InternalTLS, internal_channel
-from pdserve.rpc.peer_keys import PeerKeys
+from pdserve.security.credentials import CallSigner, Identity
+from pdserve.security.key_directory import PeerKeys
 
 log = logging.getLogger("pdserve.registry_client")
 
@@ -106,7 +106,7 @@ class RegistryClient:
 
     async def lookup(self, worker_id: str) -> Identity | None:
         """The identity this router's registry holds for `worker_id`; None when it has none;
-        ConnectionError when it does not answer (rpc.peer_keys.Lookup)."""
+        ConnectionError when it does not answer (security.key_directory.Lookup)."""
         try:
             answer = await self._stub.Lookup(registry_pb2.LookupRequest(worker_id=worker_id),
                                              timeout=self._rpc_timeout_s)
@@ -151,7 +151,14 @@ class RegistryClient:
                  self._interval_s)
         return True
 
-    async def _heartbeat(self, stub: registry_pb2_grpc.RegistryStub) -> None:
+    async def report_now(self) -> bool:
+        """One heartbeat now, out of turn (a draining worker's news must not wait an
+        interval); True when the router acknowledged it."""
+        if self._stub is None or not self.registered:
+            return False
+        return await self._heartbeat(self._stub)
+
+    async def _heartbeat(self, stub: registry_pb2_grpc.RegistryStub) -> bool:
         request = registry_pb2.HeartbeatRequest(worker_id=self._info.worker_id, load=self._load(), lease=self._lease)
         try:
             answer = await stub.Heartbeat(request, timeout=self._rpc_timeout_s)
@@ -161,8 +168,9 @@ class RegistryClient:
                 self._registered.clear()
             else:
                 log.warning("heartbeat to router %s failed: %s %s", self._address, err.code().name, err.details())
-            return
+            return False
         self._take_interval(answer.heartbeat_interval_ms)
+        return True
 
     def _load(self) -> common_pb2.WorkerLoad:
         """The load to report; a failing `load_fn` costs one report's numbers, never the loop

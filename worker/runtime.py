@@ -15,12 +15,13 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.common import progress
-from pdserve.common.auth import ClusterSecret
 from pdserve.rpc.credentials import InternalAuth, InternalTLS, bind
 from pdserve.worker.convert import load_to_proto
+from pdserve.worker.drain import DrainState, OpenCalls, drain
 from pdserve.worker.registrar import Registrar
 from pdserve.rpc.server import (WORKER_MAX_RECEIVE_BYTES, add_health_and_reflection, internal_server,
                                     set_serving)
+from pdserve.security.secret import ClusterSecret
 from pdserve.worker.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")
@@ -56,6 +57,11 @@ async def start_server(settings: WorkerSettings, add_servicers, service_names: l
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _engine_busy(loop) -> bool:
+    s = loop.last_stats
+    return bool(s.num_waiting or s.num_running or s.num_waiting_remote)
 
 
 ENGINE_CHECK_S = 0.5  # how often a worker looks whether its engine thread still runs
@@ -134,7 +140,8 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     loop.start(asyncio.get_running_loop())
     metrics = WorkerMetrics(role)
     protected = [f"pdserve.v1.{role.capitalize()}"]
-    server, port = bind_server(settings, auth.interceptors(protected, metrics.count_auth_refusal), tls)
+    calls, leaving = OpenCalls(), DrainState()
+    server, port = bind_server(settings, (*auth.interceptors(protected, metrics.count_auth_refusal), calls), tls)
     host = settings.advertise_host or settings.host
     runtime = WorkerRuntime(settings, engine, loop, metrics, served, auth=auth, core_share=core_share,
                             address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}")
@@ -156,6 +163,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
         report = load_to_proto(loop)
         metrics.observe_backends(report.kv_backends)
         report.counters.CopyFrom(metrics.counters(loop.last_stats))
+        report.draining = leaving.draining
         return report
 
     registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls, peers=auth.peers)
@@ -169,6 +177,10 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
             log.error("%s: the engine thread died (%r); stopping so that a supervisor restarts this worker",
                       role, loop.error)
             code = 1
+        elif settings.drain_timeout_s > 0:
+            await drain(leaving, registrar.announce, calls, lambda: _engine_busy(loop), settings.drain_timeout_s)
+            stats = loop.last_stats
+            log.info("%s: drained; %d of %d KV blocks free", role, stats.num_free_blocks, stats.num_total_blocks)
     finally:
         log.info("%s shutting down", role)
         await set_serving(health, names, serving=False)

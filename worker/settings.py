@@ -37,7 +37,7 @@ ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-GROUPS = ("common", "worker", "engine", "kv transfer")  # "engine" and "kv transfer": `up` shares them
+GROUPS = ("common", "worker", "engine", "kv transfer", "lifecycle")  # `up` shares all but common and worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +114,9 @@ class WorkerSettings:
     transfer_port: int = setting(0, "decode: UCX listener port; the NCCL/gloo store listens on the next port (0 "
                                  "picks free ones)", "worker")  # from_settings: DECODE_TRANSFER_PORT for decode
     max_queue: int = setting(64, "prefills in flight before refusing", "worker", roles=("prefill",))
+    drain_timeout_s: float = setting(
+        5.0, "on SIGTERM, how long the worker keeps serving what it has while routed nothing new (a decode "
+        "stream still open then migrates); keep it under the 10 s a process has to stop", "lifecycle")
     core_share: str = setting(
         "", "a file through which the workers on this machine share its cores (none: no sharing); `up` "
         "sets it", "worker", roles=("decode", "prefill"))
@@ -175,8 +178,9 @@ class WorkerSettings:
 
     def transfer_config(self, secret=None):
         """The transfer layer's config (`KVTransferConfig`); its keys derive from the cluster
-        `secret` (`common.auth.ClusterSecret`) when there is one."""
+        `secret` (`security.secret.ClusterSecret`) when there is one."""
         from pdserve.common import envs
+        from pdserve.security.secret import store_key, transfer_key
 
         return KVTransferConfig.from_settings(
             backends=self.kv_backends, host=self.host, transfer_port=self.transfer_port,
@@ -185,8 +189,7 @@ class WorkerSettings:
             probe_cooldown_s=self.kv_probe_cooldown_s,
             prefix_cache=self.prefix_store if self.prefix_store != "none" else None,
             layerwise=envs.get("PDSERVE_KV_LAYERWISE") != "0",
-            transfer_key=secret.key("transfer") if secret else None,
-            store_key=secret.key("store") if secret else None)
+            transfer_key=transfer_key(secret), store_key=store_key(secret))
 
     def engine_quantization(self) -> str:
         """The engine's quantization. `auto` on a prefill service is float32: its batches are
@@ -221,8 +224,8 @@ class WorkerSettings:
     def engine_config(self, secret=None):
         """The engine's config; its block-hash key derives from the cluster `secret` when
         there is one (else the public fixed key: `common.block_hash.INSECURE_KEY`)."""
-        from pdserve.common.block_hash import block_hash_key
         from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+        from pdserve.security.secret import block_hash_key
 
         return EngineConfig(
             model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,

@@ -2,27 +2,27 @@
 
 Converts between the proto hand-off and verdict (KVHandoff, TransferVerdict) and the
 connector's typed objects (TransferParams, kvtransfer.verdict.TransferVerdict), signs and
-checks hand-offs, and gives each role its facade over the engine's connector: `Sender`
-(prefill) and `Receiver` (decode). Each process converts a verdict once, at its edge.
+checks hand-offs (`security.handoffs` keeps the rule; this only fills its claim from the
+proto), and gives the decode the addresses a sender reaches its receives at
+(`AdvertisedReceives`, a `ReceiveControl` like the connector's own). Each process converts a
+verdict once, at its edge: a transfer's (did the KV land) as the prefill's answer, the
+request's (what the decode did about it) on the decode's stream.
 """
 from __future__ import annotations
 
-import asyncio
-import heapq
-import struct
-import threading
-import time
-from typing import Callable, Sequence
+import dataclasses
+from typing import Sequence
 
-from pdserve.common.auth import ClusterSecret, Mac, encode_fields
-from pdserve.common.block_hash import hashes_digest, prompt_digest
-from pdserve.common.errors import AuthError, OverloadedError
 from pdserve.kvtransfer.config import STORES
-from pdserve.kvtransfer.connector import PdConnector, connector_factory
+from pdserve.kvtransfer.connector import connector_factory
 from pdserve.kvtransfer.params import TransferParams
-from pdserve.kvtransfer.ports import ReceiveControl, SendControl
-from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict, failure_reason
+from pdserve.kvtransfer.ports import ReceiveControl
+from pdserve.kvtransfer.verdict import (RECOMPUTE, Fallback, Landing, Outcome, RequestVerdict, TransferVerdict,
+                                        failure_reason)
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
+from pdserve.security import handoffs
+from pdserve.security.handoffs import HandoffClaim
+from pdserve.security.secret import ClusterSecret, Mac
 
 _OUTCOMES = {
     Outcome.TRANSFERRED: common_pb2.TRANSFER_OUTCOME_TRANSFERRED,
@@ -31,27 +31,43 @@ _OUTCOMES = {
     Outcome.ABORTED: common_pb2.TRANSFER_OUTCOME_ABORTED,
     Outcome.LOCAL: common_pb2.TRANSFER_OUTCOME_LOCAL,
 }
-_FROM_PROTO = {wire: outcome for outcome, wire in _OUTCOMES.items()}  # anything else: FAILED
+# a transfer's verdict on the wire: its KV landed, was aborted, or (anything else) is missing
+_LANDINGS = {
+    Landing.LANDED: common_pb2.TRANSFER_OUTCOME_TRANSFERRED,
+    Landing.MISSING: common_pb2.TRANSFER_OUTCOME_FAILED,
+    Landing.ABORTED: common_pb2.TRANSFER_OUTCOME_ABORTED,
+}
+_FROM_PROTO = {common_pb2.TRANSFER_OUTCOME_TRANSFERRED: Landing.LANDED,
+               common_pb2.TRANSFER_OUTCOME_ABORTED: Landing.ABORTED}
 
 
 def verdict_to_proto(v: TransferVerdict) -> common_pb2.TransferVerdict:
-    """The verdict as it leaves this process (once: prefill's answer, decode's stream)."""
-    out = common_pb2.TransferVerdict(
-        outcome=_OUTCOMES[v.outcome], backend=v.backend if v.backend != "recompute" else "",
+    """A transfer's verdict as it leaves this process (once: the prefill's answer)."""
+    reason = v.reason or (failure_reason(v) if v.landing == Landing.MISSING else "")
+    return _to_proto(v, _LANDINGS[v.landing], v.backend, reason)
+
+
+def request_verdict_to_proto(r: RequestVerdict) -> common_pb2.TransferVerdict:
+    """The request's verdict as it leaves this process (once: the decode's stream)."""
+    missing = r.outcome in (Outcome.RECOMPUTED, Outcome.FAILED)
+    reason = r.reason or (failure_reason(r.transfer) if missing else "")
+    return _to_proto(r.transfer, _OUTCOMES[r.outcome], "" if r.backend == RECOMPUTE else r.backend, reason)
+
+
+def _to_proto(v: TransferVerdict, outcome: int, backend: str, reason: str) -> common_pb2.TransferVerdict:
+    return common_pb2.TransferVerdict(
+        outcome=outcome, backend=backend,
         num_bytes=v.num_bytes, num_blocks=v.num_blocks, duration_ms=v.duration_s * 1000,
         transfer_id=v.transfer_id, fetch_keys=list(v.fetch_keys), num_messages=v.num_messages,
-        layer_send_ms=v.layer_send_s * 1000, reason=v.reason, prefill_worker_id=v.peer,
+        layer_send_ms=v.layer_send_s * 1000, reason=reason, prefill_worker_id=v.peer,
         prefill_status_code=v.peer_status,
         fallbacks=[common_pb2.FallbackStep(backend=f.backend, reason=f.reason,
                                            duration_ms=f.duration_s * 1000) for f in v.fallbacks])
-    if not v.reason and v.outcome in (Outcome.RECOMPUTED, Outcome.FAILED):
-        out.reason = failure_reason(v)
-    return out
 
 
 def verdict_from_proto(p: common_pb2.TransferVerdict) -> TransferVerdict:
-    """A peer's verdict as it enters this process (once)."""
-    return TransferVerdict(p.transfer_id, _FROM_PROTO.get(p.outcome, Outcome.FAILED), p.backend, p.num_blocks,
+    """A peer's transfer verdict as it enters this process (once)."""
+    return TransferVerdict(p.transfer_id, _FROM_PROTO.get(p.outcome, Landing.MISSING), p.backend, p.num_blocks,
                            p.num_bytes, p.duration_ms / 1000,
                            tuple(Fallback(f.backend, f.reason, f.duration_ms / 1000) for f in p.fallbacks),
                            tuple(p.fetch_keys), num_messages=p.num_messages, layer_send_s=p.layer_send_ms / 1000,
@@ -68,77 +84,23 @@ def params_to_handoff(tp: TransferParams, block_ids: Sequence[int], block_size: 
         decode_worker_id=decode_worker_id)
 
 
-def handoff_fields(request: prefill_pb2.PrefillRequest) -> tuple:
-    """What the decode's signature on a hand-off covers: every field of the hand-off but the
-    signature, and every field of the request it is for (id, prompt digest, block hashes
-    digest, sampling, cache salt), so a captured hand-off cannot carry another prompt's KV
-    into the same blocks or draw its first token otherwise. Each list is length-prefixed item
-    by item (`encode_fields`): no two different lists encode alike."""
+def handoff_claim(request: prefill_pb2.PrefillRequest) -> HandoffClaim:
+    """What the decode's signature on the request's hand-off covers (`security.handoffs`)."""
     h = request.handoff
-    endpoints = [part for e in h.endpoints for part in (e.backend, e.address)]
-    return ("handoff-v3", h.transfer_id, _encoded_list(h.backends), _encoded_list(endpoints),
-            struct.pack(f"<{len(h.block_ids)}I", *h.block_ids), h.num_cached_tokens,
-            h.deadline_unix_ms, h.compatibility_hash, h.decode_worker_id, request.request_id,
-            prompt_digest(request.prompt_token_ids), hashes_digest(request.block_hashes),
-            request.sampling.SerializeToString(deterministic=True), request.cache_salt)
-
-
-def _encoded_list(items: Sequence[str]) -> bytes:
-    return encode_fields(len(items), *items)
+    return HandoffClaim(
+        h.transfer_id, h.backends, [(e.backend, e.address) for e in h.endpoints], h.block_ids,
+        h.num_cached_tokens, h.deadline_unix_ms, h.compatibility_hash, h.decode_worker_id,
+        request.request_id, request.prompt_token_ids, request.block_hashes,
+        request.sampling.SerializeToString(deterministic=True), request.cache_salt)
 
 
 def sign_handoff(request: prefill_pb2.PrefillRequest, mac: Mac) -> None:
-    request.handoff.signature = mac.tag(*handoff_fields(request))
+    request.handoff.signature = handoffs.sign(mac, handoff_claim(request))
 
 
 def check_handoff_signature(request: prefill_pb2.PrefillRequest, mac: Mac) -> None:
     """AuthError unless the decode's signature on the request's hand-off holds."""
-    h = request.handoff
-    if not h.signature or not mac.check(h.signature, *handoff_fields(request)):
-        raise AuthError("the hand-off is not signed by a decode of this deployment for this request")
-
-
-class HandoffCallerError(AuthError):
-    """A hand-off presented by a caller other than the decode it names."""
-
-
-class ReplayedHandoffError(AuthError):
-    """A hand-off this prefill has accepted before (each is used once)."""
-
-
-MAX_HANDOFF_HORIZON_S = 3600.0  # a hand-off's deadline may be at most this far ahead
-
-
-class HandoffLedger:
-    """The hand-offs a prefill accepted, by transfer id, remembered until their deadline
-    (after it a replay is refused as late anyway; a deadline is at most
-    MAX_HANDOFF_HORIZON_S ahead): each is accepted once. Bounded: when
-    `max_remembered` live ones are held, new ones are refused (OverloadedError) rather than
-    an unexpired one forgotten."""
-
-    def __init__(self, max_remembered: int = 100_000, clock: Callable[[], float] = time.time) -> None:
-        self._max_remembered = max_remembered
-        self._clock = clock
-        self._live: set[str] = set()  # transfer ids accepted, deadline not passed
-        self._by_deadline: list[tuple[float, str]] = []  # heap of (deadline unix s, transfer id), one per live id
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def accept(self, transfer_id: str, deadline_unix_s: float) -> None:
-        """Remember `transfer_id` until its deadline; ReplayedHandoffError if it is known."""
-        now = self._clock()
-        with self._lock:
-            # expired ones go by deadline, whatever order they came in
-            while self._by_deadline and self._by_deadline[0][0] < now:
-                self._live.discard(heapq.heappop(self._by_deadline)[1])
-            if transfer_id in self._live:
-                raise ReplayedHandoffError(f"hand-off {transfer_id} was already used")
-            if len(self._live) >= self._max_remembered:
-                raise OverloadedError("too many live hand-offs remembered")
-            self._live.add(transfer_id)
-            heapq.heappush(self._by_deadline, (deadline_unix_s, transfer_id))
+    handoffs.check_signature(mac, handoff_claim(request), request.handoff.signature)
 
 
 def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferParams:
@@ -159,61 +121,22 @@ def handoff_to_params(h: prefill_pb2.KVHandoff, block_size: int) -> TransferPara
                           tuple((e.backend, e.address) for e in h.endpoints), tuple(h.backends))
 
 
-class Sender:
-    """Prefill's side: the sends room of the engine's connector, and the hand-offs it takes."""
+class AdvertisedReceives:
+    """The decode's `ReceiveControl`: the connector's receives, with the endpoints a sender can
+    reach (a transport's listener, a wildcard bind advertised as --advertise-host; a store's
+    `KVTransferConfig.store_endpoint`), in chain order, in every hand-off it prepares."""
 
-    def __init__(self, connector: PdConnector, block_size: int) -> None:
-        self.connector = connector
-        self.block_size = block_size
-        self.sends: SendControl = connector.sends
-
-    def transfer_params(self, request_id: str, handoff: prefill_pb2.KVHandoff) -> TransferParams:
-        params = handoff_to_params(handoff, self.block_size)
-        self.sends.connect_ahead(params)  # first contact: connect while the prompt computes
-        return params
-
-    def refusal(self, handoff: prefill_pb2.KVHandoff) -> common_pb2.TransferVerdict | None:
-        """None when some backend could carry this hand-off now; else the verdict (FAILED,
-        reason no_usable_kv_backend, a fallback per backend) that spares computing the prompt
-        only to throw its KV away."""
-        skipped = self.sends.unusable(handoff_to_params(handoff, self.block_size))
-        if not skipped:
-            return None
-        why = "no_usable_kv_backend: " + "; ".join(f"{f.backend}: {f.reason}" for f in skipped)
-        return verdict_to_proto(TransferVerdict(handoff.transfer_id, Outcome.FAILED, "", fallbacks=tuple(skipped),
-                                                reason=why))
-
-    async def verdict(self, request_id: str, timeout: float) -> tuple[common_pb2.TransferVerdict, float]:
-        """(the send's verdict, its tail in ms: end of the prompt's forward to the verdict)."""
-        v = await asyncio.to_thread(self.sends.wait_verdict, request_id, timeout)
-        if v is None:
-            v = TransferVerdict("", Outcome.FAILED, "", reason="transfer_failed: no verdict before the deadline")
-        return verdict_to_proto(v), v.tail_s * 1000
-
-    def abort(self, request_id: str) -> None:
-        self.sends.abort_send(request_id)
-
-    def close(self) -> None:
-        self.connector.worker.close()
-
-
-class Receiver:
-    """Decode's side: reserve blocks for a transfer, settle it with prefill's verdict."""
-
-    def __init__(self, connector: PdConnector, settings) -> None:
-        self.connector = connector
-        self.receives: ReceiveControl = connector.receives
+    def __init__(self, receives: ReceiveControl, settings) -> None:
+        self.receives = receives
         self.settings = settings
         self.backends = settings.transfer_config().backends
 
-    def endpoints(self) -> list[tuple[str, str]]:
-        """Where each configured backend reaches us, in chain order: a transport's listener
-        (a wildcard bind is advertised as --advertise-host), a store's
-        `KVTransferConfig.store_endpoint`."""
+    @property
+    def endpoints(self) -> dict[str, str]:
         advertise = self.settings.advertise_host
         listening = self.receives.endpoints
         config = self.settings.transfer_config()
-        out = []
+        out = {}
         for backend in self.backends:
             address = listening.get(backend) or (config.store_endpoint(backend) if backend in STORES else "")
             if not address:
@@ -221,30 +144,22 @@ class Receiver:
             host, sep, port = address.rpartition(":")
             if backend in listening and sep and advertise and host in ("0.0.0.0", "::", "[::]"):
                 address = f"{advertise}:{port}"
-            out.append((backend, address))
+            out[backend] = address
         return out
 
-    def prepare(self, request_id: str, block_ids: Sequence[int], num_prompt_tokens: int,
-                num_cached_tokens: int, timeout_s: float, block_hashes: Sequence[int] | None = None) -> TransferParams:
-        bs = self.receives.block_size
-        tp = self.receives.prepare_receive(request_id, block_ids, num_prompt_tokens,
-                                         num_cached_tokens // bs, time.time() + timeout_s,
-                                         block_hashes=block_hashes)
+    def prepare_receive(self, request_id: str, block_ids: Sequence[int], num_prompt_tokens: int,
+                        num_leading_blocks: int, deadline: float, transfer_id: bytes | None = None,
+                        block_hashes: Sequence[int] | None = None) -> TransferParams:
+        tp = self.receives.prepare_receive(request_id, block_ids, num_prompt_tokens, num_leading_blocks, deadline,
+                                           transfer_id, block_hashes)
         # advertise reachable endpoints (a 0.0.0.0 listener is not an address)
-        import dataclasses
+        return dataclasses.replace(tp, endpoints=tuple(self.endpoints.items()))
 
-        return dataclasses.replace(tp, endpoints=tuple(self.endpoints()))
-
-    def complete(self, request_id: str, verdict: TransferVerdict) -> TransferVerdict:
-        """Settle with the prefill's verdict (fetching from a store if one carried the
-        blocks): ok only if every block is in place and verified."""
+    def complete_receive(self, request_id: str, verdict: TransferVerdict) -> TransferVerdict:
         return self.receives.complete_receive(request_id, verdict)
 
-    def cancel(self, request_id: str) -> None:
-        self.receives.cancel_receive(request_id)
-
-    def close(self) -> None:
-        self.connector.worker.close()
+    def cancel_receive(self, request_id: str) -> bool:
+        return self.receives.cancel_receive(request_id)
 
 
 def make_connector(settings, secret: ClusterSecret | None = None, *, listen: bool):

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Coroutine
 
 from pdserve.common import envs
-from pdserve.common.auth import is_loopback
+from pdserve.common.util import is_loopback
 from pdserve.common.errors import TransferError
 from pdserve.kernels.omp import one_intra_op_thread
 from pdserve.kvtransfer.backends import _p2p

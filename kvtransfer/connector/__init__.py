@@ -3,7 +3,10 @@
     scheduler.py     the scheduler half: store lookups, which prompts to save or send
     worker.py        the worker half: the engine's contract, handing the work to the rooms
     prefix_store.py  the prefix-store room: loads (scheduler side) and saves (worker side)
-    sends.py         the prefill's sends (SendControl): streams, whole sends, verdicts
+    sends.py         the prefill's sends, the engine thread's side: streams, whole sends
+    send_control.py  the prefill's sends, the service's side (SendControl): verdicts, aborts
+    send_book.py     what those two share: the sends by request id, the verdict board
+    connections.py   a prefill's transports started and links opened ahead of its sends
     receives.py      the decode's receives (ReceiveControl): reservations, settlement
     metadata.py      what the scheduler half tells the worker half each step
     background.py    a room's own threads
@@ -22,7 +25,7 @@ half gets the cache layout when it is made.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from pdserve.engine.connector import Connector, KVCacheLayout
@@ -32,7 +35,10 @@ from pdserve.kvtransfer.connector.metadata import LoadSpec, PdConnectorMetadata,
 from pdserve.kvtransfer.connector.prefix_store import NoStoreLoads, NoStoreSaves, StoreLoads, StoreSaves
 from pdserve.kvtransfer.connector.receives import DecodeReceives
 from pdserve.kvtransfer.connector.scheduler import PdConnectorScheduler
-from pdserve.kvtransfer.connector.sends import PrefillSends, VerdictBoard
+from pdserve.kvtransfer.connector.connections import Connections
+from pdserve.kvtransfer.connector.send_book import SendBook, VerdictBoard
+from pdserve.kvtransfer.connector.send_control import ServiceSends
+from pdserve.kvtransfer.connector.sends import EngineSends
 from pdserve.kvtransfer.connector.worker import PdConnectorWorker
 from pdserve.kvtransfer.backend_loader import open_backends
 
@@ -42,11 +48,10 @@ __all__ = ["LoadSpec", "PdConnector", "PdConnectorMetadata", "PdConnectorSchedul
 
 @dataclass(frozen=True, slots=True)
 class PdConnector(Connector):
-    """The engine's pair, plus the rooms the services drive transfers through."""
+    """The engine's pair, plus the rooms the services drive transfers through: `sends`
+    (`SendControl`, a prefill's) and `receives` (`ReceiveControl`, a decode's)."""
 
-    @property
-    def sends(self) -> PrefillSends:
-        return self.worker.sends
+    sends: ServiceSends = field(kw_only=True)
 
     @property
     def receives(self) -> DecodeReceives:
@@ -65,9 +70,12 @@ def build_connector(config: KVTransferConfig, layout: KVCacheLayout, *, listen: 
         loads, saves = NoStoreLoads(), NoStoreSaves()
     else:
         loads, saves = StoreLoads(store, layout), StoreSaves(store, layout)
-    worker = PdConnectorWorker(layout, saves, PrefillSends(config, backends, chain, layout, warm_up=not listen),
-                               DecodeReceives(config, backends, chain, layout, listen=listen), chain)
-    return PdConnector(scheduler=PdConnectorScheduler(loads, layout), worker=worker)
+    book, connections = SendBook(), Connections(backends, config.step_timeout_s)
+    sends = EngineSends(config, backends, chain, layout, book, connections, warm_up=not listen)
+    worker = PdConnectorWorker(layout, saves, sends, DecodeReceives(config, backends, chain, layout, listen=listen),
+                               chain)
+    return PdConnector(scheduler=PdConnectorScheduler(loads, layout), worker=worker,
+                       sends=ServiceSends(book, chain, connections))
 
 
 def connector_factory(config: KVTransferConfig, *, listen: bool = True) -> Callable[[KVCacheLayout], PdConnector]:

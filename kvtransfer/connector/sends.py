@@ -1,4 +1,6 @@
-"""The connector's room for the prefill's sends (`SendControl`).
+"""The connector's room for the engine's side of the prefill's sends: called on the engine's
+thread only. The service's side of the same sends (`SendControl`: verdicts, aborts,
+connecting ahead) is `ServiceSends`; the two share the `SendBook`.
 
 A request announced with a hand-off (`SendSpec`) goes out one of two ways:
 
@@ -8,20 +10,17 @@ A request announced with a hand-off (`SendSpec`) goes out one of two ways:
   blocks are gathered (at once: they are ours only during that step) and the fallback chain
   runs in the background.
 
-Either way the send ends in exactly one verdict, posted to the `VerdictBoard` where the
-prefill service reads it, and the request is reported done to the engine (which holds its
-blocks until then) once the engine has said it finished.
+Either way the send ends in exactly one verdict, posted to the book's `VerdictBoard` where
+the prefill service reads it, and the request is reported done to the engine (which holds
+its blocks until then) once the engine has said it finished.
 
-Callers: the worker half on the engine's thread (`announce`, `add_layer`, `end_step`,
-`finished`, `take_done`); the prefill service on any thread (`wait_verdict`, `abort_send`,
-`unusable`, `connect_ahead`). Threads of its own: sends (2), streams (2), connects (1).
+Caller: the worker half, on the engine's thread (`attach`, `announce`, `add_layer`,
+`end_step`, `finished`, `take_done`, `flush`, `close`). Threads of its own: sends (2),
+streams (2); the connects are `Connections`'.
 """
 from __future__ import annotations
 
-import logging
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Sequence
@@ -36,48 +35,19 @@ from pdserve.kvtransfer.chain import FallbackChain, SendJob
 from pdserve.kvtransfer.codec import encode_message, ephemeral_key
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector.background import Background
+from pdserve.kvtransfer.connector.connections import Connections
 from pdserve.kvtransfer.connector.metadata import SendSpec
+from pdserve.kvtransfer.connector.send_book import SendBook
 from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.backend_loader import OpenedBackends
 from pdserve.kvtransfer.sink import limits_for
 from pdserve.kvtransfer.stream import LayerStream
-from pdserve.kvtransfer.verdict import Fallback, Outcome, TransferVerdict
-
-log = logging.getLogger("pdserve.kvtransfer.connector")
-
-_MAX_REMEMBERED = 4096  # finished sends / verdicts kept for late readers
+from pdserve.kvtransfer.verdict import Fallback, Landing, TransferVerdict
 
 
-class VerdictBoard:
-    """Verdicts of finished sends by request id, for the service to read (bounded)."""
-
-    def __init__(self, capacity: int = _MAX_REMEMBERED) -> None:
-        self._cond = threading.Condition()
-        self._verdicts: OrderedDict[str, TransferVerdict] = OrderedDict()
-        self._capacity = capacity
-
-    def post(self, request_id: str, verdict: TransferVerdict) -> None:
-        with self._cond:
-            self._verdicts[request_id] = verdict
-            while len(self._verdicts) > self._capacity:
-                self._verdicts.popitem(last=False)
-            self._cond.notify_all()
-
-    def wait(self, request_id: str, timeout_s: float) -> TransferVerdict | None:
-        """The verdict (removed from the board), or None if none came within `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while request_id not in self._verdicts:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-            return self._verdicts.pop(request_id)
-
-
-class PrefillSends:
+class EngineSends:
     def __init__(self, config: KVTransferConfig, backends: OpenedBackends, chain: FallbackChain,
-                 layout: KVCacheLayout, *, warm_up: bool) -> None:
+                 layout: KVCacheLayout, book: SendBook, connections: Connections, *, warm_up: bool) -> None:
         """`warm_up`: start the transports as soon as the cache is attached (a prefill)."""
         self.config = config
         self._warm_up = warm_up
@@ -85,43 +55,31 @@ class PrefillSends:
         self.chain = chain
         self.layout = layout
         self.limits = limits_for(layout)
-        self.verdicts = VerdictBoard()
+        self.book = book
+        self.connections = connections
         self._kv_caches: list[torch.Tensor] = []
-        self._lock = threading.Lock()
         self._sends_bg = Background(ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-send",
                                                        initializer=one_intra_op_thread))
         self._streams_bg = Background(ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdkv-stream",
                                                          initializer=one_intra_op_thread))
-        self._connect_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect")
-        self._streams: dict[str, LayerStream] = {}  # announced sends going out layer-wise
-        self._step_streams: list[LayerStream] = []  # those this step's forward feeds
-        self._connected: set[tuple[str, str]] = set()  # (backend, endpoint) warmed or warming
-        self._sends: dict[str, SendSpec] = {}  # announced, not started
-        self._sending: set[str] = set()  # started, not finished
-        self._ended: set[str] = set()  # the engine said these finished
-        self._sent: OrderedDict[str, None] = OrderedDict()  # done, not yet reported
+        self._step_streams: list[LayerStream] = []  # the streams this step's forward feeds
         self._closed = False
 
     def attach(self, kv_caches: Sequence[torch.Tensor]) -> None:
         """The engine's cache; a prefill's transports start now, not on its first send."""
         self._kv_caches = list(kv_caches)
-        for name, transport in self.backends.transports.items() if self._warm_up else ():
-            self._connect_pool.submit(_prepare, name, transport)
+        if self._warm_up:
+            self.connections.start_transports()
 
     # -- the engine's thread ---------------------------------------------------------------
     def announce(self, spec: SendSpec) -> None:
-        with self._lock:
-            if spec.request_id in self._sending or spec.request_id in self._sent:
-                return
-            self._sends[spec.request_id] = spec
-        self._open_stream(spec)
+        if self.book.announce(spec):
+            self._open_stream(spec)
 
     def add_layer(self, layer_idx: int, kv_layer: torch.Tensor, context: LayerSaveContext) -> None:
         """Streams take this layer's slice now; whole sends wait for the step's end."""
         if layer_idx == 0:
-            with self._lock:
-                self._step_streams = [stream for rid, stream in self._streams.items()
-                                      if rid in context.num_computed_by_request]
+            self._step_streams = self.book.streams_of(context.num_computed_by_request)
             for stream in self._step_streams:
                 stream.plan_step(context)
         for stream in self._step_streams:
@@ -129,15 +87,9 @@ class PrefillSends:
 
     def end_step(self, context: LayerSaveContext, forward_end: float) -> None:
         """Start the sends whose prompts this step completed."""
-        done = context.num_computed_by_request
-        with self._lock:  # a prompt computed this step is popped here, under the lock, so a
-            ready = [self._sends.pop(rid) for rid, spec in list(self._sends.items())  # racing
-                     if done.get(rid, 0) >= spec.num_prompt_tokens]  # abort_send sees it gone
-            self._sending.update(spec.request_id for spec in ready)
-            streams = {spec.request_id: self._streams.pop(spec.request_id, None) for spec in ready}
+        ready = self.book.take_ready(context.num_computed_by_request)
         self._step_streams = []
-        for spec in ready:
-            stream = streams[spec.request_id]
+        for spec, stream in ready:
             if stream is not None:
                 stream.finish(forward_end)  # the verdict follows the stream's tail
             else:
@@ -146,24 +98,13 @@ class PrefillSends:
     def finished(self, request_id: str) -> None:
         """The engine ended the request (told once). A send that never started ends now,
         aborted; one under way is reported done when it ends."""
-        with self._lock:
-            spec = self._sends.pop(request_id, None)
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.cancel()
-            if spec is not None or request_id in self._sending or request_id in self._sent:
-                self._ended.add(request_id)  # a send of ours: report it once it is done
+        spec = self.book.end(request_id)
         if spec is not None:
-            self._finish_send(request_id, TransferVerdict(spec.params.transfer_id.hex(), Outcome.ABORTED, ""))
+            self.book.finish(request_id, TransferVerdict(spec.params.transfer_id.hex(), Landing.ABORTED, ""))
 
     def take_done(self) -> set[str]:
         """Requests the engine ended whose sends are done: their blocks may go."""
-        with self._lock:
-            done = {rid for rid in self._sent if rid in self._ended}
-            for rid in done:
-                del self._sent[rid]
-                self._ended.discard(rid)
-        return done
+        return self.book.take_done()
 
     # -- sending ---------------------------------------------------------------------------
     def _open_stream(self, spec: SendSpec) -> None:
@@ -179,14 +120,11 @@ class PrefillSends:
         backend = self.chain.stream_backend(dict(params.endpoints), params.backends)
         if backend is None:
             return
-        with self._lock:
-            if rid in self._streams or rid not in self._sends:
-                return
-            self._streams[rid] = LayerStream(
-                rid, params, keys, spec.num_prompt_tokens, backend, self.chain,
-                self.limits, self._kv_caches, submit=self._streams_bg.submit, on_verdict=self._finish_send,
-                digests=spec.block_digests[params.num_leading_blocks:],
-                on_device=self._device_direct(backend))
+        self.book.add_stream(rid, lambda: LayerStream(
+            rid, params, keys, spec.num_prompt_tokens, backend, self.chain,
+            self.limits, self._kv_caches, submit=self._streams_bg.submit, on_verdict=self.book.finish,
+            digests=spec.block_digests[params.num_leading_blocks:],
+            on_device=self._device_direct(backend)))
 
     def _send_keys(self, spec: SendSpec) -> tuple[int, ...]:
         """The store key of each block sent: its content hash, or a short-lived key."""
@@ -211,8 +149,8 @@ class PrefillSends:
                 return
         except RuntimeError as exc:  # the pool is shut down: the engine must still get the request back
             problem = f"{exc.__class__.__name__}: {exc}"
-        self._finish_send(rid, TransferVerdict(params.transfer_id.hex(), Outcome.FAILED, "",
-                                               fallbacks=(Fallback("sender", problem),)))
+        self.book.finish(rid, TransferVerdict(params.transfer_id.hex(), Landing.MISSING, "",
+                                              fallbacks=(Fallback("sender", problem),)))
 
     def _device_direct(self, backend: str | None = None) -> bool:
         """Whether sends keep their blocks on the GPU: the cache is there and `backend` (any
@@ -245,74 +183,9 @@ class PrefillSends:
             verdict = self.chain.send(SendJob(params.transfer_id, message, keys, params.endpoint_map,
                                               params.backends, params.monotonic_deadline(), digests))
         except Exception as exc:  # noqa: BLE001 - the chain catches backend errors; a last guard, so a verdict always comes
-            verdict = TransferVerdict(params.transfer_id.hex(), Outcome.FAILED, "",
+            verdict = TransferVerdict(params.transfer_id.hex(), Landing.MISSING, "",
                                       fallbacks=(Fallback("sender", repr(exc)),))
-        self._finish_send(rid, replace(verdict, tail_s=time.monotonic() - forward_end))
-
-    def _finish_send(self, rid: str, verdict: TransferVerdict) -> None:
-        with self._lock:
-            self._mark_sent(rid)
-        self._post(rid, verdict)
-
-    def _mark_sent(self, rid: str) -> None:
-        """The send of `rid` is done (caller holds the lock). In the same hold as the pop
-        that ended it: `finished` must find the request in `_sends`, `_sending` or `_sent`,
-        or its blocks would never be reported back."""
-        self._sending.discard(rid)
-        self._sent[rid] = None
-        while len(self._sent) > _MAX_REMEMBERED:
-            self._sent.popitem(last=False)
-
-    def _post(self, rid: str, verdict: TransferVerdict) -> None:
-        (log.info if verdict.ok else log.warning)("request %s: %s", rid, verdict.describe())
-        self.verdicts.post(rid, verdict)
-
-    # -- the prefill service (any thread) --------------------------------------------------
-    def wait_verdict(self, request_id: str, timeout_s: float) -> TransferVerdict | None:
-        """`SendControl.wait_verdict`: the verdict of a send, taken from the board."""
-        return self.verdicts.wait(request_id, timeout_s)
-
-    def unusable(self, params: TransferParams) -> list[Fallback]:
-        return self.chain.unusable(dict(params.endpoints), params.backends)
-
-    def connect_ahead(self, params: TransferParams) -> None:
-        """`SendControl.connect_ahead`: warm the links to a receiver's transports in the
-        background (once per endpoint), overlapping the connection with the prefill."""
-        for backend, endpoint in params.endpoints:
-            transport = self.backends.transports.get(backend)
-            with self._lock:
-                if transport is None or self._closed or (backend, endpoint) in self._connected:
-                    continue
-                self._connected.add((backend, endpoint))
-            self._connect_pool.submit(self._connect, backend, transport, endpoint)
-
-    def _connect(self, backend: str, transport, endpoint: str) -> None:
-        start = time.monotonic()
-        try:
-            transport.connect_ahead(endpoint, start + self.config.step_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the send will connect (and report) on its own
-            with self._lock:
-                self._connected.discard((backend, endpoint))
-            log.info("kv %s: connecting ahead to %s failed: %s", backend, endpoint, exc)
-            return
-        log.info("kv %s: connected to %s ahead of its first send (%.1f ms)", backend, endpoint,
-                 (time.monotonic() - start) * 1000)
-
-    def abort_send(self, request_id: str) -> bool:
-        """The request is being aborted. A send that has not started never will (its verdict
-        says aborted); one under way runs to its own deadline. True if a pending send was
-        dropped."""
-        with self._lock:
-            spec = self._sends.pop(request_id, None)
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.cancel()  # no more layers go out; the receiver's reservation ends
-            if spec is not None:
-                self._mark_sent(request_id)
-        if spec is None:
-            return False
-        self._post(request_id, TransferVerdict(spec.params.transfer_id.hex(), Outcome.ABORTED, ""))
-        return True
+        self.book.finish(rid, replace(verdict, tail_s=time.monotonic() - forward_end))
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for the sends under way. False if some are still running at the deadline."""
@@ -325,11 +198,4 @@ class PrefillSends:
         self._closed = True
         self._sends_bg.close(timeout_s)
         self._streams_bg.close(timeout_s)
-        self._connect_pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _prepare(name: str, transport) -> None:
-    try:
-        transport.prepare()
-    except Exception as exc:  # noqa: BLE001 - the first send will try again (and report)
-        log.warning("kv transport %s could not start ahead: %s", name, exc)
+        self.connections.close()

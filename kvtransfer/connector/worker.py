@@ -1,6 +1,7 @@
 """The connector's worker half: the engine's contract, and nothing else. The work is done by
-three rooms, each with its own callers and threads: `StoreSaves` (prefix-store loads and
-saves), `PrefillSends` (the prefill's sends) and `DecodeReceives` (the decode's receives)."""
+three rooms, each with its own threads: `StoreSaves` (prefix-store loads and saves),
+`EngineSends` (the engine's side of the prefill's sends; the service's side is
+`ServiceSends`, `PdConnector.sends`) and `DecodeReceives` (the decode's receives)."""
 from __future__ import annotations
 
 import time
@@ -15,11 +16,11 @@ from pdserve.kvtransfer.chain import FallbackChain
 from pdserve.kvtransfer.connector.metadata import PdConnectorMetadata
 from pdserve.kvtransfer.connector.prefix_store import NoStoreSaves, StoreSaves
 from pdserve.kvtransfer.connector.receives import DecodeReceives
-from pdserve.kvtransfer.connector.sends import PrefillSends
+from pdserve.kvtransfer.connector.sends import EngineSends
 
 
 class PdConnectorWorker(KVConnectorWorker):
-    def __init__(self, layout: KVCacheLayout, saves: StoreSaves | NoStoreSaves, sends: PrefillSends,
+    def __init__(self, layout: KVCacheLayout, saves: StoreSaves | NoStoreSaves, sends: EngineSends,
                  receives: DecodeReceives, chain: FallbackChain) -> None:
         self.layout = layout
         self.saves = saves

@@ -12,8 +12,9 @@ from typing import Iterator
 
 import grpc
 
-from pdserve.common.auth import CREDENTIAL_HEADER, CallKey, CallSigner, ClusterSecret
 from pdserve.deploy import up
+from pdserve.security.credentials import CREDENTIAL_HEADER, CallKey, CallSigner
+from pdserve.security.secret import ClusterSecret
 
 
 def pick_free_port() -> int:

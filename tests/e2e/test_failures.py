@@ -12,7 +12,7 @@ import httpx
 import pytest
 from harness import MODEL, deploy_workers, registered_decode
 
-from pdserve.common.auth import CREDENTIAL_HEADER
+from pdserve.security.credentials import CREDENTIAL_HEADER
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,9 @@ import httpx
 import pytest
 from harness import MODEL, deploy_workers, registered_decode
 
-from pdserve.common.auth import CREDENTIAL_HEADER, ClusterSecret, Mac
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.security.credentials import CREDENTIAL_HEADER
+from pdserve.security.secret import ClusterSecret, Mac
 from pdserve.worker.transfer import sign_handoff
 
 pytestmark = pytest.mark.slow

@@ -15,9 +15,10 @@ import httpx
 import pytest
 from harness import MODEL, deploy_workers
 
-from pdserve.common.auth import CREDENTIAL_HEADER, CallKey, CallSigner, ClusterSecret
 from pdserve.proto.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc,
                                       registry_pb2, registry_pb2_grpc)
+from pdserve.security.credentials import CREDENTIAL_HEADER, CallKey, CallSigner
+from pdserve.security.secret import ClusterSecret
 
 pytestmark = pytest.mark.slow
 

@@ -211,7 +211,7 @@ def test_disaggregated_engines_on_the_gpu_over_nccl_equal_local_greedy(loopback,
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 45, 17)]
     with engines(model_dir, config, common=dict(device="cuda"), max_num_tokens=12) as (prefill, decode, local):
-        assert prefill.engine.connector.sends._device_direct()
+        assert prefill.engine.connector.worker.sends._device_direct()
         for i, prompt in enumerate(prompts):
             tokens, sent, received = disaggregated(prefill, decode, prompt, f"gpu{i}")
             assert sent.ok and sent.backend == "nccl" and received.ok, received.describe()

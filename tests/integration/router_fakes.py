@@ -18,7 +18,6 @@ import openai
 import support
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from pdserve.common.auth import CallSigner
 from pdserve.proto.pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -30,7 +29,8 @@ from pdserve.proto.pdserve.v1 import (
 from pdserve.router.app import RouterApp
 from pdserve.router.config import RouterConfig
 from pdserve.rpc.credentials import InternalTLS, bind
-from pdserve.rpc.peer_keys import PeerKeys
+from pdserve.security.credentials import CallSigner
+from pdserve.security.key_directory import PeerKeys
 from pdserve.worker.registry_client import RegistryClient
 
 MODEL = "tiny-chat"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.child import Child, serve_commands
+from pdserve.lab.child import Child, serve_commands
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `kvcaches`, `store_attack`
 from store_attack import NUM_VALUES, VALUE_BYTES, attack, attack_all, listening_ports  # noqa: E402

@@ -21,7 +21,7 @@ import time
 import pytest
 from test_transport_p2p import BACKENDS, DEADLINE_S, SLACK_S, make_message, payload_digests
 
-from pdserve.bench.child import Child
+from pdserve.lab.child import Child
 from pdserve.common.errors import TransferError, UpstreamFailedError
 from pdserve.decode.prefill_leg import PrefillLeg, RemotePrefill
 from pdserve.kvtransfer.backends import _p2p
@@ -93,25 +93,27 @@ class PrefillProcess:
             self.proc.wait(timeout=10)
 
 
-class RecordingReceiver:
-    """Isolates the leg from the transfer layer: records what the leg asks of it."""
-
-    backends = ("ucx",)
+class RecordingReceives:
+    """Isolates the leg from the transfer layer (a `ReceiveControl`): records what the leg
+    asks of it."""
 
     def __init__(self) -> None:
         self.cancelled: list[str] = []
 
+    @property
     def endpoints(self):
-        return [("ucx", "127.0.0.1:1")]
+        return {"ucx": "127.0.0.1:1"}
 
-    def prepare(self, request_id, block_ids, num_prompt_tokens, num_cached_tokens, timeout_s, block_hashes=None):
+    def prepare_receive(self, request_id, block_ids, num_prompt_tokens, num_leading_blocks, deadline,
+                        transfer_id=None, block_hashes=None):
         return None
 
-    def complete(self, request_id, verdict):
+    def complete_receive(self, request_id, verdict):
         return verdict
 
-    def cancel(self, request_id):
+    def cancel_receive(self, request_id):
         self.cancelled.append(request_id)
+        return True
 
 
 @pytest.fixture
@@ -156,7 +158,7 @@ class AdmittedStream:
 async def test_a_frozen_prefill_ends_the_leg_within_seconds_by_the_policy_and_serves_after_the_thaw(
         prefill_process, monkeypatch):
     monkeypatch.setattr("pdserve.worker.transfer.params_to_handoff", lambda *a: prefill_pb2.KVHandoff())
-    receiver = RecordingReceiver()
+    receiver = RecordingReceives()
     leg = PrefillLeg(receiver, worker_id="decode-0", compat_hash=1, block_size=16, timeout_s=60.0)
     loop = InlineLoop()
     choice = decode_pb2.PrefillChoice(worker_id="prefill-0", address=f"127.0.0.1:{prefill_process.port}")
@@ -167,17 +169,17 @@ async def test_a_frozen_prefill_ends_the_leg_within_seconds_by_the_policy_and_se
         return remote.run(rid, request, AdmittedStream(), common_pb2.RequestTimings(), time.monotonic())
 
     try:
-        assert (await run("warm-0")).verdict.outcome == Outcome.TRANSFERRED  # the channel is up
+        assert (await run("warm-0"))[0].outcome == Outcome.TRANSFERRED  # the channel is up
         leg_task = asyncio.ensure_future(run("hang-1"))
         await asyncio.get_running_loop().run_in_executor(None, prefill_process.wait_for, "called hang-1", 30)
         prefill_process.signal(signal.SIGSTOP)
         cut = time.monotonic()
-        result = await asyncio.wait_for(leg_task, CUT_TO_ANSWER_S + 5)
+        decided, result = await asyncio.wait_for(leg_task, CUT_TO_ANSWER_S + 5)
         cut_to_answer = time.monotonic() - cut
         print(f"cut to answer: {cut_to_answer:.2f} s")
         assert cut_to_answer < CUT_TO_ANSWER_S
-        assert result.verdict.outcome == Outcome.RECOMPUTED and result.verdict.peer_status == "UNAVAILABLE"
-        assert "prefill_unavailable: UNAVAILABLE" in result.verdict.reason, result.verdict.reason
+        assert decided.outcome == Outcome.RECOMPUTED and result.verdict.peer_status == "UNAVAILABLE"
+        assert "prefill_unavailable: UNAVAILABLE" in decided.reason, decided.reason
         assert loop.engine.recomputed == ["hang-1"]
         assert receiver.cancelled == ["hang-1"]  # no late write lands in the reserved blocks
 
@@ -188,9 +190,9 @@ async def test_a_frozen_prefill_ends_the_leg_within_seconds_by_the_policy_and_se
 
         prefill_process.signal(signal.SIGCONT)
         start = time.monotonic()
-        healed = await run("after-3")  # the same channel, reconnected: no fallback
+        healed, leg_result = await run("after-3")  # the same channel, reconnected: no fallback
         print(f"first prefill after the thaw: {time.monotonic() - start:.2f} s")
-        assert healed.verdict.outcome == Outcome.TRANSFERRED, healed.verdict
+        assert healed.outcome == Outcome.TRANSFERRED, leg_result.verdict
         assert loop.engine.finished == ["warm-0", "after-3"] and loop.engine.recomputed == ["hang-1"]
     finally:
         await leg.close()
@@ -201,7 +203,7 @@ def receiver_main(backend: str) -> None:
     """A receiving process: the transport under test over test_transport_p2p's TensorSink."""
     from test_transport_p2p import TensorSink, make_transport
 
-    from pdserve.bench.child import serve_commands
+    from pdserve.lab.child import serve_commands
 
     sink = TensorSink()
     transport = make_transport(backend)

@@ -6,7 +6,7 @@ import logging
 
 from pdserve.kvtransfer.backends.redis import RedisStore, redacted_url
 from pdserve.worker.settings import WorkerSettings
-from pdserve.worker.transfer import Receiver
+from pdserve.worker.transfer import AdvertisedReceives
 
 PASSWORD = "hunter2-do-not-log"
 
@@ -34,7 +34,6 @@ def test_handoff_endpoints_name_the_redis_backend_without_its_url():
     class Receives:
         endpoints: dict[str, str] = {}
 
-    receiver = Receiver.__new__(Receiver)  # the real endpoint logic over a stand-in receive side
-    receiver.settings, receiver.receives, receiver.backends = settings, Receives(), settings.backends
-    assert receiver.endpoints() == [("redis", "redis"), ("disk", "/srv/kv")]
+    receives = AdvertisedReceives(Receives(), settings)  # the real endpoint logic over a stand-in receive side
+    assert list(receives.endpoints.items()) == [("redis", "redis"), ("disk", "/srv/kv")]
     assert PASSWORD not in repr(settings.transfer_config())

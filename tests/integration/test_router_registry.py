@@ -9,10 +9,11 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.common.auth import CREDENTIAL_HEADER, CallKey, CallSigner, CallVerifier, ClusterSecret
 from pdserve.common.block_hash import hash_prompt_blocks
 from pdserve.proto.pdserve.v1 import registry_pb2, registry_pb2_grpc
 from pdserve.router.config import Role, StaticWorker
+from pdserve.security.credentials import CREDENTIAL_HEADER, CallKey, CallSigner, CallVerifier
+from pdserve.security.secret import ClusterSecret
 
 from router_fakes import (
     BLOCK_SIZE,

@@ -7,9 +7,10 @@ import httpx
 import openai
 import pytest
 
-from pdserve.common.auth import CallKey, CallSigner, ClusterSecret
 from pdserve.proto.pdserve.v1 import common_pb2, generation_pb2_grpc, registry_pb2
 from pdserve.rpc.credentials import INTERNAL_SERVER_NAME, InternalTLS
+from pdserve.security.credentials import CallKey, CallSigner
+from pdserve.security.secret import ClusterSecret
 from pdserve.worker.registry_client import RegistryClient
 
 from router_fakes import MODEL, REPLY, WAIT_S, FakeWorker

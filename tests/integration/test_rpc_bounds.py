@@ -12,10 +12,10 @@ import subprocess
 
 import pytest
 
-from pdserve.common.auth import ClusterSecret
 from pdserve.proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, internal_channel
 from pdserve.rpc.server import WORKER_MAX_RECEIVE_BYTES, internal_server, service_name
+from pdserve.security.secret import ClusterSecret
 from support import KeyBook, grpc_flood_argv
 
 NUM_CALLS = 16

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.child import Child
+from pdserve.lab.child import Child
 from pdserve.common.block_hash import DIGEST_BYTES
 from pdserve.common.errors import TransferError
 from pdserve.kvtransfer import backend_loader

@@ -24,7 +24,7 @@ from pdserve.kvtransfer.blocks import gather_to_host
 from pdserve.kvtransfer.backend_loader import open_backends
 from pdserve.kvtransfer.sink import limits_for
 from kvcaches import block_digests, make_caches, tiny_layout
-from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome, decide
+from pdserve.kvtransfer.verdict import RECOMPUTE, Landing, Outcome, decide
 
 LAYOUT = tiny_layout(num_blocks=32, num_layers=2, block_size=16, num_kv_heads=2, head_dim=32)
 COOLDOWN_S = 1.5  # long enough that round 3 sees redis still cooling down
@@ -83,7 +83,7 @@ def test_redis_then_disk_then_recompute(setup):
     chain, worker, disk_dir, redis = setup
 
     verdict, final, landed = transfer(chain, worker, "r1", 0)
-    assert verdict.outcome == Outcome.TRANSFERRED and verdict.backend == "redis", verdict.describe()
+    assert verdict.landing == Landing.LANDED and verdict.backend == "redis", verdict.describe()
     assert final.ok and landed
     assert set(reasons(verdict)) == {"ucx", "nccl"}
     assert verdict.num_blocks == 4 and verdict.num_bytes > 4 * LAYOUT.block_numel_per_layer
@@ -97,8 +97,8 @@ def test_redis_then_disk_then_recompute(setup):
     shutil.rmtree(disk_dir)
     disk_dir.write_text("not a directory any more")  # unwritable, even for root
     verdict, final, landed = transfer(chain, worker, "r3", 2)
-    assert verdict.outcome == Outcome.FAILED and verdict.backend == "", verdict.describe()
-    assert final.outcome == Outcome.FAILED and not landed
+    assert verdict.landing == Landing.MISSING and verdict.backend == "", verdict.describe()
+    assert final.landing == Landing.MISSING and not landed
     decided = decide(final, RECOMPUTE)
     assert decided.outcome == Outcome.RECOMPUTED and decided.backend == RECOMPUTE
     assert decided.reason.startswith("transfer_failed: ")
@@ -129,6 +129,6 @@ def test_receiver_falls_back_to_recompute_when_the_store_lost_the_blocks(setup):
     assert verdict.backend == "redis"
     redis.flush()  # evicted before the receiver fetched
     final = worker.complete_receive("r9", verdict)
-    assert final.outcome == Outcome.FAILED and decide(final, RECOMPUTE).outcome == Outcome.RECOMPUTED
+    assert final.landing == Landing.MISSING and decide(final, RECOMPUTE).outcome == Outcome.RECOMPUTED
     assert final.fallbacks[-1].backend == "redis" and "missing 2 of 2" in final.fallbacks[-1].reason
     assert worker.sink.pending_transfer_ids == set()

@@ -18,7 +18,7 @@ import pytest
 import torch
 import xxhash
 
-from pdserve.bench.child import Child, serve_commands
+from pdserve.lab.child import Child, serve_commands
 from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.backends import _p2p
 from pdserve.kvtransfer.base import BlockMessage

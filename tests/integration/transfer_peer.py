@@ -2,7 +2,7 @@
 
 Holds its own cache (zeros) and a CacheSink, opens the backend under test as a receiver
 (transports) or a reader (stores), and obeys JSON-line commands on stdin. Replies are JSON
-lines on stdout through `pdserve.bench.child` (anything else printed there is ignored).
+lines on stdout through `pdserve.lab.child` (anything else printed there is ignored).
 Nothing is pickled across the process boundary.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.bench.child import serve_commands
+from pdserve.lab.child import serve_commands
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `kvcaches`
 

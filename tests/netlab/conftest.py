@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def lab_allowed() -> None:
     """Skips, with the reason, where a lab cannot be built (not root, no iproute2, no netns)."""
-    from pdserve.bench.netlab import unavailable
+    from pdserve.lab.namespaces import unavailable
 
     reason = unavailable()
     if reason:
@@ -47,7 +47,7 @@ def long_prompt() -> str:
 @pytest.fixture
 def secret_file(tmp_path) -> str:
     """A new cluster secret's file (0600)."""
-    from pdserve.common.auth import ClusterSecret
+    from pdserve.security.secret import ClusterSecret
 
     path = str(tmp_path / "cluster-secret")
     ClusterSecret.create(path)

@@ -1,8 +1,8 @@
 """`pdserve bench network`'s table and its refusal where no lab can be built (no root needed)."""
 from __future__ import annotations
 
-from pdserve.bench import netlab
-from pdserve.bench.netlab import Sample, parse_rate, table
+from pdserve.bench import network
+from pdserve.bench.network import Sample, parse_rate, table
 
 
 def _sample(mode: str, rate: str, ttft_s: float, kv: int = 0) -> Sample:
@@ -26,8 +26,8 @@ def test_rates_are_gbit_per_second_or_unshaped():
 
 
 def test_the_benchmark_says_why_it_cannot_run(monkeypatch, capsys):
-    monkeypatch.setattr(netlab, "unavailable", lambda: "the network lab needs root (ip netns add)")
-    assert netlab.main(["--rates", "1"]) == 2
+    monkeypatch.setattr(network, "unavailable", lambda: "the network lab needs root (ip netns add)")
+    assert network.main(["--rates", "1"]) == 2
     assert "needs root" in capsys.readouterr().err
 
 
@@ -57,5 +57,5 @@ def test_a_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     with pytest.raises(SystemExit):
-        netlab.main(["--plot", "ttft.svg"])
+        network.main(["--plot", "ttft.svg"])
     assert "--plot needs matplotlib" in capsys.readouterr().err

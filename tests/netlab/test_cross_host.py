@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from pdserve.bench.netlab import Lab, deploy
+from pdserve.lab.hosts import Lab
+from pdserve.lab.services import deploy
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from pdserve.bench.netlab import Lab, deploy
+from pdserve.lab.hosts import Lab
+from pdserve.lab.services import deploy
 from pdserve.router.config import ROUTER_REGISTRY_PORT
 from pki import TestCA
 

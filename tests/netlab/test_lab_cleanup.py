@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.netlab import NETNS_DIR, PREFIX, Lab
+from pdserve.lab.hosts import Lab
+from pdserve.lab.namespaces import NETNS_DIR, PREFIX
 
 CHILD = """
 import sys, time
-from pdserve.bench.netlab import Lab
+from pdserve.lab.hosts import Lab
 lab = Lab(["a", "b"]).__enter__()
 sleeper = lab.start("sleeper", "b", ["sleep", "600"])
 with lab.inside(sys.argv[1]) if len(sys.argv) > 1 else open("/dev/null"):  # a signal mid-request there

@@ -1,14 +1,15 @@
-"""The scope each caller gets from the keys it sends (router.api_key.Scope), and the admin
+"""The scope each caller gets from the keys it sends (security.client_keys.Scope), and the admin
 key's file as the router reads it."""
 from __future__ import annotations
 
 import pytest
 
-from pdserve.common.auth import ClusterSecretError
 from pdserve.common.errors import ErrorKind, InvalidRequestError, ServiceError, UnauthenticatedError
-from pdserve.router.api_key import ApiKeyCheck, Scope
+from pdserve.router.api_key import client_keys
 from pdserve.router.config import ConfigError, RouterConfig
 from pdserve.router.frontend import client_error
+from pdserve.security.client_keys import ClientKeys, Scope
+from pdserve.security.secret import ClusterSecretError
 
 
 @pytest.mark.parametrize("api_key, admin_key, sent, scope", [
@@ -24,11 +25,11 @@ from pdserve.router.frontend import client_error
     (None, "a", "Bearer k", Scope.CLIENT),
 ])
 def test_the_key_sent_sets_the_scope(api_key, admin_key, sent, scope) -> None:
-    assert ApiKeyCheck(api_key, admin_key).scope(sent) is scope
+    assert ClientKeys(api_key, admin_key).scope(sent) is scope
 
 
 def test_check_refuses_only_where_an_api_key_is_asked_for() -> None:
-    check = ApiKeyCheck("k", "a")
+    check = ClientKeys("k", "a")
     assert check.check("Bearer a") is Scope.ADMIN and check.check("Bearer k") is Scope.CLIENT
     with pytest.raises(UnauthenticatedError, match="missing"):
         check.check(None)
@@ -36,25 +37,25 @@ def test_check_refuses_only_where_an_api_key_is_asked_for() -> None:
         check.check("Bearer nope")
     assert check.check_metadata([("authorization", "Bearer a")]) is Scope.ADMIN
     with pytest.raises(UnauthenticatedError, match="exactly one"):  # which of two would count?
-        ApiKeyCheck(None, "a").check_metadata([("authorization", "Bearer k"), ("authorization", "Bearer a")])
+        ClientKeys(None, "a").check_metadata([("authorization", "Bearer k"), ("authorization", "Bearer a")])
 
 
 def test_the_admin_key_is_read_from_a_private_file(tmp_path) -> None:
     path = tmp_path / "admin"
     path.write_text("s3cret-admin\n")
     path.chmod(0o600)
-    check = ApiKeyCheck.from_config(RouterConfig(api_key="k", admin_api_key_file=str(path)))
+    check = client_keys(RouterConfig(api_key="k", admin_api_key_file=str(path)))
     assert check.scope("Bearer s3cret-admin") is Scope.ADMIN
     path.chmod(0o644)
     with pytest.raises(ClusterSecretError, match="readable by others"):
-        ApiKeyCheck.from_config(RouterConfig(admin_api_key_file=str(path)))
+        client_keys(RouterConfig(admin_api_key_file=str(path)))
     path.write_text("k")
     path.chmod(0o600)
     with pytest.raises(ConfigError, match="differ"):
-        ApiKeyCheck.from_config(RouterConfig(api_key="k", admin_api_key_file=str(path)))
+        client_keys(RouterConfig(api_key="k", admin_api_key_file=str(path)))
     path.write_text("\n")
     with pytest.raises(ConfigError, match="printable"):
-        ApiKeyCheck.from_config(RouterConfig(admin_api_key_file=str(path)))
+        client_keys(RouterConfig(admin_api_key_file=str(path)))
 
 
 def test_a_client_sees_errors_raised_inside_by_their_kind_only() -> None:

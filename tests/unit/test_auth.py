@@ -1,4 +1,4 @@
-"""The cluster secret and call credentials (pdserve.common.auth): what verifies, what does not."""
+"""The cluster secret and call credentials (pdserve.security): what verifies, what does not."""
 from __future__ import annotations
 
 import os
@@ -6,8 +6,10 @@ import os
 import pytest
 from support import FakeClock
 
-from pdserve.common.auth import (AuthError, CallSigner, CallVerifier, ClusterSecret, ClusterSecretError,
-                                 Mac, is_loopback, require_secret_off_loopback)
+from pdserve.common.errors import AuthError
+from pdserve.common.util import is_loopback
+from pdserve.security.credentials import CallSigner, CallVerifier
+from pdserve.security.secret import ClusterSecret, ClusterSecretError, Mac, require_secret_off_loopback
 
 METHOD = "/pdserve.v1.Decode/Decode"
 

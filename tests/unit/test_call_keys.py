@@ -8,12 +8,14 @@ import asyncio
 import pytest
 from support import FakeClock, KeyBook
 
-from pdserve.common.auth import (ADMISSION_METHODS, AuthError, CallKey, CallSigner, CallVerifier, ClusterSecret,
-                                 Identity, UnknownCallerError)
+from pdserve.common.errors import AuthError
 from pdserve.common.errors import AlreadyExistsError
 from pdserve.router.config import Role
 from pdserve.router.worker_registry import Load, RegistryKeys, Worker, WorkerRegistry
-from pdserve.rpc.peer_keys import PeerKeys
+from pdserve.security.credentials import (ADMISSION_METHODS, CallKey, CallSigner, CallVerifier, Identity,
+                                          UnknownCallerError)
+from pdserve.security.key_directory import PeerKeys
+from pdserve.security.secret import ClusterSecret
 
 METHOD = "/pdserve.v1.Decode/Decode"
 REGISTER = "/pdserve.v1.Registry/Register"

@@ -39,11 +39,15 @@ def _dests(command: str) -> set[str]:
 
 
 def test_up_takes_only_flags_it_uses():
-    from pdserve.deploy import up
+    from dataclasses import fields
 
+    from pdserve.deploy import up
+    from pdserve.planner.settings import PlannerSettings
+
+    planner = {f.name for f in fields(PlannerSettings) if "up" in f.metadata["roles"]}  # `up` runs the planner
     own = {"config", "host", "log_level", "num_prefill", "num_decode", "http_port", "router_grpc_port",
            "router_registry_port",
-           "local_prefill", "ready_timeout_s", "max_restarts", "api_key", *up.SECURITY_FLAGS}
+           "local_prefill", "ready_timeout_s", "max_restarts", "api_key", *up.SECURITY_FLAGS, *planner}
     from pdserve.deploy.cli import router_pass_through, worker_pass_through
 
     assert _dests("up") - own == (set(worker_pass_through()) | set(router_pass_through())) - {"log_level"}
@@ -96,7 +100,7 @@ def test_up_makes_a_private_cluster_secret_per_run_and_removes_it(tmp_path):
     import os
     import stat
 
-    from pdserve.common.auth import ClusterSecret
+    from pdserve.security.secret import ClusterSecret
     from pdserve.deploy import up
 
     with up.cluster_secret({"num_decode": 1}) as settings:
@@ -124,7 +128,7 @@ def test_up_keeps_its_secret_across_runs_when_it_has_a_prefix_store(tmp_path, mo
 
     import pytest
 
-    from pdserve.common.auth import ClusterSecret
+    from pdserve.security.secret import ClusterSecret
     from pdserve.deploy import up
 
     monkeypatch.setenv("PDSERVE_CACHE_ROOT", str(tmp_path / "cache"))
@@ -347,7 +351,7 @@ def test_worker_settings_are_the_one_table_of_worker_flags():
     assert all(spec.get("group") in GROUPS and spec.get("help") for spec in table.values())
     for role in ("prefill", "decode"):
         assert _dests(role) - {"config"} == {n for n, spec in table.items() if role in spec["roles"]}
-    shared = {n for n, spec in table.items() if spec["group"] in ("engine", "kv transfer")}
+    shared = {n for n, spec in table.items() if spec["group"] in ("engine", "kv transfer", "lifecycle")}
     assert set(worker_pass_through()) == shared | {"log_level"}
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.auth import ClusterSecret, Mac
 from pdserve.common.errors import AuthError
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
+from pdserve.security.secret import ClusterSecret, Mac
 from pdserve.worker.transfer import check_handoff_signature, sign_handoff
 
 MAC = Mac(ClusterSecret(b"s" * 32).key("handoff"))

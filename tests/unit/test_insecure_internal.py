@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from pdserve.common.auth import ClusterSecretError
 from pdserve.rpc.credentials import InternalAuth
+from pdserve.security.secret import ClusterSecretError
 
 
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])

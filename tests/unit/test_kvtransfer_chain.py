@@ -15,7 +15,7 @@ from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.sink import limits_for
 from kvcaches import tiny_layout
-from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
+from pdserve.kvtransfer.verdict import RECOMPUTE, Landing
 from pdserve.kvtransfer.wire import HEADER_SIZE, payload_nbytes
 from support import FakeClock
 
@@ -57,7 +57,7 @@ def test_first_healthy_backend_carries_the_transfer():
     ucx, nccl = FakeTransport("ucx"), FakeTransport("nccl")
     chain = FallbackChain(("ucx", "nccl", RECOMPUTE), transports={"ucx": ucx, "nccl": nccl})
     verdict = chain.send(job())
-    assert (verdict.outcome, verdict.backend, verdict.fallbacks) == (Outcome.TRANSFERRED, "ucx", ())
+    assert (verdict.landing, verdict.backend, verdict.fallbacks) == (Landing.LANDED, "ucx", ())
     assert verdict.num_blocks == 2 and verdict.num_bytes == HEADER_SIZE + 32 + NBYTES
     assert nccl.sent == [] and ucx.sent[0][0] == "u:1"
     assert verdict.fetch_keys == ()  # point-to-point: nothing to fetch
@@ -85,7 +85,7 @@ def test_missing_endpoint_and_unknown_backend_are_skipped():
     ucx = FakeTransport("ucx")
     chain = FallbackChain(("ucx", "nccl", RECOMPUTE), transports={"ucx": ucx})
     verdict = chain.send(job(endpoints={}))
-    assert verdict.outcome == Outcome.FAILED and verdict.backend == ""  # not carried: the receiver decides
+    assert verdict.landing == Landing.MISSING and verdict.backend == ""  # not carried: the receiver decides
     assert [(f.backend, f.reason) for f in verdict.fallbacks] == [
         ("ucx", "the receiver has no endpoint for it"), ("nccl", "not configured on the sender")]
     assert ucx.sent == []
@@ -97,7 +97,7 @@ def test_receiver_order_wins_and_without_recompute_the_transfer_fails():
     chain = FallbackChain(("ucx", "nccl", RECOMPUTE), transports={"ucx": ucx, "nccl": nccl})
     assert chain.send(job(order=("nccl",))).backend == "nccl" and ucx.sent == []
     verdict = chain.send(job(order=("ucx",)))
-    assert verdict.outcome == Outcome.FAILED and verdict.backend == "" and not verdict.ok
+    assert verdict.landing == Landing.MISSING and verdict.backend == "" and not verdict.ok
 
 
 def test_step_deadline_is_the_smaller_of_step_timeout_and_transfer_deadline():
@@ -115,7 +115,7 @@ def test_a_passed_deadline_skips_every_backend():
     ucx = FakeTransport("ucx")
     chain = FallbackChain(("ucx", RECOMPUTE), transports={"ucx": ucx})
     verdict = chain.send(job(deadline=time.monotonic() - 1))
-    assert verdict.outcome == Outcome.FAILED and ucx.sent == []
+    assert verdict.landing == Landing.MISSING and ucx.sent == []
     assert verdict.fallbacks[0].reason == "the transfer's deadline passed"
 
 
@@ -166,7 +166,7 @@ def test_a_backend_bug_does_not_end_the_chain():
     ucx = FakeTransport("ucx", KeyError("oops"))
     chain = FallbackChain(("ucx", RECOMPUTE), transports={"ucx": ucx})
     verdict = chain.send(job())
-    assert verdict.outcome == Outcome.FAILED and "KeyError" in verdict.fallbacks[0].reason
+    assert verdict.landing == Landing.MISSING and "KeyError" in verdict.fallbacks[0].reason
 
 
 def test_health_state_machine():

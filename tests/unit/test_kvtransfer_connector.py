@@ -13,7 +13,7 @@ from pdserve.kvtransfer import KVTransferConfig
 from pdserve.kvtransfer.connector import build_connector
 from pdserve.kvtransfer.params import ReceiveParams, TransferParams
 from kvcaches import block_digests, make_caches, tiny_layout
-from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
+from pdserve.kvtransfer.verdict import RECOMPUTE, Landing
 from pdserve.common.block_hash import hash_prompt_blocks
 
 LAYOUT = tiny_layout(num_blocks=32, block_size=4)
@@ -178,10 +178,10 @@ def test_abort_before_the_prompt_completes_reports_an_aborted_verdict(tmp_path):
     assert prefill.scheduler.request_finished(req, [2, 3, 4, 5]) is True
     assert prefill.worker.get_finished({"p1"}) == {"p1"}
     verdict = prefill.sends.wait_verdict("p1", 1)
-    assert verdict.outcome == Outcome.ABORTED and not verdict.ok
+    assert verdict.landing == Landing.ABORTED and not verdict.ok
 
     final = decode.receives.complete_receive("d1", verdict)
-    assert final.outcome == Outcome.ABORTED
+    assert final.landing == Landing.ABORTED
     assert decode.receives.sink.reserved_block_ids == set()
     prefill.worker.close()
     decode.worker.close()
@@ -194,7 +194,7 @@ def test_service_abort_before_the_send_starts(tmp_path):
     admit(prefill, req, [2, 3, 4, 5])
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 4})
     assert prefill.sends.abort_send("p1") and not prefill.sends.abort_send("p1")
-    assert prefill.sends.wait_verdict("p1", 1).outcome == Outcome.ABORTED
+    assert prefill.sends.wait_verdict("p1", 1).landing == Landing.ABORTED
     forward(prefill, p_caches, {"p1": [2, 3, 4, 5]}, {"p1": 14})  # too late: nothing is sent
     assert prefill.worker.flush(5) and not list((tmp_path / "store").rglob("*.kv"))
     assert prefill.scheduler.request_finished(req, [2, 3, 4, 5])
@@ -214,9 +214,9 @@ def test_incompatible_or_mis_sized_handoffs_fail_without_sending(tmp_path):
         admit(prefill, req, [2, 3, 4, 5])
         forward(prefill, p_caches, {rid: [2, 3, 4, 5]}, {rid: 14})
         verdict = prefill.sends.wait_verdict(rid, 5)
-        assert verdict.outcome == Outcome.FAILED and verdict.fallbacks[0].backend == "sender"
+        assert verdict.landing == Landing.MISSING and verdict.fallbacks[0].backend == "sender"
         assert why in verdict.fallbacks[0].reason
-    assert decode.receives.complete_receive("d1", verdict).outcome == Outcome.FAILED
+    assert decode.receives.complete_receive("d1", verdict).landing == Landing.MISSING
     assert not list((tmp_path / "store").rglob("*.kv"))  # nothing was sent
     prefill.worker.close()
     decode.worker.close()

@@ -14,7 +14,7 @@ from pdserve.engine.llm import LLM
 from pdserve.kvtransfer import KVTransferConfig, ReceiveParams, connector_factory
 from pdserve.kvtransfer.codec import new_transfer_id
 from pdserve.kvtransfer.backend_loader import is_importable
-from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
+from pdserve.kvtransfer.verdict import RECOMPUTE, Landing
 from engine_pair import BLOCK, GREEDY, assert_all_blocks_back, disaggregated, engines, run_until
 
 def _params():
@@ -183,7 +183,7 @@ def test_failed_transfer_is_recomputed_by_the_decode_side(tiny_model_factory, tm
     prompt = list(range(3, 40))
     try:
         tokens, sent, received = disaggregated(prefill, decode, prompt, "r")
-        assert sent.outcome == Outcome.FAILED and received.outcome == Outcome.FAILED  # did not land
+        assert sent.landing == Landing.MISSING and received.landing == Landing.MISSING  # did not land
         assert [f.backend for f in sent.fallbacks] == ["disk"]
         assert tuple(tokens) == local.generate(prompt, GREEDY)[0].token_ids
         for llm in (prefill, decode):

@@ -15,7 +15,7 @@ from pdserve.kvtransfer.params import TransferParams
 from pdserve.kvtransfer.sink import CacheSink, limits_for
 from pdserve.kvtransfer.stream import LayerStream
 from kvcaches import block_digests, make_caches, tiny_layout
-from pdserve.kvtransfer.verdict import Outcome, TransferVerdict
+from pdserve.kvtransfer.verdict import Landing, TransferVerdict
 from pdserve.kvtransfer.wire import parse_header
 
 LAYOUT = tiny_layout(num_blocks=16, num_layers=4, block_size=4)
@@ -52,7 +52,7 @@ class RecordingChain:
         header = parse_header(job.message.header, self.sink.limits)
         self.sink.check(header, job.message.index)
         self.sink.commit(header, job.message.index, job.message.payload)
-        return TransferVerdict(job.transfer_id.hex(), Outcome.TRANSFERRED, "disk", job.num_blocks,
+        return TransferVerdict(job.transfer_id.hex(), Landing.LANDED, "disk", job.num_blocks,
                                fallbacks=(broken,))
 
 

@@ -8,9 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.rpc.certificates import CertificateError, certificate_ip_addresses
-from pdserve.rpc.credentials import INTERNAL_SERVER_NAME, InternalTLS, PeerAddressInterceptor, _peer_address, bind
+from pdserve.rpc.credentials import INTERNAL_SERVER_NAME, InternalTLS, PeerAddressInterceptor, bind
 from pdserve.rpc.server import internal_server
+from pdserve.security.internal_tls import CertificateError, certificate_ip_addresses, peer_address
 from pki import TestCA
 
 HEALTH = "grpc.health.v1.Health"
@@ -103,7 +103,7 @@ def test_a_certificates_ip_addresses_are_read_from_its_der(tmp_path):
 
 
 def test_peer_strings_give_their_ip_address():
-    assert str(_peer_address("ipv4:10.77.0.12:40000")) == "10.77.0.12"
-    assert str(_peer_address("ipv6:%5B::ffff:10.0.0.1%5D:5")) == "10.0.0.1"
-    assert str(_peer_address("ipv6:[::1]:5")) == "::1"
-    assert _peer_address("unix:/tmp/sock") is None
+    assert str(peer_address("ipv4:10.77.0.12:40000")) == "10.77.0.12"
+    assert str(peer_address("ipv6:%5B::ffff:10.0.0.1%5D:5")) == "10.0.0.1"
+    assert str(peer_address("ipv6:[::1]:5")) == "::1"
+    assert peer_address("unix:/tmp/sock") is None

@@ -13,7 +13,6 @@ import time
 import grpc
 import pytest
 
-from pdserve.common.auth import ClusterSecret
 from pdserve.common.block_hash import prompt_blocks
 from pdserve.common.errors import OverloadedError
 from pdserve.kvtransfer.codec import new_transfer_id
@@ -22,8 +21,10 @@ from pdserve.prefill.servicer import PrefillService
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, internal_channel
 from pdserve.rpc.server import WORKER_MAX_RECEIVE_BYTES, internal_server
+from pdserve.security.handoffs import HandoffLedger, ReplayedHandoffError
+from pdserve.security.secret import ClusterSecret
 from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.transfer import HandoffLedger, ReplayedHandoffError, sign_handoff
+from pdserve.worker.transfer import sign_handoff
 from support import FakeClock, KeyBook
 
 
@@ -58,19 +59,24 @@ class NeverDone:
 
 
 class RecordingSends:
-    """The transfer layer's send side, every backend usable; records aborted sends."""
+    """The transfer layer's send side (a `SendControl`), every backend usable; records
+    aborted sends."""
 
     def __init__(self) -> None:
         self.aborted: list[str] = []
 
-    def refusal(self, handoff):
+    def unusable(self, params):
+        return []
+
+    def connect_ahead(self, params):
+        pass
+
+    def wait_verdict(self, request_id, timeout_s):
         return None
 
-    def transfer_params(self, request_id, handoff):
-        return None
-
-    def abort(self, request_id):
+    def abort_send(self, request_id):
         self.aborted.append(request_id)
+        return True
 
 
 @contextlib.asynccontextmanager
@@ -78,7 +84,7 @@ async def prefill_server():
     """(runner, stub per caller id) of a Prefill service whose hand-offs are signed."""
     auth = InternalAuth(ClusterSecret(b"s" * 32))
     book = KeyBook(auth.secret)
-    runner = PrefillRunner(HoldingLoop(), RecordingSends(), WorkerMetrics("prefill"), max_queue=4,
+    runner = PrefillRunner(HoldingLoop(), RecordingSends(), WorkerMetrics("prefill"), block_size=16, max_queue=4,
                            handoff_mac=auth.handoff_mac())
     server = internal_server(WORKER_MAX_RECEIVE_BYTES, auth.interceptors(
         [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name], lambda reason: None, book))
@@ -125,7 +131,7 @@ async def test_only_the_decode_its_handoff_names_may_abort_a_prefill(caplog):
         with caplog.at_level(logging.WARNING, logger="pdserve.prefill"):
             other = await stub("decode-1").Abort(common_pb2.AbortRequest(request_id="r1"), timeout=10)
         assert not other.found
-        assert runner.loop.aborted == [] and runner.sender.aborted == []
+        assert runner.loop.aborted == [] and runner.sends.aborted == []
         assert "abort of request 'r1' by 'decode-1' refused" in caplog.text
 
         unknown = await stub("decode-0").Abort(common_pb2.AbortRequest(request_id="r2"), timeout=10)
@@ -133,7 +139,7 @@ async def test_only_the_decode_its_handoff_names_may_abort_a_prefill(caplog):
 
         owner = await stub("decode-0").Abort(common_pb2.AbortRequest(request_id="r1"), timeout=10)
         assert owner.found
-        assert runner.loop.aborted == ["r1"] and runner.sender.aborted == ["r1"]
+        assert runner.loop.aborted == ["r1"] and runner.sends.aborted == ["r1"]
         call.cancel()
 
 
@@ -144,7 +150,7 @@ async def test_a_duplicate_request_id_is_refused_and_the_first_runs_on():
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub(decode).Prefill(signed_request("r1", decode), timeout=10)
             assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
-        assert runner.loop.added == ["r1"] and runner.loop.aborted == [] and runner.sender.aborted == []
+        assert runner.loop.added == ["r1"] and runner.loop.aborted == [] and runner.sends.aborted == []
         assert runner.num_inflight == 1 and len(runner.ledger) == 1  # the refused hand-offs are not spent
         assert not call.done()
         call.cancel()

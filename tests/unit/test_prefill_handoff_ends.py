@@ -13,7 +13,6 @@ import time
 import grpc
 import pytest
 
-from pdserve.common.auth import ClusterSecret
 from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm import LLM
@@ -23,14 +22,15 @@ from pdserve.kvtransfer.base import KVTransport
 from pdserve.kvtransfer.codec import new_transfer_id
 from pdserve.kvtransfer.health import BackendHealth, HealthPolicy
 from pdserve.kvtransfer.params import TransferParams
-from pdserve.kvtransfer.verdict import RECOMPUTE, Outcome
+from pdserve.kvtransfer.verdict import RECOMPUTE, Landing
 from pdserve.prefill.runner import PrefillRunner
 from pdserve.prefill.servicer import PrefillService
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.rpc.credentials import InternalAuth, internal_channel
 from pdserve.rpc.server import WORKER_MAX_RECEIVE_BYTES, internal_server
+from pdserve.security.secret import ClusterSecret
 from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.transfer import Sender, sign_handoff
+from pdserve.worker.transfer import sign_handoff
 from support import KeyBook
 
 BLOCK = 16
@@ -109,7 +109,7 @@ def test_an_id_whose_blocks_a_send_still_reads_is_refused_and_the_blocks_come_ba
 
         peer.hang_up()
         run_until(llm, lambda: not engine.has_unfinished())
-        assert engine.connector.sends.wait_verdict("x", 10).outcome == Outcome.FAILED
+        assert engine.connector.sends.wait_verdict("x", 10).landing == Landing.MISSING
         engine.assert_no_leaks()
     finally:
         peer.hang_up()  # the stream still sending gives up now, not at its deadline
@@ -128,14 +128,14 @@ def test_an_abort_that_meets_the_engines_end_of_the_request_frees_its_blocks(tin
                                 (("peer", "10.0.0.2:1"),), ("peer", RECOMPUTE))
         engine.add_request(PROMPT, FIRST_TOKEN, request_id="x", transfer_params=params)
         llm.step()  # announced, the prompt not computed
-        post = sends.verdicts.post
+        post = sends.book.verdicts.post
 
         def engine_ends_it_first(request_id, verdict):
             assert engine.abort(request_id)
             llm.step()  # the engine tells the connector the request ended
             post(request_id, verdict)
 
-        sends.verdicts.post = engine_ends_it_first
+        sends.book.verdicts.post = engine_ends_it_first
         assert sends.abort_send("x")
         run_until(llm, lambda: not engine.has_unfinished(), timeout_s=10)
         engine.assert_no_leaks()
@@ -152,8 +152,8 @@ class PrefillServer:
         self.auth = InternalAuth(secret)
         self.book = KeyBook(secret)
         self.loop = EngineLoop(llm.engine)
-        self.runner = PrefillRunner(self.loop, Sender(llm.engine.connector, BLOCK), WorkerMetrics("prefill"),
-                                    max_queue=4, handoff_mac=self.auth.handoff_mac())
+        self.runner = PrefillRunner(self.loop, llm.engine.connector.sends, WorkerMetrics("prefill"),
+                                    block_size=BLOCK, max_queue=4, handoff_mac=self.auth.handoff_mac())
         self.server = internal_server(WORKER_MAX_RECEIVE_BYTES, self.auth.interceptors(
             [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name], lambda reason: None, self.book))
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillService(self.runner, "tiny"), self.server)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from pdserve.decode.prefill_leg import PrefillLeg
-from pdserve.kvtransfer.verdict import Outcome
+from pdserve.kvtransfer.verdict import Landing
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 
@@ -37,25 +37,28 @@ class SlowPrefill(prefill_pb2_grpc.PrefillServicer):
 
 
 @dataclass
-class RecordingReceiver:
-    """Isolates the leg from the transfer layer: records what the leg asks of it."""
+class RecordingReceives:
+    """Isolates the leg from the transfer layer (a `ReceiveControl`): records what the leg
+    asks of it; each reservation's time to live, in seconds."""
 
-    backends: tuple[str, ...] = ("disk",)
     prepared: list[tuple[str, float]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
 
+    @property
     def endpoints(self):
-        return [("disk", "/tmp/kv")]
+        return {"disk": "/tmp/kv"}
 
-    def prepare(self, request_id, block_ids, num_prompt_tokens, num_cached_tokens, timeout_s, block_hashes=None):
-        self.prepared.append((request_id, timeout_s))
+    def prepare_receive(self, request_id, block_ids, num_prompt_tokens, num_leading_blocks, deadline,
+                        transfer_id=None, block_hashes=None):
+        self.prepared.append((request_id, round(deadline - time.time(), 1)))
         return None
 
-    def complete(self, request_id, verdict):
+    def complete_receive(self, request_id, verdict):
         return verdict
 
-    def cancel(self, request_id):
+    def cancel_receive(self, request_id):
         self.cancelled.append(request_id)
+        return True
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = Fa
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    receiver = RecordingReceiver()
+    receiver = RecordingReceives()
     leg = PrefillLeg(receiver, worker_id="decode-0", compat_hash=1, block_size=16, timeout_s=timeout_s)
     try:
         start = time.monotonic()
@@ -87,9 +90,9 @@ async def run_leg(delay_s: float, timeout_s: float, monkeypatch, skip: bool = Fa
 
 async def test_a_prefill_slower_than_the_deadline_fails_the_leg_at_the_deadline(monkeypatch):
     result, elapsed, receiver = await run_leg(delay_s=30.0, timeout_s=0.5, monkeypatch=monkeypatch)
-    assert not result.ok and result.verdict.outcome == Outcome.FAILED  # did not land; not aborted
+    assert not result.ok and result.verdict.landing == Landing.MISSING  # did not land; not aborted
     assert result.verdict.peer_status == "DEADLINE_EXCEEDED"
-    assert result.verdict.outcome == Outcome.FAILED
+    assert result.verdict.landing == Landing.MISSING
     assert 0.4 < elapsed < 5.0
     assert receiver.prepared == [("req-1", 0.5)]  # the reservation lives as long as the leg
     assert receiver.cancelled == ["req-1"]
@@ -106,7 +109,7 @@ async def test_a_prefill_that_skipped_the_prompt_fails_the_leg_with_its_reason(m
     """No KV backend could carry the blocks, so the prefill computed nothing: the reservation
     is dropped (nothing will arrive) and decode's verdict carries why, for its recompute."""
     result, _, receiver = await run_leg(delay_s=0.0, timeout_s=5.0, monkeypatch=monkeypatch, skip=True)
-    assert not result.ok and result.verdict.outcome == Outcome.FAILED  # did not land; not aborted
+    assert not result.ok and result.verdict.landing == Landing.MISSING  # did not land; not aborted
     assert result.verdict.reason == SKIPPED and result.verdict.peer == "prefill-0"
     assert [f.backend for f in result.verdict.fallbacks] == ["disk"]
     assert receiver.cancelled == ["req-1"]

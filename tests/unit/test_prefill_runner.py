@@ -9,7 +9,6 @@ import time
 import pytest
 
 from pdserve.common.block_hash import prompt_blocks
-from pdserve.worker.transfer import Sender
 from pdserve.prefill.runner import PrefillRunner
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 from pdserve.worker.metrics import WorkerMetrics
@@ -32,12 +31,21 @@ class NeverRunLoop:
 
 
 class DownSends:
-    """The transfer layer's send side with every backend in its cool-down."""
+    """The transfer layer's send side (a `SendControl`) with every backend in its cool-down."""
 
     def unusable(self, params):
         from pdserve.kvtransfer.verdict import Fallback
 
         return [Fallback("redis", "unhealthy after 3 failures in a row (last: connection refused)")]
+
+    def connect_ahead(self, params):
+        raise AssertionError("connected ahead for a hand-off whose KV could go nowhere")
+
+    def wait_verdict(self, request_id, timeout_s):
+        raise AssertionError("waited for a send that never started")
+
+    def abort_send(self, request_id):
+        return False
 
 
 def handoff() -> prefill_pb2.KVHandoff:
@@ -46,10 +54,8 @@ def handoff() -> prefill_pb2.KVHandoff:
 
 
 async def test_no_usable_backend_answers_skipped_without_computing():
-    sender = Sender.__new__(Sender)  # the real refusal logic over a stand-in send side
-    sender.block_size, sender.sends = 16, DownSends()
     metrics = WorkerMetrics("prefill")
-    runner = PrefillRunner(NeverRunLoop(), sender, metrics, max_queue=4)
+    runner = PrefillRunner(NeverRunLoop(), DownSends(), metrics, block_size=16, max_queue=4)
     request = prefill_pb2.PrefillRequest(request_id="r1", prompt_token_ids=list(range(20)),
                                          sampling=common_pb2.SamplingParams(max_tokens=4), handoff=handoff())
     response = await runner.run(request)
@@ -66,7 +72,7 @@ def test_the_handoff_ledger_accepts_each_once_until_its_deadline_and_stays_bound
     import pytest
 
     from pdserve.common.errors import OverloadedError
-    from pdserve.worker.transfer import HandoffLedger, ReplayedHandoffError
+    from pdserve.security.handoffs import HandoffLedger, ReplayedHandoffError
     from support import FakeClock
 
     clock = FakeClock(1000.0)
@@ -85,11 +91,12 @@ def test_the_handoff_ledger_accepts_each_once_until_its_deadline_and_stays_bound
 async def test_a_handoff_from_another_caller_is_refused_before_any_work():
     import pytest
 
-    from pdserve.common.auth import ClusterSecret, Mac
-    from pdserve.worker.transfer import HandoffCallerError, sign_handoff
+    from pdserve.security.secret import ClusterSecret, Mac
+    from pdserve.security.handoffs import HandoffCallerError
+    from pdserve.worker.transfer import sign_handoff
 
     mac = Mac(ClusterSecret(b"s" * 32).key("handoff"))
-    runner = PrefillRunner(NeverRunLoop(), Sender.__new__(Sender), WorkerMetrics("prefill"), max_queue=4,
+    runner = PrefillRunner(NeverRunLoop(), DownSends(), WorkerMetrics("prefill"), block_size=16, max_queue=4,
                            handoff_mac=mac)
     h = handoff()
     h.decode_worker_id = "decode-0"
@@ -133,16 +140,19 @@ class NeverDone:
 
 
 class OpenSends:
-    """The transfer layer's send side, every backend usable; it is never reached here."""
+    """The transfer layer's send side (a `SendControl`), every backend usable; no send ends here."""
 
-    def refusal(self, handoff):
-        return None
+    def unusable(self, params):
+        return []
 
-    def transfer_params(self, request_id, handoff):
-        return None
-
-    def abort(self, request_id):
+    def connect_ahead(self, params):
         pass
+
+    def wait_verdict(self, request_id, timeout_s):
+        return None
+
+    def abort_send(self, request_id):
+        return False
 
 
 @pytest.mark.parametrize("share, streams", [(None, True), (Share(False), True), (Share(True), False)])
@@ -150,7 +160,8 @@ async def test_a_prompt_streams_its_layers_unless_its_forward_takes_the_idle_mac
     """With a core share whose other workers are all idle, the prompt's forward runs on their
     cores too: its KV goes whole after the forward, not layer by layer beside it."""
     loop = HoldingLoop()
-    runner = PrefillRunner(loop, OpenSends(), WorkerMetrics("prefill"), max_queue=4, core_share=share)
+    runner = PrefillRunner(loop, OpenSends(), WorkerMetrics("prefill"), block_size=16, max_queue=4,
+                           core_share=share)
     request = prefill_pb2.PrefillRequest(request_id="r1", prompt_token_ids=list(range(20)), handoff=handoff())
     running = asyncio.ensure_future(runner.run(request))
     await asyncio.wait_for(loop.added.wait(), 10)

@@ -408,13 +408,13 @@ def test_a_decode_reports_what_each_prefill_worker_delivered():
     it (what `transfer_cost` prices): bytes per block, bytes/s as the sender timed them, the
     tail past the forward; each new transfer weighs half, so a link that slowed shows within
     a few transfers. A verdict with no peer is not counted."""
-    from pdserve.kvtransfer.verdict import Outcome, TransferVerdict
+    from pdserve.kvtransfer.verdict import Landing, TransferVerdict
     from pdserve.worker.metrics import WorkerMetrics
 
     metrics = WorkerMetrics("decode")
 
     def landed(seconds: float, tail_ms: float, peer: str = "prefill-0") -> None:
-        metrics.observe_received(TransferVerdict("t", Outcome.TRANSFERRED, "ucx", num_blocks=8, num_bytes=8000,
+        metrics.observe_received(TransferVerdict("t", Landing.LANDED, "ucx", num_blocks=8, num_bytes=8000,
                                                  duration_s=seconds, peer=peer), tail_ms=tail_ms)
 
     landed(0.25, 40.0)

@@ -1,4 +1,4 @@
-"""Secret files (common.auth.read_private_file, ClusterSecret.load) on a real filesystem: the
+"""Secret files (security.secret.read_private_file, ClusterSecret.load) on a real filesystem: the
 path's final target is what is checked, on the descriptor it is read from; a `..data` in a
 path grants nothing unless the file really sits in a Kubernetes Secret volume's layout on a
 tmpfs, owned by root."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common.auth import ClusterSecret, ClusterSecretError, read_private_file
+from pdserve.security.secret import ClusterSecret, ClusterSecretError, read_private_file
 
 SHM = Path("/dev/shm")
 

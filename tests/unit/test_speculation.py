@@ -146,3 +146,54 @@ def test_propose_equals_a_brute_force_search_on_random_sequences():
         k = int(rng.integers(1, 6))
         assert propose(arr(*tokens), min_n, max_n, k).tolist() == brute_force(tokens, min_n, max_n, k), \
             (tokens, min_n, max_n, k)
+
+
+def test_the_speculator_checks_drafts_keeps_the_agreeing_ones_and_gives_back_the_rest():
+    """The collaborator alone, on a real cache: a plain chunk and a chunk with three drafts
+    in one step; the model (logits) agrees with the first draft only."""
+    import torch
+
+    from pdserve.engine.config import CacheConfig, ModelConfig
+    from pdserve.engine.kv_cache_manager import KVCacheManager
+    from pdserve.engine.outputs import delta
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler import ScheduledChunk
+    from pdserve.engine.speculation import NO_SPECULATION, Speculator
+
+    block, vocab = 8, 50
+    model = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=16, intermediate_size=32,
+                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
+                        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)
+    kv = KVCacheManager(model, CacheConfig(block_size=block, num_blocks=16), torch.device("cpu"))
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
+    plain, drafted = (Request(rid, [1, 2, 3, 4, 5], greedy) for rid in ("plain", "drafted"))
+    for request in (plain, drafted):
+        request.output_token_ids.append(9)
+        request.num_computed_tokens = request.num_tokens - 1
+        assert kv.prepare_resources(request, 1 + 3)  # positions 5..8: two blocks, as drafts hold
+    chunks = [ScheduledChunk(plain, 5, 1), ScheduledChunk(drafted, 5, 1, draft_token_ids=(20, 21, 22))]
+    for chunk in chunks:
+        chunk.request.num_computed_tokens = chunk.start + chunk.num_new_tokens  # the engine's step did
+    logits = torch.zeros(1 + 4, vocab)
+    for row, token in enumerate([11, 20, 30, 40, 41]):  # plain's row, then drafted's four rows
+        logits[row, token] = 1.0
+
+    def record(items):
+        out = []
+        for request, token, logprob in items:
+            request.output_token_ids.append(token)
+            out.append(delta(request, (token,), "", ()))
+        return out
+
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3), kv)
+    deltas = speculator.sample(chunks, logits, record)
+    assert [(d.request_id, d.new_token_ids) for d in deltas] == [("plain", (11,)), ("drafted", (20, 30))]
+    assert drafted.num_computed_tokens == 7  # its token and the kept draft
+    assert len(kv.blocks_of("drafted")) == 1  # the block past the next token (7) went back
+    assert speculator.totals() == (3, 1, 1)
+    assert deltas[1].num_draft_tokens == 3 and deltas[1].num_accepted_tokens == 1
+    assert [d.new_token_ids for d in NO_SPECULATION.sample(chunks[:1], logits[:1], record)] == [(11,)]
+    for request in (plain, drafted):
+        kv.free_resources(request.request_id)
+    kv.assert_all_free()

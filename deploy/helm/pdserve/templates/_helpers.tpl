@@ -199,6 +199,20 @@ checks (rpc.credentials.INTERNAL_SERVER_NAME) and each Service's names in this n
 {{- if eq (int .Values.router.httpPort) (int .Values.router.grpcPort) }}
 {{- fail "router.httpPort and router.grpcPort must differ" }}
 {{- end }}
+{{- if .Values.planner.enabled }}
+{{- range $role := list "prefill" "decode" }}
+{{- if (index $.Values $role).autoscaling.enabled }}
+{{- fail (printf "planner.enabled and %s.autoscaling.enabled: both would scale the %s Deployment; turn one off" $role $role) }}
+{{- end }}
+{{- $p := index $.Values.planner $role }}
+{{- if or (lt (int $p.max) (int $p.min)) (lt (int $p.max) 1) }}
+{{- fail (printf "planner.%s: max must be at least min and at least 1" $role) }}
+{{- end }}
+{{- end }}
+{{- if eq (int .Values.planner.metricsPort) 0 }}
+{{- fail "planner.metricsPort must be a port: the planner's liveness probe checks it" }}
+{{- end }}
+{{- end }}
 {{- range $role := list "router" "prefill" "decode" }}
 {{- $a := (index $.Values $role).autoscaling }}
 {{- if and $a.enabled (lt (int $a.maxReplicas) (int $a.minReplicas)) }}

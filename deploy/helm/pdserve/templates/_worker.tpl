@@ -24,7 +24,8 @@ metadata:
   labels:
     {{- include "pdserve.labels" $meta | nindent 4 }}
 spec:
-  {{- if not $cfg.autoscaling.enabled }}
+  {{- /* with the planner on, the replica count is the planner's after the install */}}
+  {{- if and (not $cfg.autoscaling.enabled) (or (not $values.planner.enabled) $ctx.Release.IsInstall) }}
   replicas: {{ int $cfg.replicas }}
   {{- end }}
   revisionHistoryLimit: 5

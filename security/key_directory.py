@@ -1,5 +1,10 @@
-"""A worker's directory of call keys (a `KeyDirectory`, DESIGN §7): whose key verifies a
-credential that names a caller id.
+"""A worker's directory of call keys (a `KeyDirectory`): whose key verifies a credential
+that names a caller id.
+
+Threat: a worker taking a forged credential for a peer's because it learned the wrong key,
+or made to flood its registry with key lookups by credentials naming unknown ids.
+
+Rule: a key comes only from a router this worker registered with, never from the caller:
 
 * ROUTER_ID: the key each router sent in its RegisterResponse, one per router address this
   worker is registered with; never asked of anyone (no registry answers for "router"). A
@@ -24,7 +29,7 @@ import time
 from collections import OrderedDict
 from typing import Awaitable, Callable, Sequence
 
-from pdserve.common.auth import ROUTER_ID, Identity
+from pdserve.security.credentials import ROUTER_ID, Identity
 
 log = logging.getLogger("pdserve.auth")
 
@@ -32,6 +37,8 @@ Lookup = Callable[[str], Awaitable["Identity | None"]]
 
 
 class PeerKeys:
+    """A worker's `KeyDirectory` (see the module's docstring)."""
+
     def __init__(self, *, ttl_s: float = 30.0, min_refresh_s: float = 1.0, max_entries: int = 4096,
                  max_lookups: int = 4, lookup_timeout_s: float = 2.0, router_wait_s: float = 2.0,
                  max_router_waits: int = 8, clock: Callable[[], float] = time.monotonic) -> None:

@@ -1,0 +1,73 @@
+"""A request's way in: what a caller sends (a prompt, sampling params, a tenant salt, tokens
+generated elsewhere) checked and turned into a `Request` with its block keys, grammar
+matcher, random generator and detokenizer. Typed errors name what is wrong; nothing is
+queued here."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pdserve.common.block_hash import PromptBlocks, check_cache_salt, prompt_blocks
+from pdserve.common.errors import InvalidRequestError
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.constraints import GrammarCompiler
+from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.request import Request, check_prompt, check_resumed
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class Intake:
+    """Builds requests for one engine (its tokenizer, context length, cache keys). Reads only
+    fixed state, except the shared generator of unseeded requests (engine thread)."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer, max_model_len: int,
+                 block_size: int, compat_hash: str, device: torch.device) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.compat_hash = compat_hash
+        self.device = device
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+        self._generator = torch.Generator(device=device).manual_seed(config.seed)
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return [int(t) for t in prompt]
+
+    def prompt_blocks(self, token_ids: Sequence[int], cache_salt: str = "") -> PromptBlocks:
+        """The keys and digests of a prompt's full blocks in this engine's cache (its block
+        size, compatibility hash and block-hash key). Any thread."""
+        return prompt_blocks(token_ids, self.block_size, self.compat_hash, self.config.block_hash_key, cache_salt)
+
+    def request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
+                remote_prefill: bool, transfer_params: object | None, resumed: Sequence[int],
+                cache_salt: str, stream_layers: bool, blocks: PromptBlocks | None
+                ) -> tuple[Request, Detokenizer]:
+        """A checked request (max_tokens resolved to fit the context) and its detokenizer,
+        both in the state `resumed` tokens left them (see `LLMEngine.add_request`)."""
+        ids = self.tokenize(prompt)
+        params = check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len)
+        check_cache_salt(cache_salt)
+        resumed = check_resumed(resumed, params, self.model_config.vocab_size)
+        request = Request(request_id, ids, params, eos_token_ids=self.model_config.eos_token_ids,
+                          transfer_params=transfer_params, remote_prefill=remote_prefill,
+                          stream_layers=stream_layers)
+        blocks = blocks or self.prompt_blocks(ids, cache_salt)
+        request.block_hashes, request.block_digests, request.cache_salt = blocks.hashes, blocks.digests, cache_salt
+        request.grammar = self.grammars.matcher(params.constraint)
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.device)  # reseeded per token (sampler)
+        else:
+            request.generator = self._generator
+        detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        for token in resumed:  # replay: the state the first decode had, nothing emitted again
+            request.output_token_ids.append(token)
+            request.grammar.advance(token)
+            detok.push(token)
+        return request, detok

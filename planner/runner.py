@@ -1,0 +1,68 @@
+"""Puts a live planner together and runs it on a thread of its own: the router it reads, the
+advisor it asks, the scaler it drives, its metrics listener. `pdserve up --planner` gives it
+the process scaler; `pdserve planner` (the chart's component) the Kubernetes one."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from pdserve.planner.live import LivePlanner
+from pdserve.planner.observe import RouterScrape
+from pdserve.planner.scalers import Scaler
+from pdserve.planner.settings import PlannerSettings
+from pdserve.planner.types import Advisor
+
+log = logging.getLogger("pdserve.planner")
+
+
+def default_advisor(settings: PlannerSettings) -> Advisor:
+    """The advisor a planner asks unless given one: the rule-based fallback (`planner.fallback`)."""
+    from pdserve.planner.fallback import ThresholdAdvisor, ThresholdRules
+
+    return ThresholdAdvisor(ThresholdRules(streams_per_decode=settings.planner_streams_per_decode))
+
+
+class RunningPlanner:
+    """A `LivePlanner` ticking on its own thread until `stop()`; its /metrics served when asked."""
+
+    def __init__(self, settings: PlannerSettings, scaler: Scaler, router_url: str, api_key: str = "",
+                 advisor: Advisor | None = None, host: str = "127.0.0.1") -> None:
+        from pdserve.planner.metrics import PlannerMetrics
+
+        self.metrics = PlannerMetrics()
+        self.planner = LivePlanner(advisor or default_advisor(settings), scaler,
+                                   RouterScrape(router_url, api_key).sample, settings.slo(), settings.limits(),
+                                   settings.live_config(), self.metrics)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.planner.run, args=(self._stop,), name="planner", daemon=True)
+        self._server = None
+        if settings.planner_metrics_port:
+            from pdserve.common.metrics_http import MetricsServer
+
+            self._server = MetricsServer(host, settings.planner_metrics_port, self.metrics.render)
+
+    def start(self) -> "RunningPlanner":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        if self._server is not None:
+            self._server.shutdown()
+
+
+def log_to(say: Callable[[str], None], level: int = logging.INFO) -> None:
+    """The planner's log lines go to `say` (a launcher's own output)."""
+
+    class _Say(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            say(self.format(record))
+
+    handler = _Say(level)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    planner_log = logging.getLogger("pdserve.planner")
+    planner_log.addHandler(handler)
+    planner_log.setLevel(level)
+    planner_log.propagate = False

@@ -1,0 +1,98 @@
+"""Client keys: who may use the public API, and what each caller may see.
+
+Threat: a client without the key using the service (or guessing it by timing), a client
+reading pdserve's internals (worker ids, routing, transfer verdicts, raw errors) that only
+an operator should, or a call carrying two keys of which the wrong one is checked.
+
+Rule: with an API key set, a call is served only when it carries exactly one
+`Authorization: Bearer <key>` (HTTP header or gRPC `authorization` metadata), compared in
+constant time, and it is checked before the request is read. The key a caller sends sets
+its `Scope`: the admin key (read from a private file, different from the API key) sees
+pdserve's internals; the API key, or no key where none is asked for, sees a client's
+answer only; a router with neither key shows everyone everything (`pdserve up` on a
+laptop). The HTTP check and the gRPC interceptor are adapters in `pdserve.router.api_key`.
+"""
+from __future__ import annotations
+
+import enum
+import hmac
+import os
+from typing import Iterable
+
+from pdserve.common.errors import UnauthenticatedError
+from pdserve.security.secret import read_private_file
+
+MAX_ADMIN_KEY_BYTES = 4096
+
+
+class ClientKeyError(ValueError):
+    """The client keys given are unusable (the admin key equal to the API key, or not one
+    word of printable ASCII)."""
+
+
+class Scope(enum.IntEnum):
+    """What a caller may see; each scope sees what the ones below it see.
+
+    ANONYMOUS: /health's status. CLIENT: the OpenAI answer, usage with cached tokens, the
+    request id, /health's model list and worker counts; errors raised inside the deployment
+    only by kind. ADMIN: pdserve's internals besides: routing (worker ids, matched prefix
+    tokens, predictions), transfer verdicts, TTFT timings, /health's per-worker backends,
+    and every error as it was raised."""
+
+    ANONYMOUS = 0
+    CLIENT = 1
+    ADMIN = 2
+
+
+def load_admin_key(path: str | os.PathLike) -> str:
+    """The admin key in `path`, a file private to this user (ClusterSecretError otherwise):
+    one word of printable ASCII (ClientKeyError otherwise)."""
+    raw = read_private_file(path, "admin API key", max_bytes=MAX_ADMIN_KEY_BYTES)
+    key = raw.decode("ascii", errors="replace").strip()
+    if not key or not key.isprintable() or " " in key:
+        raise ClientKeyError(f"{path}: the admin key must be one word of printable ASCII")
+    return key
+
+
+class ClientKeys:
+    """The API key and the admin key of one router (either may be None: not asked for)."""
+
+    def __init__(self, api_key: str | None, admin_api_key: str | None = None) -> None:
+        if admin_api_key is not None and admin_api_key == api_key:
+            raise ClientKeyError("the admin key must differ from the API key")
+        self._expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self._admin = None if admin_api_key is None else f"Bearer {admin_api_key}".encode()
+
+    @property
+    def enabled(self) -> bool:
+        return self._expected is not None
+
+    def scope(self, authorization: str | None) -> Scope:
+        """What a caller sending `authorization` may see (never raises)."""
+        if self._expected is None and self._admin is None:
+            return Scope.ADMIN
+        sent = (authorization or "").strip().encode()
+        if self._admin is not None and hmac.compare_digest(sent, self._admin):
+            return Scope.ADMIN
+        if self._expected is None or hmac.compare_digest(sent, self._expected):
+            return Scope.CLIENT
+        return Scope.ANONYMOUS
+
+    def check(self, authorization: str | None) -> Scope:
+        """The caller's scope; UNAUTHENTICATED unless `authorization` is "Bearer <the key>"
+        or "Bearer <the admin key>" (or no API key is set)."""
+        scope = self.scope(authorization)
+        if scope is not Scope.ANONYMOUS:
+            return scope
+        if not authorization:
+            raise UnauthenticatedError("missing API key: send 'Authorization: Bearer <key>'")
+        raise UnauthenticatedError("incorrect API key")
+
+    def check_metadata(self, metadata: Iterable[tuple[str, str]] | None) -> Scope:
+        """`check` on gRPC metadata, which must carry at most one `authorization` entry."""
+        if self._expected is None and self._admin is None:
+            return Scope.ADMIN
+        found = [value for key, value in (metadata or ()) if key.lower() == "authorization"]
+        if len(found) > 1:  # the key checked must be the only one the call carries
+            raise UnauthenticatedError(f"a call carries exactly one authorization entry, not {len(found)}")
+        return self.check(found[0] if found else None)

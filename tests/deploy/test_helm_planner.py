@@ -1,0 +1,139 @@
+"""The chart's planner component: off by default; on, one Deployment running `pdserve planner`
+(its args parsed by the real CLI into the planner's typed settings) under a ServiceAccount of
+its own, whose Role may only get and patch the scale of this release's prefill and decode
+Deployments; every manifest validates; the NetworkPolicies let it reach the router's HTTP
+port, DNS and the API server and admit only metricsFrom to it; the HPA and the planner never
+both scale a role. The rendering and parsing helpers are test_helm_chart's own."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.planner.settings import PlannerSettings
+
+_spec = importlib.util.spec_from_file_location("helm_chart_checks", Path(__file__).with_name("test_helm_chart.py"))
+checks = sys.modules.setdefault("helm_chart_checks", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(checks)
+
+ON = {"planner": {"enabled": True, "slo": {"ttftMs": 800, "tpotMs": 60}, "decode": {"min": 1, "max": 6}}}
+FULL = checks.RELEASE
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with checks.helm.Chart.load(checks.CHART_DIR) as loaded:
+        yield loaded
+
+
+def _docs(chart, values, is_install: bool = True) -> list[dict]:
+    if is_install:
+        out = checks.render_raw(chart, values, ())
+    else:
+        out = chart.render(values, name=checks.RELEASE, namespace=checks.NAMESPACE, is_install=False,
+                           is_upgrade=True)
+    return [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+
+
+def _one(docs, kind: str, name: str) -> dict:
+    (found,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def test_the_planner_is_off_by_default(chart):
+    docs = _docs(chart, {})
+    assert not [d for d in docs if "planner" in d["metadata"]["name"]]
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding", "ClusterRole")]
+
+
+def test_the_planner_runs_pdserve_planner_against_this_release(chart):
+    chart.validate_schema(ON)
+    docs = _docs(chart, ON)
+    for doc in docs:
+        checks.kubernetes_validate.validate(doc, checks.KUBE_VERSION, strict=True)
+    deployment = _one(docs, "Deployment", f"{FULL}-planner")
+    assert deployment["spec"]["replicas"] == 1
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == f"{FULL}-planner" and pod["automountServiceAccountToken"] is True
+    container = checks.main_container(deployment)
+    namespace, settings = checks.cli_settings(container)
+    assert namespace.command == "planner"
+    s = PlannerSettings.from_settings(settings)
+    assert (s.prefill_deployment, s.decode_deployment) == (f"{FULL}-prefill", f"{FULL}-decode")
+    assert s.namespace == checks.NAMESPACE and s.router_url == f"http://{FULL}-router:8000"
+    assert (s.slo().ttft_ms, s.slo().tpot_ms, s.limits().max_decode) == (800, 60, 6)
+    assert checks.container_ports(container)["metrics"] == s.planner_metrics_port
+    assert container["securityContext"]["runAsNonRoot"] and container["securityContext"]["readOnlyRootFilesystem"]
+    # the workers keep their service account, which mounts no token: only the planner's does
+    for role in checks.WORKERS + ("router",):
+        assert _one(docs, "Deployment", f"{FULL}-{role}")["spec"]["template"]["spec"][
+            "automountServiceAccountToken"] is False
+
+
+def test_the_planners_role_may_only_get_and_patch_the_workers_scale(chart):
+    docs = _docs(chart, ON)
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"],
+                              "resourceNames": [f"{FULL}-prefill", f"{FULL}-decode"], "verbs": ["get", "patch"]}]
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    binding = _one(docs, "RoleBinding", f"{FULL}-planner")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{FULL}-planner"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{FULL}-planner",
+                                    "namespace": checks.NAMESPACE}]
+    names = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
+    assert {f"{FULL}-prefill", f"{FULL}-decode"} <= names  # the names the Role grants exist
+
+
+def test_replica_counts_are_the_planners_after_the_install(chart):
+    installed = _docs(chart, ON)
+    assert _one(installed, "Deployment", f"{FULL}-decode")["spec"]["replicas"] == 1
+    upgraded = _docs(chart, ON, is_install=False)
+    for role in checks.WORKERS:
+        assert "replicas" not in _one(upgraded, "Deployment", f"{FULL}-{role}")["spec"]  # an upgrade keeps them
+    assert _one(upgraded, "Deployment", f"{FULL}-router")["spec"]["replicas"] == 1
+
+
+def test_network_policies_let_the_planner_reach_the_router_and_the_api_server_only(chart):
+    docs = _docs(chart, ON)
+    m = checks.Manifests(docs=tuple(docs), notes="", values=chart.merge_values(ON))
+    planner_labels = checks.pod_labels(_one(docs, "Deployment", f"{FULL}-planner"))
+    router_labels = checks.pod_labels(_one(docs, "Deployment", f"{FULL}-router"))
+    assert any(checks.admits(rule, planner_labels) for rule in checks.admitting_rules(m, router_labels, 8000))
+    assert not any(checks.admits(rule, planner_labels) for rule in checks.admitting_rules(m, router_labels, 50051))
+    policy = _one(docs, "NetworkPolicy", f"{FULL}-planner")
+    egress = policy["spec"]["egress"]
+    assert {p["port"] for p in egress[-1]["ports"]} == {443, 6443} and "to" not in egress[-1]
+    assert egress[0]["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    # nothing reaches the planner but the metrics scrapers, and only on its metrics port
+    assert [rule["ports"] for rule in policy["spec"]["ingress"]] == [[{"port": 9091, "protocol": "TCP"}]]
+    # its egress names no worker port: it cannot call a worker, whatever the workers admit
+    values = m.values
+    worker_ports = {values["prefill"]["grpcPort"], values["decode"]["grpcPort"], values["kvTransfer"]["port"],
+                    values["metrics"]["port"]}
+    assert not worker_ports & {p["port"] for rule in egress for p in rule["ports"]}
+
+
+@pytest.mark.parametrize("values, reason", [
+    ({"planner": {"enabled": True}, "decode": {"autoscaling": {"enabled": True}}},
+     "both would scale the decode Deployment"),
+    ({"planner": {"enabled": True, "prefill": {"min": 3, "max": 2}}}, "planner.prefill: max must be at least min"),
+])
+def test_a_planner_that_would_fight_or_cannot_scale_fails_the_render(chart, values, reason):
+    chart.validate_schema(values)
+    with pytest.raises(checks.helm.HelmRenderError, match=reason):
+        checks.render_raw(chart, values, ())
+
+
+def test_the_planner_reads_a_router_whose_metrics_ask_for_the_api_key(chart):
+    values = {**ON, "router": {"metricsAuth": True, "apiKeySecret": {"name": "api", "key": "k"}}}
+    container = checks.main_container(_one(_docs(chart, values), "Deployment", f"{FULL}-planner"))
+    _, settings = checks.cli_settings(container)
+    assert settings["api_key"] == "secret-api-k" and "--api-key" not in " ".join(container["args"])
+
+
+def test_the_chart_with_the_planner_lints_strictly():
+    report = checks.helm.lint(checks.CHART_DIR, ON, strict=True, kube_version=f"v{checks.KUBE_VERSION}")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report

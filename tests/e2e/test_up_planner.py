@@ -1,0 +1,113 @@
+"""`pdserve up --planner` under a low -> high -> low ramp, as a user runs it: the planner grows
+the decode workers while the load is high and shrinks them (draining) after it, and not one
+request fails. On this machine more workers add no compute (2 cores): the point is that the
+decisions follow the load and that a removal loses nothing. The timeline is printed (-s)."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from harness import MODEL, UpProcess
+
+from pdserve.planner.observe import parse
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+
+FLAGS = ("--num-threads", "1", "--planner", "--slo-ttft-ms", "4000", "--slo-tpot-ms", "400",
+         "--planner-interval-s", "2", "--planner-agree-intervals", "2", "--planner-cooldown-up-s", "4",
+         "--planner-cooldown-down-s", "6", "--planner-max-decode", "2", "--planner-max-prefill", "2",
+         "--planner-streams-per-decode", "1.5", "--drain-timeout-s", "8", "--worker-timeout-s", "5")
+RAMP = ((0.3, 10.0), (2.0, 60.0), (0.3, 45.0))  # (requests/s, seconds)
+
+
+class Load:
+    """Open-loop chats at a rate that changes by phase; counts outcomes."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url + "/chat/completions"
+        self.ok = self.failed = 0
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self.rate = 0.0
+        self.stop = threading.Event()
+        self._pool = ThreadPoolExecutor(48)
+
+    def _one(self, i: int) -> None:
+        body = {"model": MODEL, "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Name {i % 7 + 2} colours of the rainbow."}]}
+        try:
+            resp = httpx.post(self.url, json=body, timeout=180)
+            good, why = resp.status_code == 200, f"{resp.status_code} {resp.text[:200]}"
+        except httpx.HTTPError as exc:
+            good, why = False, repr(exc)
+        with self._lock:
+            if good:
+                self.ok += 1
+            else:
+                self.failed += 1
+                self.errors.append(why)
+
+    def run(self) -> None:
+        i, next_at = 0, time.monotonic()
+        while not self.stop.is_set():
+            if self.rate > 0 and time.monotonic() >= next_at:
+                self._pool.submit(self._one, i)
+                i += 1
+                next_at += 1 / self.rate
+            self.stop.wait(0.02)
+
+    def close(self) -> None:
+        self.stop.set()
+        self._pool.shutdown(wait=True)
+
+
+def _workers(base: str) -> dict[str, int]:
+    sample = parse(httpx.get(base + "/metrics", timeout=10).text, time.monotonic())
+    return dict(sample.num_alive)
+
+
+def test_a_ramp_grows_and_shrinks_decode_with_no_failed_request():
+    up = UpProcess(*FLAGS)
+    load = None
+    try:
+        up.wait_for("planner on:")
+        base = up.base_url.removesuffix("/v1")
+        load = Load(up.base_url)
+        threading.Thread(target=load.run, daemon=True).start()
+        started, timeline = time.monotonic(), []
+
+        def record() -> dict[str, int]:
+            counts = _workers(base)
+            entry = (round(time.monotonic() - started), load.rate, counts["prefill"], counts["decode"])
+            if not timeline or timeline[-1][1:] != entry[1:]:
+                timeline.append(entry)
+            return counts
+
+        for rate, seconds in RAMP:
+            load.rate, phase_end = rate, time.monotonic() + seconds
+            while time.monotonic() < phase_end:
+                record()
+                time.sleep(1)
+        grown = max(d for *_, d in timeline)
+        deadline = time.monotonic() + 90  # the low load goes on until the planner has shrunk it
+        while record()["decode"] > 1:
+            assert time.monotonic() < deadline, timeline
+            time.sleep(1)
+        load.close()
+        print("\nramp timeline (s, req/s, prefill, decode):", timeline)
+        print(f"requests ok {load.ok}, failed {load.failed}")
+        assert grown == 2, timeline
+        assert load.failed == 0, load.errors[:5]
+        assert load.ok > 100
+        output = up.stop()
+        print("".join(line for line in up.lines if "planner:" in line or "draining" in line or "is ready" in line
+                      or "drained and exited" in line or "starting (pid" in line))
+        assert "drained and exited" in output and "Traceback" not in output, output[-3000:]
+    finally:
+        if load is not None:
+            load.close()
+        up.stop()
