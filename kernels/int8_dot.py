@@ -61,13 +61,15 @@ class Int8Activations:
         return (self.q.view(m, -1, 32).float() * self.scales.unsqueeze(-1)).view(m, k)
 
 
-def quantize_activations(x: torch.Tensor, bits: int = 8) -> Int8Activations:
-    """x float32 [M, K], K a multiple of 32, as 8-bit (or 16-bit) blocks."""
+def quantize_activations(x: torch.Tensor, bits: int = 8, isa: str | None = None) -> Int8Activations:
+    """x float32 [M, K], K a multiple of 32, as 8-bit (or 16-bit) blocks, on `isa` (default:
+    this process's path; every vector path quantizes with AVX2, alike the scalar one)."""
     module = cpu_native.int8_dot_module()
+    code = ISAS.index(isa or chosen_isa())
     if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
         with torch.profiler.record_function(QUANTIZE_EVENT):
-            return Int8Activations(*module.quantize_activations(x.contiguous(), bits))
-    return Int8Activations(*module.quantize_activations(x.contiguous(), bits))
+            return Int8Activations(*module.quantize_activations(x.contiguous(), bits, code))
+    return Int8Activations(*module.quantize_activations(x.contiguous(), bits, code))
 
 
 def supported_isas() -> tuple[str, ...]:

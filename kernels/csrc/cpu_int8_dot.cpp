@@ -3,7 +3,7 @@
 // of 32, each block's dot product is an integer sum, and the two block scales are applied
 // once per block.
 //
-//   quantize_activations(x, bits) -> (q, scales, sums)
+//   quantize_activations(x, bits, isa) -> (q, scales, sums)
 //       x [M, K] float32 contiguous, K a multiple of 32. Per block of 32, with L = 127 (bits 8)
 //       or 32767 (bits 16): d = max|x| / L, q = round(x / d) in [-L, L] (all zero where the
 //       block is), sums = sum(q) (an integer, held exactly in float32). q [M, K] int8 or int16,
@@ -103,6 +103,27 @@ void gemv(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
         }
         y[m * N + n] = acc;
       }
+  });
+}
+
+// Block i of x (x[i * 32, (i + 1) * 32)) into q at the same place, its scale and sum at i.
+template <typename T>
+void quantize_blocks(const float* xp, T* qp, float* dp, float* sp, int64_t count, float levels) {
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = xp + i * kBlock;
+      float amax = 0.0f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float inv = amax > 0.0f ? levels / amax : 0.0f;
+      int32_t sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int32_t c = static_cast<int32_t>(std::min(levels, std::max(-levels, std::nearbyint(xb[j] * inv))));
+        qp[i * kBlock + j] = static_cast<T>(c);
+        sum += c;
+      }
+      dp[i] = amax / levels;
+      sp[i] = static_cast<float>(sum);
+    }
   });
 }
 
@@ -252,45 +273,33 @@ std::vector<int64_t> supported_isas() {
   return out;
 }
 
-namespace {
-// Block i of x (x[i * 32, (i + 1) * 32)) into q at the same place, its scale and sum at i.
-template <typename T>
-void quantize_blocks(const float* xp, T* qp, float* dp, float* sp, int64_t count, float levels) {
-  at::parallel_for(0, count, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* xb = xp + i * kBlock;
-      float amax = 0.0f;
-      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float inv = amax > 0.0f ? levels / amax : 0.0f;
-      int32_t sum = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        const float v = std::nearbyint(xb[j] * inv);
-        const int32_t c = static_cast<int32_t>(std::min(levels, std::max(-levels, v)));
-        qp[i * kBlock + j] = static_cast<T>(c);
-        sum += c;
-      }
-      dp[i] = amax / levels;
-      sp[i] = static_cast<float>(sum);
-    }
-  });
-}
-}  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(at::Tensor x, int64_t bits) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(at::Tensor x, int64_t bits, int64_t isa) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
                   x.size(1) % kBlock == 0, "x must be a contiguous float32 [M, K] CPU tensor, K a multiple of 32");
   TORCH_CHECK(bits == 8 || bits == 16, "activations are quantized to 8 or 16 bits, not ", bits);
+  TORCH_CHECK(cpu_has(isa), "instruction-set path ", isa, " is not one this CPU runs (supported_isas())");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   at::Tensor q = at::empty({M, K}, bits == 8 ? at::kChar : at::kShort), scales = at::empty({M, nb}, at::kFloat),
              sums = at::empty({M, nb}, at::kFloat);
   pybind11::gil_scoped_release no_gil;
-  if (bits == 8) {
-    quantize_blocks(x.data_ptr<float>(), q.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(),
-                    M * nb, 127.0f);
-  } else {
-    quantize_blocks(x.data_ptr<float>(), q.data_ptr<int16_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(),
-                    M * nb, 32767.0f);
+  // every vector path quantizes with AVX2 (the same q as the scalar path: tests check it)
+  auto run = [&](auto quantize) {
+    if (bits == 8) {
+      quantize(x.data_ptr<float>(), q.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(), M * nb,
+               127.0f);
+    } else {
+      quantize(x.data_ptr<float>(), q.data_ptr<int16_t>(), scales.data_ptr<float>(), sums.data_ptr<float>(), M * nb,
+               32767.0f);
+    }
+  };
+#if defined(__x86_64__)
+  if (isa != kScalar) {
+    run([](auto... args) { avx2::quantize_blocks(args...); });
+    return {q, scales, sums};
   }
+#endif
+  run([](auto... args) { scalar::quantize_blocks(args...); });
   return {q, scales, sums};
 }
 

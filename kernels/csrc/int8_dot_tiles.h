@@ -180,3 +180,46 @@ void gemv(const Acts& a, const uint8_t* blocks, float* y, int64_t N) {
     gemv_tiles<QT, false, 1>(a, blocks, y, N);
   }
 }
+
+// The activations' quantization (quantize_activations) on 8-float vectors: the scalar
+// path's arithmetic (q = x * (levels / amax) rounded to nearest even, clamped to +-levels)
+// in the same order, so both give the same q.
+inline __m256i packed_order(__m256i v) {  // undo vpack*'s per-128-bit-lane interleave
+  return _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+template <typename T>
+void quantize_blocks(const float* xp, T* qp, float* dp, float* sp, int64_t count, float levels) {
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(levels), lo = _mm256_set1_ps(-levels);
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = xp + i * kBlock;
+      __m256 v[4];
+      for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(xb + 8 * k);
+      __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
+      __m256i q[4];
+      for (int k = 0; k < 4; ++k)  // vcvtps2dq rounds to nearest even
+        q[k] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_round_ps(_mm256_mul_ps(v[k], inv),
+                                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+      if constexpr (sizeof(T) == 1) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + i * kBlock), packed_order(_mm256_packs_epi16(w01, w23)));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + i * kBlock), _mm256_permute4x64_epi64(w01, 0xD8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + i * kBlock + 16), _mm256_permute4x64_epi64(w23, 0xD8));
+      }
+      dp[i] = amax / levels;
+      sp[i] = static_cast<float>(_mm_cvtsi128_si32(s4));
+    }
+  });
+}

@@ -54,6 +54,16 @@ def test_activations_are_blocks_of_8_or_16_bits(bits, dtype, levels):
 
 
 @pytest.mark.parametrize("isa", each_isa())
+@pytest.mark.parametrize("bits", [8, 16])
+def test_every_path_quantizes_alike(isa, bits):
+    """The vector quantizer (AVX2) and the scalar one round the same products the same way."""
+    x = torch.randn(5, 4096, generator=torch.Generator().manual_seed(bits)) * 3
+    x[0, :64] = torch.arange(64) - 31.5  # a ramp: many products near a rounding boundary
+    got, want = int8_dot.quantize_activations(x, bits, isa=isa), int8_dot.quantize_activations(x, bits, isa="scalar")
+    assert torch.equal(got.q, want.q) and torch.equal(got.scales, want.scales) and torch.equal(got.sums, want.sums)
+
+
+@pytest.mark.parametrize("isa", each_isa())
 @pytest.mark.parametrize("name, bits", CASES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 31])  # tiles of 4 rows and their remainders
 def test_each_path_matches_float64_over_the_quantized_activations(isa, name, bits, rows):
