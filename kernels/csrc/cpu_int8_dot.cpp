@@ -12,6 +12,8 @@
 //   int8dot_linear(q, scales, sums, blocks, qtype, bias, isa) -> y [M, N] float32
 //       blocks [N, K / 32 * block_bytes] uint8 as in `cpu_quant_gemm.cpp` (Q4_0 = 2, Q4_1 = 3,
 //       Q8_0 = 8); isa: 0 scalar, 1 AVX2, 2 AVX-VNNI (256-bit), 3 AVX-512 VNNI (512-bit).
+//       8-bit activations multiply through vpmaddubsw / vpdpbusd, 16-bit ones through
+//       vpmaddwd / vpdpwssd.
 //   supported_isas() -> the isa codes this CPU runs, lowest first.
 //
 // One build holds every path: the file is compiled for the baseline x86-64, and each vector
@@ -157,9 +159,49 @@ namespace avx512vnni {
 inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
 template <int64_t QT, int NR, int MR>
 void tile_dot512(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy);
+template <int64_t QT, int NR, int MR>
+void tile16_dot512(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy);
 #define PD_WIDE_TILE tile_dot512
+#define PD_WIDE_TILE16 tile16_dot512
 #include "int8_dot_tiles.h"
 #undef PD_WIDE_TILE
+#undef PD_WIDE_TILE16
+
+// 16-bit activations, one block per 512-bit vector: its 32 weights widened to 16 bits,
+// vpdpwssd sums pairs of products into 16 int32 lanes.
+template <int64_t QT, int NR, int MR>
+void tile16_dot512(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t bb = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
+  __m512 acc[NR][MR];
+  float offset[NR][MR];  // Q4_1: sum over blocks of m_w * d_x * sum(qx)
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) acc[j][r] = _mm512_setzero_ps(), offset[j][r] = 0.0f;
+  for (int64_t b = 0; b < a.nblocks; ++b) {
+    __m512i w[NR];
+    float dw[NR], mw[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* blk = w0 + j * row_bytes + b * bb;
+      w[j] = _mm512_cvtepi8_epi16(block_weights<QT>(blk));
+      dw[j] = half_at(blk);
+      mw[j] = QT == kQ4_1 ? half_at(blk + 2) : 0.0f;
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = (m0 + r) * a.nblocks + b;
+      const __m512i x = _mm512_loadu_si512(a.q16 + row * kBlock);
+      const float dx = a.scales[row];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w[j], x));
+        acc[j][r] = _mm512_fmadd_ps(sums, _mm512_set1_ps(dw[j] * dx), acc[j][r]);
+        if constexpr (QT == kQ4_1) offset[j][r] += mw[j] * (dx * a.sums[row]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MR; ++r) y[r * ldy + j] = _mm512_reduce_add_ps(acc[j][r]) + offset[j][r];
+}
 
 // Lanes 0-7 v0, lanes 8-15 v1: one scale per block of a block pair.
 inline __m512 pair(__m128 two) {

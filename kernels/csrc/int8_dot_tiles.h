@@ -130,15 +130,20 @@ inline void tile16_dot(const uint8_t* w0, int64_t row_bytes, const Acts& a, int6
     for (int r = 0; r < MR; ++r) y[r * ldy + j] = hsum(acc[j][r]) + offset[j][r];
 }
 
-// X16: the activations are 16-bit. PD_WIDE_TILE, where the includer defines it,
-// names an 8-bit tile_dot of its own for this ISA (declared before the include, same arguments).
+// X16: the activations are 16-bit. PD_WIDE_TILE (PD_WIDE_TILE16), where the includer defines
+// it, names an 8-bit tile_dot (a tile16_dot) of its own for this ISA, declared before the
+// include, same arguments.
 template <int64_t QT, bool X16, int NR, int MR>
 void tile(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0, float* y, int64_t ldy, int rows) {
   if constexpr (MR > 1) {
     if (rows < MR) return tile<QT, X16, NR, MR - 1>(w0, row_bytes, a, m0, y, ldy, rows);
   }
   if constexpr (X16) {
+#if defined(PD_WIDE_TILE16)
+    PD_WIDE_TILE16<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
+#else
     tile16_dot<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
+#endif
   } else {
 #if defined(PD_WIDE_TILE)
     PD_WIDE_TILE<QT, NR, MR>(w0, row_bytes, a, m0, y, ldy);
