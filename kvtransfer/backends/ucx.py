@@ -239,12 +239,6 @@ def _ucx_buffer(obj: object, *, writable: bool) -> object:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _nbytes(buffer: object) -> int:
-    if hasattr(buffer, "element_size"):
-        return buffer.numel() * buffer.element_size()
-    return buffer.nbytes
-
-
 class _Quarantine:
     """Buffers of UCX operations given up on (deadline, hang-up), kept alive a while.
 
@@ -310,9 +304,10 @@ class _UcxChannel(Channel):
 
     def landing(self, sink, header) -> Landing:
         staging = sink.staging(header)
-        buffer = _ucx_buffer(staging, writable=True)
-        if _nbytes(buffer) != header.payload_len:
-            raise TransferError(f"staging is {_nbytes(buffer)} bytes, payload {header.payload_len}")
+        buffer = _ucx_buffer(staging, writable=True)  # flat bytes
+        nbytes = buffer.numel() if hasattr(buffer, "element_size") else buffer.nbytes
+        if nbytes != header.payload_len:
+            raise TransferError(f"staging is {nbytes} bytes, payload {header.payload_len}")
         return Landing(staging, buffer)
 
     def probe_landing(self, nbytes: int) -> object:
