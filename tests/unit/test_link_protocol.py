@@ -334,7 +334,9 @@ def test_a_request_tampered_on_its_way_to_the_receiver_is_refused(side, monkeypa
     assert tap.num_done == 1
     assert block_digests(side.caches, [20, 21, 22]) == block_digests(make_caches(LAYOUT), [20, 21, 22])
     monkeypatch.undo()
-    side.send(message, [20, 21], expect=False)  # the receiver dropped that link: a fresh one
+    (server,) = side.receiver._receivers
+    wait_until(lambda: not server._threads, "the receiver to drop the link")
+    side.send(message, [20, 21], expect=False)  # a fresh link
     assert side.landed([2, 3], [20, 21])
     side.assert_nothing_reserved()
 
