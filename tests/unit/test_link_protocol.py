@@ -362,3 +362,13 @@ def test_a_refusal_tampered_on_its_way_back_is_not_taken_for_a_verdict(side, mon
     side.send(message, [2], expect=False)
     assert side.landed([2], [2])
     side.assert_nothing_reserved()
+
+
+def test_the_transfer_session_and_socket_admission_are_torch_and_grpc_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, pdserve.security.transfer_session, pdserve.security.socket_admission; "
+            "print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out
