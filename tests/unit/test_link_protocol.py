@@ -173,14 +173,22 @@ def test_an_unanswering_peer_hits_the_deadline(silent_endpoint, key):
     assert time.monotonic() - start < 1.0 + SLACK_S
 
 
-def test_a_stalled_channel_hits_the_deadline_then_a_fresh_link_carries_the_next(side):
+@pytest.mark.parametrize("where", ["channel", "sink"])
+def test_a_stall_hits_the_deadline_then_a_fresh_link_carries_the_next(side, monkeypatch, where):
     side.send(side.message([1], [1]), [1])
-    side.network.stall_s = 3.0
+    stalled = threading.Event()
+    if where == "channel":
+        side.network.stall_s = 3.0
+    else:  # a receiver that does not answer: its sink's check hangs
+        check = side.sink.check
+        monkeypatch.setattr(side.sink, "check", lambda *a: (stalled.wait(10), check(*a))[1])
     start = time.monotonic()
     with pytest.raises(TimeoutError):
         side.send(side.message([2], [2]), [2], deadline_s=1.0)
     assert time.monotonic() - start < 1.0 + SLACK_S
     side.network.stall_s = 0.0
+    stalled.set()
+    monkeypatch.undo()
     side.send(side.message([3], [3]), [3])
     assert side.landed([3], [3])
     side.assert_nothing_reserved()
