@@ -57,7 +57,8 @@ CLOSE_TIMEOUT_S = 10.0
 
 
 class _RefusedByPeer(TransferError):
-    """The receiver answered and said no; the connection (ucx) or pair (nccl) stays usable."""
+    """The receiver answered and said no. The link stays, unless the receiver then hung up (a
+    request it could not trust): the next send sees that before it uses the link."""
 
 
 class MalformedRequest(TransferError):
