@@ -58,7 +58,7 @@ CLOSE_TIMEOUT_S = 10.0
 
 class _RefusedByPeer(TransferError):
     """The receiver answered and said no. The link stays, unless the receiver then hung up (a
-    request it could not trust): the next send sees that before it uses the link."""
+    request it could not trust): the next send finds out and connects afresh."""
 
 
 class MalformedRequest(TransferError):
