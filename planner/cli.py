@@ -135,11 +135,12 @@ def render(profile: Profile, ranked: Sequence[Evaluation], slo: Slo, rate: float
              f"({profile.source.splitlines()[0][:80]})",
              f"load {rate:g} req/s; SLO TTFT p{q:g} <= {slo.ttft_ms:g} ms, TPOT p{q:g} <= {slo.tpot_ms:g} ms, "
              f"attainment >= {slo.attainment:.0%}",
-             f"{'#':>3} {'config':>10} {'chunk':>6} {'batch':>5} {'thr':>4} {'TTFT p50':>9} {'p90':>8} "
+             f"{'#':>3} {'config':>12} {'chunk':>6} {'batch':>5} {'thr':>4} {'TTFT p50':>9} {'p90':>8} "
              f"{'TPOT p50':>9} {'p90':>7} {'attain':>7} {'goodput':>8} {'/device':>8} {'bound':>8} meets"]
     for i, e in enumerate(ranked[:top], 1):
         d = e.candidate.deployment
-        lines.append(f"{i:>3} {e.config:>10} {d.decode.max_num_tokens:>6} {d.decode.max_batch_size:>5} "
+        name = f"colocated({d.num_decode})" if d.num_prefill == 0 and d.num_decode > 1 else e.config
+        lines.append(f"{i:>3} {name:>12} {d.decode.max_num_tokens:>6} {d.decode.max_batch_size:>5} "
                      f"{d.local_prefill_threshold if d.num_prefill else '-':>4} {_ms(e.ms('ttft', 50)):>9} "
                      f"{_ms(e.ms('ttft', 90)):>8} {_ms(e.ms('tpot', 50)):>9} {_ms(e.ms('tpot', 90)):>7} "
                      f"{e.attainment:>7.1%} {e.goodput_rps:>8.3f} {e.goodput_per_device:>8.3f} {e.bound:>8} "
@@ -173,3 +174,47 @@ def recommend(e: Evaluation) -> str:
     if d.num_prefill:
         helm.append(f"  router: {{localPrefillThreshold: {d.local_prefill_threshold}}}")
     return "\n".join(["on one machine:", up, "Helm values (deploy/helm/pdserve):", *helm])
+
+
+def add_profile_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("profile", help="measure a model on this machine with the engine and write a profile "
+                                       "JSON for `pdserve plan`")
+    p.add_argument("--model", default="default", help="'default', a transformers directory or a .gguf file")
+    p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
+    p.add_argument("--quick", action="store_true", help="a small grid: well under a minute (tests, a first look)")
+    p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's choice)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quantization", default="auto", help="as the workers' --quantization (default auto)")
+    p.add_argument("--speculative-config", default="", help="as the decode's: measures drafts kept per step")
+    p.add_argument("--transfer-backends", default=None,
+                   help="KV backends whose link to measure (bench transfer), comma separated; a loopback "
+                        "TCP socket is always measured (default ucx; --quick: the socket only)")
+    return p
+
+
+def run_profile(args: argparse.Namespace, transfer_probe_for) -> int:
+    """`transfer_probe_for(backends)`: a callable measuring those links (the CLI's, from bench)."""
+    from pdserve.planner.profile import save_profile
+    from pdserve.planner.profiler import QUICK, Grid, measure
+
+    backends = args.transfer_backends if args.transfer_backends is not None else ("" if args.quick else "ucx")
+    try:
+        profile = measure(args.model, grid=QUICK if args.quick else Grid(), num_threads=args.num_threads,
+                          dtype=args.dtype, block_size=args.block_size, quantization=args.quantization,
+                          speculative_config=args.speculative_config,
+                          transfer_probe=transfer_probe_for([b for b in backends.split(",") if b.strip()]),
+                          log=lambda line: print(line, flush=True))
+    except PdserveError as exc:
+        print(f"pdserve profile: {exc}", file=sys.stderr)
+        return 2
+    path = save_profile(profile, args.out)
+    s = profile.step
+    print(f"step cost: {s.base_s * 1000:.2f} ms + {s.prefill_token_s * 1e6:.1f} us per prompt token + "
+          f"{s.decode_seq_s * 1e6:.1f} us per decoding sequence + {s.decode_context_s * 1e9:.1f} ns per context token")
+    for t in profile.transfers:
+        print(f"link {t.backend}: {t.bytes_per_s / 1e9:.2f} GB/s, tail {t.tail_s * 1000:.2f} ms")
+    print(f"KV: {profile.kv_bytes_per_token} bytes per token, {profile.kv_tokens} tokens per worker; "
+          f"compatibility hash {profile.compat_hash}")
+    print(f"wrote {path}")
+    return 0

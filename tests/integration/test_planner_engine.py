@@ -102,3 +102,27 @@ def test_simulator_tracks_the_engine_on_a_tiny_model(tiny_model_factory):
     print(report)
     assert abs(sim_ttft / measured_ttft.mean() - 1) <= BAND, report
     assert abs(sim_tpot / measured_tpot.mean() - 1) <= BAND, report
+
+
+@pytest.mark.timeout(300)
+def test_profile_command_then_plan_refuses_other_weights(tiny_model_factory, tmp_path, capsys):
+    """`pdserve profile --quick` writes a profile carrying the engine's compatibility hash, the
+    machine and a measured link; `pdserve plan --model` takes it for that model and refuses it
+    for the same architecture with other weights."""
+    from pdserve.deploy.cli import main
+    from pdserve.planner.profile import load_profile
+
+    model_dir = tiny_model_factory("llama")
+    other = tiny_model_factory("llama", seed=1)
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(model_dir), "--quick", "--num-threads", "1", "--out", str(out)]) == 0
+    profile = load_profile(out)
+    assert profile.compat_hash == model_compat_hash(str(model_dir)) != model_compat_hash(str(other))
+    assert profile.machine.num_cores >= 1 and profile.kv_tokens_by_fraction
+    assert [t.backend for t in profile.transfers] == ["socket"]
+    capsys.readouterr()
+    assert main(["plan", "--profile", str(out), "--model", str(model_dir), "--request-rate", "2",
+                 "--input-len", "64", "--output-len", "8", "--num-requests", "40"]) == 0
+    assert "recommended" in capsys.readouterr().out
+    assert main(["plan", "--profile", str(out), "--model", str(other), "--request-rate", "2"]) == 2
+    assert "another model or other weights" in capsys.readouterr().err
