@@ -24,6 +24,7 @@ BENCHMARKS = {
     "layerwise": "layerwise",  # a long prompt's KV streamed layer by layer vs sent whole: the transfer's tail
     "network": "netlab",  # prefill and decode on separate hosts (network namespaces): TTFT at shaped link rates
     "nemesis": "nemesis",  # 2 prefill + 2 decode hosts under cut links and killed workers: every request ends right
+    "plan-check": "plan_check",  # pdserve plan's predictions against bench serve on pdserve up
 }
 
 

@@ -9,8 +9,9 @@ worker has `prefill_queue_threshold` or more requests waiting; between those, th
 the shorter predicted first token (each side's queued prompt tokens and this prompt at the
 profile's prefill rate, the transfer on the remote side, the stall of the decode's streams on
 the local side) unless `predict` is off (`--static-routing`). A remote prompt: the decode
-admits it (holding its blocks), the prefill worker computes it, its KV crosses the link (the
-profile's transfer cost past the forward), the first token arrives with it.
+admits it (holding its blocks), the prefill worker computes it, its KV crosses the prefill
+worker's link (the profile's transfer cost past the forward, transfers queued on the link), the
+first token arrives with it.
 
 A request's TTFT runs from its arrival to its first token, its TPOT from the first token to
 the last over the tokens between. Requests unfinished at the horizon count as missing every
@@ -101,6 +102,7 @@ class _Fleet:
         if deployment.num_prefill and self.link is None:
             raise ValueError("a disaggregated deployment needs a transfer cost in the profile")
         self._decode_of: dict[int, SimEngine] = {}  # remote requests: the decode holding their blocks
+        self._link_free: dict[str, float] = {}  # prefill worker -> when its link has sent what it was given
         self.num_left = 0  # requests not finished yet
         self.done = env.event()  # every request finished
 
@@ -138,9 +140,18 @@ class _Fleet:
         min(self.prefills, key=lambda e: e.load).add(request.twin)
 
     def prompt_done(self, prefill: SimEngine, twin: SimRequest) -> None:
+        """The KV leaves over the prefill worker's link, one transfer after another: streamed
+        layer by layer it starts with the forward, so only what outlasts the forward (or the
+        link's tail) delays the first token; a link slower than the prompts' KV is made falls
+        behind, and the transfers queue on it."""
         num_bytes = (twin.input_len - twin.cached_len) * self.profile.kv_bytes_per_token
-        transfer = self.link.past_forward_s(num_bytes, twin.forward_s, self.deployment.layerwise)
-        self.env.process(self._deliver(prefill, twin, transfer))
+        now, link = self.env.now, self.link
+        begin = now - twin.forward_s if self.deployment.layerwise else now
+        wire_start = max(begin, self._link_free.get(prefill.name, 0.0))
+        wire_end = wire_start + num_bytes / link.bytes_per_s
+        self._link_free[prefill.name] = wire_end
+        done = max(now + link.tail_s, wire_end) if self.deployment.layerwise else wire_end + link.tail_s
+        self.env.process(self._deliver(prefill, twin, done - now))
 
     def _deliver(self, prefill: SimEngine, twin: SimRequest, transfer_s: float):
         yield self.env.timeout(transfer_s)
