@@ -187,9 +187,12 @@ def max_goodput(profile: Profile, unit: Deployment, slo: Slo, input_len: int, ou
         return trace_of(rate) if trace_of else random_workload(rate, input_len, output_len, num_requests, seed)
 
     if high is None:
-        # a bound above capacity: every worker computing prompts back to back
-        work = profile.step.prefill_s(input_len) + output_len * profile.step.seconds(0, 0, 1, input_len)
-        high = 4.0 * (unit.num_prefill + unit.num_decode) * max(1.0, 64.0 / output_len) / work
+        # above capacity: every worker either computing prompts back to back or decoding full batches
+        step = profile.step
+        prompts = 1.0 / step.prefill_s(input_len)
+        batch = unit.decode.max_batch_size
+        streams = batch / (output_len * step.seconds(0, 0, batch, batch * (input_len + output_len // 2)))
+        high = 2.0 * (unit.num_prefill + unit.num_decode) * (prompts + streams)
     if not simulate(profile, unit, trace(max(high / 1000, 1e-6))).meets(slo):
         return 0.0
     low = max(low, high / 1000)
