@@ -50,10 +50,10 @@ def deployment(config: str, cores: int) -> Deployment:
 
 def predict(profile, config: str, rate: float, num_requests: int, input_len: int, output_len: int,
             slo: Slo, cores: int, seed: int) -> Evaluation:
-    """The simulation of what `bench serve` sends in that run (same count, lengths and rate)."""
+    """The simulation of what `bench serve` sends in that run: its rate and lengths, at least 50 requests."""
     d = deployment(config, cores)
     trace = random_workload(rate, input_len, output_len, max(num_requests, 50), seed)
-    return evaluate(profile, Candidate(d, 1, d, cores), trace, slo, rate)
+    return evaluate(profile, Candidate(d, 1, d, cores), trace, slo, rate, warmup=0.0)  # as bench serve counts
 
 
 def default_rates(profile, input_len: int, output_len: int, slo: Slo, cores: int) -> tuple[float, ...]:

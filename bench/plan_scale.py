@@ -5,8 +5,8 @@ workloads and two SLOs each, it finds the goodput of each replica unit (colocate
 up to `--max-unit` workers): the highest request rate one unit serves within the SLO
 (`search.max_goodput`), over the GPUs it takes. A fleet of N GPUs holds N // size replicas
 of a unit and the router spreads the load evenly over them, so a fleet's goodput per GPU is
-the unit's times the fraction of GPUs its replicas fill. For N from 8 to 512 it reports the
-best unit against colocated; then, for the chat workload, how the best xPyD's advantage moves
+the unit's times the fraction of GPUs its replicas fill. Units: colocated and the xPyD
+ratios of `RATIOS`. For N from 8 to 512 it reports the best unit against colocated; then, for the chat workload, how the best xPyD's advantage moves
 with the transfer link's bandwidth per GPU (where it stops paying). Writes a Markdown table and a
 plot.
 
@@ -25,7 +25,7 @@ from typing import Sequence
 
 from pdserve.bench.cli import HelpFormatter
 from pdserve.planner.profile import TransferCost, load_profile
-from pdserve.planner.search import SearchSpace, _knobs, max_goodput, units
+from pdserve.planner.search import SearchSpace, _knobs, max_goodput
 from pdserve.planner.simulator import Deployment
 from pdserve.planner.types import Slo
 from pdserve.planner.workload import mixed_workload
@@ -53,18 +53,21 @@ STUDIES = (
 
 def unit_goodput(profile, unit: Deployment, study: Study, slo: Slo, num_requests: int) -> float:
     """Requests per second one unit serves within `slo`."""
-    def trace_of(rate: float):
-        return mixed_workload(rate, [(1.0, study.input_len, study.output_len)], num_requests)
+    def trace_of(rate: float, count: int):
+        return mixed_workload(rate, [(1.0, study.input_len, study.output_len)], count)
 
-    return max_goodput(profile, unit, slo, study.input_len, study.output_len, iterations=8, trace_of=trace_of)
+    return max_goodput(profile, unit, slo, study.input_len, study.output_len, iterations=7, trace_of=trace_of)
+
+
+RATIOS = ((0, 1), (1, 1), (1, 2), (1, 3), (1, 5), (2, 1), (3, 1), (2, 3), (3, 2))  # the units tried
 
 
 def unit_deployments(profile, space: SearchSpace) -> list[Deployment]:
     """Colocated at each chunk budget (it trades TTFT for TPOT there); xPyD at the largest
-    (a decode that prefills little gains nothing from a small one)."""
+    (a decode that prefills little gains nothing from a small one), in the ratios of `RATIOS`."""
     out = []
     widest = dataclasses.replace(space, chunk_budgets=(max(space.chunk_budgets),))
-    for num_prefill, num_decode in units(space.max_unit, space):
+    for num_prefill, num_decode in RATIOS:
         out += list(_knobs(num_prefill, num_decode, space if num_prefill == 0 else widest))
     return out
 
@@ -96,7 +99,7 @@ def fleet_row(profile, best: dict, gpus: int) -> tuple[str, float, float]:
 
 def link_sweep(profile, study: Study, slo: Slo, best: dict, num_requests: int) -> list[tuple[float, float, float]]:
     """(GB/s per GPU, best xPyD's goodput per GPU, colocated's) as the link narrows."""
-    disagg = sorted((k for k in best if k[0]), key=lambda k: -best[k][0])[:3]
+    disagg = sorted((k for k in best if k[0]), key=lambda k: -best[k][0])[:2]
     colocated = best[(0, 1)][0] if (0, 1) in best else 0.0
     out = []
     for gbps in LINKS_GBPS:
@@ -112,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench plan-scale", description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--profile", required=True)
-    p.add_argument("--max-unit", type=int, default=6)
-    p.add_argument("--num-requests", type=int, default=200, help="simulated requests per rate tried")
+    p.add_argument("--num-requests", type=int, default=200,
+                   help="simulated requests per rate tried, at least (more where the steady state needs them)")
     p.add_argument("--out-dir", default="docs")
     p.add_argument("--name", default="plan-scale")
     return p
@@ -122,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     profile = load_profile(args.profile)
-    space = SearchSpace(chunk_budgets=(512, 2048), max_unit=args.max_unit)
+    # a GPU decode batches as vLLM's default max_num_seqs does (256)
+    space = SearchSpace(chunk_budgets=(512, 2048), batch_limits=(256,), max_unit=max(sum(r) for r in RATIOS))
     started = time.monotonic()
     lines = ["| workload | SLO p90 TTFT / TPOT | GPUs | best | goodput/GPU (req/s) | colocated | best / colocated |",
              "|---|---|---:|---|---:|---:|---:|"]
@@ -139,7 +143,7 @@ def main(argv: Sequence[str]) -> int:
             print(f"{label}: done after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
             if sweep is None:
                 sweep = (label, link_sweep(profile, study, slo, best, args.num_requests))
-    lines += ["", f"Link bandwidth per GPU, {sweep[0]} (best of the three best xPyD units at 300 GB/s):", "",
+    lines += ["", f"Link bandwidth per GPU, {sweep[0]} (the better of the two best xPyD units at 300 GB/s):", "",
               "| GB/s per GPU | best xPyD goodput/GPU | colocated | xPyD / colocated |", "|---:|---:|---:|---:|"]
     lines += [f"| {g:g} | {d:.2f} | {c:.2f} | {d / c:.2f}x |" if c else f"| {g:g} | {d:.2f} | 0 | - |"
               for g, d, c in sweep[1]]

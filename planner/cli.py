@@ -12,7 +12,7 @@ from typing import Sequence
 
 from pdserve.common.errors import PdserveError
 from pdserve.planner.profile import Profile, load_profile
-from pdserve.planner.search import Evaluation, SearchSpace, plan
+from pdserve.planner.search import Evaluation, SearchSpace, plan, steady_count
 from pdserve.planner.types import Slo
 from pdserve.planner.workload import mean_lengths, random_workload, read_trace
 
@@ -40,7 +40,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     w.add_argument("--request-rate", type=float, help="req/s, Poisson arrivals")
     w.add_argument("--input-len", type=int, default=256, help="prompt tokens (default 256)")
     w.add_argument("--output-len", type=int, default=128, help="generated tokens (default 128)")
-    w.add_argument("--num-requests", type=int, default=400, help="simulated requests (default 400)")
+    w.add_argument("--num-requests", type=int, default=400,
+                   help="simulated requests, at least (more where the load's steady state needs them; default 400)")
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("SLOs")
     s.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="(default 2000)")
@@ -73,7 +74,7 @@ def run_plan(args: argparse.Namespace) -> int:
             profile.check_compatible(model_compat_hash(args.model))
         if args.compat_hash:
             profile.check_compatible(args.compat_hash.lower().removeprefix("0x"))
-        trace, rate = _workload(args)
+        trace, rate = _workload(args, profile)
         slo = _slo(args)
         devices, space = _budget(args, profile)
         ranked = plan(profile, trace, slo, devices, rate, space)
@@ -88,7 +89,7 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload(args: argparse.Namespace):
+def _workload(args: argparse.Namespace, profile: Profile):
     if args.trace:
         if args.request_rate is not None:
             raise ValueError("give --trace or --request-rate, not both")
@@ -98,7 +99,8 @@ def _workload(args: argparse.Namespace):
         raise ValueError("give a workload: --trace FILE, or --request-rate R (with --input-len, --output-len)")
     if args.input_len < 1 or args.output_len < 1 or args.num_requests < 1:
         raise ValueError("--input-len, --output-len and --num-requests must be >= 1")
-    return (random_workload(args.request_rate, args.input_len, args.output_len, args.num_requests, args.seed),
+    count = steady_count(profile, args.request_rate, args.input_len, args.output_len, args.num_requests)
+    return (random_workload(args.request_rate, args.input_len, args.output_len, count, args.seed),
             args.request_rate)
 
 

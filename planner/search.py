@@ -155,15 +155,18 @@ def _knobs(num_prefill: int, num_decode: int, space: SearchSpace) -> Iterable[De
                          host_cores=space.shared_host_cores)
 
 
+WARMUP = 0.1  # the fraction of a trace's first requests a prediction leaves out (an empty fleet)
+
+
 def evaluate(profile: Profile, candidate: Candidate, trace: Sequence[TraceRequest], slo: Slo,
-             request_rate: float) -> Evaluation:
+             request_rate: float, warmup: float = WARMUP) -> Evaluation:
     """`candidate` under `trace` (the whole fleet's load): on a shared host the whole fleet is
     simulated, else one unit at 1/replicas of the load."""
     if candidate.unit.host_cores or candidate.replicas == 1:
         deployment = candidate.deployment if candidate.unit.host_cores else candidate.unit
-        result = simulate(profile, deployment, trace)
+        result = simulate(profile, deployment, trace, warmup=warmup)
     else:
-        result = simulate(profile, candidate.unit, scaled(trace, 1 / candidate.replicas))
+        result = simulate(profile, candidate.unit, scaled(trace, 1 / candidate.replicas), warmup=warmup)
     return Evaluation(candidate, result, slo, request_rate)
 
 
@@ -178,13 +181,25 @@ def plan(profile: Profile, trace: Sequence[TraceRequest], slo: Slo, devices: int
     return rank(evaluate(profile, c, trace, slo, request_rate) for c in candidates(profile, devices, space))
 
 
+def steady_count(profile: Profile, rate: float, input_len: int, output_len: int, least: int,
+                 most: int = 2000) -> int:
+    """Requests enough for a queue at `rate` to reach its steady state: arrivals over ten
+    lifetimes of a request in a full batch (a shorter trace measures only the first burst,
+    which the batch absorbs), between `least` and `most`."""
+    step = profile.step.seconds(0, 0, 64, 64 * (input_len + output_len // 2))
+    lifetime = profile.step.prefill_s(input_len) + output_len * step
+    return int(min(most, max(least, rate * 10 * lifetime))) if math.isfinite(rate) else least
+
+
 def max_goodput(profile: Profile, unit: Deployment, slo: Slo, input_len: int, output_len: int,
                 num_requests: int = 300, seed: int = 0, low: float = 0.0, high: float | None = None,
                 iterations: int = 9, trace_of=None) -> float:
     """The highest request rate at which `unit` meets `slo` (DistServe's goodput), by bisection.
-    `trace_of(rate)`: the workload at a rate (default: `random_workload` of these lengths)."""
+    `trace_of(rate, count)`: the workload at a rate (default: `random_workload` of these lengths);
+    each rate gets at least `num_requests` requests and enough for its steady state."""
     def trace(rate: float):
-        return trace_of(rate) if trace_of else random_workload(rate, input_len, output_len, num_requests, seed)
+        count = steady_count(profile, rate, input_len, output_len, num_requests)
+        return trace_of(rate, count) if trace_of else random_workload(rate, input_len, output_len, count, seed)
 
     if high is None:
         # above capacity: every worker either computing prompts back to back or decoding full batches
@@ -193,12 +208,12 @@ def max_goodput(profile: Profile, unit: Deployment, slo: Slo, input_len: int, ou
         batch = unit.decode.max_batch_size
         streams = batch / (output_len * step.seconds(0, 0, batch, batch * (input_len + output_len // 2)))
         high = 2.0 * (unit.num_prefill + unit.num_decode) * (prompts + streams)
-    if not simulate(profile, unit, trace(max(high / 1000, 1e-6))).meets(slo):
+    if not simulate(profile, unit, trace(max(high / 1000, 1e-6)), warmup=WARMUP).meets(slo):
         return 0.0
     low = max(low, high / 1000)
     for _ in range(iterations):
         mid = math.sqrt(low * high)
-        if simulate(profile, unit, trace(mid)).meets(slo):
+        if simulate(profile, unit, trace(mid), warmup=WARMUP).meets(slo):
             low = mid
         else:
             high = mid
@@ -214,8 +229,10 @@ class SimulatedAdvisor:
         self.profile, self.space, self.num_requests, self.seed = profile, space, num_requests, seed
 
     def advise(self, load: WorkloadStats, slo: Slo, limits: Limits) -> Advice:
-        trace = random_workload(max(load.request_rate, 1e-3), max(1, round(load.mean_input_len)),
-                                max(1, round(load.mean_output_len)), self.num_requests, self.seed)
+        rate, input_len = max(load.request_rate, 1e-3), max(1, round(load.mean_input_len))
+        output_len = max(1, round(load.mean_output_len))
+        count = steady_count(self.profile, rate, input_len, output_len, self.num_requests, most=4 * self.num_requests)
+        trace = random_workload(rate, input_len, output_len, count, self.seed)
         shapes = [Shape(p, d) for p in range(limits.min_prefill, limits.max_prefill + 1)
                   for d in range(max(1, limits.min_decode), limits.max_decode + 1)]
         evaluations = []

@@ -73,7 +73,8 @@ class SimResult:
 
     def percentile_ms(self, which: str, q: float) -> float:
         values = self.ttft_s if which == "ttft" else self.tpot_s
-        return float(np.percentile(values, q)) * 1000.0 if len(values) else math.inf
+        # a sample, not an interpolation: unfinished requests are inf, and inf - inf is no time
+        return float(np.percentile(values, q, method="higher")) * 1000.0 if len(values) else math.inf
 
     def met(self, slo: Slo) -> np.ndarray:
         return (self.ttft_s * 1000 <= slo.ttft_ms) & (self.tpot_s * 1000 <= slo.tpot_ms)
@@ -182,9 +183,10 @@ class _Fleet:
 
 
 def simulate(profile: Profile, deployment: Deployment, trace: Sequence[TraceRequest],
-             horizon_s: float | None = None) -> SimResult:
+             horizon_s: float | None = None, warmup: float = 0.0) -> SimResult:
     """Run `trace` through `deployment` until every request ends or `horizon_s` passes (default:
-    the trace's span plus ten minutes)."""
+    the trace's span plus ten minutes). The first `warmup` fraction of requests is left out of
+    the result (they met an empty deployment)."""
     env = simpy.Environment()
     fleet = _Fleet(env, profile, deployment)
     max_len = profile.max_model_len
@@ -206,7 +208,7 @@ def simulate(profile: Profile, deployment: Deployment, trace: Sequence[TraceRequ
     if requests:
         env.process(_deadline(env, fleet.done, end))
         env.run(until=fleet.done)
-    return _result(requests, fleet, env.now)
+    return _result(requests[int(len(requests) * warmup):], fleet, env.now)
 
 
 def _deadline(env: simpy.Environment, done: simpy.Event, end: float):
