@@ -137,12 +137,13 @@ def render(profile: Profile, ranked: Sequence[Evaluation], slo: Slo, rate: float
              f"({profile.source.splitlines()[0][:80]})",
              f"load {rate:g} req/s; SLO TTFT p{q:g} <= {slo.ttft_ms:g} ms, TPOT p{q:g} <= {slo.tpot_ms:g} ms, "
              f"attainment >= {slo.attainment:.0%}",
-             f"{'#':>3} {'config':>12} {'chunk':>6} {'batch':>5} {'thr':>4} {'TTFT p50':>9} {'p90':>8} "
+             f"{'#':>3} {'config':>15} {'chunk':>6} {'batch':>5} {'thr':>4} {'TTFT p50':>9} {'p90':>8} "
              f"{'TPOT p50':>9} {'p90':>7} {'attain':>7} {'goodput':>8} {'/device':>8} {'bound':>8} meets"]
     for i, e in enumerate(ranked[:top], 1):
         d = e.candidate.deployment
-        name = f"colocated({d.num_decode})" if d.num_prefill == 0 and d.num_decode > 1 else e.config
-        lines.append(f"{i:>3} {name:>12} {d.decode.max_num_tokens:>6} {d.decode.max_batch_size:>5} "
+        c = e.candidate
+        name = f"{c.replicas} x {c.unit.config}" if c.replicas > 1 else e.config
+        lines.append(f"{i:>3} {name:>15} {d.decode.max_num_tokens:>6} {d.decode.max_batch_size:>5} "
                      f"{d.local_prefill_threshold if d.num_prefill else '-':>4} {_ms(e.ms('ttft', 50)):>9} "
                      f"{_ms(e.ms('ttft', 90)):>8} {_ms(e.ms('tpot', 50)):>9} {_ms(e.ms('tpot', 90)):>7} "
                      f"{e.attainment:>7.1%} {e.goodput_rps:>8.3f} {e.goodput_per_device:>8.3f} {e.bound:>8} "

@@ -5,9 +5,10 @@ one unit, colocated (one worker) or xPyD (x prefill and y decode workers); the r
 load evenly over the replicas, so one unit is simulated at its share of the load. Each unit is
 tried with each chunk budget, batch limit and local-prefill threshold asked for.
 
-Ranking: candidates that meet the SLO (`SimResult.meets`) first, then by goodput per device
+Ranking: candidates that meet the SLO (`SimResult.meets`) first, by goodput per device
 (requests per second that met both SLOs, over the devices the candidate uses), then by the
-worse of the two percentile latencies relative to its SLO. `bound` names what limits a
+worse of the two percentile latencies relative to its SLO (`slack`); the rest after them,
+nearest (least `slack`) first. `bound` names what limits a
 candidate: `prefill` when TTFT is further over (or nearer) its SLO than TPOT and the prompt's
 own queue and compute dominate it, `transfer` when the KV's transfer does, `decode` when TPOT is.
 """
@@ -171,8 +172,13 @@ def evaluate(profile: Profile, candidate: Candidate, trace: Sequence[TraceReques
 
 
 def rank(evaluations: Iterable[Evaluation]) -> list[Evaluation]:
-    return sorted(evaluations, key=lambda e: (not e.meets, -round(e.goodput_per_device, 9), e.slack,
-                                              e.candidate.devices))
+    """Those that meet the SLO by goodput per device; after them the rest, nearest first."""
+    def key(e: Evaluation):
+        if e.meets:
+            return (0, -round(e.goodput_per_device, 9), e.slack, e.candidate.devices)
+        return (1, e.slack, -round(e.goodput_per_device, 9), e.candidate.devices)
+
+    return sorted(evaluations, key=key)
 
 
 def plan(profile: Profile, trace: Sequence[TraceRequest], slo: Slo, devices: int, request_rate: float,
