@@ -302,6 +302,22 @@ def write_outputs(out_dir: Path, settings: ServeSettings, runs: Sequence[BenchRu
     return written
 
 
+def write_trace_of(path: str | Path, runs: Sequence[BenchRun]) -> Path:
+    """The requests of `runs` as `pdserve plan` reads a trace: each run's send times after the
+    previous runs' durations; prompt tokens as the server counted them (else the target), the
+    tokens it generated. Requests that generated nothing are left out."""
+    from pdserve.planner.workload import TraceRequest, write_trace
+
+    out, offset = [], 0.0
+    for run in runs:
+        for r in run.results:
+            prompt = r.prompt_tokens or r.target_input_tokens
+            if prompt and r.output_tokens > 0:
+                out.append(TraceRequest(offset + r.start_s, prompt, r.output_tokens))
+        offset += run.summary.duration_s
+    return write_trace(path, out)
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -363,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     o.add_argument("--slo-tpot-ms", type=float, default=100.0)
     o.add_argument("--out-dir", help="write serve_results.json and PNG plots here")
+    o.add_argument("--trace-out", help="record the requests sent as a trace for `pdserve plan --trace` "
+                                       "(JSON lines: arrival_s, input_len, output_len; runs one after another)")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
     return p
@@ -436,6 +454,8 @@ def main(argv: Sequence[str]) -> int:
             out_dir = Path(args.out_dir) / ("compare" if k else "")
             for path in write_outputs(out_dir, shown, runs, plots=not args.no_plots):
                 print(f"wrote {path}")
+    if args.trace_out:
+        print(f"wrote {write_trace_of(args.trace_out, results[0][1])}")
     if len(results) == 2:
         print(format_ratios(endpoints[0].base_url, results[0][1], endpoints[1].base_url, results[1][1]))
         print(format_text_agreement(results[0][1], results[1][1]))

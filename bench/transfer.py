@@ -335,6 +335,23 @@ def run(backends: list[str], block_counts: list[int], repeats: int,
     return cells, session.skipped
 
 
+def links(backends: list[str], repeats: int = 3) -> list[tuple[str, float, float]]:
+    """(backend, bytes/s, tail seconds) of each link measured here (`pdserve profile`): the rate
+    from the difference between 64 blocks and 1, the tail what 1 block takes beyond its bytes
+    at that rate. `memcpy` (no link) is left out; `socket` is loopback TCP."""
+    cells, _ = run(backends, [1, 64], repeats, progress=False)
+    by = {(c.backend, c.num_blocks): c for c in cells}
+    out = []
+    for name in dict.fromkeys(c.backend for c in cells):
+        one, many = by.get((name, 1)), by.get((name, 64))
+        if name == "memcpy" or one is None or many is None:
+            continue
+        extra = many.seconds - one.seconds
+        rate = 63 * BLOCK_NBYTES / extra if extra > 0 else many.bytes_per_s
+        out.append((name, rate, max(0.0, one.seconds - BLOCK_NBYTES / rate)))
+    return out
+
+
 # -- output ----------------------------------------------------------------------------------------
 def format_table(cells: list[Cell]) -> str:
     base = {(c.backend, c.num_blocks): c for c in cells}

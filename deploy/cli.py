@@ -1,4 +1,5 @@
-"""`pdserve` command line: `up`, `router`, `prefill`, `decode`, `planner`, `bench`.
+"""`pdserve` command line: `up`, `router`, `prefill`, `decode`, `planner`, `prepare`, `profile`, `plan`,
+`bench`.
 
 Every flag can also come from a YAML file (`--config`, keys = flag names with `_`) and from
 `PDSERVE_<FLAG>` environment variables. Precedence: flag > environment > YAML > default.
@@ -19,6 +20,7 @@ from pdserve.common.errors import PdserveError
 from pdserve.deploy import prepare
 from pdserve.deploy import up as up_defaults
 from pdserve.deploy.supervisor import RestartPolicy
+from pdserve.planner import cli as planner_cli
 from pdserve.planner.settings import PlannerSettings
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT, RouterConfig
 from pdserve.worker.settings import (DECODE_GRPC_PORT, DECODE_TRANSFER_PORT, PREFILL_GRPC_PORT,  # noqa: F401 - the
@@ -142,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_table(planner, PlannerSettings, "planner", "planner", "planner")
     _add_table(planner, PlannerSettings, "planner", "kubernetes", "kubernetes")
     prepare.add_parser(sub)
+    planner_cli.add_profile_parser(sub)
+    planner_cli.add_plan_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
     bench.add_argument("what", choices=BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
@@ -231,6 +235,16 @@ def _role_main(command: str) -> Callable[[dict[str, Any]], int]:
     return fn
 
 
+def _transfer_probe(backends: list[str]):
+    """`pdserve profile`'s link measurement: `bench transfer`'s, run when the profile asks."""
+    def probe():
+        from pdserve.bench.transfer import links
+        from pdserve.planner.profile import TransferCost
+
+        return [TransferCost(name, rate, tail) for name, rate, tail in links(backends)]
+    return probe
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -240,6 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(args.what, args.rest)
     if args.command == "prepare":
         return prepare.main(args)
+    if args.command == "plan":
+        return planner_cli.run_plan(args)
+    if args.command == "profile":
+        return planner_cli.run_profile(args, _transfer_probe)
     settings = resolve(args)
     # a crash in native code (a kernel, UCX, gloo) prints every thread's Python stack on the
     # service's stderr instead of leaving only an exit status of -11

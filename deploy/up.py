@@ -323,6 +323,7 @@ def _run(settings: dict[str, Any]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    check_planner_profile(settings)
     children, http_port = start(settings)
     policy = RestartPolicy()
     if settings.get("max_restarts") is not None:
@@ -352,6 +353,19 @@ def _run(settings: dict[str, Any]) -> int:
             planner[1].stop()
         stop(children, hurry=hurry)
         print("pdserve up: stopped", flush=True)
+
+
+def check_planner_profile(settings: dict[str, Any]) -> None:
+    """With `--planner --planner-profile`: ProfileError (before any worker starts) unless the
+    profile was measured for the model and KV layout this `up` serves."""
+    if not settings.get("planner") or not settings.get("planner_profile"):
+        return
+    from pdserve.planner.compat import model_compat_hash
+    from pdserve.planner.profile import load_profile
+
+    load_profile(settings["planner_profile"]).check_compatible(model_compat_hash(
+        settings.get("model") or "default", dtype=settings.get("dtype") or "float32",
+        block_size=int(settings.get("block_size") or 16), quantization=settings.get("quantization") or "auto"))
 
 
 def start_planner(settings: dict[str, Any], children: list[Child], supervisor: Supervisor, url: str):

@@ -17,7 +17,13 @@ log = logging.getLogger("pdserve.planner")
 
 
 def default_advisor(settings: PlannerSettings) -> Advisor:
-    """The advisor a planner asks unless given one: the rule-based fallback (`planner.fallback`)."""
+    """The advisor a planner asks unless given one: the simulator over `--planner-profile`
+    (`planner.search.SimulatedAdvisor`), else the rule-based fallback (`planner.fallback`)."""
+    if settings.planner_profile:
+        from pdserve.planner.profile import load_profile
+        from pdserve.planner.search import SimulatedAdvisor
+
+        return SimulatedAdvisor(load_profile(settings.planner_profile))
     from pdserve.planner.fallback import ThresholdAdvisor, ThresholdRules
 
     return ThresholdAdvisor(ThresholdRules(streams_per_decode=settings.planner_streams_per_decode))

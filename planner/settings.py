@@ -35,6 +35,8 @@ class PlannerSettings:
     planner_max_decode: int = _opt(2, "planner: most decode workers")
     planner_streams_per_decode: float = _opt(8.0, "planner's fallback advisor: open streams one decode worker "
                                              "carries before another is wanted")
+    planner_profile: str = _opt("", "planner: a `pdserve profile` JSON of this model and device; the simulator "
+                                "then chooses the shape (without one, the fallback's thresholds do)")
     planner_metrics_port: int = _opt(0, "planner: serve its Prometheus /metrics on this port (0: off)")
     router_url: str = _opt("http://127.0.0.1:8000", "planner: the router's HTTP address, whose /metrics it reads",
                            "kubernetes", ("planner",))

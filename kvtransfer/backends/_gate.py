@@ -1,4 +1,4 @@
-"""The authenticated-first accept path of a blocking-socket transfer listener (nccl).
+"""The authenticated-first accept path of a transfer listener (`_link.ControlServer`).
 
 One thread accepts connections and runs every pending challenge without blocking (a
 selector), so a connection that has not proved the transfer key costs a socket and a few

@@ -239,6 +239,10 @@ def make_sender(backend: str):
         from pdserve.kvtransfer.backends.ucx import UcxSettings, UcxTransport
 
         return UcxTransport(settings=UcxSettings(tls=TCP_ONLY))
+    if backend == "tcp":
+        from pdserve.kvtransfer.backends.tcp import TcpTransport
+
+        return TcpTransport()
     from pdserve.kvtransfer.backends.nccl import NcclTransport
 
     return NcclTransport(backend="gloo")
@@ -301,19 +305,19 @@ def test_a_ucx_link_whose_endpoint_died_under_a_live_control_connection_is_repla
     if transfer_backend(sender) != "ucx":
         pytest.skip("a ucx link's endpoint")
     send(sender, receiver, [1, 2], seed=6)
-    link = sender._links[receiver.endpoint]
+    link = sender._pool._links[receiver.endpoint]
 
     async def kill_endpoint() -> None:
-        link.ep.abort()
+        link.channel.ep.abort()
 
-    sender._runtime.run(kill_endpoint(), 5.0)
+    link.channel.runtime.run(kill_endpoint(), 5.0)
     took = send(sender, receiver, [8, 9], seed=7)
-    assert sender._links[receiver.endpoint] is not link  # replaced, not reused
+    assert sender._pool._links[receiver.endpoint] is not link  # replaced, not reused
     print(f"first send after the endpoint died: {took * 1000:.0f} ms")
 
 
 def transfer_backend(sender) -> str:
-    return sender.name if sender.name == "ucx" else "nccl"
+    return sender.name
 
 
 if __name__ == "__main__":

@@ -210,7 +210,8 @@ def test_workers_register_again_after_a_router_restart(loop_thread, make_cluster
     restarted = make_cluster(**ports)  # same addresses, empty registry
     with httpx.Client(base_url=restarted.http, timeout=WAIT_S) as http:
         wait_until(lambda: http.get("/ready").status_code == 200, "d0 to register with the new router")
-    assert worker.client.num_registrations == 2
+    # The router counts a worker before the worker reads the router's answer: wait for both.
+    wait_until(lambda: worker.client.num_registrations == 2, "d0 to read the new router's answer")
     chat = restarted.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                       max_tokens=1)
     assert chat.choices[0].message.content == "Hello"

@@ -11,7 +11,7 @@ with its own zeroed cache behind a CacheSink. For each backend:
   answers makes the sender hit its deadline;
 * close is idempotent; and no block is left reserved on the receiving side after any case.
 
-Point-to-point backends (ucx, nccl) deliver straight into the receiver's blocks. Stores
+Point-to-point backends (ucx, nccl, and tcp: the link protocol over a plain socket) deliver straight into the receiver's blocks. Stores
 (redis, disk) are exercised as the chain uses them: the sender puts, the receiver fetches and
 commits through its sink.
 """
@@ -48,7 +48,17 @@ def _backend_params():
         ok, why = backend_loader.is_importable(name)
         params.append(pytest.param(name, marks=pytest.mark.skipif(
             not ok, reason=f"{name} transport not available yet: {why}")))
-    return params + ["redis", "disk"]
+    return params + ["tcp", "redis", "disk"]
+
+
+def open_transport(name: str, config: KVTransferConfig):
+    """A registered transport, or `tcp`: the link protocol over a plain socket channel, written
+    against the channel contract alone (not a deployment's transport, so not registered)."""
+    if name == "tcp":
+        from pdserve.kvtransfer.backends import tcp
+
+        return tcp.create_transport(config)
+    return backend_loader.open_transport(name, config)
 
 
 class PeerProcess(Child):
@@ -125,7 +135,7 @@ def link(request, tmp_path_factory):
         endpoint = peer.ok("init", timeout_s=120, backend=name, layout=LAYOUT_ARGS,
                            config=settings)["endpoint"]
         backend = (backend_loader.open_store(name, config) if name in STORES
-                   else backend_loader.open_transport(name, config))
+                   else open_transport(name, config))
     except BaseException:
         peer.stop()
         raise

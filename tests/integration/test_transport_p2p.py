@@ -1,4 +1,5 @@
-"""The point-to-point transports (ucx over TCP/shared memory, nccl over gloo) between two OS
+"""The point-to-point transports (ucx over TCP/shared memory, nccl over gloo, and tcp: the link
+protocol over a plain socket channel) between two OS
 processes, each against a tiny in-test sink: the unit under test is the transport.
 
 This process sends. The receiver is this same file run as a script in a fresh interpreter
@@ -26,7 +27,7 @@ from pdserve.kvtransfer.wire import (
     HEADER_SIZE, WireLimits, encode_header, encode_index, parse_index, payload_nbytes, verify_payload,
 )
 
-BACKENDS = ("ucx", "nccl")
+BACKENDS = ("ucx", "nccl", "tcp")
 NUM_BLOCKS = 32
 LAYOUT = dict(dtype="float32", num_layers=2, block_size=16, num_kv_heads=2, head_dim=64)
 COMPAT = 0x5EED_C0DE
@@ -46,6 +47,10 @@ def make_transport(name: str):
         from pdserve.kvtransfer.backends.ucx import UcxTransport
 
         return UcxTransport()
+    if name == "tcp":  # the link protocol with payloads on its control connection
+        from pdserve.kvtransfer.backends.tcp import TcpTransport
+
+        return TcpTransport()
     from pdserve.kvtransfer.backends.nccl import NcclTransport
 
     return NcclTransport(backend="gloo")
@@ -400,10 +405,10 @@ def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatc
     before = link.digests(dst)
     altered = message.payload.clone()
     altered[5] ^= 0x40
-    as_sent = _p2p.Session.payload_tag
-    monkeypatch.setattr(_p2p.Session, "payload_tag",
-                        lambda self, seq, header, index, _payload, on_device=False:
-                        as_sent(self, seq, header, index, message.payload, on_device))
+    as_sent = _p2p.payload_tag
+    monkeypatch.setattr(_p2p, "payload_tag",
+                        lambda session, seq, header, index, _payload, on_device=False:
+                        as_sent(session, seq, header, index, message.payload, on_device))
     try:
         with pytest.raises(TransferError, match="payload MAC mismatch"):
             sender.send(endpoint, with_payload(message, altered), time.monotonic() + DEADLINE_S)
@@ -465,8 +470,8 @@ def test_unreachable_peer_is_a_transfer_error(link):
 
 
 def test_connecting_ahead_opens_the_link_the_first_send_uses(link):
-    if link.backend != "ucx":
-        pytest.skip("only ucx connects ahead (the others connect per send)")
+    if link.backend == "nccl":
+        pytest.skip("nccl pairs on the first send")
     sender = make_transport(link.backend)
     try:
         sender.connect_ahead(link.endpoint, time.monotonic() + DEADLINE_S)

@@ -41,7 +41,12 @@ def main() -> None:
             if msg["backend"] in STORES:
                 state["store"] = backend_loader.open_store(msg["backend"], config)
                 return {"endpoint": ""}
-            state["transport"] = backend_loader.open_transport(msg["backend"], config)
+            if msg["backend"] == "tcp":  # the socket channel, not a registered transport
+                from pdserve.kvtransfer.backends import tcp
+
+                state["transport"] = tcp.create_transport(config)
+            else:
+                state["transport"] = backend_loader.open_transport(msg["backend"], config)
             return {"endpoint": state["transport"].open_receiver(sink)}
         sink = state["sink"]
         if cmd == "expect":

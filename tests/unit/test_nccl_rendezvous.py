@@ -1,5 +1,5 @@
 """The nccl pair's rendezvous pieces over real sockets: `_rendezvous.PairStore` (a process
-group's store carried by the authenticated control connection) and `_listeners` (the BPF
+group's store carried by the authenticated control connection) and `security.socket_admission` (the BPF
 filters that close a gloo device's listener to everyone but the peer, then to everyone)."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from pdserve.kvtransfer.backends import _listeners, _p2p, _rendezvous
+from pdserve.kvtransfer.backends import _p2p, _rendezvous
+from pdserve.security import socket_admission as _listeners
 
 KEY = os.urandom(32)
 WAIT_S = 5.0

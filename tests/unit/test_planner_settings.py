@@ -45,3 +45,26 @@ def test_up_refuses_a_bad_planner_setting_before_starting_anything(capsys):
 
     assert main(["up", "--planner", "--planner-min-decode", "5", "--planner-max-decode", "2"]) == 2
     assert "--planner-min-decode" in capsys.readouterr().err
+
+
+def test_a_profile_makes_the_simulator_the_advisor_and_must_match_the_model(tmp_path):
+    """`--planner-profile`: the live planner asks the simulator; a profile of another model
+    stops `up` before any worker starts."""
+    from pdserve.deploy.up import check_planner_profile
+    from pdserve.planner.profile import ProfileError, save_profile
+    from pdserve.planner.runner import default_advisor
+    from pdserve.planner.profile import Profile, StepCost, TransferCost
+    from pdserve.planner.types import Limits, Slo, WorkloadStats
+
+    profile = Profile(model="m", compat_hash="00000000000000aa", device="cpu", source="test",
+                      step=StepCost(0.002, 0.0002, 0.0, 0.0005, 1e-6), kv_bytes_per_token=1000,
+                      kv_tokens=200_000, max_model_len=8192, transfers=(TransferCost("ucx", 1e9, 0.002),))
+    path = save_profile(profile, tmp_path / "profile.json")
+    settings = PlannerSettings.from_settings({"planner_profile": str(path)})
+    advisor = default_advisor(settings)
+    assert advisor.name == "simulator"
+    advice = advisor.advise(WorkloadStats(0.5, 200, 32), Slo(2000, 200), Limits(0, 1, 1, 2))
+    assert advice.shape.num_decode >= 1 and advice.reason
+    assert default_advisor(PlannerSettings()).name == "threshold-fallback"
+    with pytest.raises(ProfileError, match="compat|hash|model"):
+        check_planner_profile({"planner": True, "planner_profile": str(path), "model": "default"})

@@ -110,12 +110,12 @@ def test_a_device_payload_tag_covers_the_digest_and_is_bound_to_its_mode():
     receiver = _p2p.Session.derive(KEY, b"c" * 32, b"n" * 32, is_sender=False)
     payload = torch.randint(0, 256, (3 * 16384 + 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     header, index = b"h" * 72, b"i" * 16
-    tag = sender.payload_tag(5, header, index, payload, on_device=True)
-    receiver.check_payload(5, header, index, payload.clone(), tag, on_device=True)
-    assert tag != sender.payload_tag(5, header, index, payload)  # the host mode MACs the bytes themselves
+    tag = _p2p.payload_tag(sender, 5, header, index, payload, on_device=True)
+    _p2p.check_payload(receiver, 5, header, index, payload.clone(), tag, on_device=True)
+    assert tag != _p2p.payload_tag(sender, 5, header, index, payload)  # the host mode MACs the bytes themselves
     altered = payload.clone()
     altered[40000] ^= 0x02
     for args, mode in (((5, header, index, altered), True), ((6, header, index, payload), True),
                        ((5, header, index, payload), False)):
         with pytest.raises(TransferError, match="payload MAC mismatch"):
-            receiver.check_payload(*args, tag, on_device=mode)
+            _p2p.check_payload(receiver, *args, tag, on_device=mode)

@@ -1,13 +1,17 @@
-"""Keeping strangers off the TCP listener of a pair's gloo device (`nccl` on CPU).
+"""Socket admission: keeping strangers off the TCP listener of a pair's gloo device (`nccl` on CPU).
 
-A gloo device listens on an ephemeral port for as long as its group lives, accepts anyone, and
-keeps every connection it accepted (the pair's peer names itself with 8 bytes; gloo has no
-authentication). Each side of a pair therefore narrows its device's listener with a classic
-BPF socket filter, which the kernel runs on every packet that reaches the listener, the SYNs
-included: while the pair connects, only packets from the peer's host pass (`admit_only`);
-once the pair is connected, none (`admit_none`), so a later connect never completes and
-gloo never accepts it. The connection the pair already made keeps the filter it was accepted
-under (the peer's host only).
+Threat: a gloo device listens on an ephemeral port for as long as its group lives, accepts
+anyone, and keeps every connection it accepted (the pair's peer names itself with 8 bytes;
+gloo has no authentication): any process that reaches the port could hold descriptors and
+memory of a decode forever, or take the pair's place while it connects.
+
+Rule: each side of a pair narrows its device's listener with a classic BPF socket filter,
+which the kernel runs on every packet that reaches the listener, the SYNs included: while the
+pair connects, only packets from the peer's host pass (`admit_only`); once the pair is
+connected, none (`admit_none`), so a later connect never completes and gloo never accepts it.
+The connection the pair already made keeps the filter it was accepted under (the peer's host
+only). What is left: during that window a process on the peer's host could take the pair's
+place; the bytes it sent instead of the peer's fail the payload MAC (`transfer_session`).
 
 The listener is found by its address: the bytes gloo publishes in the rendezvous hold its
 `sockaddr`, and among this process's listening sockets exactly one is bound there while the
