@@ -165,9 +165,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
 
 
+def client_headers(settings: dict[str, Any]) -> dict[str, str]:
+    """How `up` itself asks its router as a client: the API key, else the first tenant's key
+    of --api-keys-file (the same user's file), else no key."""
+    key = settings.get("api_key")
+    if not key and settings.get("api_keys_file"):
+        from pdserve.security.tenants import first_key
+
+        key = first_key(settings["api_keys_file"])
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _served_model(url: str, settings: dict[str, Any]) -> str:
     """The model name clients must send: the router's /v1/models, else what was asked for."""
-    headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
+    headers = client_headers(settings)
     try:
         with _open(f"{url}/v1/models", headers) as resp:
             return json.loads(resp.read())["data"][0]["id"]
@@ -310,7 +321,7 @@ def _run(settings: dict[str, Any]) -> int:
     supervisor = Supervisor(children, spawn, _say, policy)
     try:
         url = base_url(settings, http_port)
-        headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
+        headers = client_headers(settings)
         wait_ready(children, url, float(settings.get("ready_timeout_s") or READY_TIMEOUT_S), supervisor, stopping,
                    headers)
         if not stopping.is_set():

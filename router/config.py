@@ -67,6 +67,10 @@ class RouterConfig:
                                    "Bearer <it>' see pdserve's internals (routing, transfer verdicts, timings, "
                                    "worker details on /health, workers' errors); with neither key set, every "
                                    "caller does", "routing")
+    api_keys_file: str = _opt("", "file of client keys, one 'TENANT KEY [requests_per_minute=N] "
+                              "[tokens_per_minute=N] [in_flight=N]' a line (# comments; mode 0600), read again "
+                              "when it changes: each tenant prefix-caches apart from the others, under its "
+                              "limits (429 with Retry-After past one)", "routing")
     metrics_auth: bool = _opt(False, "/metrics requires the API key too (/health and /ready stay open)", "routing")
     tls_cert: str = _opt("", "PEM certificate (chain) for HTTPS and gRPC TLS on the client ports", "routing")
     tls_key: str = _opt("", "PEM private key of --tls-cert", "routing")
@@ -132,7 +136,7 @@ class RouterConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.metrics_auth and self.api_key is None:
-            raise ConfigError("--metrics-auth needs --api-key")
+            raise ConfigError("--metrics-auth needs --api-key")  # the metrics port's one bearer
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "RouterConfig":

@@ -50,10 +50,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._frontend.count_rejected("grpc", err)
             raise
         caller = caller_of(context)
-        scope = self._auth.check_metadata(context.invocation_metadata())
+        who = self._auth.identify_metadata(context.invocation_metadata())
 
         def generate(one):  # a choice's label is request_id-k (fanout)
-            return self._frontend.generate(one, api="grpc", owner=caller, label=one.request_id, scope=scope)
+            return self._frontend.generate(one, api="grpc", owner=caller, label=one.request_id, scope=who.scope,
+                                           tenant=who.tenant)
 
         if request.n > 1 or request.best_of > 1:  # several choices, each its own generation
             stream = fanout.grpc_stream(request, generate)
