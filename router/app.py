@@ -27,6 +27,7 @@ from pdserve.rpc.server import (REGISTRY_MAX_RECEIVE_BYTES, MalformedRequestInte
                                 internal_server, server_options, service_name, set_serving)
 from pdserve.router.admission import InFlight
 from pdserve.router.api_key import ApiKeyInterceptor, client_keys
+from pdserve.router.http_guard import guarded_protocol
 from pdserve.router.catalog import ModelCatalog
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import ConfigError, RouterConfig
@@ -189,7 +190,8 @@ class RouterApp:
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
         server = _EmbeddedUvicorn(uvicorn.Config(app, log_level=self.config.log_level.lower(), access_log=False,
-                                                 lifespan="off", http="h11", ws="none",
+                                                 lifespan="off", http=guarded_protocol(self.config.http_limits),
+                                                 ws="none", timeout_keep_alive=self.config.http_idle_timeout_s,
                                                  timeout_graceful_shutdown=2,
                                                  ssl_certfile=self.config.tls_cert or None,
                                                  ssl_keyfile=self.config.tls_key or None))

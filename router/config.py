@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 from pdserve.common.flags import security, setting
 from pdserve.common.values import coerce
+from pdserve.security.slow_clients import HttpLimits
 
 # Default ports of the router's listeners (0 picks a free port).
 ROUTER_HTTP_PORT = 8000
@@ -59,6 +60,13 @@ class RouterConfig:
     metrics_port: int = _opt(0, "extra Prometheus listener (0: only HTTP /metrics)", "listeners")
     http_port: int = _opt(ROUTER_HTTP_PORT, "HTTP port", "listeners")  # 0 picks a free port
     grpc_port: int = _opt(ROUTER_GRPC_PORT, "gRPC port of the client API (Generation)", "listeners")
+    http_header_timeout_s: float = _opt(10.0, "an HTTP connection's request headers must arrive within this "
+                                        "many seconds of its start (or of its last response); else it is "
+                                        "closed", "listeners")
+    http_idle_timeout_s: float = _opt(5.0, "an HTTP connection idle this long between requests is closed",
+                                      "listeners")
+    http_max_connections: int = _opt(4096, "HTTP connections open at once (one more is closed at once; past "
+                                     "half of them waiting for headers, the oldest such is closed)", "listeners")
     registry_port: int = _opt(ROUTER_REGISTRY_PORT, "gRPC port where workers register (internal; keep it off "
                               "client networks)", "listeners")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: flags show "
@@ -112,6 +120,10 @@ class RouterConfig:
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
                 raise ConfigError(f"{name} must be one of {', '.join(POLICY_NAMES)}")
+        try:
+            self.http_limits
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.max_queue < 1:
             raise ConfigError("max_queue must be >= 1")
         if self.local_prefill_threshold < 0:
@@ -137,6 +149,10 @@ class RouterConfig:
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.metrics_auth and self.api_key is None:
             raise ConfigError("--metrics-auth needs --api-key")  # the metrics port's one bearer
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(self.http_header_timeout_s, self.http_idle_timeout_s, self.http_max_connections)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "RouterConfig":
