@@ -69,6 +69,11 @@ def test_a_sealed_store_record_opens_only_under_its_own_key_and_block():
     assert store_records.open_sealed(other, 7, sealed) is None  # from another deployment
     assert store_records.open_sealed(key, 7, sealed[:-1] + bytes([sealed[-1] ^ 1])) is None
     assert store_records.seal(None, 7, b"record") == b"record"
+    secret_bytes = bytes(range(256)) * 4  # what a KV record holds: none of it is kept in clear
+    sealed = store_records.seal(key, 7, secret_bytes)
+    assert secret_bytes[:16] not in sealed and secret_bytes[500:516] not in sealed
+    assert store_records.seal(key, 7, secret_bytes) != sealed  # a fresh nonce per record
+    assert len(sealed) == len(secret_bytes) + store_records.sealed_overhead(True)
 
 
 def test_a_live_registration_is_taken_only_with_its_lease_and_key():
