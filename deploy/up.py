@@ -27,6 +27,7 @@ from typing import Any, Iterator
 from pdserve.common import envs
 from pdserve.deploy.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
+from pdserve.security.enrollment import ANY_HOST, EnrollmentIssuer
 from pdserve.security.secret import ClusterSecret
 from pdserve.worker.settings import WorkerSettings
 
@@ -75,8 +76,13 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     num_prefill = 0 if local else int(settings.get("num_prefill") or NUM_PREFILL)
     num_decode = int(settings.get("num_decode") or NUM_DECODE)
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
+    # each worker joins with a token of its own, signed by a key that lives only in this process
+    # (security.enrollment): the router gets the public half, the cluster secret alone admits no one
+    issuer = EnrollmentIssuer()
+    token_host = ANY_HOST if host in ("0.0.0.0", "::") else host
     router = [*py, "router", "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-              "--registry-port", str(registry_port), *security, *_flags(settings, router_pass_through())]
+              "--registry-port", str(registry_port), "--enrollment-public-key", issuer.public_key.hex(), *security,
+              *_flags(settings, router_pass_through())]
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
     children = [Child("router", router, env={"PDSERVE_API_KEY": settings["api_key"]} if settings.get("api_key") else {})]
@@ -100,11 +106,15 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     if local:
         worker_common += ["--kv-backends", ""]
     for i in range(num_prefill):
+        token = {"PDSERVE_ENROLLMENT_TOKEN": issuer.issue(f"prefill-{i}", "prefill", token_host)}
         children.append(Child(f"prefill-{i}", [*py, "prefill", *worker_common, *threads,
-                                               "--worker-id", f"prefill-{i}", "--transfer-port", "0"], env=worker_env))
+                                               "--worker-id", f"prefill-{i}", "--transfer-port", "0"],
+                              env={**worker_env, **token}))
     for i in range(num_decode):
+        token = {"PDSERVE_ENROLLMENT_TOKEN": issuer.issue(f"decode-{i}", "decode", token_host)}
         children.append(Child(f"decode-{i}", [*py, "decode", *worker_common, *threads,
-                                              "--worker-id", f"decode-{i}", "--transfer-port", "0"], env=worker_env))
+                                              "--worker-id", f"decode-{i}", "--transfer-port", "0"],
+                              env={**worker_env, **token}))
     return children, http_port
 
 

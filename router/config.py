@@ -75,6 +75,12 @@ class RouterConfig:
                                    "Bearer <it>' see pdserve's internals (routing, transfer verdicts, timings, "
                                    "worker details on /health, workers' errors); with neither key set, every "
                                    "caller does", "routing")
+    enrollment_public_key: str = _opt("", "hex Ed25519 key that signs workers' enrollment tokens (`pdserve up` "
+                                      "makes one per start): a Register then needs the worker's own token, "
+                                      "naming its id, role and host; the cluster secret alone admits no worker",
+                                      "workers")
+    revoked_workers_file: str = _opt("", "file of revoked worker ids, one a line, read again when it changes: "
+                                     "each is removed and refused (needs --enrollment-public-key)", "routing")
     api_keys_file: str = _opt("", "file of client keys, one 'TENANT KEY [requests_per_minute=N] "
                               "[tokens_per_minute=N] [in_flight=N]' a line (# comments; mode 0600), read again "
                               "when it changes: each tenant prefix-caches apart from the others, under its "

@@ -17,6 +17,7 @@ from pdserve.router.membership import Membership, load_from_proto, worker_from_p
 from pdserve.router.request_ids import check_label
 from pdserve.router.tools import apply_tools, grpc_tool_calls
 from pdserve.security.client_keys import ClientKeys
+from pdserve.security.enrollment import ENROLLMENT_HEADER, EnrollmentVerifier
 from pdserve.security.registration import check_acts_for
 
 log = logging.getLogger("pdserve.router.grpc")
@@ -91,8 +92,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     router's own, sent back in RegisterResponse."""
 
     def __init__(self, membership: Membership, config: RouterConfig, *, authenticated: bool = False,
-                 public_key: bytes = b"") -> None:
+                 public_key: bytes = b"", enrollment: EnrollmentVerifier | None = None) -> None:
+        """`enrollment`: when set, a Register needs its worker's own enrollment token."""
         self._membership = membership
+        self._enrollment = enrollment
         self._authenticated = authenticated
         self._public_key = public_key
         self._interval_ms = int(config.heartbeat_interval_s * 1000)
@@ -107,6 +110,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self._check_caller(context, request.worker.worker_id)
         try:
             worker = worker_from_proto(request.worker)
+            if self._enrollment is not None:
+                found = [v for k, v in context.invocation_metadata() or () if k == ENROLLMENT_HEADER]
+                self._enrollment.check(found[0] if len(found) == 1 else None, worker.worker_id, worker.role.value,
+                                       worker.address)
             lease = await self._membership.register(worker, load_from_proto(request.load),
                                                     request.load.cached_block_hashes, request.lease,
                                                     request.public_key, require_key=self._authenticated)
