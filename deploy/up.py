@@ -28,7 +28,7 @@ from pdserve.common import envs
 from pdserve.deploy.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
 from pdserve.security.enrollment import ANY_HOST, EnrollmentIssuer
-from pdserve.security.secret import ClusterSecret
+from pdserve.security.secret import ROUTER_USES, ClusterSecret, write_key_ring
 from pdserve.worker.settings import WorkerSettings
 
 GRACE_S = 10.0
@@ -72,6 +72,9 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     grpc_port = int(settings.get("router_grpc_port") or ROUTER_GRPC_PORT)
     registry_port = int(settings.get("router_registry_port") or ROUTER_REGISTRY_PORT)
     security = _flags(settings, SECURITY_FLAGS)
+    # the router reads a key ring of the keys it needs (security.secret.ROUTER_USES) where `start` made one
+    router_security = _flags(dict(settings, cluster_secret_file=settings.get("router_key_ring_file")
+                                  or settings.get("cluster_secret_file")), SECURITY_FLAGS)
     local = bool(settings.get("local_prefill"))
     num_prefill = 0 if local else int(settings.get("num_prefill") or NUM_PREFILL)
     num_decode = int(settings.get("num_decode") or NUM_DECODE)
@@ -81,7 +84,7 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     issuer = EnrollmentIssuer()
     token_host = ANY_HOST if host in ("0.0.0.0", "::") else host
     router = [*py, "router", "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-              "--registry-port", str(registry_port), "--enrollment-public-key", issuer.public_key.hex(), *security,
+              "--registry-port", str(registry_port), "--enrollment-public-key", issuer.public_key.hex(), *router_security,
               *_flags(settings, router_pass_through())]
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
@@ -217,6 +220,8 @@ def spawn(child: Child) -> None:
 
 
 def start(settings: dict[str, Any]) -> tuple[list[Child], int]:
+    if settings.get("cluster_secret_file") and not settings.get("router_key_ring_file"):
+        settings = dict(settings, router_key_ring_file=router_key_ring(settings["cluster_secret_file"]))
     children, http_port = plan(settings)
     for child in children:
         spawn(child)
@@ -293,6 +298,14 @@ def core_share(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
     (`worker.core_share`), in a private directory deleted when `up` ends."""
     with tempfile.TemporaryDirectory(prefix="pdserve-cores-") as private:  # 0700
         yield dict(settings, core_share=os.path.join(private, "core-share"))
+
+
+def router_key_ring(secret_file: str) -> str:
+    """A key ring of the secret's ROUTER_USES keys for the router (it never reads the secret
+    itself), in a new private directory (0700; small, left for the OS's temp cleaning)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="pdserve-router-keys-"), "router-keys")
+    write_key_ring(ClusterSecret.load(secret_file), ROUTER_USES, path)
+    return path
 
 
 def kept_secret(cache_root: Path) -> Path:

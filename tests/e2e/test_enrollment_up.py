@@ -56,6 +56,11 @@ def test_a_rogue_decode_with_only_the_secret_is_refused(deployment: Deployment) 
                                           and "enrollment token" in line for line in rogue.lines),
                               "the rogue decode's Register refused", READY_TIMEOUT_S)
         assert _health(deployment)["decode_workers"] == 2  # decode-0 and decode-1 only
+        router = deployment.child("router").argv  # which holds no master secret to mint anything with
+        with open(deployment.secret_path, "rb") as f:
+            master = f.read().strip()
+        with open(router[router.index("--cluster-secret-file") + 1], "rb") as f:
+            assert master not in f.read()
         routed = {_chat(deployment)["pdserve"]["routing"]["decode_worker_id"] for _ in range(6)}
         assert "decode-rogue" not in routed
     finally:

@@ -264,6 +264,9 @@ def test_up_gives_each_worker_its_own_enrollment_token_and_the_router_only_its_p
             verifier.check(token, "decode-rogue", role, "127.0.0.1:1")
         tokens.add(token)
     assert len(tokens) == len(children) - 1
+    keyed, _ = up.plan(dict(settings, cluster_secret_file="/s", router_key_ring_file="/r"))
+    assert keyed[0].argv[keyed[0].argv.index("--cluster-secret-file") + 1] == "/r"  # the router: its key ring
+    assert all(w.argv[w.argv.index("--cluster-secret-file") + 1] == "/s" for w in keyed[1:])
 
 
 def test_up_shares_the_kv_memory_fraction_among_its_workers():

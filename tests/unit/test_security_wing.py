@@ -100,3 +100,21 @@ def test_a_live_registration_is_taken_only_with_its_lease_and_key():
     registration.check_acts_for("d0", "d0")
     with pytest.raises(AuthError, match="a credential of 'd1' cannot act for worker 'd0'"):
         registration.check_acts_for("d1", "d0")
+
+
+def test_a_key_ring_holds_only_its_uses_and_never_the_secret(tmp_path):
+    import pytest
+
+    from pdserve.security.secret import (ROUTER_USES, ClusterSecret, ClusterSecretError, block_hash_key, calls_key,
+                                         handoff_key, store_key, transfer_key, write_key_ring)
+
+    secret = ClusterSecret(b"m" * 32)
+    path = tmp_path / "router-keys"
+    write_key_ring(secret, ROUTER_USES, path)
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and b"m" * 16 not in path.read_bytes()
+    ring = ClusterSecret.load(path)
+    assert calls_key(ring) == calls_key(secret) and block_hash_key(ring) == block_hash_key(secret)
+    for derive in (handoff_key, transfer_key, store_key):
+        with pytest.raises(ClusterSecretError, match="holds no"):
+            derive(ring)
+    assert "6d6d" not in repr(ring) and calls_key(secret).hex() not in repr(ring)
