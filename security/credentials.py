@@ -178,27 +178,39 @@ def only_credential(found: Sequence[str]) -> str | None:
 class ReplayWindow:
     """The nonces accepted within the skew window, each accepted once. Bounded: when
     `max_remembered` live nonces are held, new credentials are refused rather than a live
-    nonce forgotten."""
+    nonce forgotten; with `max_per_caller`, one caller's live nonces are bounded too, so a
+    caller filling its quota is refused alone and leaves room for every other one."""
 
-    def __init__(self, ttl_s: float, max_remembered: int) -> None:
+    def __init__(self, ttl_s: float, max_remembered: int, max_per_caller: int | None = None) -> None:
         self._ttl_s = ttl_s
         self._max_remembered = max_remembered
-        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> expiry, oldest first
+        self._max_per_caller = max_per_caller or max_remembered
+        self._seen: OrderedDict[str, tuple[float, str]] = OrderedDict()  # nonce -> (expiry, caller), oldest first
+        self._per_caller: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def remember(self, nonce: str, now: float) -> None:
-        """AuthError if `nonce` was accepted before (or the window is full)."""
+    def remember(self, nonce: str, now: float, caller: str = "") -> None:
+        """AuthError if `nonce` was accepted before (or the window, or `caller`'s quota in
+        it, is full)."""
         with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now:
-                self._seen.popitem(last=False)  # expired: outside the skew window anyway
+            while self._seen and next(iter(self._seen.values()))[0] < now:
+                _, (_, old) = self._seen.popitem(last=False)  # expired: outside the skew window anyway
+                if (left := self._per_caller[old] - 1) > 0:
+                    self._per_caller[old] = left
+                else:
+                    del self._per_caller[old]
             if nonce in self._seen:
                 raise AuthError("replayed credential")
             if len(self._seen) >= self._max_remembered:
                 raise AuthError("too many credentials in the skew window")
-            self._seen[nonce] = now + self._ttl_s
+            if self._per_caller.get(caller, 0) >= self._max_per_caller:
+                raise AuthError("too many credentials of this caller in the skew window")
+            self._seen[nonce] = (now + self._ttl_s, caller)
+            self._per_caller[caller] = self._per_caller.get(caller, 0) + 1
 
 
 _TAG_HEX = {"v1": 64, "v2": 2 * _SIGNATURE_BYTES}
+MAX_CALLER_SHARE = 4  # one signed caller holds at most 1/4 of a verifier's replay window
 
 
 class CallVerifier:
@@ -213,7 +225,11 @@ class CallVerifier:
         self.keys = keys
         self.max_skew_s = max_skew_s
         self._clock = clock
-        self._replays = ReplayWindow(2 * max_skew_s, max_remembered)
+        # v1 (admission) credentials name any caller id their maker likes: they share one
+        # window, apart from the signed (v2) ones, where each verified caller has a quota, so
+        # neither a flood of admissions nor one worker's calls crowd out another's heartbeats.
+        self._admissions = ReplayWindow(2 * max_skew_s, max_remembered)
+        self._replays = ReplayWindow(2 * max_skew_s, max_remembered, max(1, max_remembered // MAX_CALLER_SHARE))
 
     def verify(self, method: str, credential: str | None) -> str:
         """The caller id of a valid credential for `method`; AuthError otherwise."""
@@ -243,7 +259,9 @@ class CallVerifier:
             raise AuthError("credential outside the clock-skew window")
         if kind == "v2":
             identity = self._check_signature(method, caller, int(unix_ms), nonce, tag)
-        self._replays.remember(nonce, now)
+            self._replays.remember(nonce, now, identity.caller_id)
+        else:
+            self._admissions.remember(nonce, now)
         return identity
 
     def _check_admission(self, method: str, caller: str, unix_ms: int, nonce: str, mac: bytes) -> Identity:

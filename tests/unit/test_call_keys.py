@@ -173,3 +173,25 @@ def test_a_known_key_stands_while_no_registry_answers():
         assert peers.identities("decode-0") == ()
 
     asyncio.run(scenario())
+
+
+def test_a_flood_of_admissions_or_one_callers_calls_leave_others_heartbeats_accepted(secret):
+    clock = FakeClock(1_000_000.0)
+    book = KeyBook(secret, role="decode")
+    verifier = CallVerifier(secret, book, max_remembered=40, clock=clock)
+    heartbeat = "/pdserve.v1.Registry/Heartbeat"
+    flood = CallSigner(secret, "anyone", clock=clock)  # the cluster secret: v1, any caller id
+    for i in range(40):
+        verifier.verify(REGISTER, CallSigner(secret, f"stranger-{i}", clock=clock).credential(REGISTER))
+    with pytest.raises(AuthError, match="too many"):
+        verifier.verify(REGISTER, flood.credential(REGISTER))  # the admissions' window is full...
+    worker = book.signer("decode-0", clock=clock)
+    assert verifier.verify(heartbeat, worker.credential(heartbeat)) == "decode-0"  # ...signed calls are not
+    noisy = book.signer("decode-noisy", clock=clock)
+    for _ in range(10):  # a quarter of the window: its quota
+        verifier.verify(heartbeat, noisy.credential(heartbeat))
+    with pytest.raises(AuthError, match="this caller"):
+        verifier.verify(heartbeat, noisy.credential(heartbeat))
+    assert verifier.verify(heartbeat, worker.credential(heartbeat)) == "decode-0"  # another's quota is its own
+    clock.now += 121  # the window passes: quotas come back
+    verifier.verify(heartbeat, noisy.credential(heartbeat))
