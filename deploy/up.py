@@ -82,9 +82,12 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     # each worker joins with a token of its own, signed by a key that lives only in this process
     # (security.enrollment): the router gets the public half, the cluster secret alone admits no one
     issuer = EnrollmentIssuer()
-    token_host = ANY_HOST if host in ("0.0.0.0", "::") else host
-    router = [*py, "router", "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-              "--registry-port", str(registry_port), "--enrollment-public-key", issuer.public_key.hex(), *router_security,
+    # the workers and the registry stay on loopback unless asked: only the client ports follow --host
+    internal = settings.get("internal_host") or "127.0.0.1"
+    token_host = ANY_HOST if internal in ("0.0.0.0", "::") else internal
+    router = [*py, "router", "--host", host, "--internal-host", internal, "--http-port", str(http_port),
+              "--grpc-port", str(grpc_port), "--registry-port", str(registry_port),
+              "--enrollment-public-key", issuer.public_key.hex(), *router_security,
               *_flags(settings, router_pass_through())]
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
@@ -104,7 +107,8 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
         settings = dict(settings, free_memory_fraction=round(share, 4))
     # the Redis URL may carry a password: it reaches the workers in their environment, never argv
     worker_env = {"PDSERVE_REDIS_URL": settings["redis_url"]} if settings.get("redis_url") else {}
-    worker_common = ["--host", host, "--router", f"{host}:{registry_port}", "--grpc-port", "0", *security,
+    registry = "127.0.0.1" if internal in ("0.0.0.0", "::") else internal
+    worker_common = ["--host", internal, "--router", f"{registry}:{registry_port}", "--grpc-port", "0", *security,
                      *_flags(settings, [name for name in worker_pass_through() if name != "redis_url"])]
     if local:
         worker_common += ["--kv-backends", ""]

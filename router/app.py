@@ -178,7 +178,8 @@ class RouterApp:
             RegistryServicer(self.membership, self.config, authenticated=self.auth.enabled,
                              public_key=self.auth.public_key, enrollment=self.enrollment), registry)
         self._registry_server, self.registry_port = await _serve(
-            registry, self.config.host, self.config.registry_port, _REGISTRY, "the worker registry",
+            registry, self.config.internal_host or self.config.host, self.config.registry_port, _REGISTRY,
+            "the worker registry",
             self.auth.tls.server_credentials() if self.auth.tls else None)
 
     async def _start_http(self) -> None:

@@ -67,6 +67,8 @@ class RouterConfig:
                                       "listeners")
     http_max_connections: int = _opt(4096, "HTTP connections open at once (one more is closed at once; past "
                                      "half of them waiting for headers, the oldest such is closed)", "listeners")
+    internal_host: str = _opt("", "address the worker registry binds (empty: --host); `pdserve up` keeps it on "
+                              "loopback unless its --internal-host says otherwise", "listeners")
     registry_port: int = _opt(ROUTER_REGISTRY_PORT, "gRPC port where workers register (internal; keep it off "
                               "client networks)", "listeners")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: flags show "

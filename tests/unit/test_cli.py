@@ -42,7 +42,7 @@ def test_up_takes_only_flags_it_uses():
     from pdserve.deploy import up
 
     own = {"config", "host", "log_level", "num_prefill", "num_decode", "http_port", "router_grpc_port",
-           "router_registry_port",
+           "router_registry_port", "internal_host",
            "local_prefill", "ready_timeout_s", "max_restarts", "api_key", *up.SECURITY_FLAGS}
     from pdserve.deploy.cli import router_pass_through, worker_pass_through
 
@@ -264,7 +264,10 @@ def test_up_gives_each_worker_its_own_enrollment_token_and_the_router_only_its_p
             verifier.check(token, "decode-rogue", role, "127.0.0.1:1")
         tokens.add(token)
     assert len(tokens) == len(children) - 1
-    keyed, _ = up.plan(dict(settings, cluster_secret_file="/s", router_key_ring_file="/r"))
+    keyed, _ = up.plan(dict(settings, cluster_secret_file="/s", router_key_ring_file="/r", host="0.0.0.0"))
+    assert keyed[0].argv[keyed[0].argv.index("--host") + 1] == "0.0.0.0"  # the client ports follow --host...
+    assert keyed[0].argv[keyed[0].argv.index("--internal-host") + 1] == "127.0.0.1"  # ...the registry does not
+    assert all(w.argv[w.argv.index("--host") + 1] == "127.0.0.1" for w in keyed[1:])  # nor do the workers
     assert keyed[0].argv[keyed[0].argv.index("--cluster-secret-file") + 1] == "/r"  # the router: its key ring
     assert all(w.argv[w.argv.index("--cluster-secret-file") + 1] == "/s" for w in keyed[1:])
 
