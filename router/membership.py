@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import math
 from typing import Iterable
 
@@ -30,10 +31,24 @@ log = logging.getLogger("pdserve.router.membership")
 _ROLES = {registry_pb2.WORKER_ROLE_PREFILL: Role.PREFILL, registry_pb2.WORKER_ROLE_DECODE: Role.DECODE}
 
 
+# What a registrant's names may be: they reach logs and metric labels as they are.
+_NAME = re.compile(r"[\w.:/@+=\[\]-]{1,256}")
+
+
+def _check_name(value: str, param: str) -> None:
+    if not _NAME.fullmatch(value):
+        raise InvalidRequestError(f"{param} must be 1-256 of letters, digits and . _ : / @ + = - [ ]",
+                                  param=param)
+
+
 def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
-    """INVALID_ARGUMENT unless every required field is present and sane."""
+    """INVALID_ARGUMENT unless every required field is present and sane (its names: labels
+    that can forge no log line or metric series, `_NAME`)."""
     if not info.worker_id:
         raise InvalidRequestError("worker_id is required", param="worker_id")
+    _check_name(info.worker_id, "worker_id")
+    for backend in info.kv_backends:
+        _check_name(backend, "kv_backends")
     if info.role not in _ROLES:
         raise InvalidRequestError("role must be PREFILL or DECODE", param="role")
     host, _, port = info.grpc_address.rpartition(":")
@@ -42,6 +57,7 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
                                   param="grpc_address")
     if not info.model_name:
         raise InvalidRequestError("model_name is required", param="model_name")
+    _check_name(info.model_name, "model_name")
     if info.block_size < 1:
         raise InvalidRequestError("block_size must be >= 1", param="block_size")
     return Worker(worker_id=info.worker_id, role=_ROLES[info.role], address=info.grpc_address,
