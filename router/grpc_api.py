@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from pdserve.common.errors import EXPECTED_ERRORS, InvalidRequestError
-from pdserve.rpc.credentials import caller_id
+from pdserve.rpc.credentials import caller_id, certificate_addresses
 from pdserve.rpc.errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
@@ -18,6 +18,7 @@ from pdserve.router.request_ids import check_label
 from pdserve.router.tools import apply_tools, grpc_tool_calls
 from pdserve.security.client_keys import ClientKeys
 from pdserve.security.enrollment import ENROLLMENT_HEADER, EnrollmentVerifier
+from pdserve.security.internal_tls import check_registered_address
 from pdserve.security.registration import check_acts_for
 
 log = logging.getLogger("pdserve.router.grpc")
@@ -110,6 +111,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self._check_caller(context, request.worker.worker_id)
         try:
             worker = worker_from_proto(request.worker)
+            check_registered_address(certificate_addresses(context), worker.address)
             if self._enrollment is not None:
                 found = [v for k, v in context.invocation_metadata() or () if k == ENROLLMENT_HEADER]
                 self._enrollment.check(found[0] if len(found) == 1 else None, worker.worker_id, worker.role.value,
