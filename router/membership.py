@@ -66,11 +66,24 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
                   max_model_len=info.capacity.max_model_len, kv_backends=tuple(info.kv_backends))
 
 
+MAX_REPORTED_REQUESTS = 1 << 20  # a load report's counts are clamped to these bounds
+MAX_REPORTED_TOKENS = 1 << 40
+MAX_REPORTED_BACKENDS = 16
+
+
 def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
-    return Load(load.num_queued, load.num_running, load.num_free_blocks, load.num_total_blocks,
-                tuple(KVBackendState(b.name, b.usable, b.detail) for b in load.kv_backends),
+    """A load report as the router uses it: every count clamped to a sane bound and the
+    free blocks to the total (a report cannot make a worker look emptier than empty), at most
+    MAX_REPORTED_BACKENDS backends. What the router itself sent a worker still counts however
+    little it reports (`WorkerRecord.load_score`)."""
+    requests = lambda n: min(int(n), MAX_REPORTED_REQUESTS)  # noqa: E731
+    total = min(int(load.num_total_blocks), MAX_REPORTED_TOKENS)
+    return Load(requests(load.num_queued), requests(load.num_running), min(int(load.num_free_blocks), total), total,
+                tuple(KVBackendState(b.name, b.usable, b.detail[:256])
+                      for b in load.kv_backends[:MAX_REPORTED_BACKENDS]),
                 load.counters if load.HasField("counters") else None,
-                load.queued_prompt_tokens, _rate(load.prefill_tokens_per_s), load.num_decoding)
+                min(int(load.queued_prompt_tokens), MAX_REPORTED_TOKENS), _rate(load.prefill_tokens_per_s),
+                requests(load.num_decoding))
 
 
 def _rate(value: float) -> float:

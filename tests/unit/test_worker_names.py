@@ -43,3 +43,14 @@ def test_a_decodes_backend_words_cannot_grow_the_series() -> None:
     metrics.observe_finished(decode_pb2.DecodeResponse(transfer=weird))
     labels = {s.labels["backend"] for m in metrics.transfers.collect() for s in m.samples}
     assert len(labels) <= MAX_BACKEND_LABELS + 1 and "other" in labels and 'x"\n' not in labels
+
+
+def test_a_load_report_is_clamped() -> None:
+    from pdserve.router.membership import MAX_REPORTED_BACKENDS, MAX_REPORTED_REQUESTS, load_from_proto
+
+    report = common_pb2.WorkerLoad(num_queued=2**32 - 1, num_running=3, num_free_blocks=10**9, num_total_blocks=64,
+                                   kv_backends=[common_pb2.KVBackendState(name=f"b{i}", usable=True)
+                                                for i in range(40)])
+    load = load_from_proto(report)
+    assert load.num_queued == MAX_REPORTED_REQUESTS and load.num_running == 3
+    assert load.num_free_blocks == 64 and len(load.kv_backends) == MAX_REPORTED_BACKENDS
