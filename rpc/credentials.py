@@ -23,7 +23,7 @@ from pdserve.common.errors import AuthError
 from pdserve.common.util import is_loopback
 from pdserve.rpc.errors import abort_grpc
 from pdserve.rpc.server import CHANNEL_OPTIONS, refuse_unread
-from pdserve.security.credentials import (AUDIENCE_HEADER, CREDENTIAL_HEADER, DIGEST_HEADER, CallKey, CallSigner, CallVerifier,
+from pdserve.security.credentials import (AUDIENCE_HEADER, CREDENTIAL_HEADER, DIGEST_HEADER, MEMBER_HEADER, CallKey, CallSigner, CallVerifier,
                                           KeyDirectory, caller_of, check_role, is_bound, only_credential,
                                           request_digest)
 from pdserve.security.internal_tls import (CertificateError, certificate_ip_addresses, check_peer_address,
@@ -45,10 +45,11 @@ def _with_credential(signer: CallSigner, details: grpc.aio.ClientCallDetails, ad
     metadata = list(details.metadata or ())
     if is_bound(method):
         digest = request_digest(request)
-        metadata += [(DIGEST_HEADER, digest), (AUDIENCE_HEADER, address),
-                     (CREDENTIAL_HEADER, signer.credential(method, address, digest))]
+        credential = signer.credential(method, address, digest)
+        metadata += [(DIGEST_HEADER, digest), (AUDIENCE_HEADER, address)]
     else:
-        metadata.append((CREDENTIAL_HEADER, signer.credential(method)))
+        credential = signer.credential(method)
+    metadata += [(CREDENTIAL_HEADER, credential), (MEMBER_HEADER, signer.member_proof(credential))]
     return grpc.aio.ClientCallDetails(details.method, details.timeout, grpc.aio.Metadata(*metadata),
                                       details.credentials, details.wait_for_ready)
 
@@ -266,8 +267,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(details)
         try:
             credential = only_credential(credentials_of(details.invocation_metadata))
-            digest, audience = (_one(details.invocation_metadata, name) for name in (DIGEST_HEADER, AUDIENCE_HEADER))
-            check_role(await self._verifier.check_learning(details.method, credential, digest, audience), service)
+            digest, audience, proof = (_one(details.invocation_metadata, name)
+                                       for name in (DIGEST_HEADER, AUDIENCE_HEADER, MEMBER_HEADER))
+            check_role(await self._verifier.check_learning(details.method, credential, digest, audience, proof),
+                       service)
         except AuthError as exc:
             self._on_refused(str(exc))
             return self._refusal(await continuation(details), exc)

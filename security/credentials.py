@@ -135,6 +135,10 @@ def check_role(identity: Identity, service: str) -> None:
 BOUND_SERVICES = frozenset({"pdserve.v1.Decode", "pdserve.v1.Prefill"})
 DIGEST_HEADER = "pdserve-request-digest"  # the hex SHA-256 of the request a v2 credential covers
 AUDIENCE_HEADER = "pdserve-audience"  # the address of the server a v2 credential is for
+# A member's proof beside a v2 credential: the cluster secret's MAC over its nonce. Cheap to
+# check, it is what a caller whose key is not known here must show before the verifier looks
+# its key up (an outsider's made-up caller ids cost a MAC, never a lookup).
+MEMBER_HEADER = "pdserve-member"
 
 
 def request_digest(request) -> str:
@@ -168,6 +172,10 @@ class CallSigner:
     def public_key(self) -> bytes:
         """What verifies this signer's v2 credentials (b"": it makes v1 ones only)."""
         return self._key.public_key if self._key is not None else b""
+
+    def member_proof(self, credential: str) -> str:
+        """MEMBER_HEADER's value beside `credential` (one of ours): the MAC over its nonce."""
+        return self._mac.tag("pdserve-member", credential.split(" ")[3]).hex()
 
     def credential(self, method: str, audience: str = "", digest: str = "") -> str:
         """A credential for one call of `method`; a v2 one also covers `audience` (the
@@ -319,11 +327,21 @@ class CallVerifier:
         raise UnknownCallerError("no key known here verifies the caller's signature", caller)
 
     async def check_learning(self, method: str, credential: str | None, digest: str = "",
-                             audience: str = "") -> Identity:
+                             audience: str = "", member_proof: str = "") -> Identity:
         """`check`, and for a caller whose key is not known here yet one more try after the
-        directory's refresh (a peer that just joined or restarted)."""
+        directory's refresh (a peer that just joined or restarted), only when the call shows
+        `member_proof` (MEMBER_HEADER: the cluster secret's MAC over its nonce)."""
         try:
             return self.check(method, credential, digest, audience)
         except UnknownCallerError as exc:
+            if not self._is_member(credential, member_proof):
+                raise AuthError("an unknown caller's call must prove membership before its key is looked up") from None
             await self.keys.refresh(exc.caller_id)
         return self.check(method, credential, digest, audience)
+
+    def _is_member(self, credential: str | None, proof: str) -> bool:
+        try:
+            tag = bytes.fromhex(proof)
+        except ValueError:
+            return False
+        return len(tag) == 32 and self._mac.check(tag, "pdserve-member", (credential or "").split(" ")[3])

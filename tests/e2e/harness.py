@@ -149,11 +149,12 @@ def registered_decode(cluster: Deployment, worker_id: str, port: int) -> Iterato
 def signed_metadata(signer: CallSigner, method: str, address: str, request) -> list[tuple[str, str]]:
     """gRPC metadata of one call of `method` with `request` to the worker at `address`, as the
     services make it: a v2 credential bound to that server and that request."""
-    from pdserve.security.credentials import AUDIENCE_HEADER, DIGEST_HEADER, request_digest
+    from pdserve.security.credentials import AUDIENCE_HEADER, DIGEST_HEADER, MEMBER_HEADER, request_digest
 
     digest = request_digest(request)
-    return [(DIGEST_HEADER, digest), (AUDIENCE_HEADER, address),
-            (CREDENTIAL_HEADER, signer.credential(method, address, digest))]
+    credential = signer.credential(method, address, digest)
+    return [(DIGEST_HEADER, digest), (AUDIENCE_HEADER, address), (CREDENTIAL_HEADER, credential),
+            (MEMBER_HEADER, signer.member_proof(credential))]
 
 
 def secret_file() -> str:

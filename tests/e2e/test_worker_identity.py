@@ -17,7 +17,7 @@ from harness import MODEL, deploy_workers, signed_metadata
 
 from pdserve.proto.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc,
                                       registry_pb2, registry_pb2_grpc)
-from pdserve.security.credentials import CREDENTIAL_HEADER, CallKey, CallSigner
+from pdserve.security.credentials import CREDENTIAL_HEADER, MEMBER_HEADER, CallKey, CallSigner
 from pdserve.security.secret import ClusterSecret
 
 pytestmark = pytest.mark.slow
@@ -63,7 +63,8 @@ class Attacker:
         signer = CallSigner(self.secret, caller, self.key if signed else None)
         if signed and request is not None and address:  # bound to the server and the request, as services sign
             return signed_metadata(signer, method, address, request)
-        return [(CREDENTIAL_HEADER, signer.credential(method))]
+        credential = signer.credential(method)
+        return [(CREDENTIAL_HEADER, credential), (MEMBER_HEADER, signer.member_proof(credential))]
 
     def call(self, address: str, stub_cls, method: str, request, caller: str, signed: bool):
         """The reply, or the grpc.RpcError it was refused with."""
