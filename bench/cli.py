@@ -19,6 +19,7 @@ BENCHMARKS = {
     "mixed-prefill": "mixed_prefill",  # prefill scheduling: a short prompt behind a long one
     "constrained": "constrained",  # grammar engines' per-token cost and constrained decode throughput
     "abuse": "abuse",  # a router under oversized prompts: small-chat latency, status counts, RSS
+    "slowloris": "slow_clients",  # connections that never finish their headers: closed in time, /health fast
     "quantization": "quantization",  # each --quantization against fp32: agreement, perplexity, decode tok/s
     "gguf-1b": "synthetic_gguf",  # a synthetic ~1B GGUF: decode tok/s, fp32 vs its own blocks
     "layerwise": "layerwise",  # a long prompt's KV streamed layer by layer vs sent whole: the transfer's tail

@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-url", help="a second OpenAI-compatible server: the same requests go to it at "
                                          "each load, right after --base-url, and the ratios are printed")
     g.add_argument("--compare-model", help="model name there (default: the first of its /models)")
-    g.add_argument("--compare-api-key", help="its key (default: --api-key)")
+    g.add_argument("--compare-api-key", help="its key (default: none; --api-key is never sent to it)")
     g.add_argument("--rounds", type=int, default=1,
                    help="with --compare-url: run each load this many times on fresh requests, the two "
                         "servers taking turns at going first (an effect of the order then shows apart "
@@ -426,15 +426,20 @@ def settings_from_args(args: argparse.Namespace) -> tuple[ServeSettings, Workloa
     return ServeSettings(endpoint, plan, slo, description), workload
 
 
+def compare_endpoint(args: argparse.Namespace, endpoint):
+    """The second server of --compare-url: our requests, its own key only (--compare-api-key;
+    none when not given): one server's key is never sent to another."""
+    return dataclasses.replace(endpoint, base_url=args.compare_url, model=args.compare_model,
+                               api_key=args.compare_api_key or None)
+
+
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
         settings, workload = settings_from_args(args)
         endpoints = [settings.endpoint]
         if args.compare_url:
-            endpoints.append(dataclasses.replace(settings.endpoint, base_url=args.compare_url,
-                                                 model=args.compare_model,
-                                                 api_key=args.compare_api_key or args.api_key))
+            endpoints.append(compare_endpoint(args, settings.endpoint))
         if args.rounds > 1 and not args.compare_url:
             raise BenchConfigError("--rounds takes turns between two servers: give --compare-url")
         results = asyncio.run(run_side_by_side(endpoints, settings.plan, workload, settings.slo,

@@ -2,9 +2,11 @@
 `--metrics-port`): GET /metrics only, a bearer token when one is set, and bounded work
 before it is checked: at most `max_connections` handler threads (one more connection is
 closed at once, where prometheus_client's server starts a thread per connection) and
-`request_timeout_s` for a client to send its request."""
+`request_timeout_s` for a client to send its request line and headers, in all (a byte now
+and then does not extend it: security.slow_clients' rule)."""
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.server
 import logging
@@ -26,6 +28,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     @property
     def timeout(self) -> float:  # read by setup(): a client that does not send its request in time is dropped
         return self.server.request_timeout_s
+
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = threading.Timer(self.server.request_timeout_s, self._headers_late)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def parse_request(self) -> bool:  # reads the headers after the request line
+        parsed = super().parse_request()
+        self._deadline.cancel()  # the request line and headers are in
+        return parsed
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
+
+    def _headers_late(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)  # the handler's read ends; the thread is freed
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         if self.path.split("?", 1)[0] != "/metrics":

@@ -87,6 +87,9 @@ def _add_up(sub) -> None:
     up.add_argument("--router-grpc-port", type=int, help=f"router gRPC port (default {ROUTER_GRPC_PORT})")
     up.add_argument("--router-registry-port", type=int,
                     help=f"router's worker registry port (default {ROUTER_REGISTRY_PORT})")
+    up.add_argument("--internal-host",
+                    help="address the workers and the router's registry bind (default 127.0.0.1: only the "
+                         "router's client ports follow --host)")
     up.add_argument("--local-prefill", action="store_true", default=None,
                     help="decode prefills every prompt itself (no prefill service)")
     up.add_argument("--ready-timeout-s", type=float,

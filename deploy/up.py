@@ -27,7 +27,8 @@ from typing import Any, Iterator
 from pdserve.common import envs
 from pdserve.deploy.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.router.config import ROUTER_GRPC_PORT, ROUTER_HTTP_PORT, ROUTER_REGISTRY_PORT
-from pdserve.security.secret import ClusterSecret
+from pdserve.security.enrollment import ANY_HOST, EnrollmentIssuer
+from pdserve.security.secret import ROUTER_USES, ClusterSecret, write_key_ring
 from pdserve.worker.settings import WorkerSettings
 
 GRACE_S = 10.0
@@ -61,7 +62,7 @@ def _flags(settings: dict[str, Any], names) -> list[str]:
     return out
 
 
-def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
+def plan(settings: dict[str, Any], issuer: EnrollmentIssuer | None = None) -> tuple[list[Child], int]:
     """The processes of this deployment. `settings["cluster_secret_file"]` is the secret
     every child authenticates internal calls with (`main` makes one when none is given)."""
     from pdserve.deploy.cli import router_pass_through  # the flags' one table
@@ -70,27 +71,36 @@ def plan(settings: dict[str, Any]) -> tuple[list[Child], int]:
     http_port = int(settings.get("http_port") or ROUTER_HTTP_PORT)
     grpc_port = int(settings.get("router_grpc_port") or ROUTER_GRPC_PORT)
     registry_port = int(settings.get("router_registry_port") or ROUTER_REGISTRY_PORT)
-    security = _flags(settings, SECURITY_FLAGS)
+    # the router reads a key ring of the keys it needs (security.secret.ROUTER_USES) where `start` made one
+    router_security = _flags(dict(settings, cluster_secret_file=settings.get("router_key_ring_file")
+                                  or settings.get("cluster_secret_file")), SECURITY_FLAGS)
     local = bool(settings.get("local_prefill"))
     num_prefill = 0 if local else int(settings.get("num_prefill") or NUM_PREFILL)
     num_decode = int(settings.get("num_decode") or NUM_DECODE)
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
-    router = [*py, "router", "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-              "--registry-port", str(registry_port), *security, *_flags(settings, router_pass_through())]
+    # each worker joins with a token of its own, signed by a key that lives only in this process
+    # (security.enrollment): the router gets the public half, the cluster secret alone admits no one
+    issuer = issuer or EnrollmentIssuer()
+    # the workers and the registry stay on loopback unless asked: only the client ports follow --host
+    internal = settings.get("internal_host") or "127.0.0.1"
+    router = [*py, "router", "--host", host, "--internal-host", internal, "--http-port", str(http_port),
+              "--grpc-port", str(grpc_port), "--registry-port", str(registry_port),
+              "--enrollment-public-key", issuer.public_key.hex(), *router_security,
+              *_flags(settings, router_pass_through())]
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
     children = [Child("router", router, env={"PDSERVE_API_KEY": settings["api_key"]} if settings.get("api_key") else {})]
-    make = worker_maker(settings, num_prefill, num_decode)
+    make = worker_maker(settings, num_prefill, num_decode, issuer)
     children += [make("prefill", i) for i in range(num_prefill)] + [make("decode", i) for i in range(num_decode)]
     return children, http_port
 
 
-def worker_maker(settings: dict[str, Any], num_prefill: int, num_decode: int):
-    """`make(role, i)`: the `Child` of worker `<role>-<i>`. The machine's cores and memory are
-    split among the workers: those started now, or with the planner the most it may run."""
+def worker_maker(settings: dict[str, Any], num_prefill: int, num_decode: int, issuer: EnrollmentIssuer):
+    """`make(role, i)`: the `Child` of worker `<role>-<i>`, enrolled by `issuer` (the one whose
+    public key the router holds). The machine's cores and memory are split among the workers:
+    those started now, or with the planner the most it may run."""
     from pdserve.deploy.cli import worker_pass_through  # the flags' one table
 
-    host = settings.get("host") or "127.0.0.1"
     registry_port = int(settings.get("router_registry_port") or ROUTER_REGISTRY_PORT)
     sharing = num_prefill + num_decode
     if settings.get("planner"):
@@ -111,7 +121,10 @@ def worker_maker(settings: dict[str, Any], num_prefill: int, num_decode: int):
         settings = dict(settings, free_memory_fraction=round(share, 4))
     # the Redis URL may carry a password: it reaches the workers in their environment, never argv
     worker_env = {"PDSERVE_REDIS_URL": settings["redis_url"]} if settings.get("redis_url") else {}
-    common = ["--host", host, "--router", f"{host}:{registry_port}", "--grpc-port", "0",
+    internal = settings.get("internal_host") or "127.0.0.1"
+    registry = "127.0.0.1" if internal in ("0.0.0.0", "::") else internal
+    token_host = ANY_HOST if internal in ("0.0.0.0", "::") else internal
+    common = ["--host", internal, "--router", f"{registry}:{registry_port}", "--grpc-port", "0",
               *_flags(settings, SECURITY_FLAGS),
               *_flags(settings, [name for name in worker_pass_through() if name != "redis_url"])]
     if settings.get("local_prefill"):
@@ -119,8 +132,10 @@ def worker_maker(settings: dict[str, Any], num_prefill: int, num_decode: int):
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
 
     def make(role: str, i: int) -> Child:
+        # each worker joins with a token of its own (security.enrollment), this one's id and role
+        token = {"PDSERVE_ENROLLMENT_TOKEN": issuer.issue(f"{role}-{i}", role, token_host)}
         return Child(f"{role}-{i}", [*py, role, *common, *threads, "--worker-id", f"{role}-{i}",
-                                     "--transfer-port", "0"], env=worker_env)
+                                     "--transfer-port", "0"], env={**worker_env, **token})
     return make
 
 
@@ -181,9 +196,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
 
 
+def client_headers(settings: dict[str, Any]) -> dict[str, str]:
+    """How `up` itself asks its router as a client: the API key, else the first tenant's key
+    of --api-keys-file (the same user's file), else no key."""
+    key = settings.get("api_key")
+    if not key and settings.get("api_keys_file"):
+        from pdserve.security.tenants import first_key
+
+        key = first_key(settings["api_keys_file"])
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _served_model(url: str, settings: dict[str, Any]) -> str:
     """The model name clients must send: the router's /v1/models, else what was asked for."""
-    headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
+    headers = client_headers(settings)
     try:
         with _open(f"{url}/v1/models", headers) as resp:
             return json.loads(resp.read())["data"][0]["id"]
@@ -211,8 +237,10 @@ def spawn(child: Child) -> None:
     threading.Thread(target=_pump, args=(child,), daemon=True).start()
 
 
-def start(settings: dict[str, Any]) -> tuple[list[Child], int]:
-    children, http_port = plan(settings)
+def start(settings: dict[str, Any], issuer: EnrollmentIssuer | None = None) -> tuple[list[Child], int]:
+    if settings.get("cluster_secret_file") and not settings.get("router_key_ring_file"):
+        settings = dict(settings, router_key_ring_file=router_key_ring(settings["cluster_secret_file"]))
+    children, http_port = plan(settings, issuer)
     for child in children:
         spawn(child)
     return children, http_port
@@ -290,6 +318,14 @@ def core_share(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield dict(settings, core_share=os.path.join(private, "core-share"))
 
 
+def router_key_ring(secret_file: str) -> str:
+    """A key ring of the secret's ROUTER_USES keys for the router (it never reads the secret
+    itself), in a new private directory (0700; small, left for the OS's temp cleaning)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="pdserve-router-keys-"), "router-keys")
+    write_key_ring(ClusterSecret.load(secret_file), ROUTER_USES, path)
+    return path
+
+
 def kept_secret(cache_root: Path) -> Path:
     """The cluster secret `up` keeps across its runs: `<cache root>/up/cluster-secret`,
     0600 in a 0700 directory, made on first use and checked like any secret file on each."""
@@ -324,7 +360,8 @@ def _run(settings: dict[str, Any]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     check_planner_profile(settings)
-    children, http_port = start(settings)
+    issuer = EnrollmentIssuer()  # enrolls the workers started now and those the planner adds
+    children, http_port = start(settings, issuer)
     policy = RestartPolicy()
     if settings.get("max_restarts") is not None:
         policy = dataclasses.replace(policy, max_restarts=int(settings["max_restarts"]))
@@ -332,12 +369,12 @@ def _run(settings: dict[str, Any]) -> int:
     planner = None
     try:
         url = base_url(settings, http_port)
-        headers = {"Authorization": f"Bearer {settings['api_key']}"} if settings.get("api_key") else {}
+        headers = client_headers(settings)
         wait_ready(children, url, float(settings.get("ready_timeout_s") or READY_TIMEOUT_S), supervisor, stopping,
                    headers)
         if not stopping.is_set():
             print(banner(url, _served_model(url, settings), bool(settings.get("api_key"))), flush=True)
-            planner = start_planner(settings, children, supervisor, url)
+            planner = start_planner(settings, children, supervisor, url, issuer)
         while not stopping.is_set():
             supervisor.check()
             if planner is not None:
@@ -368,7 +405,8 @@ def check_planner_profile(settings: dict[str, Any]) -> None:
         block_size=int(settings.get("block_size") or 16), quantization=settings.get("quantization") or "auto"))
 
 
-def start_planner(settings: dict[str, Any], children: list[Child], supervisor: Supervisor, url: str):
+def start_planner(settings: dict[str, Any], children: list[Child], supervisor: Supervisor, url: str,
+                  issuer: EnrollmentIssuer):
     """With `--planner`: (the process scaler, the running live planner); else None."""
     if not settings.get("planner"):
         return None
@@ -378,7 +416,7 @@ def start_planner(settings: dict[str, Any], children: list[Child], supervisor: S
 
     planner_settings = PlannerSettings.from_settings(settings)
     num_prefill = sum(1 for c in children if c.name.startswith("prefill-"))
-    make = worker_maker(settings, num_prefill, sum(1 for c in children if c.name.startswith("decode-")))
+    make = worker_maker(settings, num_prefill, sum(1 for c in children if c.name.startswith("decode-")), issuer)
     drain_s = float(settings.get("drain_timeout_s") or WorkerSettings("decode").drain_timeout_s)
     scaler = ProcessScaler(children, supervisor, make, spawn, _say, drain_timeout_s=drain_s,
                            ready_timeout_s=float(settings.get("ready_timeout_s") or READY_TIMEOUT_S))

@@ -5,7 +5,8 @@
   all layers each, self-checking: its own header, index entry and checksum; then the block's
   prefix digest (common.block_hash; zeros for a block without one), which a prefix-cache
   reader compares with its own before use, so a key collision is a miss; with the
-  deployment's store key, a MAC trailer that a reader checks before trusting anything).
+  deployment's store key, the whole record sealed with an AEAD (encrypted and tagged) that a
+  reader opens before trusting anything).
 * `decode_message`: a complete message received as bytes, checked against `WireLimits`.
 """
 from __future__ import annotations
@@ -87,8 +88,9 @@ def split_records(message: BlockMessage, keys: Sequence[int], mac_key: bytes | N
                   digests: Sequence[bytes] = ()) -> list[bytes]:
     """One self-checking single-block record per block of `message`, block i under keys[i]
     with digests[i] (NO_DIGEST where `digests` is shorter). With `mac_key` (the deployment's
-    store key) each record is sealed with a MAC over its key and bytes (`security.store_records`),
-    so only a holder of the cluster secret can write a record a service will load."""
+    store key) each record is encrypted and tagged under its key (`security.store_records`),
+    so the store holds none of its bytes in clear and only a holder of the cluster secret
+    can write a record a service will load."""
     layout = layout_of(message)
     if len(keys) != layout.max_blocks:
         raise ValueError(f"{len(keys)} keys for {layout.max_blocks} blocks")
@@ -110,7 +112,7 @@ def split_records(message: BlockMessage, keys: Sequence[int], mac_key: bytes | N
 
 
 def record_nbytes(limits: WireLimits, keyed: bool = False) -> int:
-    """Size of one single-block record of this layout (with its MAC when `keyed`)."""
+    """Size of one single-block record of this layout (sealed: with its nonce and tag, when `keyed`)."""
     from pdserve.kvtransfer.wire import INDEX_ENTRY_SIZE, payload_nbytes
 
     return HEADER_SIZE + INDEX_ENTRY_SIZE + payload_nbytes(
@@ -119,7 +121,7 @@ def record_nbytes(limits: WireLimits, keyed: bool = False) -> int:
 
 
 class UnauthenticatedRecord(WireError):
-    """A store record without a valid MAC: planted or from another deployment."""
+    """A store record whose seal fails: planted, altered, or from another deployment."""
 
 
 class DigestMismatch(WireError):
@@ -129,14 +131,14 @@ class DigestMismatch(WireError):
 
 def decode_record(data: bytes | memoryview, limits: WireLimits, key: int,
                   mac_key: bytes | None = None, digest: bytes | None = None) -> memoryview:
-    """The payload of a single-block record stored under `key`. With `mac_key`, the record's
-    MAC is checked first (UnauthenticatedRecord); with `digest`, the block's digest must be
+    """The payload of a single-block record stored under `key`. With `mac_key`, the record
+    is opened (decrypted, its tag checked) first (UnauthenticatedRecord); with `digest`, the block's digest must be
     it (DigestMismatch). Raises WireError."""
     view = memoryview(data)
     if mac_key is not None:
         view = store_records.open_sealed(mac_key, key, view)
         if view is None:
-            raise UnauthenticatedRecord(f"record {key:#x} fails its MAC")
+            raise UnauthenticatedRecord(f"record {key:#x} fails its seal")
     header = parse_header(view, limits)
     if header.num_blocks != 1 or not header.is_whole:
         raise WireError(f"a store record holds one whole block, not {header.num_blocks} of "

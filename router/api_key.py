@@ -13,14 +13,17 @@ from pdserve.common.errors import UnauthenticatedError
 from pdserve.router.config import ConfigError, RouterConfig
 from pdserve.rpc.server import refuse_unread
 from pdserve.security.client_keys import ClientKeyError, ClientKeys, load_admin_key
+from pdserve.security.tenants import TenantKeys, TenantKeysError
 
 
 def client_keys(config: RouterConfig) -> ClientKeys:
-    """The keys of `config`; the admin key is read from its file (private to this user)."""
+    """The keys of `config`; the admin key and the tenants' keys are read from their files
+    (private to this user)."""
     try:
         admin = load_admin_key(config.admin_api_key_file) if config.admin_api_key_file else None
-        return ClientKeys(config.api_key, admin)
-    except ClientKeyError as exc:
+        tenants = TenantKeys(config.api_keys_file) if config.api_keys_file else None
+        return ClientKeys(config.api_key, admin, tenants)
+    except (ClientKeyError, TenantKeysError) as exc:
         raise ConfigError(str(exc)) from None
 
 

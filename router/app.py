@@ -27,6 +27,8 @@ from pdserve.rpc.server import (REGISTRY_MAX_RECEIVE_BYTES, MalformedRequestInte
                                 internal_server, server_options, service_name, set_serving)
 from pdserve.router.admission import InFlight
 from pdserve.router.api_key import ApiKeyInterceptor, client_keys
+from pdserve.router.enrollment import Revocations, enrollment_verifier
+from pdserve.router.http_guard import guarded_protocol
 from pdserve.router.catalog import ModelCatalog
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import ConfigError, RouterConfig
@@ -89,6 +91,9 @@ class RouterApp:
                                  block_hash_key=block_hash_key(self.auth.secret))
         self.membership = Membership(config, self.registry, self.catalog, self.channels)
         self.api_key = client_keys(config)
+        self.enrollment = enrollment_verifier(config)
+        self.revocations = (Revocations(config.revoked_workers_file, self.enrollment, self.registry)
+                            if config.revoked_workers_file else None)
         self.http_port = 0
         self.grpc_port = 0
         self.registry_port = 0
@@ -126,6 +131,8 @@ class RouterApp:
         while True:
             await asyncio.sleep(period)
             self.registry.forget_silent()
+            if self.revocations is not None:
+                self.revocations.poll()
             if ended := self.decode.cut_off_dead():
                 log.warning("ended %d streams open to dead decode workers", ended)
             if time.monotonic() - trimmed >= TRIM_EVERY_S:
@@ -169,9 +176,10 @@ class RouterApp:
         registry = internal_server(REGISTRY_MAX_RECEIVE_BYTES, interceptors)
         registry_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(self.membership, self.config, authenticated=self.auth.enabled,
-                             public_key=self.auth.public_key), registry)
+                             public_key=self.auth.public_key, enrollment=self.enrollment), registry)
         self._registry_server, self.registry_port = await _serve(
-            registry, self.config.host, self.config.registry_port, _REGISTRY, "the worker registry",
+            registry, self.config.internal_host or self.config.host, self.config.registry_port, _REGISTRY,
+            "the worker registry",
             self.auth.tls.server_credentials() if self.auth.tls else None)
 
     async def _start_http(self) -> None:
@@ -189,7 +197,8 @@ class RouterApp:
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
         server = _EmbeddedUvicorn(uvicorn.Config(app, log_level=self.config.log_level.lower(), access_log=False,
-                                                 lifespan="off", http="h11", ws="none",
+                                                 lifespan="off", http=guarded_protocol(self.config.http_limits),
+                                                 ws="none", timeout_keep_alive=self.config.http_idle_timeout_s,
                                                  timeout_graceful_shutdown=2,
                                                  ssl_certfile=self.config.tls_cert or None,
                                                  ssl_keyfile=self.config.tls_key or None))

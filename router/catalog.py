@@ -10,7 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from pdserve.common.errors import InvalidRequestError, NotFoundError, UnavailableError
+from pdserve.common.errors import IncompatiblePeerError, InvalidRequestError, NotFoundError, UnavailableError
 from pdserve.proto.pdserve.v1 import common_pb2
 from pdserve.router.prompt import PromptBuilder
 
@@ -35,6 +35,17 @@ class ServedModel:
         return self.info.block_hash_salt
 
 
+# What a model's first ModelInfo pins (security: routing can't be captured by one worker).
+PINNED_FIELDS = ("tokenizer_json", "chat_template", "bos_token", "eos_token", "eos_token_ids", "vocab_size",
+                 "block_hash_salt", "special_tokens", "additional_special_tokens")
+
+
+def _pinned(info: common_pb2.ModelInfoResponse) -> tuple:
+    return tuple(dict(value) if name == "special_tokens" else
+                 (tuple(value) if not isinstance(value, (str, bytes, int)) else value)
+                 for name in PINNED_FIELDS for value in (getattr(info, name),))
+
+
 class ModelCatalog:
     def __init__(self) -> None:
         self._models: dict[str, ServedModel] = {}
@@ -49,9 +60,16 @@ class ModelCatalog:
         return name in self._models
 
     async def learn(self, info: common_pb2.ModelInfoResponse) -> ServedModel:
-        """Add or replace a model from a worker's ModelInfo answer (tokenizer included)."""
+        """Add or replace a model from a worker's ModelInfo answer (tokenizer included). How
+        a model turns text into tokens (`PINNED_FIELDS`) is pinned by its first answer: a
+        later one that disagrees is refused (FAILED_PRECONDITION), so no registrant can
+        install its own tokenizer or chat template for every client of a model."""
         if not info.model_name:
             raise InvalidRequestError("ModelInfo has no model_name")
+        known = self._models.get(info.model_name)
+        if known is not None and _pinned(known.info) != _pinned(info):
+            raise IncompatiblePeerError(f"ModelInfo of {info.model_name!r} disagrees with the tokenizer or chat "
+                                        "template this router pinned for it (restart the router to change them)")
         if info.max_model_len < 2 or info.block_size < 1:
             raise InvalidRequestError(f"ModelInfo of {info.model_name!r}: bad max_model_len/block_size")
         try:  # parsing tokenizer.json takes a while: off the event loop

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 from pdserve.common.flags import security, setting
 from pdserve.common.values import coerce
+from pdserve.security.slow_clients import HttpLimits
 
 # Default ports of the router's listeners (0 picks a free port).
 ROUTER_HTTP_PORT = 8000
@@ -59,6 +60,15 @@ class RouterConfig:
     metrics_port: int = _opt(0, "extra Prometheus listener (0: only HTTP /metrics)", "listeners")
     http_port: int = _opt(ROUTER_HTTP_PORT, "HTTP port", "listeners")  # 0 picks a free port
     grpc_port: int = _opt(ROUTER_GRPC_PORT, "gRPC port of the client API (Generation)", "listeners")
+    http_header_timeout_s: float = _opt(10.0, "an HTTP connection's request headers must arrive within this "
+                                        "many seconds of its start (or of its last response); else it is "
+                                        "closed", "listeners")
+    http_idle_timeout_s: float = _opt(5.0, "an HTTP connection idle this long between requests is closed",
+                                      "listeners")
+    http_max_connections: int = _opt(4096, "HTTP connections open at once (one more is closed at once; past "
+                                     "half of them waiting for headers, the oldest such is closed)", "listeners")
+    internal_host: str = _opt("", "address the worker registry binds (empty: --host); `pdserve up` keeps it on "
+                              "loopback unless its --internal-host says otherwise", "listeners")
     registry_port: int = _opt(ROUTER_REGISTRY_PORT, "gRPC port where workers register (internal; keep it off "
                               "client networks)", "listeners")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: flags show "
@@ -67,6 +77,16 @@ class RouterConfig:
                                    "Bearer <it>' see pdserve's internals (routing, transfer verdicts, timings, "
                                    "worker details on /health, workers' errors); with neither key set, every "
                                    "caller does", "routing")
+    enrollment_public_key: str = _opt("", "hex Ed25519 key that signs workers' enrollment tokens (`pdserve up` "
+                                      "makes one per start): a Register then needs the worker's own token, "
+                                      "naming its id, role and host; the cluster secret alone admits no worker",
+                                      "workers")
+    revoked_workers_file: str = _opt("", "file of revoked worker ids, one a line, read again when it changes: "
+                                     "each is removed and refused (needs --enrollment-public-key)", "routing")
+    api_keys_file: str = _opt("", "file of client keys, one 'TENANT KEY [requests_per_minute=N] "
+                              "[tokens_per_minute=N] [in_flight=N]' a line (# comments; mode 0600), read again "
+                              "when it changes: each tenant prefix-caches apart from the others, under its "
+                              "limits (429 with Retry-After past one)", "routing")
     metrics_auth: bool = _opt(False, "/metrics requires the API key too (/health and /ready stay open)", "routing")
     tls_cert: str = _opt("", "PEM certificate (chain) for HTTPS and gRPC TLS on the client ports", "routing")
     tls_key: str = _opt("", "PEM private key of --tls-cert", "routing")
@@ -108,6 +128,10 @@ class RouterConfig:
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
                 raise ConfigError(f"{name} must be one of {', '.join(POLICY_NAMES)}")
+        try:
+            self.http_limits
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.max_queue < 1:
             raise ConfigError("max_queue must be >= 1")
         if self.local_prefill_threshold < 0:
@@ -132,7 +156,11 @@ class RouterConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.metrics_auth and self.api_key is None:
-            raise ConfigError("--metrics-auth needs --api-key")
+            raise ConfigError("--metrics-auth needs --api-key")  # the metrics port's one bearer
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(self.http_header_timeout_s, self.http_idle_timeout_s, self.http_max_connections)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "RouterConfig":

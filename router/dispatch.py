@@ -112,6 +112,8 @@ class DecodeClient:
                 except grpc.aio.AioRpcError as err:
                     ended_by_worker = True
                     self._note_failure(worker, err, _STREAM_FAILURE_CODES)
+                    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # it read the request, then refused
+                        self._registry.note_refusal(worker.worker_id)
                     if err.code() in _STREAM_FAILURE_CODES:
                         raise DecodeWorkerLost(ErrorKind.UNAVAILABLE, f"decode worker {worker.worker_id} "
                                                f"failed mid-stream: {err.code().name}") from None
@@ -123,8 +125,10 @@ class DecodeClient:
                 if _is_keepalive(message):
                     continue
                 finished = message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                if finished:
+                    self._registry.note_finished(worker.worker_id)
                 if message.HasField("transfer"):
-                    self._note_prefill_verdict(message.transfer)
+                    self._note_prefill_verdict(worker, request, message.transfer)
                 yield message
         finally:
             self._open.discard(handle)
@@ -170,11 +174,20 @@ class DecodeClient:
         log.info("aborted %s on %s (%s): found=%s", request_id, worker.worker_id, reason, response.found)
         return response.found
 
-    def _note_prefill_verdict(self, verdict: common_pb2.TransferVerdict) -> None:
-        """Decode reports a prefill worker it could not reach: stop routing to it."""
-        if verdict.prefill_worker_id and verdict.prefill_status_code in _PREFILL_FAILURE_CODES:
-            self._registry.mark_suspect(verdict.prefill_worker_id,
-                                        f"decode reported {verdict.prefill_status_code}: {verdict.reason}")
+    def _note_prefill_verdict(self, worker: Worker, request: decode_pb2.DecodeRequest,
+                              verdict: common_pb2.TransferVerdict) -> None:
+        """Decode reports a prefill worker it could not reach: stop routing to it. Only the
+        prefill this router planned for the request may be named (a decode cannot take
+        another worker out of routing); another name is ignored and logged."""
+        if not verdict.prefill_worker_id or verdict.prefill_status_code not in _PREFILL_FAILURE_CODES:
+            return
+        planned = request.prefill.worker_id if request.HasField("prefill") else ""
+        if verdict.prefill_worker_id != planned:
+            log.warning("decode %s named %r in a verdict on %s, not its planned prefill %r: ignored",
+                        worker.worker_id, verdict.prefill_worker_id, request.request_id, planned)
+            return
+        self._registry.mark_suspect(planned, f"decode {worker.worker_id} reported "
+                                             f"{verdict.prefill_status_code}: {verdict.reason!r}")
 
     def _note_failure(self, worker: Worker, err: grpc.aio.AioRpcError, codes: tuple) -> None:
         if err.code() in codes:

@@ -31,7 +31,9 @@ from pdserve.router.planner import RoutePlan, RoutePlanner
 from pdserve.router.request_ids import check_label, new_request_id
 from pdserve.router.stream_timings import StreamTimings
 from pdserve.router.validation import check_prompt_fits, resolve_sampling
+from pdserve.router.tenant_limits import TenantLimiter
 from pdserve.security.client_keys import Scope
+from pdserve.security.tenants import Tenant, tenant_cache_salt
 
 log = logging.getLogger("pdserve.router.frontend")
 
@@ -61,16 +63,17 @@ class PreparedRequest:
     sampling: common_pb2.SamplingParams  # resolved
     session_key: str
     echo_text: str | None = None  # GenerateRequest.echo: the prompt's text
-    cache_salt: str = ""  # GenerateRequest.cache_salt
+    cache_salt: str = ""  # what the blocks are hashed under: the request's cache_salt in its tenant's namespace
 
 
 class Frontend:
     def __init__(self, catalog: ModelCatalog, planner: RoutePlanner, decode: DecodeClient,
                  in_flight: InFlight, metrics: RouterMetrics, cpu: CpuPool | None = None,
                  max_migrations: int = 2, guided: GuidedOptions = GuidedOptions(),
-                 block_hash_key: bytes = INSECURE_KEY) -> None:
+                 block_hash_key: bytes = INSECURE_KEY, limits: TenantLimiter | None = None) -> None:
         """`block_hash_key`: the deployment's (security.secret.block_hash_key), so the
-        router's block hashes are the workers'."""
+        router's block hashes are the workers'. `limits`: each tenant's."""
+        self._limits = limits or TenantLimiter()
         self._catalog = catalog
         self._block_hash_key = block_hash_key
         self._guided = guided
@@ -82,20 +85,21 @@ class Frontend:
         self._metrics = metrics
 
     async def generate(self, request: generation_pb2.GenerateRequest, api: str, *, request_id: str = "",
-                       owner: str = "", label: str = "", scope: Scope = Scope.CLIENT
-                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                       owner: str = "", label: str = "", scope: Scope = Scope.CLIENT,
+                       tenant: Tenant | None = None) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Stream the request's GenerateResponses. Raises ServiceError (before or during the
         stream). Closing the iterator early aborts the request on its decode worker.
 
         `request_id` is the id every service acts on, made by the router (empty: a new one);
         `request.request_id` is never read. `label` (a client's name, checked by the edge) is
         echoed as each response's request_id; `owner` names who may `abort` it (empty: no one).
-        Below `Scope.ADMIN` the responses carry no INTERNAL_FIELDS and errors are `client_error`s."""
+        Below `Scope.ADMIN` the responses carry no INTERNAL_FIELDS and errors are `client_error`s.
+        A `tenant`'s request is held to its limits and prefix-caches in its namespace."""
         outcome = "aborted"  # unless it ends otherwise: the consumer left
         try:
             request_id = request_id or new_request_id()
-            with self._in_flight.admit(request_id, owner, label):
-                async with contextlib.aclosing(self._run(request, request_id)) as responses:
+            with self._limits.hold(tenant), self._in_flight.admit(request_id, owner, label):
+                async with contextlib.aclosing(self._run(request, request_id, tenant)) as responses:
                     async for response in responses:
                         if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                             outcome = "aborted" if response.finish_reason == common_pb2.FINISH_REASON_ABORT else "ok"
@@ -136,7 +140,8 @@ class Frontend:
         decode = None if request_id is None else self._in_flight.decode_of(request_id)
         return False if decode is None else await self._decode.abort(decode, request_id, reason)
 
-    async def prepare(self, request: generation_pb2.GenerateRequest, request_id: str) -> PreparedRequest:
+    async def prepare(self, request: generation_pb2.GenerateRequest, request_id: str,
+                      tenant: Tenant | None = None) -> PreparedRequest:
         model = self._catalog.resolve(request.model)
         check_cache_salt(request.cache_salt)
         # Tokenizing and templating are CPU work: off the event loop, in a bounded pool.
@@ -145,20 +150,22 @@ class Frontend:
         check_prompt_fits(len(prompt_ids), model.max_model_len, param)
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.max_model_len,
                                     model.prompts.vocab_size)
+        self._limits.charge_tokens(tenant, len(prompt_ids) + sampling.max_tokens)
         await self._cpu.run(compile_constraint, sampling, self._guided)  # checked before any worker is asked
-        hashes = hash_prompt_blocks(prompt_ids, model.block_size, model.block_hash_salt, self._block_hash_key,
-                                    request.cache_salt)
+        salt = request.cache_salt if tenant is None else tenant_cache_salt(tenant.name, request.cache_salt)
+        hashes = hash_prompt_blocks(prompt_ids, model.block_size, model.block_hash_salt, self._block_hash_key, salt)
         echo_text = await self._cpu.run(model.prompts.echo_text, request, prompt_ids) if request.echo else None
         return PreparedRequest(request_id, model, tuple(prompt_ids), tuple(hashes), sampling, request.session_id,
-                               echo_text, request.cache_salt)
+                               echo_text, salt)
 
-    async def _run(self, request: generation_pb2.GenerateRequest, request_id: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _run(self, request: generation_pb2.GenerateRequest, request_id: str,
+                   tenant: Tenant | None = None) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Prepare, open a Decode stream, relay it. When the decode worker is lost mid-stream
         the request migrates: another decode continues it after the tokens already sent (at
         most `max_migrations` times); otherwise the error ends the stream."""
         arrival = time.monotonic()
         arrival_unix_ms = int(time.time() * 1000)
-        prepared = await self.prepare(request, request_id)
+        prepared = await self.prepare(request, request_id, tenant)
         sent: list[int] = []  # token ids the client has received
         failed: list[str] = []  # decode workers lost by this request
         timings = StreamTimings()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from pdserve.common.errors import EXPECTED_ERRORS, InvalidRequestError
-from pdserve.rpc.credentials import caller_id
+from pdserve.rpc.credentials import caller_id, certificate_addresses
 from pdserve.rpc.errors import grpc_errors
 from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
                                       registry_pb2_grpc)
@@ -17,6 +17,8 @@ from pdserve.router.membership import Membership, load_from_proto, worker_from_p
 from pdserve.router.request_ids import check_label
 from pdserve.router.tools import apply_tools, grpc_tool_calls
 from pdserve.security.client_keys import ClientKeys
+from pdserve.security.enrollment import ENROLLMENT_HEADER, EnrollmentVerifier
+from pdserve.security.internal_tls import check_registered_address
 from pdserve.security.registration import check_acts_for
 
 log = logging.getLogger("pdserve.router.grpc")
@@ -50,10 +52,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._frontend.count_rejected("grpc", err)
             raise
         caller = caller_of(context)
-        scope = self._auth.check_metadata(context.invocation_metadata())
+        who = self._auth.identify_metadata(context.invocation_metadata())
 
         def generate(one):  # a choice's label is request_id-k (fanout)
-            return self._frontend.generate(one, api="grpc", owner=caller, label=one.request_id, scope=scope)
+            return self._frontend.generate(one, api="grpc", owner=caller, label=one.request_id, scope=who.scope,
+                                           tenant=who.tenant)
 
         if request.n > 1 or request.best_of > 1:  # several choices, each its own generation
             stream = fanout.grpc_stream(request, generate)
@@ -90,8 +93,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     router's own, sent back in RegisterResponse."""
 
     def __init__(self, membership: Membership, config: RouterConfig, *, authenticated: bool = False,
-                 public_key: bytes = b"") -> None:
+                 public_key: bytes = b"", enrollment: EnrollmentVerifier | None = None) -> None:
+        """`enrollment`: when set, a Register needs its worker's own enrollment token."""
         self._membership = membership
+        self._enrollment = enrollment
         self._authenticated = authenticated
         self._public_key = public_key
         self._interval_ms = int(config.heartbeat_interval_s * 1000)
@@ -106,6 +111,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self._check_caller(context, request.worker.worker_id)
         try:
             worker = worker_from_proto(request.worker)
+            check_registered_address(certificate_addresses(context), worker.address)
+            if self._enrollment is not None:
+                found = [v for k, v in context.invocation_metadata() or () if k == ENROLLMENT_HEADER]
+                self._enrollment.check(found[0] if len(found) == 1 else None, worker.worker_id, worker.role.value,
+                                       worker.address)
             lease = await self._membership.register(worker, load_from_proto(request.load),
                                                     request.load.cached_block_hashes, request.lease,
                                                     request.public_key, require_key=self._authenticated)

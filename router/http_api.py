@@ -34,7 +34,7 @@ from pdserve.router.planner import can_carry
 from pdserve.router.request_ids import new_request_id
 from pdserve.router.openai_request import IgnoredFieldLog, OpenAIRequest, parse_chat, parse_completion
 from pdserve.router.worker_registry import WorkerRegistry
-from pdserve.security.client_keys import ClientKeys, Scope
+from pdserve.security.client_keys import Caller, ClientKeys, Scope
 
 log = logging.getLogger("pdserve.router.http")
 
@@ -152,7 +152,7 @@ class OpenAIHandlers:
     async def _handle(self, request: Request, chat: bool) -> Response:
         api = "http_chat" if chat else "http_completions"
         try:
-            scope = self._auth.check(request.headers.get("authorization"))
+            caller = self._auth.identify(request.headers.get("authorization"))
             body = await read_json_object(request, self._max_body_bytes)
             parsed = parse_chat(body) if chat else parse_completion(body)
         except EXPECTED_ERRORS as err:
@@ -162,9 +162,9 @@ class OpenAIHandlers:
         prefix = "chatcmpl" if chat else "cmpl"
         parsed.request.request_id = new_request_id(prefix)  # the router's: no client names an HTTP request
         if parsed.best_of > 1 or len(parsed.prompts) > 1:
-            return await self._fan_out(request, parsed, chat, api, scope)
+            return await self._fan_out(request, parsed, chat, api, caller)
         responses = self._frontend.generate(parsed.request, api=api, request_id=parsed.request.request_id,
-                                            scope=scope)
+                                            scope=caller.scope, tenant=caller.tenant)
         formatter = ResponseFormatter(chat, parsed.model, parsed.request.request_id, parsed.request.sampling.logprobs,
                                       self._token_text(parsed.model), tool_mode=parsed.tool_mode,
                                       ignored_fields=parsed.ignored_fields, prompt_logprobs=parsed.prompt_logprobs)
@@ -201,13 +201,14 @@ class OpenAIHandlers:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _fan_out(self, request: Request, parsed: OpenAIRequest, chat: bool, api: str,
-                       scope: Scope) -> Response:
+                       caller: Caller) -> Response:
         """Several choices (n, best_of, prompt lists): see `fanout`."""
         rid = parsed.request.request_id
         choices = fanout.plan_choices(parsed, rid)
 
         def generate(one: generation_pb2.GenerateRequest):
-            return self._frontend.generate(one, api=api, request_id=one.request_id, scope=scope)
+            return self._frontend.generate(one, api=api, request_id=one.request_id, scope=caller.scope,
+                                           tenant=caller.tenant)
 
         def formatter(index: int) -> ResponseFormatter:
             return ResponseFormatter(chat, parsed.model, rid, parsed.request.sampling.logprobs,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import math
 from typing import Iterable
 
@@ -30,10 +31,24 @@ log = logging.getLogger("pdserve.router.membership")
 _ROLES = {registry_pb2.WORKER_ROLE_PREFILL: Role.PREFILL, registry_pb2.WORKER_ROLE_DECODE: Role.DECODE}
 
 
+# What a registrant's names may be: they reach logs and metric labels as they are.
+_NAME = re.compile(r"[\w.:/@+=\[\]-]{1,256}")
+
+
+def _check_name(value: str, param: str) -> None:
+    if not _NAME.fullmatch(value):
+        raise InvalidRequestError(f"{param} must be 1-256 of letters, digits and . _ : / @ + = - [ ]",
+                                  param=param)
+
+
 def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
-    """INVALID_ARGUMENT unless every required field is present and sane."""
+    """INVALID_ARGUMENT unless every required field is present and sane (its names: labels
+    that can forge no log line or metric series, `_NAME`)."""
     if not info.worker_id:
         raise InvalidRequestError("worker_id is required", param="worker_id")
+    _check_name(info.worker_id, "worker_id")
+    for backend in info.kv_backends:
+        _check_name(backend, "kv_backends")
     if info.role not in _ROLES:
         raise InvalidRequestError("role must be PREFILL or DECODE", param="role")
     host, _, port = info.grpc_address.rpartition(":")
@@ -42,6 +57,7 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
                                   param="grpc_address")
     if not info.model_name:
         raise InvalidRequestError("model_name is required", param="model_name")
+    _check_name(info.model_name, "model_name")
     if info.block_size < 1:
         raise InvalidRequestError("block_size must be >= 1", param="block_size")
     return Worker(worker_id=info.worker_id, role=_ROLES[info.role], address=info.grpc_address,
@@ -50,11 +66,24 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
                   max_model_len=info.capacity.max_model_len, kv_backends=tuple(info.kv_backends))
 
 
+MAX_REPORTED_REQUESTS = 1 << 20  # a load report's counts are clamped to these bounds
+MAX_REPORTED_TOKENS = 1 << 40
+MAX_REPORTED_BACKENDS = 16
+
+
 def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
-    return Load(load.num_queued, load.num_running, load.num_free_blocks, load.num_total_blocks,
-                tuple(KVBackendState(b.name, b.usable, b.detail) for b in load.kv_backends),
+    """A load report as the router uses it: every count clamped to a sane bound and the
+    free blocks to the total (a report cannot make a worker look emptier than empty), at most
+    MAX_REPORTED_BACKENDS backends. What the router itself sent a worker still counts however
+    little it reports (`WorkerRecord.load_score`)."""
+    requests = lambda n: min(int(n), MAX_REPORTED_REQUESTS)  # noqa: E731
+    total = min(int(load.num_total_blocks), MAX_REPORTED_TOKENS)
+    return Load(requests(load.num_queued), requests(load.num_running), min(int(load.num_free_blocks), total), total,
+                tuple(KVBackendState(b.name, b.usable, b.detail[:256])
+                      for b in load.kv_backends[:MAX_REPORTED_BACKENDS]),
                 load.counters if load.HasField("counters") else None,
-                load.queued_prompt_tokens, _rate(load.prefill_tokens_per_s), load.num_decoding, load.draining)
+                min(int(load.queued_prompt_tokens), MAX_REPORTED_TOKENS), _rate(load.prefill_tokens_per_s),
+                requests(load.num_decoding), load.draining)
 
 
 def _rate(value: float) -> float:

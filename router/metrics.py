@@ -1,6 +1,8 @@
 """The router's Prometheus metrics, on a registry of its own (never the global default)."""
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -8,6 +10,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
 from pdserve.router.worker_registry import WorkerRegistry
 
+MAX_BACKEND_LABELS = 16
+_PLAIN = re.compile(r"[a-z0-9_]{1,32}")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
@@ -50,8 +54,19 @@ class RouterMetrics:
         self.in_flight = Gauge("pdserve_router_in_flight_requests", "Requests admitted and not finished", registry=r)
         self.workers = Gauge("pdserve_router_workers", "Known workers by role and state (alive, draining, suspect, "
                              "dead)", ("role", "state"), registry=r)
+        self._backend_labels: set[str] = set()
         self.auth_refused = Counter("pdserve_router_auth_refused_total",
                                     "Registry calls refused for want of a valid credential", ("reason",), registry=r)
+
+    def _backend_label(self, name: str) -> str:
+        """A decode's word for a backend as a label: a plain name, and at most
+        MAX_BACKEND_LABELS of them ever ("other" past that), so no worker can grow the series."""
+        if name in self._backend_labels:
+            return name
+        if len(self._backend_labels) >= MAX_BACKEND_LABELS or not _PLAIN.fullmatch(name):
+            return "other"
+        self._backend_labels.add(name)
+        return name
 
     def count_auth_refusal(self, reason: str) -> None:
         self.auth_refused.labels(reason).inc()
@@ -61,7 +76,7 @@ class RouterMetrics:
         if last.HasField("transfer"):
             verdict = last.transfer
             outcome = common_pb2.TransferOutcome.Name(verdict.outcome).removeprefix("TRANSFER_OUTCOME_").lower()
-            self.transfers.labels(outcome, verdict.backend or "none").inc()
+            self.transfers.labels(outcome, self._backend_label(verdict.backend or "none")).inc()
         if last.HasField("usage"):
             usage = last.usage
             self.prompt_tokens.labels("cached").inc(usage.cached_prompt_tokens)

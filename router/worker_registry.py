@@ -25,6 +25,8 @@ from pdserve.security.credentials import Identity
 log = logging.getLogger("pdserve.router.worker_registry")
 
 FORGET_AFTER_TIMEOUTS = 3
+REFUSAL_PENALTY_S = 2.0  # a first refusal after reading a request: last choice this long
+MAX_REFUSAL_PENALTY_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,8 @@ class WorkerRecord:
     expected: dict[int, float] = field(default_factory=dict)  # hash -> when routed here (not yet reported)
     lease: bytes = b""  # what the worker must show to heartbeat, deregister or register again (b"": none asked)
     public_key: bytes = b""  # what verifies the worker's own call credentials (b"": none given)
+    num_refusals: int = 0  # requests it refused after reading them, since it last finished one
+    refused_until: float = 0.0  # routed to only when no other worker may be, until then
 
     @property
     def worker_id(self) -> str:
@@ -210,6 +214,25 @@ class WorkerRegistry:
                 now = self._clock()
                 record.expected.update((h, now) for h in block_hashes)
 
+    def note_refusal(self, worker_id: str) -> None:
+        """The worker refused a request after reading it (RESOURCE_EXHAUSTED): it counts
+        against it. It is routed to only when no other worker may be for a while that
+        doubles with each refusal (REFUSAL_PENALTY_S up to MAX_REFUSAL_PENALTY_S), so a
+        worker cannot read prompts and send them elsewhere unseen."""
+        record = self._records.get(worker_id)
+        if record is not None:
+            record.num_refusals += 1
+            penalty = min(MAX_REFUSAL_PENALTY_S, REFUSAL_PENALTY_S * 2 ** (record.num_refusals - 1))
+            record.refused_until = self._clock() + penalty
+            log.info("worker %s refused a request (%d in a row): last choice for %.1f s", worker_id,
+                     record.num_refusals, penalty)
+
+    def note_finished(self, worker_id: str) -> None:
+        """The worker finished a request: its refusals are forgiven."""
+        record = self._records.get(worker_id)
+        if record is not None:
+            record.num_refusals = 0
+
     def note_stream(self, worker_id: str, delta: int) -> None:
         """A Decode stream to the worker opened (+1) or ended (-1)."""
         record = self._records.get(worker_id)
@@ -220,11 +243,14 @@ class WorkerRegistry:
         return self._clock() - record.last_seen <= self._timeout_s
 
     def routable(self, role: Role, model_name: str) -> list[WorkerRecord]:
-        """Alive, non-suspect, non-draining workers of `role` serving `model_name`, sorted by id."""
-        return sorted((r for r in self._records.values()
-                       if r.worker.role is role and r.worker.model_name == model_name
-                       and not r.suspect and not r.load.draining and self.is_alive(r)),
-                      key=lambda r: r.worker_id)
+        """Alive, non-suspect, non-draining workers of `role` serving `model_name`, sorted by id;
+        those in a refusal's penalty (`note_refusal`) only when there is no other."""
+        found = sorted((r for r in self._records.values()
+                        if r.worker.role is role and r.worker.model_name == model_name
+                        and not r.suspect and not r.load.draining and self.is_alive(r)),
+                       key=lambda r: r.worker_id)
+        now = self._clock()
+        return [r for r in found if r.refused_until <= now] or found
 
     def alive(self, role: Role | None = None) -> list[WorkerRecord]:
         return sorted((r for r in self._records.values()

@@ -23,8 +23,9 @@ from pdserve.common.errors import AuthError
 from pdserve.common.util import is_loopback
 from pdserve.rpc.errors import abort_grpc
 from pdserve.rpc.server import CHANNEL_OPTIONS, refuse_unread
-from pdserve.security.credentials import (CREDENTIAL_HEADER, CallKey, CallSigner, CallVerifier, KeyDirectory,
-                                          caller_of, check_role, only_credential)
+from pdserve.security.credentials import (AUDIENCE_HEADER, CREDENTIAL_HEADER, DIGEST_HEADER, MEMBER_HEADER, CallKey, CallSigner, CallVerifier,
+                                          KeyDirectory, caller_of, check_role, is_bound, only_credential,
+                                          request_digest)
 from pdserve.security.internal_tls import (CertificateError, certificate_ip_addresses, check_peer_address,
                                            named_addresses, peer_address)
 from pdserve.security.key_directory import PeerKeys
@@ -36,29 +37,40 @@ log = logging.getLogger("pdserve.auth")
 _MAX_LOGGED_PEERS = 1024
 
 
-def _with_credential(signer: CallSigner, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+def _with_credential(signer: CallSigner, details: grpc.aio.ClientCallDetails, address: str,
+                     request) -> grpc.aio.ClientCallDetails:
+    """`details` with a credential: for BOUND_SERVICES, bound to the server's `address` (as
+    registered, which is what is dialed) and to the request's digest, sent beside it."""
     method = details.method.decode() if isinstance(details.method, bytes) else details.method
     metadata = list(details.metadata or ())
-    metadata.append((CREDENTIAL_HEADER, signer.credential(method)))
+    if is_bound(method):
+        digest = request_digest(request)
+        credential = signer.credential(method, address, digest)
+        metadata += [(DIGEST_HEADER, digest), (AUDIENCE_HEADER, address)]
+    else:
+        credential = signer.credential(method)
+    metadata += [(CREDENTIAL_HEADER, credential), (MEMBER_HEADER, signer.member_proof(credential))]
     return grpc.aio.ClientCallDetails(details.method, details.timeout, grpc.aio.Metadata(*metadata),
                                       details.credentials, details.wait_for_ready)
 
 
 # grpc.aio files an interceptor under one call kind only, hence one class per kind.
 class _UnaryCredentials(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, signer: CallSigner) -> None:
+    def __init__(self, signer: CallSigner, address: str) -> None:
         self._signer = signer
+        self._address = address
 
     async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(_with_credential(self._signer, details), request)
+        return await continuation(_with_credential(self._signer, details, self._address, request), request)
 
 
 class _StreamCredentials(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, signer: CallSigner) -> None:
+    def __init__(self, signer: CallSigner, address: str) -> None:
         self._signer = signer
+        self._address = address
 
     async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(_with_credential(self._signer, details), request)
+        return await continuation(_with_credential(self._signer, details, self._address, request), request)
 
 
 INTERNAL_SERVER_NAME = "pdserve-internal"  # the name internal certificates carry (a SAN)
@@ -116,7 +128,8 @@ def internal_channel(address: str, signer: CallSigner | None, tls: InternalTLS |
     """A channel to another pdserve service; with a signer, every call carries a credential;
     with `tls`, it runs over mutual TLS, the server's certificate checked against the address
     dialed when `tls` is a host's (it names addresses), else against INTERNAL_SERVER_NAME."""
-    interceptors = [_UnaryCredentials(signer), _StreamCredentials(signer)] if signer is not None else None
+    interceptors = [_UnaryCredentials(signer, address), _StreamCredentials(signer, address)] \
+        if signer is not None else None
     if tls is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
     options = CHANNEL_OPTIONS
@@ -154,6 +167,41 @@ def _guarded(handler: grpc.RpcMethodHandler, check) -> grpc.RpcMethodHandler:
 
     async def streaming(request, context):
         await check(context)
+        if inspect.isasyncgenfunction(behavior):
+            async for item in behavior(request, context):
+                yield item
+        else:  # a coroutine that writes its responses with context.write
+            await behavior(request, context)
+
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(streaming if handler.response_streaming else unary,
+                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+def _one(metadata, name: str) -> str:
+    """The one value of `name` a call carries ("" for none or several)."""
+    found = [value for key, value in metadata or () if key == name]
+    return found[0] if len(found) == 1 else ""
+
+
+def _covering(handler: grpc.RpcMethodHandler, digest: str) -> grpc.RpcMethodHandler:
+    """`handler`, refusing (UNAUTHENTICATED) a request whose digest is not the one its
+    verified credential covers: a credential is good for its own request only."""
+    kind = "unary_stream" if handler.response_streaming else "unary_unary"
+    behavior = getattr(handler, kind)
+
+    async def check(request, context) -> None:
+        if request_digest(request) != digest:
+            err = AuthError("the request is not the one its credential covers")
+            log.warning("refused an internal call from %s: %s", context.peer(), err)
+            await abort_grpc(context, err)
+
+    async def unary(request, context):
+        await check(request, context)
+        return await behavior(request, context)
+
+    async def streaming(request, context):
+        await check(request, context)
         if inspect.isasyncgenfunction(behavior):
             async for item in behavior(request, context):
                 yield item
@@ -219,11 +267,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(details)
         try:
             credential = only_credential(credentials_of(details.invocation_metadata))
-            check_role(await self._verifier.check_learning(details.method, credential), service)
+            digest, audience, proof = (_one(details.invocation_metadata, name)
+                                       for name in (DIGEST_HEADER, AUDIENCE_HEADER, MEMBER_HEADER))
+            check_role(await self._verifier.check_learning(details.method, credential, digest, audience, proof),
+                       service)
         except AuthError as exc:
             self._on_refused(str(exc))
             return self._refusal(await continuation(details), exc)
-        return await continuation(details)
+        handler = await continuation(details)
+        return _covering(handler, digest) if digest and handler is not None else handler
 
     def _refusal(self, handler: grpc.RpcMethodHandler | None, err: AuthError) -> grpc.RpcMethodHandler | None:
         def log_peer(context) -> None:  # once per peer, at most _MAX_LOGGED_PEERS of them
@@ -247,6 +299,13 @@ class InternalAuth:
         self.tls = tls
         self.key = CallKey() if secret is not None else None
         self.peers = PeerKeys()
+        self._verifiers: list[CallVerifier] = []
+
+    def serve_as(self, address: str) -> None:
+        """This server is registered as `address`: signed calls to its workers' services must
+        name it (security.credentials.BOUND_SERVICES)."""
+        for verifier in self._verifiers:
+            verifier.serve_as(address)
 
     @classmethod
     def from_settings(cls, role: str, host: str, secret_file: str, insecure_internal: bool,
@@ -287,6 +346,7 @@ class InternalAuth:
         found: list = []
         if self.secret is not None:
             verifier = CallVerifier(self.secret, keys if keys is not None else self.peers)
+            self._verifiers.append(verifier)
             found.append(AuthInterceptor(verifier, protected, on_refused))
         if self.tls is not None:
             found.append(PeerAddressInterceptor(protected, on_refused))

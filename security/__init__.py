@@ -8,8 +8,11 @@ adapters that ask these modules. Depends only on `common` and `cryptography`.
 * `internal_tls`   internal certificates: the addresses a host certificate binds
 * `handoffs`       the decode's signed order to a prefill, accepted once
 * `registration`   a worker's claim on an id in a router's registry: lease and key
-* `store_records`  the MAC that seals a Redis/disk KV record
+* `store_records`  the AEAD that seals (encrypts and tags) a Redis/disk KV record
 * `client_keys`    the API and admin keys, and what each caller may see
+* `tenants`        the tenants' keys file, their cache namespaces and limits
+* `enrollment`     a worker's own enrollment token: who may join, revocation
+* `slow_clients`   an HTTP port's header deadline and connection bound
 
 The transfer session (`transfer_session`) and the gloo listener filters
 (`socket_admission`) are the point-to-point transports' boundaries."""

@@ -6,7 +6,9 @@ an operator should, or a call carrying two keys of which the wrong one is checke
 
 Rule: with an API key set, a call is served only when it carries exactly one
 `Authorization: Bearer <key>` (HTTP header or gRPC `authorization` metadata), compared in
-constant time, and it is checked before the request is read. The key a caller sends sets
+constant time (a tenant's key: looked up by its keyed digest, `tenants`), and it is checked
+before the request is read. A tenant's key names its `Caller`'s tenant, whose prefix-cache
+namespace and limits the request gets; the one `--api-key` is the tenant-less client. The key a caller sends sets
 its `Scope`: the admin key (read from a private file, different from the API key) sees
 pdserve's internals; the API key, or no key where none is asked for, sees a client's
 answer only; a router with neither key shows everyone everything (`pdserve up` on a
@@ -17,10 +19,12 @@ from __future__ import annotations
 import enum
 import hmac
 import os
+from dataclasses import dataclass
 from typing import Iterable
 
 from pdserve.common.errors import UnauthenticatedError
 from pdserve.security.secret import read_private_file
+from pdserve.security.tenants import Tenant, TenantKeys
 
 MAX_ADMIN_KEY_BYTES = 4096
 
@@ -54,45 +58,78 @@ def load_admin_key(path: str | os.PathLike) -> str:
     return key
 
 
-class ClientKeys:
-    """The API key and the admin key of one router (either may be None: not asked for)."""
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a call: what it may see, and its tenant (None: the one API key's client,
+    the admin, or anyone where no key is asked for)."""
 
-    def __init__(self, api_key: str | None, admin_api_key: str | None = None) -> None:
+    scope: Scope
+    tenant: Tenant | None = None
+
+
+class ClientKeys:
+    """The API key, the admin key and the tenants' keys of one router (each may be None:
+    not asked for)."""
+
+    def __init__(self, api_key: str | None, admin_api_key: str | None = None,
+                 tenants: TenantKeys | None = None) -> None:
         if admin_api_key is not None and admin_api_key == api_key:
             raise ClientKeyError("the admin key must differ from the API key")
         self._expected = None if api_key is None else f"Bearer {api_key}".encode()
         self._admin = None if admin_api_key is None else f"Bearer {admin_api_key}".encode()
+        self._tenants = tenants
 
     @property
     def enabled(self) -> bool:
-        return self._expected is not None
+        return self._expected is not None or self._tenants is not None
+
+    def _open(self) -> bool:
+        return self._expected is None and self._admin is None and self._tenants is None
+
+    def caller(self, authorization: str | None) -> Caller:
+        """Who a caller sending `authorization` is (never raises)."""
+        if self._open():
+            return Caller(Scope.ADMIN)
+        sent = (authorization or "").strip()
+        if self._admin is not None and hmac.compare_digest(sent.encode(), self._admin):
+            return Caller(Scope.ADMIN)
+        if self._tenants is not None and sent.startswith("Bearer "):
+            tenant = self._tenants.lookup(sent[len("Bearer "):])
+            if tenant is not None:
+                return Caller(Scope.CLIENT, tenant)
+        if self._expected is not None and hmac.compare_digest(sent.encode(), self._expected):
+            return Caller(Scope.CLIENT)
+        if self._expected is None and self._tenants is None:  # an admin key only: clients are open
+            return Caller(Scope.CLIENT)
+        return Caller(Scope.ANONYMOUS)
 
     def scope(self, authorization: str | None) -> Scope:
         """What a caller sending `authorization` may see (never raises)."""
-        if self._expected is None and self._admin is None:
-            return Scope.ADMIN
-        sent = (authorization or "").strip().encode()
-        if self._admin is not None and hmac.compare_digest(sent, self._admin):
-            return Scope.ADMIN
-        if self._expected is None or hmac.compare_digest(sent, self._expected):
-            return Scope.CLIENT
-        return Scope.ANONYMOUS
+        return self.caller(authorization).scope
 
-    def check(self, authorization: str | None) -> Scope:
-        """The caller's scope; UNAUTHENTICATED unless `authorization` is "Bearer <the key>"
-        or "Bearer <the admin key>" (or no API key is set)."""
-        scope = self.scope(authorization)
-        if scope is not Scope.ANONYMOUS:
-            return scope
+    def identify(self, authorization: str | None) -> Caller:
+        """The caller; UNAUTHENTICATED unless `authorization` is "Bearer <a key>" (the API
+        key, a tenant's or the admin's), or no client key is asked for."""
+        caller = self.caller(authorization)
+        if caller.scope is not Scope.ANONYMOUS:
+            return caller
         if not authorization:
             raise UnauthenticatedError("missing API key: send 'Authorization: Bearer <key>'")
         raise UnauthenticatedError("incorrect API key")
 
-    def check_metadata(self, metadata: Iterable[tuple[str, str]] | None) -> Scope:
-        """`check` on gRPC metadata, which must carry at most one `authorization` entry."""
-        if self._expected is None and self._admin is None:
-            return Scope.ADMIN
+    def check(self, authorization: str | None) -> Scope:
+        """The caller's scope (`identify`)."""
+        return self.identify(authorization).scope
+
+    def identify_metadata(self, metadata: Iterable[tuple[str, str]] | None) -> Caller:
+        """`identify` on gRPC metadata, which must carry at most one `authorization` entry."""
+        if self._open():
+            return Caller(Scope.ADMIN)
         found = [value for key, value in (metadata or ()) if key.lower() == "authorization"]
         if len(found) > 1:  # the key checked must be the only one the call carries
             raise UnauthenticatedError(f"a call carries exactly one authorization entry, not {len(found)}")
-        return self.check(found[0] if found else None)
+        return self.identify(found[0] if found else None)
+
+    def check_metadata(self, metadata: Iterable[tuple[str, str]] | None) -> Scope:
+        """`check` on gRPC metadata (`identify_metadata`)."""
+        return self.identify_metadata(metadata).scope

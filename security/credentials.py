@@ -23,6 +23,7 @@ interceptors that attach and check these) is an adapter in `pdserve.rpc.credenti
 """
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 import threading
@@ -129,8 +130,29 @@ def check_role(identity: Identity, service: str) -> None:
         raise AuthError(f"a {identity.role} may not call {service}")
 
 
-def _signed_text(method: str, caller: str, unix_ms: int, nonce: str) -> bytes:
-    return encode_fields("pdserve-call-v2", method, caller, unix_ms, nonce)
+# The services whose calls are bound to the server called (its registered address) and to the
+# request message: a credential for one worker is good at no other, for no other request.
+BOUND_SERVICES = frozenset({"pdserve.v1.Decode", "pdserve.v1.Prefill"})
+DIGEST_HEADER = "pdserve-request-digest"  # the hex SHA-256 of the request a v2 credential covers
+AUDIENCE_HEADER = "pdserve-audience"  # the address of the server a v2 credential is for
+# A member's proof beside a v2 credential: the cluster secret's MAC over its nonce. Cheap to
+# check, it is what a caller whose key is not known here must show before the verifier looks
+# its key up (an outsider's made-up caller ids cost a MAC, never a lookup).
+MEMBER_HEADER = "pdserve-member"
+
+
+def request_digest(request) -> str:
+    """The digest a credential of `request` (a proto message) covers: SHA-256 of its
+    deterministic encoding, in hex."""
+    return hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
+
+
+def is_bound(method: str) -> bool:
+    return method.lstrip("/").split("/", 1)[0] in BOUND_SERVICES
+
+
+def _signed_text(method: str, caller: str, unix_ms: int, nonce: str, audience: str = "", digest: str = "") -> bytes:
+    return encode_fields("pdserve-call-v3", method, caller, unix_ms, nonce, audience, digest)
 
 
 class CallSigner:
@@ -151,13 +173,20 @@ class CallSigner:
         """What verifies this signer's v2 credentials (b"": it makes v1 ones only)."""
         return self._key.public_key if self._key is not None else b""
 
-    def credential(self, method: str) -> str:
+    def member_proof(self, credential: str) -> str:
+        """MEMBER_HEADER's value beside `credential` (one of ours): the MAC over its nonce."""
+        return self._mac.tag("pdserve-member", credential.split(" ")[3]).hex()
+
+    def credential(self, method: str, audience: str = "", digest: str = "") -> str:
+        """A credential for one call of `method`; a v2 one also covers `audience` (the
+        address of the server called, for BOUND_SERVICES) and `digest` (`request_digest` of
+        the request, sent beside it as DIGEST_HEADER)."""
         unix_ms = int(self._clock() * 1000)
         nonce = secrets.token_hex(_NONCE_BYTES)
         if self._key is None or method in ADMISSION_METHODS:
             mac = self._mac.tag(method, self.caller_id, unix_ms, nonce).hex()
             return f"v1 {self.caller_id} {unix_ms} {nonce} {mac}"
-        signature = self._key.sign(_signed_text(method, self.caller_id, unix_ms, nonce)).hex()
+        signature = self._key.sign(_signed_text(method, self.caller_id, unix_ms, nonce, audience, digest)).hex()
         return f"v2 {self.caller_id} {unix_ms} {nonce} {signature}"
 
 
@@ -178,27 +207,39 @@ def only_credential(found: Sequence[str]) -> str | None:
 class ReplayWindow:
     """The nonces accepted within the skew window, each accepted once. Bounded: when
     `max_remembered` live nonces are held, new credentials are refused rather than a live
-    nonce forgotten."""
+    nonce forgotten; with `max_per_caller`, one caller's live nonces are bounded too, so a
+    caller filling its quota is refused alone and leaves room for every other one."""
 
-    def __init__(self, ttl_s: float, max_remembered: int) -> None:
+    def __init__(self, ttl_s: float, max_remembered: int, max_per_caller: int | None = None) -> None:
         self._ttl_s = ttl_s
         self._max_remembered = max_remembered
-        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> expiry, oldest first
+        self._max_per_caller = max_per_caller or max_remembered
+        self._seen: OrderedDict[str, tuple[float, str]] = OrderedDict()  # nonce -> (expiry, caller), oldest first
+        self._per_caller: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def remember(self, nonce: str, now: float) -> None:
-        """AuthError if `nonce` was accepted before (or the window is full)."""
+    def remember(self, nonce: str, now: float, caller: str = "") -> None:
+        """AuthError if `nonce` was accepted before (or the window, or `caller`'s quota in
+        it, is full)."""
         with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now:
-                self._seen.popitem(last=False)  # expired: outside the skew window anyway
+            while self._seen and next(iter(self._seen.values()))[0] < now:
+                _, (_, old) = self._seen.popitem(last=False)  # expired: outside the skew window anyway
+                if (left := self._per_caller[old] - 1) > 0:
+                    self._per_caller[old] = left
+                else:
+                    del self._per_caller[old]
             if nonce in self._seen:
                 raise AuthError("replayed credential")
             if len(self._seen) >= self._max_remembered:
                 raise AuthError("too many credentials in the skew window")
-            self._seen[nonce] = now + self._ttl_s
+            if self._per_caller.get(caller, 0) >= self._max_per_caller:
+                raise AuthError("too many credentials of this caller in the skew window")
+            self._seen[nonce] = (now + self._ttl_s, caller)
+            self._per_caller[caller] = self._per_caller.get(caller, 0) + 1
 
 
 _TAG_HEX = {"v1": 64, "v2": 2 * _SIGNATURE_BYTES}
+MAX_CALLER_SHARE = 4  # one signed caller holds at most 1/4 of a verifier's replay window
 
 
 class CallVerifier:
@@ -213,15 +254,28 @@ class CallVerifier:
         self.keys = keys
         self.max_skew_s = max_skew_s
         self._clock = clock
-        self._replays = ReplayWindow(2 * max_skew_s, max_remembered)
+        # v1 (admission) credentials name any caller id their maker likes: they share one
+        # window, apart from the signed (v2) ones, where each verified caller has a quota, so
+        # neither a flood of admissions nor one worker's calls crowd out another's heartbeats.
+        self._admissions = ReplayWindow(2 * max_skew_s, max_remembered)
+        self._replays = ReplayWindow(2 * max_skew_s, max_remembered, max(1, max_remembered // MAX_CALLER_SHARE))
+        # The address this server is registered under (`serve_as`): once set, a v2 credential
+        # for one of BOUND_SERVICES must name it and cover its request's digest.
+        self.audience = ""
 
-    def verify(self, method: str, credential: str | None) -> str:
+    def serve_as(self, address: str) -> None:
+        self.audience = address
+
+    def verify(self, method: str, credential: str | None, digest: str = "", audience: str = "") -> str:
         """The caller id of a valid credential for `method`; AuthError otherwise."""
-        return self.check(method, credential).caller_id
+        return self.check(method, credential, digest, audience).caller_id
 
-    def check(self, method: str, credential: str | None) -> Identity:
-        """The identity of a valid credential for `method`: AuthError otherwise, its subclass
-        UnknownCallerError when no key known here verifies a well-formed v2 credential."""
+    def check(self, method: str, credential: str | None, digest: str = "", audience: str = "") -> Identity:
+        """The identity of a valid credential for `method` covering `digest` and `audience`
+        (the request's digest and the server's address, as the call claims them; a server
+        that `serve_as` an address takes a call to a BOUND_SERVICE only for it, with a
+        digest): AuthError otherwise, its subclass UnknownCallerError when no key known here
+        verifies a well-formed v2 credential."""
         if not credential:
             raise AuthError("no credential")
         parts = credential.split(" ")
@@ -242,8 +296,15 @@ class CallVerifier:
         if not in_window:  # before a signature check: a stale credential costs no verify
             raise AuthError("credential outside the clock-skew window")
         if kind == "v2":
-            identity = self._check_signature(method, caller, int(unix_ms), nonce, tag)
-        self._replays.remember(nonce, now)
+            if self.audience and is_bound(method):
+                if audience != self.audience:
+                    raise AuthError("the credential is for another server")
+                if len(digest) != 64:
+                    raise AuthError("a call to a worker must cover its request (pdserve-request-digest)")
+            identity = self._check_signature(method, caller, int(unix_ms), nonce, tag, audience, digest)
+            self._replays.remember(nonce, now, identity.caller_id)
+        else:
+            self._admissions.remember(nonce, now)
         return identity
 
     def _check_admission(self, method: str, caller: str, unix_ms: int, nonce: str, mac: bytes) -> Identity:
@@ -254,8 +315,9 @@ class CallVerifier:
                             "this call needs the caller's own signature (v2)")
         return Identity(caller, "")
 
-    def _check_signature(self, method: str, caller: str, unix_ms: int, nonce: str, signature: bytes) -> Identity:
-        text = _signed_text(method, caller, unix_ms, nonce)
+    def _check_signature(self, method: str, caller: str, unix_ms: int, nonce: str, signature: bytes,
+                         audience: str, digest: str) -> Identity:
+        text = _signed_text(method, caller, unix_ms, nonce, audience, digest)
         for identity in self.keys.identities(caller):
             try:
                 public_key_of(identity.public_key).verify(signature, text)
@@ -264,11 +326,22 @@ class CallVerifier:
             return identity
         raise UnknownCallerError("no key known here verifies the caller's signature", caller)
 
-    async def check_learning(self, method: str, credential: str | None) -> Identity:
+    async def check_learning(self, method: str, credential: str | None, digest: str = "",
+                             audience: str = "", member_proof: str = "") -> Identity:
         """`check`, and for a caller whose key is not known here yet one more try after the
-        directory's refresh (a peer that just joined or restarted)."""
+        directory's refresh (a peer that just joined or restarted), only when the call shows
+        `member_proof` (MEMBER_HEADER: the cluster secret's MAC over its nonce)."""
         try:
-            return self.check(method, credential)
+            return self.check(method, credential, digest, audience)
         except UnknownCallerError as exc:
+            if not self._is_member(credential, member_proof):
+                raise AuthError("an unknown caller's call must prove membership before its key is looked up") from None
             await self.keys.refresh(exc.caller_id)
-        return self.check(method, credential)
+        return self.check(method, credential, digest, audience)
+
+    def _is_member(self, credential: str | None, proof: str) -> bool:
+        try:
+            tag = bytes.fromhex(proof)
+        except ValueError:
+            return False
+        return len(tag) == 32 and self._mac.check(tag, "pdserve-member", (credential or "").split(" ")[3])

@@ -5,7 +5,8 @@ host.
 
 Rule: a certificate that names IP addresses (its iPAddress subjectAltNames) binds its holder
 to them: its calls to a protected service are taken only from one of those addresses
-(`check_peer_address`). A certificate naming none (the deployment's, whose only SAN is the
+(`check_peer_address`), and the address it registers as a worker's must be one of them
+(`check_registered_address`: no squatting another host's address). A certificate naming none (the deployment's, whose only SAN is the
 internal server name) is taken from any address. Which addresses a service's own
 certificate names decides how it checks its peers (`certificate_ip_addresses`). The gRPC
 side (credentials, the interceptor) is an adapter in `pdserve.rpc.credentials`.
@@ -72,3 +73,18 @@ def check_peer_address(named: Collection[Address], source: Address | None) -> No
         return
     raise AuthError(f"the peer's certificate names {', '.join(sorted(map(str, named)))}, not {source}, "
                     "the address its call came from")
+
+
+def check_registered_address(named: Collection[Address], address: str) -> None:
+    """AuthError unless a certificate naming `named` may register a worker at `address`
+    ("host:port", "[v6]:port"): its host is one of them, or the certificate names none."""
+    if not named:
+        return
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        registered = ipaddress.ip_address(host)
+    except ValueError:
+        registered = None
+    if registered not in named:
+        raise AuthError(f"the peer's certificate names {', '.join(sorted(map(str, named)))}, not {host}, "
+                        "the address it registers")

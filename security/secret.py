@@ -10,7 +10,8 @@ the secret itself: each use gets its own key, HMAC-SHA256(secret, "pdserve-v1/<u
 only this module derives them (`calls_key`, `handoff_key`, `transfer_key`, `store_key`,
 `block_hash_key`; `derive_key` for keys derived from those, such as a connection's session
 key). A service that listens beyond loopback without a secret refuses to start unless told
-to accept the risk (`require_secret_off_loopback`).
+to accept the risk (`require_secret_off_loopback`). A process that needs only some keys gets
+a `KeyRing` file of those instead of the secret (`pdserve up` gives its router ROUTER_USES).
 """
 from __future__ import annotations
 
@@ -61,8 +62,16 @@ class ClusterSecret:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ClusterSecret":
         """Read a secret file: owned by this user or root, readable by nobody else (0600 is
-        right; a Kubernetes Secret volume's files, see `_on_secret_volume`, may be 0440/0644)."""
-        return cls(read_private_file(path, "cluster secret").strip())
+        right; a Kubernetes Secret volume's files, see `_on_secret_volume`, may be 0440/0644).
+        A key ring file (`KeyRing`) loads as the key ring it is."""
+        raw = read_private_file(path, "cluster secret")
+        if raw.startswith(KEY_RING_MAGIC):
+            return KeyRing.parse(raw, path)
+        return cls(raw.strip())
+
+    def key_ring(self, uses: tuple[str, ...]) -> bytes:
+        """The text of a key ring file holding this secret's keys for `uses` only."""
+        return KEY_RING_MAGIC + b"".join(f"{use} {self.key(use).hex()}\n".encode() for use in uses)
 
     @staticmethod
     def create(path: str | os.PathLike) -> "ClusterSecret":
@@ -75,6 +84,52 @@ class ClusterSecret:
 
     def key(self, use: str) -> bytes:
         return hmac.new(self._material, b"pdserve-v1/" + use.encode(), hashlib.sha256).digest()
+
+
+KEY_RING_MAGIC = b"pdserve-key-ring-v1\n"
+# What a router needs: to check admission credentials (and make its own to read workers'
+# ModelInfo and Load), and to hash prompt blocks as the workers do. Not the hand-off, transfer
+# or store keys, and not the secret they all come from.
+ROUTER_USES = (USE_CALLS, USE_BLOCK_HASH)
+
+
+class KeyRing(ClusterSecret):
+    """Some of a secret's derived keys, not the secret: a process holding it uses those and
+    can derive no other (`key` of another use is a ClusterSecretError)."""
+
+    def __init__(self, keys: dict[str, bytes]) -> None:  # holds no secret: ClusterSecret's __init__ is not run
+        self._keys = dict(keys)
+
+    def __repr__(self) -> str:
+        return f"KeyRing({', '.join(sorted(self._keys))}: <hidden>)"
+
+    @classmethod
+    def parse(cls, raw: bytes, path: str | os.PathLike = "key ring") -> "KeyRing":
+        keys = {}
+        for line in raw[len(KEY_RING_MAGIC):].decode("ascii", errors="replace").splitlines():
+            use, _, value = line.strip().partition(" ")
+            try:
+                key = bytes.fromhex(value)
+            except ValueError:
+                key = b""
+            if len(key) != 32 or not use:
+                raise ClusterSecretError(f"{path}: a key ring line is '<use> <64 hex digits>'")
+            keys[use] = key
+        return cls(keys)
+
+    def key(self, use: str) -> bytes:
+        if use not in self._keys:
+            raise ClusterSecretError(f"this process holds no {use!r} key (its key ring: {', '.join(sorted(self._keys))})")
+        return self._keys[use]
+
+
+def write_key_ring(secret: ClusterSecret, uses: tuple[str, ...], path: str | os.PathLike) -> None:
+    """Write `secret`'s keys for `uses` to `path` (0600, replaced whole if it exists)."""
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret.key_ring(uses))
+    os.replace(tmp, path)
 
 
 def derive_key(key: bytes, label: bytes, *parts: bytes) -> bytes:

@@ -73,7 +73,7 @@ class Registrar:
         return RegistryClient(address, self.info, self.load_fn, heartbeat_s=heartbeat_s,
                               retry_s=min(0.5, heartbeat_s), max_retry_s=heartbeat_s,
                               rpc_timeout_s=5.0, register_timeout_s=10.0, signer=self.signer, tls=self.tls,
-                              peers=self.peers)
+                              peers=self.peers, enrollment_token=self.settings.enrollment_token)
 
     async def _resolve_forever(self) -> None:
         while True:

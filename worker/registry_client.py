@@ -31,6 +31,7 @@ import grpc
 from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from pdserve.rpc.credentials import InternalTLS, internal_channel
 from pdserve.security.credentials import CallSigner, Identity
+from pdserve.security.enrollment import ENROLLMENT_HEADER
 from pdserve.security.key_directory import PeerKeys
 
 log = logging.getLogger("pdserve.registry_client")
@@ -45,11 +46,13 @@ class RegistryClient:
                  load_fn: Callable[[], common_pb2.WorkerLoad], *, heartbeat_s: float = 2.0,
                  rpc_timeout_s: float = 5.0, retry_s: float = 0.5, max_retry_s: float = MAX_RETRY_S,
                  register_timeout_s: float | None = None, signer: CallSigner | None = None,
-                 tls: InternalTLS | None = None, peers: PeerKeys | None = None) -> None:
+                 tls: InternalTLS | None = None, peers: PeerKeys | None = None, enrollment_token: str = "") -> None:
         """`retry_s` doubles after each failed Register up to `max_retry_s`. Register may take
         longer than other calls (the router fetches ModelInfo from a new decode worker), hence
-        `register_timeout_s` (default `rpc_timeout_s`)."""
+        `register_timeout_s` (default `rpc_timeout_s`). `enrollment_token`: this worker's own
+        (security.enrollment), shown at every Register."""
         self._address = router_address
+        self._enrollment = ((ENROLLMENT_HEADER, enrollment_token),) if enrollment_token else None
         self._signer = signer
         self._tls = tls
         self._peers = peers if peers is not None else PeerKeys()  # none given: what it learns goes unused
@@ -135,7 +138,7 @@ class RegistryClient:
                                                public_key=public_key)
         self._peers.registering(self._address, True)
         try:
-            answer = await stub.Register(request, timeout=self._register_timeout_s)
+            answer = await stub.Register(request, timeout=self._register_timeout_s, metadata=self._enrollment)
         except grpc.aio.AioRpcError as err:
             log.warning("register with router %s failed: %s %s", self._address, err.code().name, err.details())
             self.num_refused += 1

@@ -145,6 +145,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     host = settings.advertise_host or settings.host
     runtime = WorkerRuntime(settings, engine, loop, metrics, served, auth=auth, core_share=core_share,
                             address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}")
+    auth.serve_as(runtime.address)  # signed calls to this worker name the address it registers
     add_servicers, names, on_close = await build.make_service(runtime)
     health = await start_serving(server, add_servicers, names)
     metrics.serve(settings.host, settings.metrics_port, settings.metrics_token or None)

@@ -111,6 +111,10 @@ class WorkerSettings:
     router: str = setting("", "the router's registry address host:port to register with (none: do not "
                           "register)", "worker")
     worker_id: str = setting("", "stable id in the registry (none: <role>-host:port)", "worker")
+    enrollment_token: str = setting("", "this worker's own enrollment token, which a router with "
+                                    "--enrollment-public-key asks for at Register (prefer "
+                                    "PDSERVE_ENROLLMENT_TOKEN: flags show in ps; `up` issues one per worker)",
+                                    "worker")
     transfer_port: int = setting(0, "decode: UCX listener port; the NCCL/gloo store listens on the next port (0 "
                                  "picks free ones)", "worker")  # from_settings: DECODE_TRANSFER_PORT for decode
     max_queue: int = setting(64, "prefills in flight before refusing", "worker", roles=("prefill",))

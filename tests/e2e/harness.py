@@ -146,6 +146,17 @@ def registered_decode(cluster: Deployment, worker_id: str, port: int) -> Iterato
                             timeout=30, metadata=metadata("Deregister"))
 
 
+def signed_metadata(signer: CallSigner, method: str, address: str, request) -> list[tuple[str, str]]:
+    """gRPC metadata of one call of `method` with `request` to the worker at `address`, as the
+    services make it: a v2 credential bound to that server and that request."""
+    from pdserve.security.credentials import AUDIENCE_HEADER, DIGEST_HEADER, MEMBER_HEADER, request_digest
+
+    digest = request_digest(request)
+    credential = signer.credential(method, address, digest)
+    return [(DIGEST_HEADER, digest), (AUDIENCE_HEADER, address), (CREDENTIAL_HEADER, credential),
+            (MEMBER_HEADER, signer.member_proof(credential))]
+
+
 def secret_file() -> str:
     """A cluster secret for one test deployment (as `pdserve up` makes one per run)."""
     path = os.path.join(tempfile.mkdtemp(prefix="pdserve-test-"), "cluster-secret")

@@ -10,9 +10,8 @@ import time
 import grpc
 import httpx
 import pytest
-from harness import MODEL, deploy_workers, registered_decode
+from harness import MODEL, deploy_workers, registered_decode, signed_metadata
 
-from pdserve.security.credentials import CREDENTIAL_HEADER
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +75,8 @@ def test_internal_apis_refuse_anonymous_calls_and_unsigned_handoffs(cluster):
                 request = prefill_pb2.PrefillRequest(request_id=f"bait-{len(signature)}", prompt_token_ids=[1, 2, 3],
                                                      sampling=common_pb2.SamplingParams(max_tokens=1), handoff=handoff)
                 with pytest.raises(grpc.RpcError) as caught:
-                    stub.Prefill(request, timeout=30, metadata=[
-                        (CREDENTIAL_HEADER, probe.credential("/pdserve.v1.Prefill/Prefill"))])
+                    stub.Prefill(request, timeout=30,
+                                 metadata=signed_metadata(probe, "/pdserve.v1.Prefill/Prefill", prefill, request))
                 assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert "hand-off is not signed" in caught.value.details()
         with pytest.raises(BlockingIOError):

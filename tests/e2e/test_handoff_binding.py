@@ -15,10 +15,9 @@ import uuid
 import grpc
 import httpx
 import pytest
-from harness import MODEL, deploy_workers, registered_decode
+from harness import MODEL, deploy_workers, registered_decode, signed_metadata
 
 from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from pdserve.security.credentials import CREDENTIAL_HEADER
 from pdserve.security.secret import ClusterSecret, Mac
 from pdserve.worker.transfer import sign_handoff
 
@@ -91,7 +90,7 @@ def test_handoffs_are_used_once_by_the_decode_they_name_for_their_own_prompt(clu
         signers = {"decode-probe": probe, "decode-thief": thief}
 
         def call(request, caller="decode-probe"):
-            metadata = [(CREDENTIAL_HEADER, signers[caller].credential(PREFILL_METHOD))]
+            metadata = signed_metadata(signers[caller], PREFILL_METHOD, prefill, request)
             return stub.Prefill(request, timeout=60, metadata=metadata)
 
         info = stub.ModelInfo(common_pb2.ModelInfoRequest(), timeout=30,

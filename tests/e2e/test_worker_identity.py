@@ -13,11 +13,11 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-from harness import MODEL, deploy_workers
+from harness import MODEL, deploy_workers, signed_metadata
 
 from pdserve.proto.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc,
                                       registry_pb2, registry_pb2_grpc)
-from pdserve.security.credentials import CREDENTIAL_HEADER, CallKey, CallSigner
+from pdserve.security.credentials import CREDENTIAL_HEADER, MEMBER_HEADER, CallKey, CallSigner
 from pdserve.security.secret import ClusterSecret
 
 pytestmark = pytest.mark.slow
@@ -58,14 +58,20 @@ class Attacker:
         self.secret = secret
         self.key = CallKey()
 
-    def metadata(self, method: str, caller: str, signed: bool) -> list[tuple[str, str]]:
+    def metadata(self, method: str, caller: str, signed: bool, address: str = "", request=None
+                 ) -> list[tuple[str, str]]:
         signer = CallSigner(self.secret, caller, self.key if signed else None)
-        return [(CREDENTIAL_HEADER, signer.credential(method))]
+        if signed and request is not None and address:  # bound to the server and the request, as services sign
+            return signed_metadata(signer, method, address, request)
+        credential = signer.credential(method)
+        return [(CREDENTIAL_HEADER, credential), (MEMBER_HEADER, signer.member_proof(credential))]
 
     def call(self, address: str, stub_cls, method: str, request, caller: str, signed: bool):
         """The reply, or the grpc.RpcError it was refused with."""
         service = stub_cls.__name__.removesuffix("Stub")
-        metadata = self.metadata(f"/pdserve.v1.{service}/{method}", caller, signed)
+        bound = service in ("Decode", "Prefill")
+        metadata = self.metadata(f"/pdserve.v1.{service}/{method}", caller, signed, address if bound else "",
+                                 request if bound else None)
         with grpc.insecure_channel(address) as channel:
             rpc = getattr(stub_cls(channel), method)
             try:

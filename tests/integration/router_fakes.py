@@ -100,6 +100,7 @@ class Script:
     fail_after: int | None = None  # end the call with `fail_code` after this many tokens
     fail_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
     prefill_status_code: str = ""  # report the prefill leg failed with this code (then recomputed)
+    verdict_names: str = ""  # the prefill its verdicts name (empty: the one the router planned)
     # on the first delta of each call and on the last, as a decode reports its first token's phases
     timings: common_pb2.RequestTimings = field(
         default_factory=lambda: common_pb2.RequestTimings(queue_ms=1, prefill_ms=2, first_decode_ms=1))
@@ -118,6 +119,7 @@ class FakeWorker:
     cancelled: list[str] = field(default_factory=list)
     address: str = ""
     report: common_pb2.WorkerLoad | None = None  # what its heartbeats report (None: an idle worker)
+    chat_template: str = TEMPLATE  # what its ModelInfo answers
     _server: Any = None
     client: RegistryClient | None = None
     _abort_events: dict = field(default_factory=dict)
@@ -177,7 +179,7 @@ class _FakeDecode(decode_pb2_grpc.DecodeServicer):
         if script.prefill_status_code and not local:
             verdict = common_pb2.TransferVerdict(outcome=common_pb2.TRANSFER_OUTCOME_RECOMPUTED,
                                                  reason="prefill_unavailable: connection refused",
-                                                 prefill_worker_id=request.prefill.worker_id,
+                                                 prefill_worker_id=script.verdict_names or request.prefill.worker_id,
                                                  prefill_status_code=script.prefill_status_code)
         n = min(request.sampling.max_tokens, len(script.pieces))
         try:
@@ -224,7 +226,9 @@ class _FakeDecode(decode_pb2_grpc.DecodeServicer):
         return common_pb2.AbortResponse(found=event is not None)
 
     async def ModelInfo(self, request, context):
-        return model_info(request.include_tokenizer)
+        info = model_info(request.include_tokenizer)
+        info.chat_template = self.w.chat_template
+        return info
 
     async def Load(self, request, context):
         return self.w.load()

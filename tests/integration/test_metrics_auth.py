@@ -102,3 +102,29 @@ def test_the_routers_metrics_port_follows_metrics_auth(make_cluster):
     assert httpx.get(url).status_code == 401
     ok = httpx.get(url, headers={"Authorization": "Bearer sesame"})
     assert ok.status_code == 200 and "pdserve_router_requests_total" in ok.text
+
+
+
+def test_a_client_dripping_its_headers_is_dropped_at_the_deadline():
+    server = MetricsServer("127.0.0.1", 0, lambda: b"up 1\n", token=None, max_connections=1,
+                           request_timeout_s=1.0)
+    drip = socket.create_connection(("127.0.0.1", server.port))
+    stop = threading.Event()
+
+    def drip_loop() -> None:  # the attacker's pace: a byte every 0.2 s, each read well within its timeout
+        try:
+            while not stop.wait(0.2):
+                drip.sendall(b"X")
+        except OSError:
+            pass
+
+    try:
+        drip.sendall(b"GET /metrics HTTP/1.1\r\n")
+        wait_until(lambda: server.num_serving == 1, "the dripping connection was not served")
+        threading.Thread(target=drip_loop, daemon=True).start()
+        wait_until(lambda: server.num_serving == 0, "a dripping client held its slot past the deadline", 5.0)
+        assert httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=5).text == "up 1\n"
+    finally:
+        stop.set()
+        drip.close()
+        server.shutdown()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from pdserve.engine.llm import LLM
@@ -26,9 +27,9 @@ def prompts(seed: int = 5) -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def run_instance(model_dir, store_dir):
+def run_instance(model_dir, store_dir, store_key=None):
     config = KVTransferConfig(backends=("disk", RECOMPUTE), disk_store=str(store_dir),
-                              prefix_cache="disk")
+                              prefix_cache="disk", store_key=store_key)
     llm = LLM(str(model_dir), connector=connector_factory(config, listen=False), num_blocks=64, block_size=BLOCK)
     connector = llm.engine.connector
     try:
@@ -40,11 +41,14 @@ def run_instance(model_dir, store_dir):
     return completions, connector
 
 
-def test_restarted_engine_loads_blocks_from_disk(tiny_model_factory, tmp_path, caplog):
+@pytest.mark.parametrize("store_key", [None, b"k" * 32], ids=["clear", "sealed"])
+def test_restarted_engine_loads_blocks_from_disk(tiny_model_factory, tmp_path, caplog, store_key):
+    """Sealed (a deployment with a secret: records encrypted at rest) or not, a restart
+    loads the blocks and its greedy output is unchanged."""
     model_dir = tiny_model_factory("llama")
     store = tmp_path / "kv-store"
 
-    first, conn1 = run_instance(model_dir, store)
+    first, conn1 = run_instance(model_dir, store, store_key)
     assert all(c.num_external_tokens == 0 for c in first)  # the store started empty
     assert conn1.scheduler.num_matched_blocks == 0
     assert len(list(store.rglob("*.kv"))) == sum((n - 1) // BLOCK for n in PROMPT_LENS) + 1
@@ -52,7 +56,7 @@ def test_restarted_engine_loads_blocks_from_disk(tiny_model_factory, tmp_path, c
     # stored too, though a restart never loads it: one prompt token is always computed)
 
     with caplog.at_level(logging.INFO, logger="pdserve.kvtransfer.connector"):
-        second, conn2 = run_instance(model_dir, store)
+        second, conn2 = run_instance(model_dir, store, store_key)
     matched = [r.getMessage() for r in caplog.records if "matched" in r.getMessage()]
     assert matched and any("matched 3 of 3 blocks" in m for m in matched), matched
 

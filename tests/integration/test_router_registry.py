@@ -12,7 +12,8 @@ import pytest
 from pdserve.common.block_hash import hash_prompt_blocks
 from pdserve.proto.pdserve.v1 import registry_pb2, registry_pb2_grpc
 from pdserve.router.config import Role, StaticWorker
-from pdserve.security.credentials import CREDENTIAL_HEADER, CallKey, CallSigner, CallVerifier
+from pdserve.security.credentials import (AUDIENCE_HEADER, CREDENTIAL_HEADER, DIGEST_HEADER, CallKey, CallSigner,
+                                          CallVerifier, request_digest)
 from pdserve.security.secret import ClusterSecret
 
 from router_fakes import (
@@ -319,5 +320,9 @@ def test_router_calls_workers_with_its_credential(make_cluster, tmp_path):
     cluster = make_cluster(cluster_secret_file=str(secret_path))
     worker = cluster.add("d0", signer=CallSigner(secret, "d0", CallKey()))
     cluster.openai().completions.create(model=MODEL, prompt="hello", max_tokens=4)
-    (credential,) = [v for k, v in worker.requests_metadata[-1] if k == CREDENTIAL_HEADER]
-    assert CallVerifier(secret, worker.peers).verify("/pdserve.v1.Decode/Decode", credential) == "router"
+    sent = dict(worker.requests_metadata[-1])
+    credential, digest, audience = sent[CREDENTIAL_HEADER], sent[DIGEST_HEADER], sent[AUDIENCE_HEADER]
+    assert audience == worker.address and digest == request_digest(worker.requests[-1])  # bound to d0 and the request
+    verifier = CallVerifier(secret, worker.peers)
+    verifier.serve_as(worker.address)
+    assert verifier.verify("/pdserve.v1.Decode/Decode", credential, digest, audience) == "router"

@@ -137,3 +137,35 @@ def test_internal_grpc_over_mutual_tls(make_cluster, tmp_path, loop_thread):
 
         loop_thread.run(try_register())
     assert cluster.router.registry.get("d9") is None
+
+
+def test_a_host_certificate_registers_only_its_own_addresses(make_cluster, tmp_path, loop_thread, caplog):
+    from pki import TestCA
+
+    (tmp_path / "ca").mkdir()
+    ca = TestCA(tmp_path / "ca")
+    router_files, worker_files = ca.issue("router", ["127.0.0.1"]), ca.issue("worker", ["127.0.0.1"])
+    secret_path = tmp_path / "cluster-secret"
+    secret = ClusterSecret.create(secret_path)
+    cluster = make_cluster(cluster_secret_file=str(secret_path), internal_tls_cert=router_files.cert,
+                           internal_tls_key=router_files.key, internal_tls_ca=router_files.ca)
+    tls = InternalTLS.load(worker_files.cert, worker_files.key, worker_files.ca)
+
+    async def register(worker_id: str, address: str) -> RegistryClient:
+        client = RegistryClient(cluster.registry_address, FakeWorker(registry_pb2.WORKER_ROLE_DECODE, worker_id,
+                                                                      address=address).info(),
+                                lambda: common_pb2.WorkerLoad(), rpc_timeout_s=2.0, retry_s=0.05,
+                                signer=CallSigner(secret, worker_id, CallKey()), tls=tls)
+        client.start()
+        return client
+
+    squatter = loop_thread.run(register("d-squat", "10.9.9.9:5000"))  # another host's address
+    try:
+        from router_fakes import wait_until
+        wait_until(lambda: squatter.num_refused >= 1, "the squatter's Register refused")
+        assert cluster.router.registry.get("d-squat") is None
+        assert any("not 10.9.9.9, the address it registers" in r.getMessage() for r in caplog.records)
+    finally:
+        loop_thread.run(squatter.stop(deregister=False))
+    cluster.add("d-own", signer=CallSigner(secret, "d-own", CallKey()), tls=tls)  # its own address: accepted
+    assert cluster.router.registry.get("d-own") is not None

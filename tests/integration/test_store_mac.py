@@ -68,3 +68,32 @@ def test_only_records_written_with_our_key_are_loaded(make_store):
         client = ours._client
         client.set(redis_key(LIMITS.compat_hash, 301), client.get(redis_key(LIMITS.compat_hash, 101)))
     assert ours.get([301], LIMITS) == [None] and ours.num_unauthenticated == 3
+
+
+def _layer0_bytes(fill_seed: int) -> bytes:
+    """A block payload whose every 16-byte window is distinct (a layer's K/V, as a stand-in)."""
+    import hashlib
+
+    out, counter = bytearray(), 0
+    while len(out) < BLOCK_NBYTES:
+        out += hashlib.sha256(f"{fill_seed}:{counter}".encode()).digest()
+        counter += 1
+    return bytes(out[:BLOCK_NBYTES])
+
+
+def test_the_disk_stores_files_hold_no_kv_bytes_in_clear_and_a_tampered_record_is_a_miss(tmp_path):
+    store = DiskStore(tmp_path / "kv", mac_key=OURS)
+    payload = _layer0_bytes(1)
+    assert store.put([401], encode_message(LIMITS, bytes(16), [0], [401], payload)) == 1
+    on_disk = b"".join(path.read_bytes() for path in (tmp_path / "kv").rglob("*") if path.is_file())
+    layer0 = payload[:LAYOUT.block_size * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2]  # layer 0's K, in part
+    assert on_disk and all(layer0[i:i + 16] not in on_disk for i in range(0, len(layer0) - 16, 16))
+    assert bytes(store.get([401], LIMITS)[0]) == payload  # opened again, whole
+    path = store.path_of(LIMITS.compat_hash, 401)
+    sealed = bytearray(path.read_bytes())
+    sealed[len(sealed) // 2] ^= 1  # one bit of the ciphertext
+    path.write_bytes(bytes(sealed))
+    assert store.get([401], LIMITS) == [None] and store.num_unauthenticated == 1
+    clear = DiskStore(tmp_path / "clear", mac_key=None)  # without a secret: kept in clear (loopback only)
+    clear.put([402], encode_message(LIMITS, bytes(16), [0], [402], payload))
+    assert layer0[:16] in clear.path_of(LIMITS.compat_hash, 402).read_bytes()

@@ -464,3 +464,15 @@ def test_speculation_and_text_agreement_are_reported_per_load():
         "drafts", "kept", "14/20", "(70%),", "2.00", "output", "tokens", "per", "step"]
     assert format_speculation("B", [run_b]) is None
     assert format_text_agreement([run_a], [run_b]).split()[1:5] == ["same", "text", "1", "of"]
+
+
+def test_the_api_key_is_never_sent_to_the_compared_server():
+    from pdserve.bench import serve
+
+    argv = ["--base-url", "http://127.0.0.1:1/v1", "--api-key", "ours", "--compare-url", "http://other:2/v1"]
+    args = serve.build_parser().parse_args(argv)
+    settings, _ = serve.settings_from_args(args)
+    assert settings.endpoint.api_key == "ours"
+    assert serve.compare_endpoint(args, settings.endpoint).api_key is None
+    args = serve.build_parser().parse_args([*argv, "--compare-api-key", "theirs"])
+    assert serve.compare_endpoint(args, settings.endpoint).api_key == "theirs"

@@ -173,3 +173,49 @@ def test_a_known_key_stands_while_no_registry_answers():
         assert peers.identities("decode-0") == ()
 
     asyncio.run(scenario())
+
+
+def test_a_flood_of_admissions_or_one_callers_calls_leave_others_heartbeats_accepted(secret):
+    clock = FakeClock(1_000_000.0)
+    book = KeyBook(secret, role="decode")
+    verifier = CallVerifier(secret, book, max_remembered=40, clock=clock)
+    heartbeat = "/pdserve.v1.Registry/Heartbeat"
+    flood = CallSigner(secret, "anyone", clock=clock)  # the cluster secret: v1, any caller id
+    for i in range(40):
+        verifier.verify(REGISTER, CallSigner(secret, f"stranger-{i}", clock=clock).credential(REGISTER))
+    with pytest.raises(AuthError, match="too many"):
+        verifier.verify(REGISTER, flood.credential(REGISTER))  # the admissions' window is full...
+    worker = book.signer("decode-0", clock=clock)
+    assert verifier.verify(heartbeat, worker.credential(heartbeat)) == "decode-0"  # ...signed calls are not
+    noisy = book.signer("decode-noisy", clock=clock)
+    for _ in range(10):  # a quarter of the window: its quota
+        verifier.verify(heartbeat, noisy.credential(heartbeat))
+    with pytest.raises(AuthError, match="this caller"):
+        verifier.verify(heartbeat, noisy.credential(heartbeat))
+    assert verifier.verify(heartbeat, worker.credential(heartbeat)) == "decode-0"  # another's quota is its own
+    clock.now += 121  # the window passes: quotas come back
+    verifier.verify(heartbeat, noisy.credential(heartbeat))
+
+
+def test_an_unknown_caller_is_looked_up_only_after_proving_membership(secret):
+    class CountingBook(KeyBook):
+        lookups = 0
+
+        async def refresh(self, caller_id: str) -> None:
+            CountingBook.lookups += 1
+
+    book = CountingBook(secret)
+    verifier = CallVerifier(secret, book)
+    stranger = CallSigner(secret, "decode-9", CallKey())  # a key nobody registered
+    credential = stranger.credential(METHOD)
+    with pytest.raises(AuthError, match="prove membership"):  # an outsider's made-up id: no lookup
+        asyncio.run(verifier.check_learning(METHOD, credential, member_proof="00" * 32))
+    assert CountingBook.lookups == 0
+    outsider = CallSigner(ClusterSecret(b"o" * 32), "decode-9", CallKey())  # another secret's proof
+    other = outsider.credential(METHOD)
+    with pytest.raises(AuthError, match="prove membership"):
+        asyncio.run(verifier.check_learning(METHOD, other, member_proof=outsider.member_proof(other)))
+    assert CountingBook.lookups == 0
+    with pytest.raises(UnknownCallerError):  # a member: its key is looked up (and here not found)
+        asyncio.run(verifier.check_learning(METHOD, credential, member_proof=stranger.member_proof(credential)))
+    assert CountingBook.lookups == 1

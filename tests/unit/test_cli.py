@@ -46,15 +46,16 @@ def test_up_takes_only_flags_it_uses():
 
     planner = {f.name for f in fields(PlannerSettings) if "up" in f.metadata["roles"]}  # `up` runs the planner
     own = {"config", "host", "log_level", "num_prefill", "num_decode", "http_port", "router_grpc_port",
-           "router_registry_port",
+           "router_registry_port", "internal_host",
            "local_prefill", "ready_timeout_s", "max_restarts", "api_key", *up.SECURITY_FLAGS, *planner}
     from pdserve.deploy.cli import router_pass_through, worker_pass_through
 
     assert _dests("up") - own == (set(worker_pass_through()) | set(router_pass_through())) - {"log_level"}
-    # every engine and transfer flag of a worker reaches the workers `up` starts (core_share and
-    # burst_threads: `up` sets them itself)
+    # every engine and transfer flag of a worker reaches the workers `up` starts (core_share,
+    # burst_threads and each worker's enrollment_token: `up` sets them itself)
     assert _dests("decode") - {"metrics_port", "metrics_token", "grpc_port", "advertise_host", "router", "worker_id",
-                               "transfer_port", "burst_threads", "core_share"} - own <= set(worker_pass_through())
+                               "transfer_port", "burst_threads", "core_share",
+                               "enrollment_token"} - own <= set(worker_pass_through())
     assert "attention_window" in worker_pass_through() and "lenient_json_schema" in router_pass_through()
 
 
@@ -239,9 +240,40 @@ def test_up_passes_the_redis_url_to_workers_in_their_environment_never_argv():
     for child in children:
         assert "s3cret-pw" not in " ".join(child.argv) and "--redis-url" not in child.argv
     for worker in children[1:]:
-        assert worker.env == {"PDSERVE_REDIS_URL": url}
+        assert set(worker.env) == {"PDSERVE_REDIS_URL", "PDSERVE_ENROLLMENT_TOKEN"}
+        assert worker.env["PDSERVE_REDIS_URL"] == url
         assert resolve(build_parser().parse_args(worker.argv[3:]), environ=worker.env)["redis_url"] == url
     assert "PDSERVE_REDIS_URL" not in children[0].env  # the router has no use for it
+
+
+def test_up_gives_each_worker_its_own_enrollment_token_and_the_router_only_its_public_key():
+    from pdserve.deploy import up
+    import pytest
+
+    from pdserve.security.enrollment import EnrollmentError, EnrollmentVerifier
+
+    settings = resolve(build_parser().parse_args(["up", "--num-decode", "2"]), environ={})
+    children, _ = up.plan(dict(settings, cluster_secret_file="/s"))
+    router = children[0].argv
+    verifier = EnrollmentVerifier.from_hex(router[router.index("--enrollment-public-key") + 1])
+    tokens = set()
+    for worker in children[1:]:
+        token = worker.env["PDSERVE_ENROLLMENT_TOKEN"]
+        assert token not in " ".join(worker.argv) and token not in " ".join(router)
+        parsed = resolve(build_parser().parse_args(worker.argv[3:]), environ=worker.env)
+        assert parsed["enrollment_token"] == token
+        worker_id, role = worker.name, worker.argv[3]
+        verifier.check(token, worker_id, role, "127.0.0.1:1")
+        with pytest.raises(EnrollmentError):
+            verifier.check(token, "decode-rogue", role, "127.0.0.1:1")
+        tokens.add(token)
+    assert len(tokens) == len(children) - 1
+    keyed, _ = up.plan(dict(settings, cluster_secret_file="/s", router_key_ring_file="/r", host="0.0.0.0"))
+    assert keyed[0].argv[keyed[0].argv.index("--host") + 1] == "0.0.0.0"  # the client ports follow --host...
+    assert keyed[0].argv[keyed[0].argv.index("--internal-host") + 1] == "127.0.0.1"  # ...the registry does not
+    assert all(w.argv[w.argv.index("--host") + 1] == "127.0.0.1" for w in keyed[1:])  # nor do the workers
+    assert keyed[0].argv[keyed[0].argv.index("--cluster-secret-file") + 1] == "/r"  # the router: its key ring
+    assert all(w.argv[w.argv.index("--cluster-secret-file") + 1] == "/s" for w in keyed[1:])
 
 
 def test_up_shares_the_kv_memory_fraction_among_its_workers():

@@ -69,6 +69,11 @@ def test_a_sealed_store_record_opens_only_under_its_own_key_and_block():
     assert store_records.open_sealed(other, 7, sealed) is None  # from another deployment
     assert store_records.open_sealed(key, 7, sealed[:-1] + bytes([sealed[-1] ^ 1])) is None
     assert store_records.seal(None, 7, b"record") == b"record"
+    secret_bytes = bytes(range(256)) * 4  # what a KV record holds: none of it is kept in clear
+    sealed = store_records.seal(key, 7, secret_bytes)
+    assert secret_bytes[:16] not in sealed and secret_bytes[500:516] not in sealed
+    assert store_records.seal(key, 7, secret_bytes) != sealed  # a fresh nonce per record
+    assert len(sealed) == len(secret_bytes) + store_records.sealed_overhead(True)
 
 
 def test_a_live_registration_is_taken_only_with_its_lease_and_key():
@@ -95,3 +100,21 @@ def test_a_live_registration_is_taken_only_with_its_lease_and_key():
     registration.check_acts_for("d0", "d0")
     with pytest.raises(AuthError, match="a credential of 'd1' cannot act for worker 'd0'"):
         registration.check_acts_for("d1", "d0")
+
+
+def test_a_key_ring_holds_only_its_uses_and_never_the_secret(tmp_path):
+    import pytest
+
+    from pdserve.security.secret import (ROUTER_USES, ClusterSecret, ClusterSecretError, block_hash_key, calls_key,
+                                         handoff_key, store_key, transfer_key, write_key_ring)
+
+    secret = ClusterSecret(b"m" * 32)
+    path = tmp_path / "router-keys"
+    write_key_ring(secret, ROUTER_USES, path)
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and b"m" * 16 not in path.read_bytes()
+    ring = ClusterSecret.load(path)
+    assert calls_key(ring) == calls_key(secret) and block_hash_key(ring) == block_hash_key(secret)
+    for derive in (handoff_key, transfer_key, store_key):
+        with pytest.raises(ClusterSecretError, match="holds no"):
+            derive(ring)
+    assert "6d6d" not in repr(ring) and calls_key(secret).hex() not in repr(ring)
