@@ -156,17 +156,17 @@ def certificate_addresses(context: grpc.aio.ServicerContext) -> set:
 
 
 def _guarded(handler: grpc.RpcMethodHandler, check) -> grpc.RpcMethodHandler:
-    """`handler` with `await check(context)` run before its behaviour (which may abort)."""
+    """`handler` with `await check(request, context)` run before its behaviour (which may abort)."""
     kind = ("stream" if handler.request_streaming else "unary") + "_" + \
         ("stream" if handler.response_streaming else "unary")
     behavior = getattr(handler, kind)
 
     async def unary(request, context):
-        await check(context)
+        await check(request, context)
         return await behavior(request, context)
 
     async def streaming(request, context):
-        await check(context)
+        await check(request, context)
         if inspect.isasyncgenfunction(behavior):
             async for item in behavior(request, context):
                 yield item
@@ -187,30 +187,13 @@ def _one(metadata, name: str) -> str:
 def _covering(handler: grpc.RpcMethodHandler, digest: str) -> grpc.RpcMethodHandler:
     """`handler`, refusing (UNAUTHENTICATED) a request whose digest is not the one its
     verified credential covers: a credential is good for its own request only."""
-    kind = "unary_stream" if handler.response_streaming else "unary_unary"
-    behavior = getattr(handler, kind)
-
     async def check(request, context) -> None:
         if request_digest(request) != digest:
             err = AuthError("the request is not the one its credential covers")
             log.warning("refused an internal call from %s: %s", context.peer(), err)
             await abort_grpc(context, err)
 
-    async def unary(request, context):
-        await check(request, context)
-        return await behavior(request, context)
-
-    async def streaming(request, context):
-        await check(request, context)
-        if inspect.isasyncgenfunction(behavior):
-            async for item in behavior(request, context):
-                yield item
-        else:  # a coroutine that writes its responses with context.write
-            await behavior(request, context)
-
-    make = getattr(grpc, f"{kind}_rpc_method_handler")
-    return make(streaming if handler.response_streaming else unary,
-                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    return _guarded(handler, check)
 
 
 class PeerAddressInterceptor(grpc.aio.ServerInterceptor):
@@ -227,7 +210,7 @@ class PeerAddressInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.lstrip("/").split("/", 1)[0] not in self._protected:
             return handler
-        return _guarded(handler, self._check)
+        return _guarded(handler, lambda _request, context: self._check(context))
 
     async def _check(self, context: grpc.aio.ServicerContext) -> None:
         try:
