@@ -11,7 +11,7 @@ from harness import deploy_workers, stream_and_disrupt
 pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
-MAX_TOKENS = 64
+MAX_TOKENS = 200  # long enough that the stream is still open when the drain starts, under load too
 
 
 @pytest.fixture(scope="module")

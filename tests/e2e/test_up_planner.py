@@ -20,8 +20,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 FLAGS = ("--num-threads", "1", "--planner", "--slo-ttft-ms", "4000", "--slo-tpot-ms", "400",
          "--planner-interval-s", "2", "--planner-agree-intervals", "2", "--planner-cooldown-up-s", "4",
          "--planner-cooldown-down-s", "6", "--planner-max-decode", "2", "--planner-max-prefill", "2",
-         "--planner-streams-per-decode", "1.5", "--drain-timeout-s", "8", "--worker-timeout-s", "5")
-RAMP = ((0.3, 10.0), (2.0, 60.0), (0.3, 45.0))  # (requests/s, seconds)
+         "--planner-streams-per-decode", "0.6", "--drain-timeout-s", "8", "--worker-timeout-s", "5")
+# The fallback wants rate x request time / streams-per-decode decodes: at 0.6, the high phase
+# asks for two whether a request takes 0.4 s (a quiet machine) or 1.5 s (a loaded one), the low
+# one for one.
+RAMP = ((0.2, 10.0), (2.0, 60.0), (0.2, 45.0))  # (requests/s, seconds at least)
+PHASE_DEADLINE_S = 180.0  # how much longer a phase may wait for the planner's change to show
 
 
 class Load:
@@ -87,16 +91,16 @@ def test_a_ramp_grows_and_shrinks_decode_with_no_failed_request():
                 timeline.append(entry)
             return counts
 
-        for rate, seconds in RAMP:
+        # Each phase lasts its time at least, and the high one until the grown decode is ready
+        # (a loaded machine loads a model slowly), the last until the planner has shrunk it.
+        for (rate, seconds), until in zip(RAMP, (None, lambda c: c["decode"] >= 2, lambda c: c["decode"] <= 1)):
             load.rate, phase_end = rate, time.monotonic() + seconds
-            while time.monotonic() < phase_end:
+            deadline = phase_end + PHASE_DEADLINE_S
+            while time.monotonic() < phase_end or (until is not None and not until(record())):
                 record()
+                assert time.monotonic() < deadline, timeline
                 time.sleep(1)
         grown = max(d for *_, d in timeline)
-        deadline = time.monotonic() + 90  # the low load goes on until the planner has shrunk it
-        while record()["decode"] > 1:
-            assert time.monotonic() < deadline, timeline
-            time.sleep(1)
         load.close()
         print("\nramp timeline (s, req/s, prefill, decode):", timeline)
         print(f"requests ok {load.ok}, failed {load.failed}")

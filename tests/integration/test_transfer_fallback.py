@@ -104,7 +104,7 @@ def test_redis_then_disk_then_recompute(setup):
     assert decided.reason.startswith("transfer_failed: ")
     assert list(reasons(verdict)) == ["ucx", "nccl", "redis", "disk"]
     assert "unhealthy" in reasons(verdict)["redis"]  # failed once: skipped until a probe
-    assert verdict.num_blocks == 0 and "failed" in verdict.describe()
+    assert verdict.num_blocks == 0 and "missing" in verdict.describe()
 
     # Redis comes back: after the cool-down a probe succeeds and it carries transfers again.
     redis.start()
