@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner = sub.add_parser("planner", help="the live planner in a Kubernetes cluster: scales the prefill and "
                              "decode Deployments to the SLO")
     planner.add_argument("--config", help="YAML file of flag values (keys are flag names with _)")
-    planner.add_argument("--host", help="address its metrics listener binds (default 0.0.0.0)")
+    planner.add_argument("--host", help="address its metrics listener binds (default 127.0.0.1; the chart sets listenHost)")
     planner.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     _add_table(planner, PlannerSettings, "planner", "planner", "planner")
     _add_table(planner, PlannerSettings, "planner", "kubernetes", "kubernetes")

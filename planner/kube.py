@@ -86,7 +86,7 @@ def main(settings: dict[str, Any]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     running = RunningPlanner(s, scaler, s.router_url, s.api_key,
-                             host=settings.get("host") or "0.0.0.0").start()
+                             host=settings.get("host") or "127.0.0.1").start()
     log.info("planner: reading %s every %g s, scaling %s in namespace %s", s.router_url, s.planner_interval_s,
              ", ".join(scaler.deployments.values()), s.namespace)
     stop.wait()
