@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import functools
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -25,6 +27,10 @@ from pdserve.security.secret import ClusterSecret
 from pdserve.worker.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")
+
+# Once its stop begins, a worker process is gone within this many seconds: if a step of the
+# stop hangs, every thread's stack goes to stderr and the process exits with status 1.
+STOP_WITHIN_S = 9.0
 
 
 def bind_server(settings: WorkerSettings, interceptors=(), tls: InternalTLS | None = None) -> tuple[grpc.aio.Server, int]:
@@ -184,6 +190,8 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
             log.info("%s: drained; %d of %d KV blocks free", role, stats.num_free_blocks, stats.num_total_blocks)
     finally:
         log.info("%s shutting down", role)
+        if sys.__stderr__ is not None:  # run_worker is a process's main: the watchdog ends it
+            faulthandler.dump_traceback_later(STOP_WITHIN_S, exit=True, file=sys.__stderr__)
         await set_serving(health, names, serving=False)
         await registrar.stop()
         await server.stop(grace=2)
