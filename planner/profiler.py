@@ -3,9 +3,10 @@ stepped here one step at a time) and write what the simulator needs (`profile.Pr
 
 Every engine step measured becomes one row of work and seconds: prompts of each length alone
 at each chunk budget (and again, served from the prefix cache), then batches of sequences
-decoding at each context length. `StepCost` is fitted to all rows; the rows are kept in the
-profile's `samples`. The transfer links come from a probe the caller passes (the CLI passes
-`bench transfer`'s measurement; the planner imports no benchmark).
+decoding at each context length. `StepCost` is fitted to all rows; the decode steps also make
+the profile's `decode_table`; the rows are kept in the profile's `samples`. The transfer links
+come from a probe the caller passes (the CLI passes `bench transfer`'s measurement; the planner
+imports no benchmark).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from datetime import datetime, timezone
 from typing import Callable, Sequence
 
 from pdserve.planner.compat import hash_hex
-from pdserve.planner.profile import Machine, Profile, TransferCost, fit_step_cost
+from pdserve.planner.profile import DecodeTable, Machine, Profile, TransferCost, fit_step_cost
 
 DEFAULT_FRACTION = 0.9  # CacheConfig.free_memory_fraction's default
 
@@ -92,6 +93,8 @@ def measure(model: str = "default", *, grid: Grid = Grid(), num_threads: int = 0
     _prefills(engine, grid, rng, vocab, rows, samples, log)
     _decodes(engine, grid, rng, vocab, rows, samples, log)
     step = fit_step_cost(rows)
+    points = tuple((d["batch"], d["context"], d["step_s"]) for d in samples["decode"] if d["step_s"] > 0)
+    table = DecodeTable(points) if len(grid.batch_sizes) > 1 and points else None
     stats = engine.stats()
     spec = 1.0 + (stats.num_accepted_tokens / stats.num_verified_sequences if stats.num_verified_sequences else 0.0)
     mc = engine.model_config
@@ -107,7 +110,8 @@ def measure(model: str = "default", *, grid: Grid = Grid(), num_threads: int = 0
                    kv_tokens=dict(by_fraction).get(DEFAULT_FRACTION, by_fraction[-1][1]),
                    block_size=block_size, max_model_len=engine.max_model_len, threads=threads,
                    spec_tokens_per_step=spec, transfers=transfers, kv_tokens_by_fraction=by_fraction,
-                   machine=machine(), samples=samples, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                   machine=machine(), samples=samples, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   decode_table=table)
 
 
 def _kv_by_fraction(engine, fractions: Sequence[float]) -> tuple[tuple[float, int], ...]:

@@ -9,7 +9,7 @@ cache allow. GUARANTEED_NO_EVICT admits only what fits to completion beside ever
 request's own completion; MAX_UTILIZATION admits what fits now and preempts the newest running
 request (recomputed later) when one cannot grow. A request whose prompt a prefill worker
 computes costs its decode no step tokens: it holds its prompt's blocks from admission and waits
-for the KV (`finish_remote`). The step lasts what the profile's `StepCost` says for its work,
+for the KV (`finish_remote`). The step lasts what the profile's `step_seconds` says for its work,
 times the share of the host's cores it gets (`Host`).
 """
 from __future__ import annotations
@@ -70,7 +70,9 @@ class SimRequest:
 
 class Host:
     """Cores that workers share: a step on a host where k workers are busy takes
-    max(1, k * threads / cores) times its profiled time (None cores: each worker has its own)."""
+    max(1, k * threads / cores) times its profiled time, k counted as the step starts and
+    held for the whole step, as an engine under `pdserve up` drops to its base thread count
+    when a peer computes (worker/core_share.py) (None cores: each worker has its own)."""
 
     def __init__(self, cores: int | None, threads: int) -> None:
         self.cores, self.threads, self.busy = cores, threads, 0
@@ -170,7 +172,7 @@ class SimEngine:
             else:
                 prefill += n
                 attention += n * (start + n / 2)
-        return self.profile.step.seconds(prefill, attention, decodes, context)
+        return self.profile.step_seconds(prefill, attention, decodes, context)
 
     def _apply(self, chunks: list[tuple[SimRequest, int, int]], seconds: float) -> None:
         for request, start, n in chunks:
