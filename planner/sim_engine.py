@@ -112,6 +112,8 @@ class SimEngine:
         self.busy_s = 0.0
         self.num_steps = 0
         self._wake = env.event()
+        self._stepping = False
+        self._between: list = []  # what waits for the running step to end (`between_steps`)
         env.process(self._loop())
 
     # -- the router's view ------------------------------------------------------------------
@@ -140,6 +142,14 @@ class SimEngine:
         self.running.append(request)
         self.wake()
 
+    def between_steps(self, call) -> None:
+        """Run `call` now if no step is running, else as the running step ends, before the next
+        is planned: the engine's loop takes work from other threads between its steps."""
+        if self._stepping:
+            self._between.append(call)
+        else:
+            call()
+
     def wake(self) -> None:
         if not self._wake.triggered:
             self._wake.succeed()
@@ -157,11 +167,16 @@ class SimEngine:
                 continue
             self.host.busy += 1
             seconds = self._step_seconds(chunks) * self.host.factor()
+            self._stepping = True
             yield self.env.timeout(seconds)
+            self._stepping = False
             self.host.busy -= 1
             self.busy_s += seconds
             self.num_steps += 1
             self._apply(chunks, seconds)
+            between, self._between = self._between, []
+            for call in between:
+                call()
 
     def _step_seconds(self, chunks: list[tuple[SimRequest, int, int]]) -> float:
         prefill = attention = decodes = context = 0

@@ -94,7 +94,7 @@ def test_simulator_tracks_the_engine_on_a_tiny_model(tiny_model_factory):
     assert profile.compat_hash == model_compat_hash(str(model_dir))
     trace = random_workload(6.0, 160, 24, 60, seed=3)
     measured_ttft, measured_tpot, rows = run_engine(model_dir, trace, budget=256)
-    profile = dataclasses.replace(profile, step=fit_step_cost(rows))
+    profile = dataclasses.replace(profile, step=fit_step_cost(rows), decode_table=None)  # the run prices every step
     result = simulate(profile, Deployment(0, 1, decode=EngineKnobs(max_num_tokens=256)), trace)
     sim_ttft, sim_tpot = result.ttft_s.mean(), result.tpot_s.mean()
     report = (f"TTFT measured {measured_ttft.mean() * 1000:.1f} ms, simulated {sim_ttft * 1000:.1f} ms; "

@@ -41,16 +41,19 @@ def test_recorded_run_replays_within_the_band(profile, record):
     for config, rate, pred, meas in rows:
         for (which, q), p, m in zip(METRICS, pred, meas):
             assert BAND[0] <= p / m <= BAND[1], f"{config} at {rate} req/s: {which} p{q} {p:.0f} vs {m:.0f} ms"
-    assert within(values) >= 19
+    assert within(values) >= 20
 
 
 def test_decode_table_and_served_step_beat_the_linear_fit(profile, record):
-    """The linear fit alone (what d059480 priced every step with) gets fewer predictions within
-    20% than the decode table, and the served step adds more: TPOT at low load was ~2x long."""
-    linear = within(all_ratios(replay(dataclasses.replace(profile, decode_table=None), record)))
-    table = within(all_ratios(replay(profile, record)))
-    served = within(all_ratios(replay(dataclasses.replace(profile, served_step_s=SERVED_STEP_S), record)))
-    assert linear < table < served
+    """The linear fit alone (what d059480 priced every step with) predicts low-load TPOT far
+    too long (its intercept) and gets fewer predictions within 20% than the decode table with
+    the served step."""
+    linear_rows = replay(dataclasses.replace(profile, decode_table=None), record)
+    served_rows = replay(dataclasses.replace(profile, served_step_s=SERVED_STEP_S), record)
+    assert within(all_ratios(linear_rows)) < within(all_ratios(served_rows))
+    for config, rate, pred, meas in linear_rows:
+        if rate == 0.6424:
+            assert pred[2] / meas[2] > 1.4, (config, pred[2], meas[2])
     recorded = [r for run in record["runs"] for r in ratios([run["predicted_ms"][f"{w}_p{q}"] for w, q in METRICS],
                                                             [run["measured_ms"][f"{w}_p{q}"] for w, q in METRICS])]
     assert within(recorded) == 9  # the record's own predictions, as docs/performance.md shows them
@@ -65,7 +68,7 @@ def test_low_load_tpot_comes_from_the_decode_table(profile, record):
 
 def test_served_step_fit_finds_the_record_value(profile, record):
     seconds, count = fit_served_step(profile, record, grid=(0.0, SERVED_STEP_S, 0.012))
-    assert seconds == SERVED_STEP_S and count >= 19
+    assert seconds == SERVED_STEP_S and count >= 20
 
 
 def test_remote_share_matches_the_routers(profile, record):
