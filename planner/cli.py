@@ -185,6 +185,7 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="'default', a transformers directory or a .gguf file")
     p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
     p.add_argument("--quick", action="store_true", help="a small grid: well under a minute (tests, a first look)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="as the workers' --device (default cpu)")
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's choice)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--block-size", type=int, default=16)
@@ -203,7 +204,8 @@ def run_profile(args: argparse.Namespace, transfer_probe_for) -> int:
 
     backends = args.transfer_backends if args.transfer_backends is not None else ("" if args.quick else "ucx")
     try:
-        profile = measure(args.model, grid=QUICK if args.quick else Grid(), num_threads=args.num_threads,
+        profile = measure(args.model, grid=QUICK if args.quick else Grid(), device=args.device,
+                          num_threads=args.num_threads,
                           dtype=args.dtype, block_size=args.block_size, quantization=args.quantization,
                           speculative_config=args.speculative_config,
                           transfer_probe=transfer_probe_for([b for b in backends.split(",") if b.strip()]),

@@ -64,11 +64,12 @@ def machine() -> Machine:
                    isa_flags=tuple(f for f in wanted if f in flags), memory_bytes=available_memory_bytes())
 
 
-def measure(model: str = "default", *, grid: Grid = Grid(), num_threads: int = 0, dtype: str = "float32",
+def measure(model: str = "default", *, grid: Grid = Grid(), device: str = "cpu", num_threads: int = 0,
+            dtype: str = "float32",
             block_size: int = 16, quantization: str = "auto", speculative_config: str = "",
             transfer_probe: TransferProbe | None = None,
             log: Callable[[str], None] = lambda _: None) -> Profile:
-    """A profile of `model` on this machine (the engine runs on CPU)."""
+    """A profile of `model` on this machine, the engine on `device` (as the workers' --device)."""
     import torch
 
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
@@ -77,7 +78,8 @@ def measure(model: str = "default", *, grid: Grid = Grid(), num_threads: int = 0
     longest = max(max(grid.prompt_lens), max(grid.context_lens) + grid.decode_steps + 2)
     # every decode batch fits whole, each sequence rounded up to its last block
     room = max(longest * 2, max(grid.batch_sizes) * (max(grid.context_lens) + grid.decode_steps + 2 + block_size))
-    config = EngineConfig(model=model, dtype=dtype, num_threads=num_threads or None, quantization=quantization,
+    config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=num_threads or None,
+                          quantization=quantization,
                           speculative=SpeculativeConfig.from_json(speculative_config),
                           cache=CacheConfig(block_size=block_size, max_tokens=room + 4 * block_size, dtype=dtype),
                           scheduler=SchedulerConfig(max_num_tokens=max(grid.chunk_budgets),
@@ -105,12 +107,15 @@ def measure(model: str = "default", *, grid: Grid = Grid(), num_threads: int = 0
     transfers = tuple(transfer_probe()) if transfer_probe else ()
     source = (f"measured by pdserve profile{' --quick' if grid == QUICK else ''} on this machine "
               f"({threads} threads, {len(rows)} engine steps)")
-    return Profile(model=engine.model_name, compat_hash=hash_hex(engine.compat_hash), device="cpu", source=source,
+    here = machine()
+    if device != "cpu" and torch.cuda.is_available():
+        here = dataclasses.replace(here, accelerator=torch.cuda.get_device_name())
+    return Profile(model=engine.model_name, compat_hash=hash_hex(engine.compat_hash), device=device, source=source,
                    step=step, kv_bytes_per_token=kv_bytes,
                    kv_tokens=dict(by_fraction).get(DEFAULT_FRACTION, by_fraction[-1][1]),
                    block_size=block_size, max_model_len=engine.max_model_len, threads=threads,
                    spec_tokens_per_step=spec, transfers=transfers, kv_tokens_by_fraction=by_fraction,
-                   machine=machine(), samples=samples, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   machine=here, samples=samples, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    decode_table=table)
 
 
