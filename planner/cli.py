@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -62,12 +63,16 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--max-unit", type=int, default=8, help="most workers in one xPyD unit (default 8)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="one JSON object per candidate, ranked, on stdout")
+    p.add_argument("--served-step-ms", type=float, help="what a served worker adds to each engine step (default: "
+                   "the profile's; `bench plan-check` reports the value its run implies)")
     return p
 
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile)
+        if args.served_step_ms is not None:
+            profile = dataclasses.replace(profile, served_step_s=args.served_step_ms / 1000)
         if args.model:
             from pdserve.planner.compat import model_compat_hash
 

@@ -204,3 +204,17 @@ def test_an_older_profile_gets_its_decode_table_from_its_samples(tmp_path):
     loaded = load_profile(path)
     assert loaded.decode_table == DecodeTable(((1, 128, 0.01), (8, 128, 0.03)))
     assert loaded.served_step_s == 0.0
+
+
+def test_plan_served_step_lengthens_every_step_and_refuses_a_negative_one(tmp_path, capsys):
+    path = save_profile(linear_profile(), tmp_path / "p.json")
+    args = ("--profile", str(path), "--request-rate", "1", "--num-requests", "40", "--cores", "2",
+            "--chunk-budgets", "256", "--json")
+    code, out, _ = _plan(capsys, *args)
+    served_code, served_out, _ = _plan(capsys, *args, "--served-step-ms", "20")
+    assert code == served_code == 0
+    tpot = {o["config"]: o["tpot_p50_ms"] for o in map(json.loads, out.splitlines())}
+    served = {o["config"]: o["tpot_p50_ms"] for o in map(json.loads, served_out.splitlines())}
+    assert served["colocated"] >= tpot["colocated"] + 19
+    code, _, err = _plan(capsys, *args, "--served-step-ms", "-1")
+    assert code == 2 and "served_step_s" in err
