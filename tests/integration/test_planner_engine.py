@@ -120,6 +120,7 @@ def test_profile_command_then_plan_refuses_other_weights(tiny_model_factory, tmp
     assert profile.compat_hash == model_compat_hash(str(model_dir)) != model_compat_hash(str(other))
     assert profile.machine.num_cores >= 1 and profile.kv_tokens_by_fraction
     assert [t.backend for t in profile.transfers] == ["socket"]
+    assert profile.device == "cpu" and len(profile.decode_table.points) == 6  # QUICK: 3 batches x 2 contexts
     capsys.readouterr()
     assert main(["plan", "--profile", str(out), "--model", str(model_dir), "--request-rate", "2",
                  "--input-len", "64", "--output-len", "8", "--num-requests", "40"]) == 0
