@@ -185,20 +185,8 @@ class OpenAIHandlers:
 
     async def _stream(self, request: Request, responses: AsyncIterator[generation_pb2.GenerateResponse],
                       formatter: ResponseFormatter, parsed: OpenAIRequest) -> Response:
-        # Wait for the first message before answering: errors before it get a real status.
-        try:
-            first = await _until_disconnect(request.receive, anext(responses))
-        except EXPECTED_ERRORS as err:
-            await responses.aclose()
-            return error_response(err)
-        except StopAsyncIteration:
-            return error_response(ServiceError(ErrorKind.INTERNAL, "empty stream"))
-        if isinstance(first, Response):  # the client left while waiting
-            await responses.aclose()
-            return first
-        return DisconnectAwareStream(_sse_events(first, responses, formatter, parsed.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _answer_stream(request.receive, responses, lambda first: _sse_events(
+            first, responses, formatter, parsed.include_usage))
 
     async def _fan_out(self, request: Request, parsed: OpenAIRequest, chat: bool, api: str,
                        caller: Caller) -> Response:
@@ -217,17 +205,8 @@ class OpenAIHandlers:
 
         if parsed.stream:
             stream = fanout.merged(choices, generate)
-            try:  # the first message before answering: errors before it get a real status
-                first = await _until_disconnect(request.receive, anext(stream))
-            except EXPECTED_ERRORS as err:
-                await stream.aclose()
-                return error_response(err)
-            if isinstance(first, Response):  # the client left while waiting
-                await stream.aclose()
-                return first
-            return DisconnectAwareStream(fanout.sse_events(parsed, len(choices), first, stream, formatter),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await _answer_stream(request.receive, stream, lambda first: fanout.sse_events(
+                parsed, len(choices), first, stream, formatter))
 
         async def answer() -> Response:
             try:
@@ -258,6 +237,75 @@ async def _sse_events(first: generation_pb2.GenerateResponse, responses: AsyncIt
 
 
 _CLIENT_GONE = ServiceError(ErrorKind.CANCELLED, "client disconnected")
+
+# A streamed request waits up to FIRST_MESSAGE_HOLD_S for its first message before it
+# answers, so that an error before it gets a real status. A first message slower than that
+# (a queue, a prompt recomputed after a failed leg) commits the answer to 200: an SSE comment
+# goes out every KEEPALIVE_S until the first message, so no client's or proxy's read timeout
+# cuts a request that is still on its way, and an error after that is an SSE error event.
+FIRST_MESSAGE_HOLD_S = 10.0
+KEEPALIVE_S = 5.0
+_KEEPALIVE_COMMENT = b": waiting for the first token\n\n"
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _answer_stream(receive: Receive, stream: AsyncIterator[Any],
+                         events: Callable[[Any], AsyncIterator[bytes]]) -> Response:
+    """The response of a streamed request: `events(first)` is its SSE body from the first
+    message of `stream` on."""
+    pending = asyncio.ensure_future(anext(stream))
+    watch = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((pending, watch), timeout=FIRST_MESSAGE_HOLD_S, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled: take the request down with it
+        await _drop(pending, stream)
+        raise
+    finally:
+        watch.cancel()
+    if pending.done():
+        try:
+            first = pending.result()
+        except EXPECTED_ERRORS as err:
+            await stream.aclose()
+            return error_response(err)
+        except StopAsyncIteration:
+            return error_response(ServiceError(ErrorKind.INTERNAL, "empty stream"))
+        return DisconnectAwareStream(events(first), media_type="text/event-stream", headers=_SSE_HEADERS)
+    if watch.done() and not watch.cancelled():  # the client left while waiting
+        await _drop(pending, stream)
+        return error_response(_CLIENT_GONE)
+    return DisconnectAwareStream(_after_keepalives(pending, stream, events), media_type="text/event-stream",
+                                 headers=_SSE_HEADERS)
+
+
+async def _after_keepalives(pending: asyncio.Future, stream: AsyncIterator[Any],
+                            events: Callable[[Any], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """Keep-alive comments until `pending` (the first message) is done, then the events."""
+    try:
+        while not (await asyncio.wait((pending,), timeout=KEEPALIVE_S))[0]:
+            yield _KEEPALIVE_COMMENT
+        first = pending.result()
+    except EXPECTED_ERRORS as err:
+        yield sse(to_service_error(err).openai_body())
+        yield sse("[DONE]")
+        return
+    except StopAsyncIteration:
+        yield sse(ServiceError(ErrorKind.INTERNAL, "empty stream").openai_body())
+        yield sse("[DONE]")
+        return
+    finally:
+        if not pending.done():  # the client left: cancelling closes the stream, aborting it
+            await _drop(pending, stream)
+    async for chunk in events(first):
+        yield chunk
+
+
+async def _drop(pending: asyncio.Future, stream: AsyncIterator[Any]) -> None:
+    pending.cancel()
+    with contextlib.suppress(BaseException):
+        await pending
+    with contextlib.suppress(RuntimeError):
+        await stream.aclose()
 
 
 async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:

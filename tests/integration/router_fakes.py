@@ -96,6 +96,7 @@ class Script:
 
     pieces: tuple[str, ...] = REPLY
     delay_s: float = 0.0
+    first_delay_s: float = 0.0  # silence before the first token (a queue, a recompute)
     hold_after: int | None = None
     fail_after: int | None = None  # end the call with `fail_code` after this many tokens
     fail_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
@@ -183,6 +184,8 @@ class _FakeDecode(decode_pb2_grpc.DecodeServicer):
                                                  prefill_status_code=script.prefill_status_code)
         n = min(request.sampling.max_tokens, len(script.pieces))
         try:
+            if script.first_delay_s:
+                await asyncio.sleep(script.first_delay_s)
             for i in range(len(request.resumed_token_ids), n):  # a migrated request goes on after them
                 if script.fail_after is not None and i == script.fail_after:
                     await context.abort(script.fail_code, "scripted failure",
