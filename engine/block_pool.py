@@ -10,9 +10,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 NULL_BLOCK_ID = 0  # never allocated; block tables point here for slots a window dropped
+
+# What a pool tells about its cache: on_event(tier, kind, block_hashes), kind "stored" when
+# hashes become findable, "removed" when they stop being. Called on the engine's thread; it
+# must not block (a worker's KV event log buffers and drops, never waits).
+KVEventCallback = Callable[[str, str, list[int]], None]
+
+
+def _no_events(tier: str, kind: str, block_hashes: list[int]) -> None:
+    return None
 
 
 @dataclass(slots=True)
@@ -34,6 +43,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:])
         self._cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
+        self.on_event: KVEventCallback = _no_events
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -96,11 +106,13 @@ class BlockPool:
         block.block_hash = block_hash
         block.digest = digest
         self._cached[block_hash] = block
+        self.on_event("device", "stored", [block_hash])
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                self.on_event("device", "removed", [block.block_hash])
             block.block_hash = None
             block.digest = None
             self.num_evictions += 1

@@ -260,12 +260,11 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_queued", "num_running", "num_free_blocks", "num_total_blocks", "cached_block_hashes", "kv_backends", "counters", "queued_prompt_tokens", "prefill_tokens_per_s", "num_decoding", "draining")
+    __slots__ = ("num_queued", "num_running", "num_free_blocks", "num_total_blocks", "kv_backends", "counters", "queued_prompt_tokens", "prefill_tokens_per_s", "num_decoding", "draining")
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -276,14 +275,13 @@ class WorkerLoad(_message.Message):
     num_running: int
     num_free_blocks: int
     num_total_blocks: int
-    cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     kv_backends: _containers.RepeatedCompositeFieldContainer[KVBackendState]
     counters: EngineCounters
     queued_prompt_tokens: int
     prefill_tokens_per_s: float
     num_decoding: int
     draining: bool
-    def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., kv_backends: _Optional[_Iterable[_Union[KVBackendState, _Mapping]]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_decoding: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_backends: _Optional[_Iterable[_Union[KVBackendState, _Mapping]]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_decoding: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class EngineCounters(_message.Message):
     __slots__ = ("prompt_tokens_computed", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "steps", "step_seconds", "transfers", "received")
