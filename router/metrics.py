@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -41,6 +42,10 @@ class RouterMetrics:
                                  "Final KV hand-off verdicts of finished requests", ("outcome", "backend"), registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens_total",
                                      "Prompt tokens of finished requests, cached or computed", ("kind",), registry=r)
+        self.matched_prefix_tokens = Counter(
+            "pdserve_router_matched_prefix_tokens_total",
+            "Prompt tokens routed to a decode whose KV events say it holds them, by the nearest tier holding "
+            "each block (device, host, disk, redis): what the router expected cached", ("tier",), registry=r)
         self.completion_tokens = Counter("pdserve_router_completion_tokens_total", "Generated tokens", registry=r)
         self.draft_tokens = Counter("pdserve_router_draft_tokens_total",
                                     "Speculative drafts checked by decode, accepted or rejected (acceptance rate: "
@@ -67,6 +72,17 @@ class RouterMetrics:
             return "other"
         self._backend_labels.add(name)
         return name
+
+    def count_matched_prefix(self, tiers: Sequence[str], block_size: int, num_matched: int) -> None:
+        """`tiers`: the nearest tier of each leading block a decode was routed for; the last
+        block may be partly prompt (`num_matched` caps the tokens)."""
+        left = num_matched
+        for tier in tiers:
+            tokens = min(block_size, left)
+            if tokens <= 0:
+                return
+            self.matched_prefix_tokens.labels(tier).inc(tokens)
+            left -= tokens
 
     def count_auth_refusal(self, reason: str) -> None:
         self.auth_refused.labels(reason).inc()

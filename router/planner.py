@@ -153,7 +153,9 @@ class RoutePlanner:
                                    retry_after_s=1)
         decode = self._decode_policy.choose(decoders, query)
         self._count("decode", self._decode_policy.name, decode.reason)
-        num_matched = min(decode.record.num_matched_blocks(block_hashes) * block_size, num_prompt_tokens)
+        tiers = decode.record.kv.leading_tiers(block_hashes)
+        num_matched = min(len(tiers) * block_size, num_prompt_tokens)
+        self._metrics.count_matched_prefix(tiers, block_size, num_matched)
         uncached = num_prompt_tokens - num_matched
         if migrated:
             pick = _PrefillPick(None, MIGRATED)

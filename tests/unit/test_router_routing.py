@@ -175,6 +175,8 @@ def test_planner_conditional_disaggregation_reasons(registry):
         kv_events_pb2.KVEvent(tier="host", kind=kv_events_pb2.KV_EVENT_KIND_STORED, block_hashes=range(50, 60))]))
     plan = planner.plan("r4", "m", 40, 4, list(range(50, 60)), "")
     assert (plan.decode_reason, plan.num_matched_tokens) == ("prefix_match_host", 40)
+    assert metrics.registry.get_sample_value("pdserve_router_matched_prefix_tokens_total", {"tier": "host"}) == 40
+    assert metrics.registry.get_sample_value("pdserve_router_matched_prefix_tokens_total", {"tier": "device"}) == 32
     # A prefill queue at the threshold: decode prefills locally, and says why.
     registry.heartbeat("p", Load(num_queued=4))
     plan = planner.plan("r5", "m", 40, 4, [60, 61], "")
