@@ -8,7 +8,8 @@ session affinity and a tiered KV cache key on). Session s, turn t's words depend
 (greedy sampling); with `--compare-url` both are run, one after the other.
 
 What it reports, per turn index: TTFT p50/p90, mean prompt and cached tokens (and per tier
-where the server breaks `cached_tokens` down), and how many turns found their whole history
+where the server says: pdserve's `cached_tokens_by_tier`, for an admin key), and how many
+turns found their whole history
 cached (at least the previous turn's prompt plus answer, less one block); with two servers,
 how many turns answered the same text, and the TTFT p50 of turns >= 2 of each.
 

@@ -181,7 +181,13 @@ class OpenAIStreamClient:
             if isinstance(details, dict):
                 trace.accepted = _int_or_none(details.get("accepted_prediction_tokens"))
                 trace.rejected = _int_or_none(details.get("rejected_prediction_tokens"))
-            _take_cached(usage.get("prompt_tokens_details"), trace)
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                trace.cached = _int_or_none(details.get("cached_tokens"))
+        extra = chunk.get("pdserve")  # pdserve's own object: the cached tokens by tier, for an admin key
+        if isinstance(extra, dict) and isinstance(extra.get("cached_tokens_by_tier"), dict):
+            trace.cached_by_tier = tuple(sorted((str(t), n) for t, n in extra["cached_tokens_by_tier"].items()
+                                                if _int_or_none(n) is not None))
         for choice in chunk.get("choices") or ():
             if self.endpoint.kind == "chat":
                 text = (choice.get("delta") or {}).get("content")
@@ -210,17 +216,6 @@ def _result(req: BenchRequest, trace: _Trace, start_s: float, sent: float, ended
         text_sha256=trace.text.hexdigest(), accepted_prediction_tokens=trace.accepted,
         rejected_prediction_tokens=trace.rejected, cached_tokens=trace.cached,
         cached_tokens_by_tier=trace.cached_by_tier)
-
-
-def _take_cached(details: object, trace: _Trace) -> None:
-    """usage.prompt_tokens_details: `cached_tokens` (OpenAI's), and `cached_tokens_by_tier`
-    ({tier: tokens}) where the server breaks it down."""
-    if not isinstance(details, dict):
-        return
-    trace.cached = _int_or_none(details.get("cached_tokens"))
-    by_tier = details.get("cached_tokens_by_tier")
-    if isinstance(by_tier, dict):
-        trace.cached_by_tier = tuple(sorted((str(t), n) for t, n in by_tier.items() if _int_or_none(n) is not None))
 
 
 def _int_or_none(v: object) -> int | None:

@@ -153,13 +153,17 @@ class WorkerEngineMetrics:
         failures = c("pdserve:kv_transfer_failures", "Transfer steps that failed, by backend", ("backend",))
         usable = GaugeMetricFamily("pdserve_router_kv_backend_usable", "1 while a live worker reports a KV "
                                    "transfer backend usable, 0 while it skips it", labels=("worker_id", "backend"))
+        indexed = GaugeMetricFamily("pdserve_router_kv_index_blocks", "Blocks the router's index says a live "
+                                    "worker holds, by tier (from its KV events)", labels=("worker_id", "tier"))
         families = (running, waiting, usage, rate, prompt, generation, queries, hits, preemptions, steps, step_seconds,
-                    transfers, transfer_bytes, transfer_seconds, failures, usable)
+                    transfers, transfer_bytes, transfer_seconds, failures, usable, indexed)
         for record in self._workers.alive():
             labels = (record.worker_id, record.worker.role.value, record.worker.model_name)
             load = record.load
             for backend in load.kv_backends:
                 usable.add_metric((record.worker_id, backend.name), 1 if backend.usable else 0)
+            for tier, held in record.kv.tiers.items():
+                indexed.add_metric((record.worker_id, tier), len(held))
             running.add_metric(labels, load.num_running)
             waiting.add_metric(labels, load.num_queued)
             if load.num_total_blocks:

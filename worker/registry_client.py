@@ -8,8 +8,8 @@
 
 Protocol (see registry.proto): Register until the router accepts (retrying with backoff
 while it is unreachable or cannot reach us yet), then Heartbeat every interval the router
-asked for. A Heartbeat answered NOT_FOUND (router restarted, or it declared us dead) means
-register again at once. `load_fn` is called for every report and must be cheap and
+asked for. A Heartbeat (or a KV event batch) answered NOT_FOUND or UNAUTHENTICATED (router
+restarted, or it declared us dead) means register again at once. `load_fn` is called for every report and must be cheap and
 thread-safe with respect to the engine (a snapshot).
 
 One client talks to one router address; `pdserve.worker.registrar.Registrar` keeps one client
@@ -38,6 +38,10 @@ log = logging.getLogger("pdserve.registry_client")
 
 MAX_RETRY_S = 10.0
 MIN_INTERVAL_S = 0.05  # a router asking for a shorter heartbeat interval gets this one
+# A router that answers a registered worker's call so does not know it (it restarted, or
+# declared the worker dead): NOT_FOUND, or, with a cluster secret, UNAUTHENTICATED (it has no
+# key for the worker's id until the worker registers again).
+_UNKNOWN_HERE = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED)
 _ROLE_NAMES = {registry_pb2.WORKER_ROLE_PREFILL: "prefill", registry_pb2.WORKER_ROLE_DECODE: "decode"}
 
 
@@ -171,8 +175,9 @@ class RegistryClient:
         try:
             answer = await stub.Heartbeat(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                log.info("router %s does not know %s: registering again", self._address, self._info.worker_id)
+            if err.code() in _UNKNOWN_HERE:
+                log.info("router %s does not know %s (%s): registering again", self._address, self._info.worker_id,
+                         err.code().name)
                 self._registered.clear()
             else:
                 log.warning("heartbeat to router %s failed: %s %s", self._address, err.code().name, err.details())
@@ -191,9 +196,9 @@ class RegistryClient:
         try:
             return await self._stub.PublishKVEvents(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                log.info("router %s does not know %s (KV events): registering again", self._address,
-                         self._info.worker_id)
+            if err.code() in _UNKNOWN_HERE:
+                log.info("router %s does not know %s (KV events, %s): registering again", self._address,
+                         self._info.worker_id, err.code().name)
                 self._registered.clear()
                 self._wake.set()
             else:

@@ -70,12 +70,21 @@ def _restart_router(cluster) -> None:
     cluster.loop.run(restart(), timeout=30)
 
 
-def test_a_restarted_router_routes_a_returning_session_to_its_holder_within_one_batch(make_cluster):
+@pytest.mark.parametrize("secret", [False, True], ids=["insecure", "cluster-secret"])
+def test_a_restarted_router_routes_a_returning_session_to_its_holder_within_one_batch(make_cluster, tmp_path, secret):
     """Heartbeats every 20 s: the restarted router learns of the workers from their next event
-    batch (its NOT_FOUND makes them register at once), and of what they hold from the
-    snapshot it asks for at registration."""
-    cluster = make_cluster(decode_policy="prefix_aware", worker_timeout_s=60.0, heartbeat_interval_s=20.0)
-    d0, d1 = cluster.add("d0", probe_s=0.2), cluster.add("d1", probe_s=0.2)
+    batch (answered NOT_FOUND, or UNAUTHENTICATED where the new router has no key for them yet:
+    either makes them register at once), and of what they hold from the snapshot it asks for
+    at registration."""
+    settings = dict(decode_policy="prefix_aware", worker_timeout_s=60.0, heartbeat_interval_s=20.0)
+    signers = {}
+    if secret:
+        ClusterSecret.create(tmp_path / "secret")
+        settings["cluster_secret_file"] = str(tmp_path / "secret")
+        loaded = ClusterSecret.load(str(tmp_path / "secret"))
+        signers = {name: CallSigner(loaded, name, CallKey()) for name in ("d0", "d1")}
+    cluster = make_cluster(**settings)
+    d0, d1 = (cluster.add(name, probe_s=0.2, signer=signers.get(name)) for name in ("d0", "d1"))
     system = words(20, start=40)
     history = [{"role": "system", "content": system}, {"role": "user", "content": words(6, start=80)}]
     with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:

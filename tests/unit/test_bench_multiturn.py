@@ -92,8 +92,8 @@ def test_usage_details_are_read_and_survive_json():
     client = OpenAIStreamClient(Endpoint("http://127.0.0.1:9/v1"))
     trace = _Trace()
     client._take_chunk('{"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 3, '
-                       '"prompt_tokens_details": {"cached_tokens": 32, '
-                       '"cached_tokens_by_tier": {"host": 16, "device": 16}}}}', trace, 0.0)
+                       '"prompt_tokens_details": {"cached_tokens": 32}}, '
+                       '"pdserve": {"cached_tokens_by_tier": {"host": 16, "device": 16}}}', trace, 0.0)
     assert trace.cached == 32 and trace.cached_by_tier == (("device", 16), ("host", 16))
     r = result(0.1, 40, 3, 32, by_tier=trace.cached_by_tier)
     assert request_from_json(to_jsonable(r)) == r
