@@ -92,6 +92,9 @@ class KVCacheManager:
         # extends a request's block keys over the full blocks it generated (engine.intake);
         # the engine sets it: without, only prompt blocks are published
         self.extend_block_hashes: Callable[[Request, int], None] = _keep_prompt_keys
+        # waits until blocks evicted to a tier below have been copied out (BlockPool.on_evict):
+        # the scheduler calls it once a step, before a forward or a transfer writes into them
+        self.offload_fence: Callable[[], None] = _nothing_to_wait_for
 
     # -- contract -----------------------------------------------------------------------
     def get_max_resource_count(self) -> int:
@@ -257,6 +260,10 @@ class KVCacheManager:
         if self._blocks:
             raise AssertionError(f"requests still hold blocks: {sorted(self._blocks)[:10]}")
         self.pool.assert_all_free()
+
+
+def _nothing_to_wait_for() -> None:
+    pass
 
 
 def _keep_prompt_keys(request: Request, num_blocks: int) -> None:
