@@ -72,6 +72,11 @@ class BlockPool:
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks published by hash (held or free). Safe to read from another thread."""
+        return len(self._cached)
+
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
 

@@ -83,7 +83,7 @@ class Tiers:
         out = []
         if self._pool is not None:
             pool = self._pool
-            blocks = len(pool.cached_hashes())
+            blocks = pool.num_cached_blocks
             out.append(TierStats("device", blocks=blocks, bytes=blocks * self.block_bytes,
                                  evictions=pool.num_evictions))
         if self.host is not None:
