@@ -49,8 +49,9 @@ class WorkerMetrics:
         self.received: dict[str, list[float]] = {}
 
     def watch_tiers(self, tiers) -> None:
-        """Export the KV tiers under the pool (`kvtransfer.tiers.Tiers`), read at each scrape."""
-        self.registry.register(TierCollector(tiers))
+        """Export the KV tiers under the pool (`kvtransfer.tiers.Tiers`; None: none), read at each scrape."""
+        if tiers is not None:
+            self.registry.register(TierCollector(tiers))
 
     def count_auth_refusal(self, reason: str) -> None:
         self.auth_refused.labels(reason=reason).inc()

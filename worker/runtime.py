@@ -139,9 +139,7 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     loop = EngineLoop(engine)
     loop.start(asyncio.get_running_loop())
     metrics = WorkerMetrics(role)
-    tiers = getattr(engine.connector, "tiers", None)  # a PdConnector's; a test's plain Connector has none
-    if tiers is not None:
-        metrics.watch_tiers(tiers)
+    metrics.watch_tiers(getattr(engine.connector, "tiers", None))  # a test's plain Connector has none
     protected = [f"pdserve.v1.{role.capitalize()}"]
     calls, leaving = OpenCalls(), DrainState()
     server, port = bind_server(settings, (*auth.interceptors(protected, metrics.count_auth_refusal), calls), tls)
