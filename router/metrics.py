@@ -46,6 +46,9 @@ class RouterMetrics:
             "pdserve_router_matched_prefix_tokens_total",
             "Prompt tokens routed to a decode whose KV events say it holds them, by the nearest tier holding "
             "each block (device, host, disk, redis): what the router expected cached", ("tier",), registry=r)
+        self.cached_tokens_by_tier = Counter(
+            "pdserve_router_cached_prompt_tokens_by_tier_total", "Cached prompt tokens of finished requests by "
+            "where they were found: device (a worker's KV pool), host, disk, redis", ("tier",), registry=r)
         self.completion_tokens = Counter("pdserve_router_completion_tokens_total", "Generated tokens", registry=r)
         self.draft_tokens = Counter("pdserve_router_draft_tokens_total",
                                     "Speculative drafts checked by decode, accepted or rejected (acceptance rate: "
@@ -97,6 +100,8 @@ class RouterMetrics:
             usage = last.usage
             self.prompt_tokens.labels("cached").inc(usage.cached_prompt_tokens)
             self.prompt_tokens.labels("computed").inc(max(0, usage.prompt_tokens - usage.cached_prompt_tokens))
+            for tier, tokens in usage.cached_tokens_by_tier.items():
+                self.cached_tokens_by_tier.labels(tier).inc(tokens)
             self.completion_tokens.inc(usage.completion_tokens)
             if usage.draft_steps:
                 self.draft_tokens.labels("accepted").inc(usage.accepted_draft_tokens)

@@ -65,7 +65,7 @@ class KVEventLog:
         self._wake = wake
 
     def on_event(self, tier: str, kind: str, block_hashes: list[int]) -> None:
-        """The pool's and the tiers' callback (engine.block_pool.KVEventCallback)."""
+        """The pool's and the tiers' callback (engine.block_pool's `on_event`)."""
         if tier not in self._holds or kind not in _KINDS or not block_hashes:
             return
         with self._lock:
@@ -119,13 +119,15 @@ class KVEventLog:
             return set(self._holds[tier])
 
 
-def attach_kv_events(engine, events: KVEventLog) -> None:
-    """Route the engine's pool events (and each lower tier's, where the engine has tiers
-    that take a callback) into `events`."""
-    engine.kv.pool.on_event = events.on_event
-    for tier in getattr(engine.kv, "tiers", ()) or ():
-        if hasattr(tier, "on_event"):
-            tier.on_event = events.on_event
+def attach_kv_events(engine, events: KVEventLog) -> KVEventLog:
+    """Route the engine's pool events, and those of the tiers under it (where its connector
+    has them: kvtransfer.tiers), into `events`; returns `events`."""
+    tiers = getattr(engine.connector, "tiers", None)
+    if tiers is not None:
+        tiers.set_on_event(events.on_event)  # the pool's events pass through the tiers' hook
+    else:
+        engine.kv.pool.on_event = events.on_event
+    return events
 
 
 class KVEventsService(kv_events_pb2_grpc.KVEventsServicer):

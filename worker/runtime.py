@@ -154,9 +154,9 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     loop = EngineLoop(engine)
     loop.start(asyncio.get_running_loop())
     metrics = WorkerMetrics(role)
+    metrics.watch_tiers(getattr(engine.connector, "tiers", None))  # a test's plain Connector has none
     protected = [f"pdserve.v1.{role.capitalize()}", KV_EVENTS_SERVICE]
-    kv_events = KVEventLog()
-    attach_kv_events(engine, kv_events)
+    kv_events = attach_kv_events(engine, KVEventLog())
     calls, leaving = OpenCalls(), DrainState()
     server, port = bind_server(settings, (*auth.interceptors(protected, metrics.count_auth_refusal), calls), tls)
     host = settings.advertise_host or settings.host

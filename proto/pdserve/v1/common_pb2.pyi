@@ -125,20 +125,29 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "accepted_draft_tokens", "rejected_draft_tokens", "draft_steps")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "accepted_draft_tokens", "rejected_draft_tokens", "draft_steps", "cached_tokens_by_tier")
+    class CachedTokensByTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
     accepted_draft_tokens: int
     rejected_draft_tokens: int
     draft_steps: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., rejected_draft_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ...) -> None: ...
+    cached_tokens_by_tier: _containers.ScalarMap[str, int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., rejected_draft_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class FallbackStep(_message.Message):
     __slots__ = ("backend", "reason", "duration_ms")
