@@ -182,7 +182,8 @@ def format_turns(summaries: Sequence[TurnSummary]) -> str:
     rows = [head, "-" * len(head)]
     for s in summaries:
         history = f"{s.num_history_cached}/{s.num_history_checked}" if s.num_history_checked else "-"
-        tiers = " ".join(f"{tier} {n:.0f}" for tier, n in s.mean_cached_by_tier) or "-"
+        tiers = " ".join(f"{tier} {n:.0f}" + (f" ({n / s.mean_prompt_tokens:.0%})" if s.mean_prompt_tokens else "")
+                         for tier, n in s.mean_cached_by_tier) or "-"
         rows.append(f"{s.turn:>4} {f'{s.num_ok}/{s.num_sent}':>8} {_fmt(s.ttft_p50_ms):>9} {_fmt(s.ttft_p90_ms):>8} "
                     f"{_fmt(s.mean_prompt_tokens):>7} {_fmt(s.mean_cached_tokens):>7} {history:>15}  {tiers}")
     return "\n".join(rows)

@@ -182,15 +182,19 @@ class KVEventSender:
             await self._ready.wait()
             self._ready.clear()
             while self._queue:
-                if not self._client.registered:
-                    self._queue.clear()  # its registration asks for a snapshot
-                    break
-                outcome = await self._client.publish_kv_events(self._queue[0])
-                if outcome is None:  # the router did not answer: try the same batch again
-                    await asyncio.sleep(self._retry_s)
-                    continue
-                self._queue.popleft()
+                await self._send(self._queue.popleft())
+
+    async def _send(self, batch: kv_events_pb2.KVEventBatch) -> None:
+        """Until the router takes `batch`; given up when this worker is not registered there
+        (its registration brings a snapshot) or when newer batches fill the queue meanwhile."""
+        while self._client.registered:
+            if await self._client.publish_kv_events(batch) is not None:
                 self.num_sent += 1
+                return
+            if len(self._queue) == self._queue.maxlen:
+                return  # the oldest batch goes: the router sees the gap
+            await asyncio.sleep(self._retry_s)
+        self._queue.clear()
 
 
 class KVEventFanout:

@@ -68,7 +68,7 @@ def test_per_turn_report_ttft_cached_tokens_and_whole_history_hits():
     assert (third.num_ok, third.num_sent, third.mean_cached_tokens, third.num_history_checked) == (1, 2, None, 0)
     assert later_turns_ttft_p50_ms(turns) == pytest.approx(200)
     table = format_turns([first, second, third])
-    assert "1/2" in table and "device 464 host 55" in table
+    assert "1/2" in table and "device 464 (81%) host 55 (10%)" in table  # of turn 2's mean prompt, 570
 
 
 def test_history_cached_needs_both_turns_reports():
