@@ -56,7 +56,7 @@ class KVEventLog:
         self._next_seq = 1
         self._sealed_seq = 0  # events up to here are in a snapshot: never merged into again
         self._max_pending = max_pending_events
-        self._batch_events = batch_events
+        self.batch_events = batch_events
         self._wake = lambda: None
         self.num_dropped = 0
 
@@ -82,22 +82,26 @@ class KVEventLog:
                 last.block_hashes.extend(block_hashes)
                 return
             seq, self._next_seq = self._next_seq, self._next_seq + 1
-            if len(self._pending) >= self._max_pending:
-                self.num_dropped += 1  # the gap in sequence numbers tells the routers
+            # a batch's events are numbered from its first on: after a drop, nothing joins the
+            # buffer until it is empty (the gap in the numbers then tells the routers)
+            if len(self._pending) >= self._max_pending or (self._pending and last_seq != seq - 1):
+                self.num_dropped += 1
                 return
             if not self._pending:
                 self._first_pending_seq = seq
             self._pending.append(_Event(tier, kind, list(block_hashes)))
-            full = len(self._pending) >= self._batch_events
+            full = len(self._pending) >= self.batch_events
         if full:
             self._wake()
 
     def take_batch(self) -> kv_events_pb2.KVEventBatch:
-        """What waits, as a batch (empty: a probe carrying the next sequence number). The
-        worker id and lease are the sender's to fill."""
+        """The oldest `batch_events` waiting, as a batch (empty: a probe carrying the next
+        sequence number; a batch stays well under the registry's message limit). The worker
+        id and lease are the sender's to fill."""
         with self._lock:
-            events, self._pending = self._pending, []
+            events, self._pending = self._pending[:self.batch_events], self._pending[self.batch_events:]
             first = self._first_pending_seq if events else self._next_seq
+            self._first_pending_seq += len(events)
         return kv_events_pb2.KVEventBatch(
             incarnation=self.incarnation, first_seq=first,
             events=[kv_events_pb2.KVEvent(tier=e.tier, kind=_KINDS[e.kind], block_hashes=e.block_hashes)
@@ -241,9 +245,12 @@ class KVEventFanout:
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
-            batch = self.events.take_batch()
-            if not batch.events and loop.time() - last_sent < self._probe_s:
-                continue
-            last_sent = loop.time()
-            for sender in self._senders.values():
-                sender.offer(batch)
+            while True:
+                batch = self.events.take_batch()
+                if not batch.events and loop.time() - last_sent < self._probe_s:
+                    break
+                last_sent = loop.time()
+                for sender in self._senders.values():
+                    sender.offer(batch)
+                if len(batch.events) < self.events.batch_events:
+                    break

@@ -114,3 +114,29 @@ def test_the_index_is_bounded_and_refuses_unknown_tiers():
     with pytest.raises(InvalidRequestError):
         index.apply(kv_events_pb2.KVEventBatch(incarnation=1, first_seq=2, events=[
             kv_events_pb2.KVEvent(tier="tape", kind=kv_events_pb2.KV_EVENT_KIND_STORED, block_hashes=[1])]))
+
+
+def test_batches_are_bounded_and_contiguous():
+    log, index = KVEventLog(batch_events=3), KVIndex()
+    sync(index, log)
+    for i in range(8):
+        log.on_event("device" if i % 2 else "host", "stored", [i])
+    batches = [log.take_batch() for _ in range(4)]
+    assert [len(b.events) for b in batches] == [3, 3, 2, 0] and [b.first_seq for b in batches] == [1, 4, 7, 9]
+    assert all(index.apply(b) for b in batches)
+    assert index_of(index) == log_of(log)
+
+
+def test_after_a_drop_nothing_joins_the_buffer_until_it_is_empty():
+    log, index = KVEventLog(max_pending_events=4, batch_events=2), KVIndex()
+    sync(index, log)
+    for i in range(6):
+        log.on_event("device" if i % 2 else "host", "stored", [i])  # 5 and 6 dropped
+    assert index.apply(log.take_batch())  # 1-2
+    log.on_event("disk", "stored", [50])  # 7: would sit after 3-4 as if it were 5: dropped too
+    assert index.apply(log.take_batch())  # 3-4
+    assert log.num_dropped == 3
+    log.on_event("disk", "stored", [51])  # 8: the buffer is empty again
+    assert not index.apply(log.take_batch())  # starts at 8, expected 5: a gap
+    sync(index, log)
+    assert index_of(index) == log_of(log)
