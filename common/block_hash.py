@@ -79,12 +79,19 @@ class PromptBlocks:
     digests: list[bytes]
 
 
-def prompt_blocks(token_ids: Iterable[int], block_size: int, salt: int, key: bytes = INSECURE_KEY,
-                  cache_salt: str = "") -> PromptBlocks:
-    """The chained keys and digests of every full block of `token_ids`."""
+def chain_root(salt: int, key: bytes = INSECURE_KEY, cache_salt: str = "") -> bytes:
+    """The digest every chain of this model, key and tenant salt starts from."""
+    return hashlib.blake2b(encode_fields("pdserve-blocks-v2", int(salt), cache_salt),
+                           key=key, digest_size=DIGEST_BYTES).digest()
+
+
+def chain_blocks(parent: bytes, token_ids: Iterable[int], block_size: int,
+                 key: bytes = INSECURE_KEY) -> PromptBlocks:
+    """The keys and digests of the full blocks of `token_ids`, chained after `parent` (the
+    digest of the block before them, or `chain_root`). A prompt's blocks and the blocks a
+    decode generates after it chain the same way, so a later prompt that repeats both finds
+    them under the same keys."""
     ids = list(token_ids)
-    parent = hashlib.blake2b(encode_fields("pdserve-blocks-v2", int(salt), cache_salt),
-                             key=key, digest_size=DIGEST_BYTES).digest()
     hashes: list[int] = []
     digests: list[bytes] = []
     for start in range(0, len(ids) - block_size + 1, block_size):
@@ -94,6 +101,12 @@ def prompt_blocks(token_ids: Iterable[int], block_size: int, salt: int, key: byt
         digests.append(parent)
         hashes.append(key_of(parent))
     return PromptBlocks(hashes, digests)
+
+
+def prompt_blocks(token_ids: Iterable[int], block_size: int, salt: int, key: bytes = INSECURE_KEY,
+                  cache_salt: str = "") -> PromptBlocks:
+    """The chained keys and digests of every full block of `token_ids`."""
+    return chain_blocks(chain_root(salt, key, cache_salt), token_ids, block_size, key)
 
 
 def hash_prompt_blocks(token_ids: Iterable[int], block_size: int, salt: int, key: bytes = INSECURE_KEY,

@@ -40,6 +40,7 @@ class LegResult:
     tail_ms: float = 0.0  # the transfer after the prefill's forward, to the blocks verified here
     prompt_logprobs: tuple = ()  # sampling.prompt_logprobs: computed by the prefill
     num_cached_tokens: int = 0  # prompt tokens the prefill found cached (its prefix cache, its store)
+    cached_tokens_by_tier: tuple[tuple[str, int], ...] = ()  # of those, by tier ("device", "host", ...)
 
     @property
     def ok(self) -> bool:
@@ -122,7 +123,8 @@ class PrefillLeg:
         lp = logprob_from_proto(resp.first_token_logprob) if resp.HasField("first_token_logprob") else None
         return LegResult(final, resp.first_token_id, lp, tail_ms=tail_ms,
                          prompt_logprobs=tuple(logprob_from_proto(e) for e in resp.prompt_logprobs),
-                         num_cached_tokens=resp.num_cached_tokens)
+                         num_cached_tokens=resp.num_cached_tokens,
+                         cached_tokens_by_tier=tuple(sorted(resp.cached_tokens_by_tier.items())))
 
     async def _prefill(self, address: str, request: prefill_pb2.PrefillRequest,
                        deadline: float) -> prefill_pb2.PrefillResponse:

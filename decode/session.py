@@ -85,7 +85,8 @@ class DecodeSessions:
             transferred = decided.outcome == Outcome.TRANSFERRED
             if transferred:  # what the link from that prefill worker delivers, for the router
                 self.metrics.observe_received(leg.verdict, leg.tail_ms)
-            async for out, response in self._stream(stream, rid, leg.num_cached_tokens if transferred else None):
+            async for out, response in self._stream(stream, rid, (leg.num_cached_tokens, leg.cached_tokens_by_tier)
+                                                    if transferred else None):
                 if first and (out.new_token_ids or out.finished):
                     first = False
                     response.transfer.CopyFrom(verdict)
@@ -130,11 +131,12 @@ class DecodeSessions:
                           ("transfer", timings.transfer_ms), ("first_decode", timings.first_decode_ms)):
             self.metrics.ttft_phase.labels(phase).observe(ms / 1000)
 
-    async def _stream(self, stream, rid: str, num_cached_remote: int | None):
+    async def _stream(self, stream, rid: str, cached_remote: tuple[int, tuple] | None):
         """(engine output, its proto message) per delta. Usage counts as cached the prompt
         tokens not computed for this request: with KV from a prefill service, those it found
-        cached (`num_cached_remote`: a prefix only this decode held was computed there
-        anyway); else those this engine found in its prefix cache or loaded from a store."""
+        cached (`cached_remote`: a prefix only this decode held was computed there
+        anyway); else those this engine found in its prefix cache or loaded from a tier below
+        it. `cached_remote`: (the prefill's count, its tiers' share) or None."""
         tok = self.loop.engine.tokenizer
         while True:
             try:
@@ -150,14 +152,14 @@ class DecodeSessions:
                 resp.prompt_logprobs.extend(logprob_to_proto(lp, tok) for lp in out.prompt_logprobs)
             if out.finished:
                 resp.finish_reason = FINISH.get(out.finish_reason, common_pb2.FINISH_REASON_STOP)
-                cached = (out.num_cached_tokens + out.num_loaded_tokens if num_cached_remote is None
-                          else num_cached_remote)
+                cached, by_tier = ((out.num_cached_tokens + out.num_loaded_tokens, out.cached_tokens_by_tier)
+                                   if cached_remote is None else cached_remote)
                 resp.usage.CopyFrom(common_pb2.Usage(
                     prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                     cached_prompt_tokens=min(cached, out.num_prompt_tokens),
                     accepted_draft_tokens=out.num_accepted_tokens,
                     rejected_draft_tokens=out.num_draft_tokens - out.num_accepted_tokens,
-                    draft_steps=out.num_draft_steps))
+                    draft_steps=out.num_draft_steps, cached_tokens_by_tier=dict(by_tier)))
                 yield out, resp
                 return
             yield out, resp

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from pdserve.common.block_hash import PromptBlocks, check_cache_salt, prompt_blocks
+from pdserve.common.block_hash import PromptBlocks, chain_blocks, chain_root, check_cache_salt, prompt_blocks
 from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.constraints import GrammarCompiler
@@ -44,6 +44,21 @@ class Intake:
         """The keys and digests of a prompt's full blocks in this engine's cache (its block
         size, compatibility hash and block-hash key). Any thread."""
         return prompt_blocks(token_ids, self.block_size, self.compat_hash, self.config.block_hash_key, cache_salt)
+
+    def extend_blocks(self, request: Request, num_blocks: int) -> None:
+        """Extend `request`'s block keys and digests to its first `num_blocks` full blocks:
+        blocks past the prompt hold generated tokens and chain on from the prompt's, exactly
+        as a later prompt that repeats them (history + answer) is keyed. A request whose keys
+        and digests disagree in number (hand-built) is left as it is."""
+        have = len(request.block_hashes)
+        if num_blocks <= have or len(request.block_digests) != have:
+            return
+        parent = request.block_digests[-1] if have else chain_root(
+            self.compat_hash, self.config.block_hash_key, request.cache_salt)
+        tokens = request.token_ids(have * self.block_size, num_blocks * self.block_size)
+        more = chain_blocks(parent, tokens, self.block_size, self.config.block_hash_key)
+        request.block_hashes.extend(more.hashes)
+        request.block_digests.extend(more.digests)
 
     def request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
                 remote_prefill: bool, transfer_params: object | None, resumed: Sequence[int],

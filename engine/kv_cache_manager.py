@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -88,6 +89,12 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already published by hash
         self._num_dropped_blocks: dict[str, int] = {}  # leading blocks a window released
         self.num_digest_mismatches = 0  # cached blocks whose key matched but digest did not
+        # extends a request's block keys over the full blocks it generated (engine.intake);
+        # the engine sets it: without, only prompt blocks are published
+        self.extend_block_hashes: Callable[[Request, int], None] = _keep_prompt_keys
+        # waits until blocks evicted to a tier below have been copied out (BlockPool.on_evict):
+        # the scheduler calls it once a step, before a forward or a transfer writes into them
+        self.offload_fence: Callable[[], None] = _nothing_to_wait_for
 
     # -- contract -----------------------------------------------------------------------
     def get_max_resource_count(self) -> int:
@@ -137,11 +144,16 @@ class KVCacheManager:
         return True
 
     def update_resources(self, request: Request) -> None:
-        """After a step: publish newly full prompt blocks by hash; release blocks a window dropped."""
+        """After a step: publish newly full blocks by hash, the prompt's and the generated ones
+        (so the next turn of a chat, which repeats both, finds them); release blocks a window
+        dropped. A block is full when all its positions are computed and their tokens known."""
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full > len(request.block_hashes):
+            self.extend_block_hashes(request, min(num_full, len(blocks)))
+        num_full = min(num_full, len(request.block_hashes), len(blocks))
         start = self._num_cached_blocks.get(request.request_id, 0)
         for i in range(start, num_full):
             if blocks[i].block_id != NULL_BLOCK_ID:
@@ -162,8 +174,8 @@ class KVCacheManager:
 
     def trim(self, request: Request) -> None:
         """Give back the blocks past the one `request`'s next token goes in (blocks allocated
-        for positions that were computed and then not kept; output blocks are never cached,
-        so nothing else refers to them)."""
+        for positions that were computed and then not kept). The blocks it published by hash
+        are kept; those past them were never published, so nothing else refers to them."""
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return
@@ -248,6 +260,14 @@ class KVCacheManager:
         if self._blocks:
             raise AssertionError(f"requests still hold blocks: {sorted(self._blocks)[:10]}")
         self.pool.assert_all_free()
+
+
+def _nothing_to_wait_for() -> None:
+    pass
+
+
+def _keep_prompt_keys(request: Request, num_blocks: int) -> None:
+    """No block keys beyond the prompt's (an engine sets `extend_block_hashes`)."""
 
 
 def _digest(request: Request, index: int) -> bytes | None:

@@ -47,6 +47,7 @@ class LLMEngine:
                                    self.speculator)
         self.intake = Intake(self.config, self.model_config, self.tokenizer, self.max_model_len, self.kv.block_size,
                              self.compat_hash, self.device)
+        self.kv.extend_block_hashes = self.intake.extend_blocks  # generated blocks are cached too
         self.runner = ModelRunner(self.model, self.kv, self.connector.worker)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}

@@ -110,6 +110,7 @@ class Scheduler:
         if self.capacity.admits_while_running or not had_running:
             self._schedule_waiting(out, budget)
         self.speculator.add_drafts(out.chunks, self.config.max_num_tokens)
+        self.kv.offload_fence()  # blocks evicted this step are copied out before anything writes them
         now = time.monotonic()
         for chunk in out.chunks:
             if chunk.request.first_scheduled_time is None:
@@ -204,6 +205,8 @@ class Scheduler:
             return False
         if request.num_cached_tokens < 0:  # its first admission
             request.num_cached_tokens = hit_tokens
+            tiers = self.connector.matched_tokens_by_tier(request.request_id) if num_external else {}
+            request.cached_tokens_by_tier = {k: v for k, v in (("device", hit_tokens), *tiers.items()) if v}
             self.num_prefix_queries += request.num_prompt_tokens
             self.num_prefix_hits += hit_tokens
         self.connector.update_state_after_alloc(creq, self.kv.blocks_of(request.request_id), num_external)

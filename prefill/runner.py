@@ -177,7 +177,8 @@ class PrefillRunner:
             request_id=rid, first_token_id=out.new_token_ids[0], verdict=verdict,
             timings=prefill_pb2.PrefillTimings(compute_ms=compute_ms, transfer_ms=tail_ms),
             num_computed_tokens=out.num_prompt_tokens - out.num_cached_tokens - out.num_external_tokens,
-            num_cached_tokens=out.num_cached_tokens + out.num_external_tokens)
+            num_cached_tokens=out.num_cached_tokens + out.num_external_tokens,
+            cached_tokens_by_tier=dict(out.cached_tokens_by_tier))
         tok = self.loop.engine.tokenizer
         if out.new_logprobs:
             resp.first_token_logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0], tok))

@@ -37,6 +37,7 @@ from pdserve.router.frontend import Frontend
 from pdserve.router.grpc_api import GenerationServicer, RegistryServicer
 from pdserve.router.http_api import build_http_app
 from pdserve.router.link_probes import LinkProbes
+from pdserve.router.kv_index import KVEventIntake
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
@@ -65,7 +66,7 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class RouterApp:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.registry = WorkerRegistry(config.worker_timeout_s, config.max_cached_hashes_per_worker)
+        self.registry = WorkerRegistry(config.worker_timeout_s, config.max_indexed_blocks_per_worker)
         self.metrics = RouterMetrics(self.registry)
         self.catalog = ModelCatalog()
         tls = InternalTLS.load(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
@@ -89,7 +90,9 @@ class RouterApp:
                                  max_migrations=config.max_migrations,
                                  guided=GuidedOptions(config.lenient_json_schema),
                                  block_hash_key=block_hash_key(self.auth.secret))
-        self.membership = Membership(config, self.registry, self.catalog, self.channels)
+        self.kv_events = KVEventIntake.for_registry(self.registry, self.channels, self.tasks.spawn,
+                                                    config.rpc_timeout_s)
+        self.membership = Membership(config, self.registry, self.catalog, self.channels, self.kv_events.sync)
         self.api_key = client_keys(config)
         self.enrollment = enrollment_verifier(config)
         self.revocations = (Revocations(config.revoked_workers_file, self.enrollment, self.registry)
@@ -175,7 +178,7 @@ class RouterApp:
         interceptors = self.auth.interceptors([_REGISTRY], self.metrics.count_auth_refusal, RegistryKeys(self.registry))
         registry = internal_server(REGISTRY_MAX_RECEIVE_BYTES, interceptors)
         registry_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.membership, self.config, authenticated=self.auth.enabled,
+            RegistryServicer(self.membership, self.config, self.kv_events, authenticated=self.auth.enabled,
                              public_key=self.auth.public_key, enrollment=self.enrollment), registry)
         self._registry_server, self.registry_port = await _serve(
             registry, self.config.internal_host or self.config.host, self.config.registry_port, _REGISTRY,

@@ -119,7 +119,7 @@ class RouterConfig:
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S  # what the router asks workers for
     rpc_timeout_s: float = 10.0  # ModelInfo, Load, Abort calls to workers
     retry_after_s: int = 1  # Retry-After of a 429
-    max_cached_hashes_per_worker: int = 8192  # prefix-aware routing memory per worker
+    max_indexed_blocks_per_worker: int = 1 << 20  # KV event index bound per worker, all tiers together
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "registry_port", "metrics_port"):

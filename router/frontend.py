@@ -108,6 +108,7 @@ class Frontend:
                         if scope < Scope.ADMIN:
                             for name in INTERNAL_FIELDS:
                                 response.ClearField(name)
+                            response.usage.ClearField("cached_tokens_by_tier")  # where the cache held it
                         yield response
         except EXPECTED_ERRORS as err:
             outcome = to_service_error(err).outcome

@@ -153,7 +153,9 @@ class RoutePlanner:
                                    retry_after_s=1)
         decode = self._decode_policy.choose(decoders, query)
         self._count("decode", self._decode_policy.name, decode.reason)
-        num_matched = min(decode.record.num_matched_blocks(block_hashes) * block_size, num_prompt_tokens)
+        tiers = decode.record.kv.leading_tiers(block_hashes)
+        num_matched = min(len(tiers) * block_size, num_prompt_tokens)
+        self._metrics.count_matched_prefix(tiers, block_size, num_matched)
         uncached = num_prompt_tokens - num_matched
         if migrated:
             pick = _PrefillPick(None, MIGRATED)
@@ -161,10 +163,9 @@ class RoutePlanner:
             pick = self._pick_prefill(model_name, query, decode.record, uncached)
         prefill = pick.record.worker if pick.record is not None else None
         if prefill is not None:
-            self._registry.note_routed(prefill.worker_id, block_hashes, prompt_tokens=uncached)
+            self._registry.note_routed(prefill.worker_id, prompt_tokens=uncached)
         self._count("prefill", self._prefill_policy.name, pick.reason)
-        self._registry.note_routed(decode.record.worker_id, block_hashes,
-                                   prompt_tokens=0 if prefill else max(0, uncached))
+        self._registry.note_routed(decode.record.worker_id, prompt_tokens=0 if prefill else max(0, uncached))
         log.info("route %s: decode=%s (%s) prefill=%s (%s) prompt=%d matched=%d%s%s", request_id,
                  decode.record.worker_id, decode.reason, prefill.worker_id if prefill else "local",
                  pick.reason, num_prompt_tokens, num_matched, _describe(pick.prediction),

@@ -19,6 +19,8 @@ from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.common import progress
 from pdserve.rpc.credentials import InternalAuth, InternalTLS, bind
 from pdserve.worker.convert import load_to_proto
+from pdserve.worker.kv_events import (KV_EVENTS_SERVICE, KVEventFanout, KVEventLog, attach_kv_events,
+                                      with_kv_events_service)
 from pdserve.worker.drain import DrainState, OpenCalls, drain
 from pdserve.worker.registrar import Registrar
 from pdserve.rpc.server import (WORKER_MAX_RECEIVE_BYTES, add_health_and_reflection, internal_server,
@@ -120,6 +122,19 @@ class ServiceBuild(Protocol):
         """(add the servicers to a grpc.aio server, their full service names, async close)."""
 
 
+def _worker_info(role: str, runtime: WorkerRuntime) -> registry_pb2.WorkerInfo:
+    engine, settings = runtime.engine, runtime.settings
+    return registry_pb2.WorkerInfo(
+        worker_id=runtime.worker_id,
+        role=registry_pb2.WORKER_ROLE_PREFILL if role == "prefill" else registry_pb2.WORKER_ROLE_DECODE,
+        grpc_address=runtime.address, model_name=runtime.served_name, compatibility_hash=engine.compat_hash,
+        block_size=engine.kv.block_size, kv_backends=list(settings.backends),
+        capacity=registry_pb2.WorkerCapacity(
+            num_total_blocks=engine.kv.get_max_resource_count(),
+            max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
+            max_model_len=engine.max_model_len))
+
+
 async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -> int:
     """Load the engine with `build`'s connector, serve the role's gRPC API (with health and
     reflection), register with the router, run until SIGINT/SIGTERM, then stop cleanly:
@@ -145,7 +160,9 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
     loop = EngineLoop(engine)
     loop.start(asyncio.get_running_loop())
     metrics = WorkerMetrics(role)
-    protected = [f"pdserve.v1.{role.capitalize()}"]
+    metrics.watch_tiers(getattr(engine.connector, "tiers", None))  # a test's plain Connector has none
+    protected = [f"pdserve.v1.{role.capitalize()}", KV_EVENTS_SERVICE]
+    kv_events = attach_kv_events(engine, KVEventLog())
     calls, leaving = OpenCalls(), DrainState()
     server, port = bind_server(settings, (*auth.interceptors(protected, metrics.count_auth_refusal), calls), tls)
     host = settings.advertise_host or settings.host
@@ -153,17 +170,10 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
                             address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}")
     auth.serve_as(runtime.address)  # signed calls to this worker name the address it registers
     add_servicers, names, on_close = await build.make_service(runtime)
+    add_servicers, names = with_kv_events_service(add_servicers, names, kv_events)
     health = await start_serving(server, add_servicers, names)
     metrics.serve(settings.host, settings.metrics_port, settings.metrics_token or None)
-    info = registry_pb2.WorkerInfo(
-        worker_id=runtime.worker_id,
-        role=registry_pb2.WORKER_ROLE_PREFILL if role == "prefill" else registry_pb2.WORKER_ROLE_DECODE,
-        grpc_address=runtime.address, model_name=served, compatibility_hash=engine.compat_hash,
-        block_size=engine.kv.block_size, kv_backends=list(settings.backends),
-        capacity=registry_pb2.WorkerCapacity(
-            num_total_blocks=engine.kv.get_max_resource_count(),
-            max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
-            max_model_len=engine.max_model_len))
+    info = _worker_info(role, runtime)
 
     def load():
         metrics.observe_engine(loop.last_stats)
@@ -173,7 +183,8 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
         report.draining = leaving.draining
         return report
 
-    registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls, peers=auth.peers)
+    registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls, peers=auth.peers,
+                          kv_events=KVEventFanout(kv_events))
     registrar.start()
     # one line that launchers (pdserve up) and tests wait for
     print(f"pdserve {role} ready on {runtime.address} worker_id={runtime.worker_id}", flush=True)

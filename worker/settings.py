@@ -93,6 +93,10 @@ class WorkerSettings:
                                 "computes only blocks it lacks and writes those it computes; decode loads "
                                 "matching blocks before asking for a prefill", "kv transfer",
                                 choices=("none", *STORES))
+    kv_offload_host_gb: float = setting(
+        0.0, "host-memory tier under the KV pool, in GiB: blocks the pool evicts are copied there (pinned memory "
+        "on a GPU, a second pool on CPU) and loaded back when a prompt needs them; what it evicts goes to "
+        "--prefix-store (0: none)", "kv transfer")
     transfer_timeout_s: float = setting(10.0, "deadline of one transfer step", "kv transfer")
     kv_probe_cooldown_s: float = setting(5.0, "a KV backend that failed 3 times in a row is skipped this long, "
                                          "then the next transfer probes it", "kv transfer")
@@ -168,6 +172,8 @@ class WorkerSettings:
             raise SettingsError(f"--failure-policy must be one of {', '.join(FAILURE_POLICIES)}")
         if out.attention_window < 0:
             raise SettingsError("--attention-window must be >= 0 (0: none)")
+        if out.kv_offload_host_gb < 0:
+            raise SettingsError("--kv-offload-host-gb must be >= 0 (0: none)")
         if out.prefix_store not in ("none", *STORES):
             raise SettingsError(f"--prefix-store must be {', '.join(sorted(STORES))} or none")
         out.speculative()  # a malformed --speculative-config is refused here, at start
@@ -192,6 +198,7 @@ class WorkerSettings:
             disk_store_max_gb=self.disk_store_max_gb, step_timeout_s=self.transfer_timeout_s,
             probe_cooldown_s=self.kv_probe_cooldown_s,
             prefix_cache=self.prefix_store if self.prefix_store != "none" else None,
+            host_offload_bytes=int(self.kv_offload_host_gb * 2**30),
             layerwise=envs.get("PDSERVE_KV_LAYERWISE") != "0",
             transfer_key=transfer_key(secret), store_key=store_key(secret))
 

@@ -109,7 +109,9 @@ def test_prefix_aware_routes_a_repeated_prefix_to_the_worker_holding_it(make_clu
     prompt = words(24)
     cached = hash_prompt_blocks(TOKENIZER.encode(prompt).ids, BLOCK_SIZE, SALT)
     cluster.add("d0")
-    holder = cluster.add("d1", cached_hashes=cached)  # reports the prompt's blocks cached
+    holder = cluster.add("d1")
+    holder.kv.on_event("device", "stored", cached)  # its pool caches the prompt's blocks: an event tells the router
+    wait_until(lambda: cluster.router.registry.get("d1").num_matched_blocks(cached) == len(cached), "d1's events")
     prefill = cluster.add("p0", role=registry_pb2.WORKER_ROLE_PREFILL)
     with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
         answer = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt + " w100 w101", "max_tokens": 1})
@@ -130,6 +132,8 @@ def test_prefix_aware_routes_a_repeated_prefix_to_the_worker_holding_it(make_clu
         sent = chosen.requests[-1]
         assert sent.prefill.address == prefill.address and sent.prefill.worker_id == "p0"
         assert list(sent.block_hashes) == hash_prompt_blocks(sent.prompt_token_ids, BLOCK_SIZE, SALT)
+        wait_until(lambda: cluster.router.registry.get(chosen.worker_id).num_matched_blocks(sent.block_hashes)
+                   == len(sent.block_hashes), "the chosen worker's events")
         again = http.post("/v1/completions", json={"model": MODEL, "prompt": fresh + " w1", "max_tokens": 1}).json()
         assert again["pdserve"]["routing"]["decode_worker_id"] == chosen.worker_id
         assert again["pdserve"]["routing"]["decode_reason"] == "prefix_match"
