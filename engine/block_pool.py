@@ -34,6 +34,9 @@ class KVBlock:
 
 @dataclass(frozen=True, slots=True)
 class EvictedBlock:
+    """A cached block's id, key and digest, as a tier below the pool copies it out: evicted
+    (`BlockPool.on_evict`) or just published (`KVCacheManager.on_generated_blocks`)."""
+
     block_id: int
     block_hash: int
     digest: bytes | None

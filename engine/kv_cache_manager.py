@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from pdserve.common.util import available_memory_bytes, cdiv
-from pdserve.engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from pdserve.engine.block_pool import NULL_BLOCK_ID, BlockPool, EvictedBlock, KVBlock
 from pdserve.engine.config import CacheConfig, ModelConfig
 from pdserve.engine.request import Request
 
@@ -95,6 +95,9 @@ class KVCacheManager:
         # waits until blocks evicted to a tier below have been copied out (BlockPool.on_evict):
         # the scheduler calls it once a step, before a forward or a transfer writes into them
         self.offload_fence: Callable[[], None] = _nothing_to_wait_for
+        # blocks holding generated tokens, published just now: a tier that writes through (the
+        # prefix store) copies them out, as the prefill does the prompt's (kvtransfer.tiers)
+        self.on_generated_blocks: Callable[[list[EvictedBlock]], None] = _no_write_through
 
     # -- contract -----------------------------------------------------------------------
     def get_max_resource_count(self) -> int:
@@ -155,9 +158,15 @@ class KVCacheManager:
             self.extend_block_hashes(request, min(num_full, len(blocks)))
         num_full = min(num_full, len(request.block_hashes), len(blocks))
         start = self._num_cached_blocks.get(request.request_id, 0)
+        generated: list[EvictedBlock] = []
         for i in range(start, num_full):
-            if blocks[i].block_id != NULL_BLOCK_ID:
-                self.pool.cache_full_block(blocks[i], request.block_hashes[i], _digest(request, i))
+            block = blocks[i]
+            if block.block_id != NULL_BLOCK_ID:
+                self.pool.cache_full_block(block, request.block_hashes[i], _digest(request, i))
+                if (i + 1) * self.block_size > request.num_prompt_tokens and block.block_hash == request.block_hashes[i]:
+                    generated.append(EvictedBlock(block.block_id, block.block_hash, block.digest))
+        if generated:
+            self.on_generated_blocks(generated)
         self._num_cached_blocks[request.request_id] = max(start, num_full)
         window = self.config.attention_window
         if window is not None:
@@ -263,6 +272,10 @@ class KVCacheManager:
 
 
 def _nothing_to_wait_for() -> None:
+    pass
+
+
+def _no_write_through(blocks: list[EvictedBlock]) -> None:
     pass
 
 

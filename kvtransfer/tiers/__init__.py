@@ -38,7 +38,10 @@ class Tiers:
     """The tiers of one worker, wired to its pool by the connector's worker half."""
 
     def __init__(self, layout: KVCacheLayout, host_bytes: int, store: BlockStore | None,
-                 max_pending_blocks: int = 1024) -> None:
+                 max_pending_blocks: int = 1024, write_through: bool = True) -> None:
+        """`store`: the prefix store, the tier below the host tier (None: none). With
+        `write_through` the blocks a request generates are written to it as they fill, as a
+        prefill writes a prompt's: another worker finds a chat's answers too."""
         self.layout = layout
         self.block_bytes = (layout.num_layers * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
                             * torch.empty((), dtype=_DTYPES[layout.dtype]).element_size())
@@ -55,6 +58,7 @@ class Tiers:
             self.offloader = Offloader(host.put, host.stats, max_pending_blocks)
         elif self.lower is not None:
             self.offloader = Offloader(self.lower.put_blocks, self.lower.stats, max_pending_blocks)
+        self.write_through = write_through and self.lower is not None
         self._pool = None
 
     def set_on_event(self, on_event: EventHook) -> None:
@@ -77,6 +81,11 @@ class Tiers:
         if self.offloader is not None:
             kv.pool.on_evict = self.offloader.evicted
             kv.offload_fence = self.offloader.fence
+            if self.write_through:
+                kv.on_generated_blocks = self._write_through
+
+    def _write_through(self, blocks) -> None:
+        self.offloader.copy(blocks, self.lower.put_blocks)
 
     def stats(self) -> list[TierStats]:
         """A snapshot per tier, the device pool first."""

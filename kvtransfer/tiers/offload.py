@@ -36,6 +36,7 @@ Target = Callable[[list[int], list[bytes | None], torch.Tensor], object]  # put(
 @dataclass(slots=True)
 class _Job:
     blocks: list[EvictedBlock]
+    target: Target
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -59,13 +60,18 @@ class Offloader:
 
     def evicted(self, blocks: list[EvictedBlock]) -> None:
         """`BlockPool.on_evict` (engine thread): queue their copy; dropped past the bound."""
+        self.copy(blocks, self._target)
+
+    def copy(self, blocks: list[EvictedBlock], target: Target) -> None:
+        """Queue a copy of these blocks for `target` (engine thread). A block published but
+        not evicted is written again only after its eviction, which queues behind it."""
         with self._cond:
             if self._closed or self._pending_blocks + len(blocks) > self.max_pending_blocks:
                 with self._stats.lock:
                     self._stats.dropped += len(blocks)
                 return
             self._pending_blocks += len(blocks)
-            self._jobs.append(_Job(list(blocks)))
+            self._jobs.append(_Job(list(blocks), target))
             self._cond.notify_all()
 
     def fence(self, timeout_s: float = FENCE_TIMEOUT_S) -> None:
@@ -109,7 +115,7 @@ class Offloader:
                 self._stats.dropped += len(job.blocks)
             return
         try:
-            self._target([b.block_hash for b in job.blocks], [b.digest for b in job.blocks], data)
+            job.target([b.block_hash for b in job.blocks], [b.digest for b in job.blocks], data)
             self.num_offloaded += len(job.blocks)
         except Exception as exc:  # noqa: BLE001
             log.error("kv offload: storing failed: %r", exc)

@@ -164,3 +164,26 @@ def test_redis_going_away_turns_its_tier_off_and_back_on(tiny_model_factory, red
         llm.engine.assert_no_leaks()
     finally:
         llm.engine.connector.worker.close()
+
+
+def test_a_prefill_finds_the_answer_a_decode_generated(tiny_model_factory, tmp_path):
+    """Disaggregated: the decode writes the blocks it generates through to the shared store,
+    so the next turn's prefill (another worker) loads the whole history, answer included."""
+    from engine_pair import BLOCK as PAIR_BLOCK, assert_all_blocks_back, disaggregated, engines
+
+    model_dir = tiny_model_factory("llama")
+    config = KVTransferConfig(backends=("disk", RECOMPUTE), disk_store=str(tmp_path / "store"), prefix_cache="disk",
+                              host_offload_bytes=HOST_BYTES)
+    first = prompt(7, 44)  # with its 6-token answer, the third block fills: 12 prompt, 4 answer tokens
+    with engines(model_dir, config) as (prefill, decode, local):
+        tokens, sent, received = disaggregated(prefill, decode, first, "turn-1")
+        assert received.ok
+        decode.engine.connector.worker.flush(30)
+        history = first + tokens[:-1]  # the last token's KV is the next prompt's to compute
+        second = history + tokens[-1:] + prompt(8, 9)
+        out = list(prefill.generate_stream(second, GREEDY))  # the prefill engine, locally: its lookups
+        by_tier = dict(out[-1].cached_tokens_by_tier)
+        assert by_tier.get("disk", 0) + by_tier.get("device", 0) >= len(history) // PAIR_BLOCK * PAIR_BLOCK
+        assert by_tier.get("disk", 0) >= PAIR_BLOCK  # the answer's blocks came from the decode, through the store
+        assert tuple(t for o in out for t in o.new_token_ids) == local.generate(second, GREEDY)[0].token_ids
+        assert_all_blocks_back(prefill, decode)
