@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")  # the kernel's isa code is the index
 TYPES = (Q4_0, Q4_1, Q8_0)
-PACKED_TYPES = (Q4_0, Q4_1)  # what takes the packed layout on AVX-512 VNNI (pack_rows)
+PACKED_BITS = {Q4_0: 8, Q4_1: 8, Q8_0: 16}  # block type -> the activation bits whose calls pack (pack_rows)
 # mode -> block type -> the bits its linears quantize their inputs to
 ACTIVATION_BITS = {"gguf-int8dot": {Q4_0: 8, Q4_1: 8, Q8_0: 16}, "gguf-int16dot": {Q4_0: 16, Q4_1: 16, Q8_0: 16}}
 QUANTIZE_EVENT = "pdserve::quantize_activations"  # the profiler's name for the activations' quantization
@@ -125,23 +125,24 @@ def int8dot_linear(x: Int8Activations, weight: QuantWeight, bias: torch.Tensor |
     return module.int8dot_linear(x.q, x.scales, x.sums, weight.blocks, weight.qtype, bias, code)
 
 
-def packs(qtype: int, isa: str | None = None) -> bool:
-    """Whether 8-bit activations against `qtype` blocks take the packed layout on `isa`
-    (default: this process's path): Q4_0 and Q4_1 on AVX-512 VNNI."""
-    return qtype in PACKED_TYPES and (isa or chosen_isa()) == "avx512vnni"
+def packs(qtype: int, bits: int, isa: str | None = None) -> bool:
+    """Whether `bits`-bit activations against `qtype` blocks take the packed layout on `isa`
+    (default: this process's path): on AVX-512 VNNI, 8-bit ones against Q4_0 and Q4_1, 16-bit
+    ones against Q8_0."""
+    return PACKED_BITS.get(qtype) == bits and (isa or chosen_isa()) == "avx512vnni"
 
 
 def pack_rows(weight: QuantWeight) -> torch.Tensor:
-    """`weight`'s 4-bit blocks in groups of 16 rows, each block's 16 scales together and its
-    nibbles interleaved 4 bytes a row (the layout of `csrc/cpu_int8_dot.cpp`'s packed_group):
-    as many bytes as the blocks, one vector lane a row."""
+    """`weight`'s blocks in groups of 16 rows, each block's 16 scales together and its
+    weights interleaved 4 bytes (Q8_0: 2) a row (the layout `csrc/cpu_int8_dot.cpp`'s
+    packed_group reads): as many bytes as the blocks, one vector lane a row."""
     return cpu_native.int8_dot_module().pack_rows(weight.blocks, weight.qtype)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: QuantWeight,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x float32 [M, K] quantized to 8-bit blocks and multiplied by `packed` (pack_rows of
-    `weight`) in one native call: [M, out_features] float32."""
+    """x float32 [M, K] quantized to blocks (PACKED_BITS) and multiplied by `packed`
+    (pack_rows of `weight`) in one native call: [M, out_features] float32."""
     module = cpu_native.int8_dot_module()
     if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
         with torch.profiler.record_function(GEMM_EVENT):
@@ -157,7 +158,7 @@ class Int8DotLinear:
 
     def __init__(self, weight: QuantWeight, bits: int) -> None:
         self.weight, self.bits = weight, bits
-        self.packed = pack_rows(weight) if bits == 8 and packs(weight.qtype) else None
+        self.packed = pack_rows(weight) if packs(weight.qtype, bits) else None
 
     @classmethod
     def build(cls, weight: QuantWeight, mode: str = "gguf-int8dot") -> Int8DotLinear | None:

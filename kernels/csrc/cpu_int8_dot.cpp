@@ -315,21 +315,65 @@ void packed_group(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
 }
 
+// Q8_0 against 16-bit activations: block b of a group is 16 scales d (float16), then 16
+// chunks of 32 bytes, chunk c holding bytes 2c, 2c + 1 of every row (row l at 32 c + 2 l):
+// widened to 16 bits, each int32 lane one row's pair, vpdpwssd against the activations' pair
+// broadcast (at most 32 * 128 * 32767 a block: no overflow).
+template <int MR>
+void packed_group16(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float* y, int64_t ldy, int lanes) {
+  constexpr int64_t step = 32 + 512;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, p += step) {
+    for (int64_t off = 0; off < step; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * step + off), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512i s[MR][2];
+    for (int r = 0; r < MR; ++r) s[r][0] = s[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; ++c) {
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * c)));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, a.q16 + ((m0 + r) * a.nblocks + b) * kBlock + 2 * c, 4);
+        s[r][c & 1] = _mm512_dpwssd_epi32(s[r][c & 1], w, _mm512_set1_epi32(pair));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const float dx = a.scales[(m0 + r) * a.nblocks + b];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[r][0], s[r][1])),
+                               _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << lanes) - 1u);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+
+template <int64_t QT, int MR>
+inline void packed_tile(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float* y, int64_t ldy, int lanes) {
+  if constexpr (QT == kQ8_0) {
+    packed_group16<MR>(p, nb, a, m0, y, ldy, lanes);
+  } else {
+    packed_group<QT, MR>(p, nb, a, m0, y, ldy, lanes);
+  }
+}
+
 // y [M, N] from the packed groups: the groups split evenly over the threads, each group
 // against the activation rows four at a time.
 template <int64_t QT>
 void packed_gemv(const Acts& a, const uint8_t* packed, float* y, int64_t N) {
-  const int64_t groups = (N + 15) / 16, group_bytes = a.nblocks * ((QT == kQ4_1 ? 64 : 32) + 256);
+  const int64_t groups = (N + 15) / 16, group_bytes = a.nblocks * (QT == kQ8_0 ? 544 : QT == kQ4_1 ? 320 : 288);
   at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int lanes = static_cast<int>(std::min<int64_t>(16, N - 16 * g));
       const uint8_t* p = packed + g * group_bytes;
       int64_t m = 0;
-      for (; m + 4 <= a.rows; m += 4) packed_group<QT, 4>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes);
+      for (; m + 4 <= a.rows; m += 4) packed_tile<QT, 4>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes);
       switch (a.rows - m) {
-        case 3: packed_group<QT, 3>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes); break;
-        case 2: packed_group<QT, 2>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes); break;
-        case 1: packed_group<QT, 1>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes); break;
+        case 3: packed_tile<QT, 3>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes); break;
+        case 2: packed_tile<QT, 2>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes); break;
+        case 1: packed_tile<QT, 1>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes); break;
         default: break;
       }
     }
@@ -448,19 +492,22 @@ at::Tensor int8dot_linear(at::Tensor q, at::Tensor scales, at::Tensor sums, at::
 
 // ---- packed 4-bit weights for decode-sized calls on AVX-512 VNNI (packed_gemv) ------------
 int64_t packed_step(int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "only Q4_0 and Q4_1 blocks pack (2 = Q4_0, 3 = Q4_1), not ", qtype);
-  return (qtype == kQ4_1 ? 64 : 32) + 256;
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
+              "only Q4_0, Q4_1 and Q8_0 blocks pack (2 = Q4_0, 3 = Q4_1, 8 = Q8_0), not ", qtype);
+  return qtype == kQ8_0 ? 32 + 512 : (qtype == kQ4_1 ? 64 : 32) + 256;
 }
 
 // blocks [N, nb * block_bytes] -> [ceil(N / 16), nb * packed_step]: the layout packed_group
-// reads; the rows past N in the last group are zero (their outputs are never stored).
+// (4-bit) or packed_group16 (Q8_0) reads; the rows past N in the last group are zero (their
+// outputs are never stored).
 at::Tensor pack_rows(at::Tensor blocks, int64_t qtype) {
   const int64_t step = packed_step(qtype), bb = block_bytes(qtype);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.is_contiguous() && blocks.size(1) % bb == 0,
               "blocks must be a contiguous uint8 [N, whole blocks of ", bb, " bytes] CPU tensor");
   const int64_t N = blocks.size(0), nb = blocks.size(1) / bb, groups = (N + 15) / 16;
-  const int64_t scale_bytes = step - 256, qs_at = qtype == kQ4_1 ? 4 : 2;
+  const int64_t scale_bytes = qtype == kQ4_1 ? 64 : 32, qs_at = qtype == kQ4_1 ? 4 : 2;
+  const int64_t chunk = qtype == kQ8_0 ? 2 : 4, chunks = qtype == kQ8_0 ? 16 : 4;
   at::Tensor out = at::zeros({groups, nb * step}, at::kByte);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -472,7 +519,8 @@ at::Tensor pack_rows(at::Tensor blocks, int64_t qtype) {
           uint8_t* o = dst + g * nb * step + b * step;
           std::memcpy(o + 2 * l, blk, 2);
           if (qtype == kQ4_1) std::memcpy(o + 32 + 2 * l, blk + 2, 2);
-          for (int64_t c = 0; c < 4; ++c) std::memcpy(o + scale_bytes + 64 * c + 4 * l, blk + qs_at + 4 * c, 4);
+          for (int64_t c = 0; c < chunks; ++c)
+            std::memcpy(o + scale_bytes + 16 * chunk * c + chunk * l, blk + qs_at + chunk * c, chunk);
         }
   });
   return out;
@@ -483,9 +531,9 @@ at::Tensor pack_rows(at::Tensor blocks, int64_t qtype) {
 // One call per linear and one allocation (y): decode's calls are short, their overhead counts.
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N, c10::optional<at::Tensor> bias) {
   const int64_t step = packed_step(qtype);
-  TORCH_CHECK(cpu_has(kAvx512Vnni), "packed weights run on AVX-512 VNNI only");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
                   x.size(1) % kBlock == 0, "x must be a contiguous float32 [M, K] CPU tensor, K a multiple of 32");
+  TORCH_CHECK(cpu_has(kAvx512Vnni), "packed weights run on AVX-512 VNNI only");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == (N + 15) / 16 && packed.size(1) == nb * step,
@@ -495,17 +543,21 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t
   at::Tensor y = at::empty({M, N}, at::kFloat);
   {
     pybind11::gil_scoped_release no_gil;
-    thread_local std::vector<int8_t> q;
+    thread_local std::vector<int8_t> q;  // 8-bit activations (4-bit weights) or, as int16, 16-bit (Q8_0)
     thread_local std::vector<float> scales, sums;
-    q.resize(M * K), scales.resize(M * nb), sums.resize(M * nb);
+    const bool wide = qtype == kQ8_0;
+    q.resize(M * K * (wide ? 2 : 1)), scales.resize(M * nb), sums.resize(M * nb);
 #if defined(__x86_64__)
-    avx2::quantize_blocks(x.data_ptr<float>(), q.data(), scales.data(), sums.data(), M * nb, 127.0f);
-    const Acts acts{q.data(), nullptr, scales.data(), sums.data(), M, nb};
-    if (qtype == kQ4_1) {
-      avx512vnni::packed_gemv<kQ4_1>(acts, packed.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
+    int16_t* q16 = reinterpret_cast<int16_t*>(q.data());
+    if (wide) {
+      avx2::quantize_blocks(x.data_ptr<float>(), q16, scales.data(), sums.data(), M * nb, 32767.0f);
     } else {
-      avx512vnni::packed_gemv<kQ4_0>(acts, packed.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
+      avx2::quantize_blocks(x.data_ptr<float>(), q.data(), scales.data(), sums.data(), M * nb, 127.0f);
     }
+    const Acts acts{wide ? nullptr : q.data(), wide ? q16 : nullptr, scales.data(), sums.data(), M, nb};
+    by_type(qtype, [&](auto qt) {
+      avx512vnni::packed_gemv<decltype(qt)::value>(acts, packed.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
+    });
 #endif
   }
   if (bias.has_value()) y.add_(*bias);

@@ -93,18 +93,20 @@ def test_odd_rows_and_long_rows(isa, name, bits):
 
 
 @pytest.mark.skipif("avx512vnni" not in SUPPORTED, reason="the packed layout runs on AVX-512 VNNI")
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n, k", [(94, 160), (33, 65 * 32), (16, 32), (960, 576)])  # partial and whole groups
 def test_packed_rows_match_float64_and_the_unpacked_path(name, n, k):
-    """pack_rows + packed_linear (one call: 8-bit blocks, then 16 rows a vector) against
-    float64 over the same quantized activations, for 1-31 rows (tiles of 4 and remainders)."""
+    """pack_rows + packed_linear (one call: 8-bit blocks, 16-bit for Q8_0, then 16 rows a
+    vector) against float64 over the same quantized activations, for 1-31 rows (tiles of 4
+    and remainders)."""
+    bits = int8_dot.PACKED_BITS[TYPES[name]]
     weight, reference = random_weight(TYPES[name], n, k, seed=n)
     packed = int8_dot.pack_rows(weight)
     assert packed.numel() == -(-n // 16) * 16 * weight.blocks.shape[1]  # the blocks' bytes, rows padded to 16
     for rows in (1, 2, 3, 4, 5, 9, 31):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         bias = torch.randn(n)
-        acts = int8_dot.quantize_activations(x, 8)
+        acts = int8_dot.quantize_activations(x, bits)
         expected = acts.dequantize().double() @ reference.double().T + bias.double()
         got = int8_dot.packed_linear(x, packed, weight, bias)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
@@ -113,11 +115,12 @@ def test_packed_rows_match_float64_and_the_unpacked_path(name, n, k):
         assert (got - unpacked).abs().max() <= 1e-5 * unpacked.abs().max()
 
 
-def test_only_4bit_blocks_on_avx512_vnni_pack():
-    assert int8_dot.packs(quant.Q4_1, "avx512vnni") and int8_dot.packs(quant.Q4_0, "avx512vnni")
-    assert not int8_dot.packs(quant.Q8_0, "avx512vnni") and not int8_dot.packs(quant.Q4_1, "avx2")
-    head, _ = random_weight(quant.Q4_1, 32, 64)
-    assert int8_dot.Int8DotLinear.build(head, "gguf-int16dot").packed is None  # 16-bit blocks do not pack
+def test_what_packs():
+    assert int8_dot.packs(quant.Q4_1, 8, "avx512vnni") and int8_dot.packs(quant.Q4_0, 8, "avx512vnni")
+    assert int8_dot.packs(quant.Q8_0, 16, "avx512vnni") and not int8_dot.packs(quant.Q4_1, 16, "avx512vnni")
+    assert not int8_dot.packs(quant.Q4_1, 8, "avx2") and not int8_dot.packs(quant.Q8_0, 16, "avxvnni")
+    weight, _ = random_weight(quant.Q4_1, 32, 64)
+    assert int8_dot.Int8DotLinear.build(weight, "gguf-int16dot").packed is None  # 16-bit 4-bit calls do not pack
 
 
 def test_the_linear_runs_prompts_exact_and_decode_rows_as_integers():
@@ -126,7 +129,7 @@ def test_the_linear_runs_prompts_exact_and_decode_rows_as_integers():
     prompt = torch.randn(40, 96)
     assert torch.equal(linear(prompt), quant.quant_linear(prompt, weight))
     step = torch.randn(2, 3, 96)
-    if int8_dot.packs(quant.Q4_1):  # AVX-512 VNNI: the packed layout, quantizing in the same call
+    if int8_dot.packs(quant.Q4_1, 8):  # AVX-512 VNNI: the packed layout, quantizing in the same call
         assert linear.packed is not None
         expected = int8_dot.packed_linear(step.reshape(6, 96), linear.packed, weight)
     else:
@@ -134,8 +137,12 @@ def test_the_linear_runs_prompts_exact_and_decode_rows_as_integers():
         expected = int8_dot.int8dot_linear(int8_dot.quantize_activations(step.reshape(6, 96)), weight)
     assert torch.equal(linear(step), expected.reshape(2, 3, 64))
     head, _ = random_weight(quant.Q8_0, 64, 96)  # Q8_0 takes 16-bit activations
-    expected = int8_dot.int8dot_linear(int8_dot.quantize_activations(step.reshape(6, 96), 16), head)
-    assert torch.equal(int8_dot.Int8DotLinear.build(head)(step), expected.reshape(2, 3, 64))
+    linear = int8_dot.Int8DotLinear.build(head)
+    if int8_dot.packs(quant.Q8_0, 16):
+        expected = int8_dot.packed_linear(step.reshape(6, 96), linear.packed, head)
+    else:
+        expected = int8_dot.int8dot_linear(int8_dot.quantize_activations(step.reshape(6, 96), 16), head)
+    assert torch.equal(linear(step), expected.reshape(2, 3, 64))
 
 
 def test_choosing_a_path():
@@ -164,8 +171,9 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(RuntimeError, match="8 or 16 bits"):
         int8_dot.quantize_activations(torch.randn(2, 64), 4)
 
-    with pytest.raises(RuntimeError, match="only Q4_0 and Q4_1 blocks pack"):
-        int8_dot.pack_rows(weight)
+    with pytest.raises(RuntimeError, match="only Q4_0, Q4_1 and Q8_0 blocks pack"):
+        cpu = __import__("pdserve.kernels.cpu_native", fromlist=["x"]).int8_dot_module()
+        cpu.pack_rows(weight.blocks, 6)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         __import__("pdserve.kernels.cpu_native", fromlist=["x"]).int8_dot_module().packed_linear(
             torch.randn(2, 40), torch.zeros(1, 288, dtype=torch.uint8), quant.Q4_0, 4, None)
