@@ -127,9 +127,9 @@ def int8dot_linear(x: Int8Activations, weight: QuantWeight, bias: torch.Tensor |
 
 def packs(qtype: int, bits: int, isa: str | None = None) -> bool:
     """Whether `bits`-bit activations against `qtype` blocks take the packed layout on `isa`
-    (default: this process's path): on AVX-512 VNNI, 8-bit ones against Q4_0 and Q4_1, 16-bit
-    ones against Q8_0."""
-    return PACKED_BITS.get(qtype) == bits and (isa or chosen_isa()) == "avx512vnni"
+    (default: this process's path): on every vector path, 8-bit ones against Q4_0 and Q4_1,
+    16-bit ones against Q8_0."""
+    return PACKED_BITS.get(qtype) == bits and (isa or chosen_isa()) != "scalar"
 
 
 def pack_rows(weight: QuantWeight) -> torch.Tensor:
@@ -140,14 +140,16 @@ def pack_rows(weight: QuantWeight) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: QuantWeight,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
     """x float32 [M, K] quantized to blocks (PACKED_BITS) and multiplied by `packed`
-    (pack_rows of `weight`) in one native call: [M, out_features] float32."""
+    (pack_rows of `weight`) in one native call, on vector path `isa` (default: this
+    process's): [M, out_features] float32."""
     module = cpu_native.int8_dot_module()
+    code = ISAS.index(isa or chosen_isa())
     if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
         with torch.profiler.record_function(GEMM_EVENT):
-            return module.packed_linear(x, packed, weight.qtype, weight.out_features, bias)
-    return module.packed_linear(x, packed, weight.qtype, weight.out_features, bias)
+            return module.packed_linear(x, packed, weight.qtype, weight.out_features, bias, code)
+    return module.packed_linear(x, packed, weight.qtype, weight.out_features, bias, code)
 
 
 class Int8DotLinear:

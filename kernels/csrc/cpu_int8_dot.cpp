@@ -359,26 +359,6 @@ inline void packed_tile(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0,
   }
 }
 
-// y [M, N] from the packed groups: the groups split evenly over the threads, each group
-// against the activation rows four at a time.
-template <int64_t QT>
-void packed_gemv(const Acts& a, const uint8_t* packed, float* y, int64_t N) {
-  const int64_t groups = (N + 15) / 16, group_bytes = a.nblocks * (QT == kQ8_0 ? 544 : QT == kQ4_1 ? 320 : 288);
-  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int lanes = static_cast<int>(std::min<int64_t>(16, N - 16 * g));
-      const uint8_t* p = packed + g * group_bytes;
-      int64_t m = 0;
-      for (; m + 4 <= a.rows; m += 4) packed_tile<QT, 4>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes);
-      switch (a.rows - m) {
-        case 3: packed_tile<QT, 3>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes); break;
-        case 2: packed_tile<QT, 2>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes); break;
-        case 1: packed_tile<QT, 1>(p, a.nblocks, a, m, y + m * N + 16 * g, N, lanes); break;
-        default: break;
-      }
-    }
-  });
-}
 }  // namespace avx512vnni
 #pragma GCC pop_options
 #endif
@@ -424,6 +404,65 @@ void run(int64_t isa, int64_t qtype, const Acts& a, const uint8_t* blocks, float
     }
   });
 }
+
+// y [M, N] from the packed groups: the groups split evenly over the threads, each group
+// against the activation rows four at a time; Tile<MR>::run is one ISA's group kernel.
+template <int64_t QT, template <int> class Tile>
+void packed_gemv(const Acts& a, const uint8_t* packed, float* y, int64_t N) {
+  const int64_t groups = (N + 15) / 16, group_bytes = a.nblocks * (QT == kQ8_0 ? 544 : QT == kQ4_1 ? 320 : 288);
+  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int lanes = static_cast<int>(std::min<int64_t>(16, N - 16 * g));
+      const uint8_t* p = packed + g * group_bytes;
+      float* out = y + 16 * g;
+      int64_t m = 0;
+      for (; m + 4 <= a.rows; m += 4) Tile<4>::run(p, a.nblocks, a, m, out + m * N, N, lanes);
+      switch (a.rows - m) {
+        case 3: Tile<3>::run(p, a.nblocks, a, m, out + m * N, N, lanes); break;
+        case 2: Tile<2>::run(p, a.nblocks, a, m, out + m * N, N, lanes); break;
+        case 1: Tile<1>::run(p, a.nblocks, a, m, out + m * N, N, lanes); break;
+        default: break;
+      }
+    }
+  });
+}
+
+#if defined(__x86_64__)
+template <int64_t QT>
+struct Packed512 {
+  template <int MR>
+  struct T {
+    static void run(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float* y, int64_t ldy, int lanes) {
+      avx512vnni::packed_tile<QT, MR>(p, nb, a, m0, y, ldy, lanes);
+    }
+  };
+};
+#define PD_PACKED256(NS)                                                                                   \
+  template <int64_t QT>                                                                                    \
+  struct Packed_##NS {                                                                                     \
+    template <int MR>                                                                                      \
+    struct T {                                                                                             \
+      static void run(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float* y, int64_t ldy, int lanes) { \
+        NS::packed_group256<QT, MR>(p, nb, a, m0, y, ldy, lanes);                                          \
+      }                                                                                                    \
+    };                                                                                                     \
+  };
+PD_PACKED256(avx2)
+PD_PACKED256(avxvnni)
+#undef PD_PACKED256
+
+void run_packed(int64_t isa, int64_t qtype, const Acts& a, const uint8_t* packed, float* y, int64_t N) {
+  by_type(qtype, [&](auto qt) {
+    constexpr int64_t QT = decltype(qt)::value;
+    switch (isa) {
+      case kAvx2: return packed_gemv<QT, Packed_avx2<QT>::template T>(a, packed, y, N);
+      case kAvxVnni: return packed_gemv<QT, Packed_avxvnni<QT>::template T>(a, packed, y, N);
+      case kAvx512Vnni: return packed_gemv<QT, Packed512<QT>::template T>(a, packed, y, N);
+      default: TORCH_CHECK(false, "packed weights run on the vector paths (AVX2 and up), not path ", isa);
+    }
+  });
+}
+#endif
 
 }  // namespace
 
@@ -490,7 +529,7 @@ at::Tensor int8dot_linear(at::Tensor q, at::Tensor scales, at::Tensor sums, at::
   return y;
 }
 
-// ---- packed 4-bit weights for decode-sized calls on AVX-512 VNNI (packed_gemv) ------------
+// ---- packed weights for decode-sized calls on the vector paths (packed_gemv) -------------
 int64_t packed_step(int64_t qtype) {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
               "only Q4_0, Q4_1 and Q8_0 blocks pack (2 = Q4_0, 3 = Q4_1, 8 = Q8_0), not ", qtype);
@@ -526,14 +565,17 @@ at::Tensor pack_rows(at::Tensor blocks, int64_t qtype) {
   return out;
 }
 
-// x [M, K] float32 against packed 4-bit weights (pack_rows) of N rows: x quantized to 8-bit
-// blocks (the quantize_activations arithmetic) into this thread's buffers, then packed_gemv.
+// x [M, K] float32 against packed weights (pack_rows) of N rows on vector path `isa`: x
+// quantized to 8-bit blocks, 16-bit for Q8_0 (the quantize_activations arithmetic), into
+// this thread's buffers, then packed_gemv.
 // One call per linear and one allocation (y): decode's calls are short, their overhead counts.
-at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N, c10::optional<at::Tensor> bias) {
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N, c10::optional<at::Tensor> bias,
+                         int64_t isa) {
   const int64_t step = packed_step(qtype);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
                   x.size(1) % kBlock == 0, "x must be a contiguous float32 [M, K] CPU tensor, K a multiple of 32");
-  TORCH_CHECK(cpu_has(kAvx512Vnni), "packed weights run on AVX-512 VNNI only");
+  TORCH_CHECK(isa != kScalar && cpu_has(isa), "instruction-set path ", isa,
+              " is not a vector path this CPU runs (packed weights take AVX2 and up)");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == (N + 15) / 16 && packed.size(1) == nb * step,
@@ -555,9 +597,7 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t
       avx2::quantize_blocks(x.data_ptr<float>(), q.data(), scales.data(), sums.data(), M * nb, 127.0f);
     }
     const Acts acts{wide ? nullptr : q.data(), wide ? q16 : nullptr, scales.data(), sums.data(), M, nb};
-    by_type(qtype, [&](auto qt) {
-      avx512vnni::packed_gemv<decltype(qt)::value>(acts, packed.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
-    });
+    run_packed(isa, qtype, acts, packed.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
 #endif
   }
   if (bias.has_value()) y.add_(*bias);
