@@ -156,11 +156,15 @@ class Int8DotLinear:
     """An integer-dot mode's linear over one weight's blocks: integer dots for decode-sized
     calls, the exact expanded GEMM for prompts (see the module docstring)."""
 
-    __slots__ = ("weight", "bits", "packed")
+    __slots__ = ("weight", "bits", "packed", "_step")
 
     def __init__(self, weight: QuantWeight, bits: int) -> None:
         self.weight, self.bits = weight, bits
         self.packed = pack_rows(weight) if packs(weight.qtype, bits) else None
+        self._step = None  # packed: the native call and its constant arguments, looked up once
+        if self.packed is not None:
+            self._step = (cpu_native.int8_dot_module().packed_linear, self.packed, weight.qtype,
+                          weight.out_features, ISAS.index(chosen_isa()))
 
     @classmethod
     def build(cls, weight: QuantWeight, mode: str = "gguf-int8dot") -> Int8DotLinear | None:
@@ -185,6 +189,12 @@ class Int8DotLinear:
         return self.weight.in_features
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        step = self._step
+        if step is not None and x.dim() == 2 and x.shape[0] < GEMM_ROWS and not torch.autograd._profiler_enabled():
+            # a decode step's call, with no Python work around the native one: a step makes
+            # one per linear, and the native call of a small linear is a few microseconds
+            call, packed, qtype, n, code = step
+            return call(x, packed, qtype, n, bias, code)  # (it makes x contiguous itself)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         if x2.shape[0] >= GEMM_ROWS:

@@ -572,8 +572,9 @@ at::Tensor pack_rows(at::Tensor blocks, int64_t qtype) {
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N, c10::optional<at::Tensor> bias,
                          int64_t isa) {
   const int64_t step = packed_step(qtype);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
-                  x.size(1) % kBlock == 0, "x must be a contiguous float32 [M, K] CPU tensor, K a multiple of 32");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % kBlock == 0,
+              "x must be a float32 [M, K] CPU tensor, K a multiple of 32");
+  x = x.contiguous();
   TORCH_CHECK(isa != kScalar && cpu_has(isa), "instruction-set path ", isa,
               " is not a vector path this CPU runs (packed weights take AVX2 and up)");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;

@@ -132,6 +132,9 @@ def test_the_linear_runs_prompts_exact_and_decode_rows_as_integers():
     linear = int8_dot.Int8DotLinear.build(weight, "gguf-int8dot")
     prompt = torch.randn(40, 96)
     assert torch.equal(linear(prompt), quant.quant_linear(prompt, weight))
+    rows = torch.randn(3, 192)[:, ::2]  # decode rows, not contiguous
+    if linear.packed is not None:
+        assert torch.equal(linear(rows), int8_dot.packed_linear(rows.contiguous(), linear.packed, weight))
     step = torch.randn(2, 3, 96)
     if int8_dot.packs(quant.Q4_1, 8):  # AVX-512 VNNI: the packed layout, quantizing in the same call
         assert linear.packed is not None
