@@ -302,12 +302,13 @@ void packed_group(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float
         s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(xh));
       }
       const float dx = a.scales[row];
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r]);
+      __m512i sum = _mm512_add_epi32(s0, s1);
+      if constexpr (QT == kQ4_0)  // its nibbles are q + 8: sum((q + 8) qx) - 8 sum(qx), exact in int32
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * static_cast<int32_t>(a.sums[row])));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r]);
       if constexpr (QT == kQ4_1) {  // + m_w * d_x * sum(qx)
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * a.sums[row]), acc[r]);
-      } else {  // Q4_0's nibbles are q + 8: - 8 d_w * d_x * sum(qx)
-        acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-8.0f * dx * a.sums[row]), acc[r]);
       }
     }
   }

@@ -285,12 +285,13 @@ void packed_group256(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, fl
       for (int r = 0; r < MR; ++r) {
         const int64_t row = (m0 + r) * a.nblocks + b;
         const float dx = a.scales[row];
-        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[h][r]);
+        __m256i sum = s[r];
+        if constexpr (QT == kQ4_0)  // its nibbles are q + 8: sum((q + 8) qx) - 8 sum(qx), exact in int32
+          sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * static_cast<int32_t>(a.sums[row])));
+        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[h][r]);
         if constexpr (QT == kQ4_1) {  // + m_w * d_x * sum(qx)
           const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
           acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * a.sums[row]), acc[h][r]);
-        } else if constexpr (QT == kQ4_0) {  // nibbles are q + 8
-          acc[h][r] = _mm256_fmadd_ps(d, _mm256_set1_ps(-8.0f * dx * a.sums[row]), acc[h][r]);
         }
       }
     }
