@@ -22,6 +22,7 @@ BENCHMARKS = {
     "slowloris": "slow_clients",  # connections that never finish their headers: closed in time, /health fast
     "quantization": "quantization",  # each --quantization against fp32: agreement, perplexity, decode tok/s
     "gguf-1b": "synthetic_gguf",  # a synthetic ~1B GGUF: decode tok/s, fp32 vs its own blocks
+    "int8dot-step": "int8dot_step",  # a step's integer-dot linears against a read of their bytes, one process
     "layerwise": "layerwise",  # a long prompt's KV streamed layer by layer vs sent whole: the transfer's tail
     "network": "network",  # prefill and decode on separate hosts (network namespaces): TTFT at shaped link rates
     "nemesis": "nemesis",  # 2 prefill + 2 decode hosts under cut links and killed workers: every request ends right
