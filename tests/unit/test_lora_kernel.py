@@ -103,3 +103,23 @@ def test_triton_kernels_under_interpreter():
                            "-k", "triton_interp"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+@pytest.mark.parametrize("widths", [(48, 16, 16), (30,), (64, 64)], ids=["qkv", "one", "gate_up"])
+@pytest.mark.parametrize("case", sorted(SLOTS))
+def test_dense_path_matches_reference(case, widths):
+    """`add_lora_dense` with the block matrix built from the same slices."""
+    from pdserve.kernels.lora import add_lora_dense, dense_row_mask
+
+    y, x, a, bs, slots = _case(SLOTS[case], widths)
+    num_slots, k, _ = a.shape
+    rank = k // len(widths)
+    b_full = torch.zeros(num_slots * k, sum(widths))
+    for s in range(num_slots):
+        off = 0
+        for i, b in enumerate(bs):
+            b_full[s * k + i * rank:s * k + (i + 1) * rank, off:off + b.shape[1]] = b[s].T
+            off += b.shape[1]
+    expected = reference_add_lora(y, x, a, bs, slots)
+    add_lora_dense(y, x, a, b_full, dense_row_mask(slots, num_slots, k, torch.float32))
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
