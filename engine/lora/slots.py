@@ -44,14 +44,16 @@ class SlotWeights:
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, list[torch.Tensor]]] = []
         self.b_full: list[dict[str, torch.Tensor]] = []  # empty where the Triton path runs
-        dense = not use_triton(device)
+        self.dense = dense = not use_triton(device)
         for _ in range(model_config.num_layers):
             self.a.append({g: torch.zeros(num_slots, len(mods) * max_rank, shapes[mods[0]][0], device=device,
                                           dtype=dtype) for g, mods in GROUPS.items()})
             self.b.append({g: [torch.zeros(num_slots, shapes[m][1], max_rank, device=device, dtype=dtype)
                                for m in mods] for g, mods in GROUPS.items()})
-            self.b_full.append({g: torch.zeros(num_slots * len(mods) * max_rank, sum(shapes[m][1] for m in mods),
-                                               device=device, dtype=dtype) for g, mods in GROUPS.items()} if dense else {})
+            if dense:
+                self.b_full.append({g: torch.zeros(num_slots * len(mods) * max_rank,
+                                                   sum(shapes[m][1] for m in mods), device=device, dtype=dtype)
+                                    for g, mods in GROUPS.items()})
         # (layer, group) pairs each slot's adapter adapts: the torch path skips the others
         self.adapted: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots
 
@@ -91,7 +93,7 @@ class SlotWeights:
         if not groups:
             return NO_LORA
         slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
-        dense = bool(self.b_full[0]) and len(row_slots) <= DENSE_MAX_ROWS
+        dense = self.dense and len(row_slots) <= DENSE_MAX_ROWS
         return LoraBatch(self, slots, tuple(groups), {} if dense else None)
 
 

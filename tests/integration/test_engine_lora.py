@@ -294,3 +294,38 @@ def test_an_adapter_changed_on_disk_fails_its_request_only(model_dir, adapters, 
     assert outs[0].finish_reason == "error" and list(outs[0].token_ids) == []
     assert list(outs[1].token_ids) == refs("all", PROMPTS[1])
     llm.engine.assert_no_leaks()
+
+
+TRITON_CHILD = r"""
+import json, sys
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+model, adapters, prompts, names = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+llm = LLM(model, num_blocks=48, max_num_tokens=24, enable_lora=True, max_loras=2)
+for name, path in adapters.items():
+    llm.load_lora(name, path)
+outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), lora_name=names)
+llm.engine.assert_no_leaks()
+print(json.dumps([list(o.token_ids) for o in outs]))
+"""
+
+
+def test_the_triton_path_through_the_engine_under_the_interpreter(model_dir, adapters, refs):
+    """The engine's LoRA rows through the Triton kernels (TRITON_INTERPRET=1 in a child
+    process): base and two adapters in one batch, chunked prefill and decode."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    names = [None, "all", "qv"]
+    prompts = PROMPTS
+    env = dict(os.environ, PDSERVE_USE_TRITON="1", TRITON_INTERPRET="1")
+    paths = {n: str(adapters[n]) for n in ("all", "qv")}
+    out = subprocess.run([sys.executable, "-c", TRITON_CHILD, str(model_dir), json.dumps(paths),
+                          json.dumps(prompts), json.dumps(names)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == [refs(n, p, 5) for n, p in zip(names, prompts)]
