@@ -103,7 +103,8 @@ class EngineLoop:
     async def add_request(self, prompt_token_ids: list[int], params, *, request_id: str,
                           remote_prefill: bool = False,
                           transfer_params: object | None = None, resumed: Sequence[int] = (),
-                          cache_salt: str = "", stream_layers: bool = True, blocks=None) -> RequestStream:
+                          cache_salt: str = "", stream_layers: bool = True, blocks=None,
+                          lora_name: str | None = None) -> RequestStream:
         stream = RequestStream(request_id)
         if remote_prefill:
             stream.remote_ready = asyncio.get_running_loop().create_future()
@@ -113,7 +114,7 @@ class EngineLoop:
                                               remote_prefill=remote_prefill,
                                               transfer_params=transfer_params, resumed=resumed,
                                               cache_salt=cache_salt, stream_layers=stream_layers,
-                                              blocks=blocks)
+                                              blocks=blocks, lora_name=lora_name)
             self._streams[request_id] = stream
             return request
 

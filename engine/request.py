@@ -64,6 +64,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # full prompt blocks, chained (their keys)
     block_digests: list[bytes] = field(default_factory=list)  # their full digests: a cache hit must match
     cache_salt: str = ""  # the tenant salt in the first block's hash (common.block_hash)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model); in its block keys
+    lora_slot: int = -1  # the device slot holding that adapter while admitted (engine.lora)
     stop_reason: str | int | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
