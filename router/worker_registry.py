@@ -12,6 +12,7 @@ router's directory of workers' keys).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ class Load:
     prefill_tokens_per_s: float = 0.0  # its recent prefill rate (0: not measured yet)
     num_decoding: int = 0  # running requests past their prompt
     draining: bool = False  # leaving: routed no new work, finishing its own
+    lora_adapters: tuple = ()  # common_pb2.LoraAdapterState of each adapter it serves (loaded or loadable)
 
 
 @dataclass(slots=True)
@@ -213,6 +215,20 @@ class WorkerRegistry:
                 record.cached_hashes.update(block_hashes)
                 now = self._clock()
                 record.expected.update((h, now) for h in block_hashes)
+
+    def note_adapter(self, worker_id: str, state) -> None:
+        """A LoRA adapter the router just had the worker load (its next report confirms it)."""
+        record = self._records.get(worker_id)
+        if record is not None:
+            kept = tuple(a for a in record.load.lora_adapters if a.name != state.name)
+            record.load = dataclasses.replace(record.load, lora_adapters=(*kept, state))
+
+    def note_adapter_gone(self, worker_id: str, name: str) -> None:
+        """A LoRA adapter the router just had the worker unload."""
+        record = self._records.get(worker_id)
+        if record is not None:
+            record.load = dataclasses.replace(
+                record.load, lora_adapters=tuple(a for a in record.load.lora_adapters if a.name != name))
 
     def note_refusal(self, worker_id: str) -> None:
         """The worker refused a request after reading it (RESOURCE_EXHAUSTED): it counts
