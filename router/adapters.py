@@ -86,41 +86,51 @@ class AdapterAdmin:
     async def load(self, body: dict) -> dict:
         name, path = _field(body, "lora_name"), _field(body, "lora_path")
         request = adapters_pb2.LoadAdapterRequest(lora_name=name, lora_path=path)
-        answers = await self._on_every_worker(lambda r: self._channels.adapters(r.worker.address).LoadAdapter(
+        answers, error = await self._on_every_worker(lambda r: self._channels.adapters(r.worker.address).LoadAdapter(
             request, timeout=self._timeout_s))
-        for record, answer in answers:
+        for record, answer in answers:  # routed to at once, before their next report
             self._registry.note_adapter(record.worker_id, answer.adapter)
+        if error is not None:
+            raise error
         log.info("loaded LoRA adapter %r from %r on %d workers", name, path, len(answers))
         return {"object": "lora_adapter", "lora_name": name, "lora_path": path, "workers": len(answers)}
 
     async def unload(self, body: dict) -> dict:
+        """Workers where a request still runs under the adapter refuse (the engine's rule:
+        FAILED_PRECONDITION, code adapter_in_use) and keep serving it; the others drop it.
+        Routing follows each worker's own answer, so no request is sent where it is gone."""
         name = _field(body, "lora_name")
         request = adapters_pb2.UnloadAdapterRequest(lora_name=name)
-        answers = await self._on_every_worker(lambda r: self._channels.adapters(r.worker.address).UnloadAdapter(
+        answers, error = await self._on_every_worker(lambda r: self._channels.adapters(r.worker.address).UnloadAdapter(
             request, timeout=self._timeout_s))
-        if not any(answer.found for _, answer in answers):
-            raise NotFoundError(f"The LoRA adapter `{name}` is not loaded", param="lora_name")
         for record, _ in answers:
             self._registry.note_adapter_gone(record.worker_id, name)
+        if error is not None:
+            raise error
+        if not any(answer.found for _, answer in answers):
+            raise NotFoundError(f"The LoRA adapter `{name}` is not loaded", param="lora_name")
         log.info("unloaded LoRA adapter %r on %d workers", name, len(answers))
         return {"object": "lora_adapter", "lora_name": name, "unloaded": True, "workers": len(answers)}
 
-    async def _on_every_worker(self, call) -> list:
-        """(record, answer) of `call` on every live worker; the first worker's error (as the
-        worker raised it) when any failed."""
+    async def _on_every_worker(self, call) -> tuple[list, BaseException | None]:
+        """((record, answer) of each live worker where `call` succeeded, the first failure as
+        its worker raised it, or None)."""
         if not self.enabled:
             raise NotFoundError("LoRA adapters are not enabled on this router (--enable-lora)")
         records = [r for r in self._registry.alive() if not r.suspect]
         if not records:
-            raise ServiceError(ErrorKind.UNAVAILABLE, "no live worker to load the adapter on", retry_after_s=1)
+            raise ServiceError(ErrorKind.UNAVAILABLE, "no live worker to call", retry_after_s=1)
         results = await asyncio.gather(*(call(r) for r in records), return_exceptions=True)
+        answers, error = [], None
         for record, result in zip(records, results):
+            if not isinstance(result, BaseException):
+                answers.append((record, result))
+                continue
             if isinstance(result, grpc.aio.AioRpcError):
                 log.warning("LoRA admin call on %s: %s %s", record.worker_id, result.code().name, result.details())
-                raise to_service_error(result) from None
-            if isinstance(result, BaseException):
-                raise result
-        return list(zip(records, results))
+                result = to_service_error(result)
+            error = error or result
+        return answers, error
 
 
 def _field(body: dict, name: str) -> str:

@@ -172,8 +172,9 @@ class Frontend:
         self._limits.charge_tokens(tenant, len(prompt_ids) + sampling.max_tokens)
         await self._cpu.run(compile_constraint, sampling, self._guided)  # checked before any worker is asked
         salt = request.cache_salt if tenant is None else tenant_cache_salt(tenant.name, request.cache_salt)
-        # keyed as the workers key them: under the adapter's digest, when a worker reported it
-        lora_key = adapter.digest if adapter is not None else ""
+        # keyed as the workers key them, under the adapter's digest; before any worker reported
+        # it, under a key no worker's cache holds (never the base model's)
+        lora_key = "" if adapter is None else adapter.digest or f"unreported:{adapter.name}"
         hashes = hash_prompt_blocks(prompt_ids, model.block_size, model.block_hash_salt, self._block_hash_key, salt,
                                     lora_key)
         echo_text = await self._cpu.run(model.prompts.echo_text, request, prompt_ids) if request.echo else None

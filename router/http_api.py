@@ -379,4 +379,6 @@ def _health_body(registry: WorkerRegistry, catalog: ModelCatalog, scope: Scope) 
         body.update(models=catalog.names(), decode_workers=num_decode, prefill_workers=num_prefill)
     if scope >= Scope.ADMIN:
         body.update(kv_transfer="degraded" if degraded else "ok", kv_backends=backends)
+        body["lora_adapters"] = {r.worker_id: {a.name: "loaded" if a.loaded else "loadable" for a in r.load.lora_adapters}
+                                 for r in registry.alive() if r.load.lora_adapters}
     return body

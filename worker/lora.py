@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.errors import IncompatiblePeerError, InvalidRequestError, NotFoundError
+from pdserve.common.errors import IncompatiblePeerError, InvalidRequestError, LoraInUseError, NotFoundError
 from pdserve.proto.pdserve.v1 import common_pb2
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
@@ -178,7 +178,11 @@ class WorkerAdapters:
         known = name in self._modules
         if name in self._loaded():
             engine = self.loop.engine
-            await self.loop.call(lambda: engine.unload_lora(name), timeout=LOAD_TIMEOUT_S)
+            try:
+                await self.loop.call(lambda: engine.unload_lora(name), timeout=LOAD_TIMEOUT_S)
+            except LoraInUseError as exc:
+                raise LoraInUseError(f"adapter {name!r} is in use by running requests on this worker; unload it "
+                                     f"once they finish ({exc})", param="lora_name") from None
             known = True
         self._modules.pop(name, None)
         return known

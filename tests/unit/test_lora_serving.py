@@ -137,3 +137,26 @@ def test_lora_module_errors_are_invalid_requests():
     with pytest.raises(InvalidRequestError):
         LoraModule.parse('{"name": "a", "path": "/x", "extra": 1}')
     assert issubclass(NotFoundError, Exception)
+
+
+def test_the_planner_routes_both_legs_to_workers_serving_the_adapter_and_counts_why():
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.planner import NO_PREFILL_WORKER, RoutePlanner
+    from pdserve.router.policies import make_policy
+
+    registry = _registry({"d0": (0, []), "d1": (1, [_adapter("a", True)])})
+    for port, (worker_id, adapters) in enumerate({"p0": [], "p1": [_adapter("a", False)]}.items(), start=6000):
+        registry.register(Worker(worker_id, Role.PREFILL, f"127.0.0.1:{port}", "smol"),
+                          load_from_proto(common_pb2.WorkerLoad(num_total_blocks=64, lora_adapters=adapters)))
+    metrics = RouterMetrics(registry)
+    planner = RoutePlanner(registry, make_policy("prefix_aware"), make_policy("least_loaded"), 0, 8, metrics,
+                           predict=False)
+    for i in range(3):
+        plan = planner.plan(f"r{i}", "smol", 64, 16, [i, i + 1, i + 2, i + 3], "", lora_name="a")
+        assert (plan.decode.worker_id, plan.prefill.worker_id) == ("d1", "p1")
+    base = planner.plan("base", "smol", 64, 16, [90, 91, 92, 93], "")
+    assert base.decode.worker_id == "d0"  # the less loaded: no adapter, no preference
+    registry.note_adapter_gone("p1", "a")
+    assert planner.plan("r9", "smol", 64, 16, [50, 51, 52, 53], "", lora_name="a").prefill_reason == NO_PREFILL_WORKER
+    assert metrics.registry.get_sample_value("pdserve_router_routing_decisions_total",
+                                             {"pool": "decode", "policy": "lora", "reason": "lora_holder"}) == 4
