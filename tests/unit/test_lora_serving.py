@@ -160,3 +160,19 @@ def test_the_planner_routes_both_legs_to_workers_serving_the_adapter_and_counts_
     assert planner.plan("r9", "smol", 64, 16, [50, 51, 52, 53], "", lora_name="a").prefill_reason == NO_PREFILL_WORKER
     assert metrics.registry.get_sample_value("pdserve_router_routing_decisions_total",
                                              {"pool": "decode", "policy": "lora", "reason": "lora_holder"}) == 4
+
+
+def test_a_migrated_request_keeps_its_adapter():
+    """The router resends the request with the tokens already streamed: under the same adapter."""
+    from unittest import mock
+
+    from pdserve.router.frontend import PreparedRequest, _decode_request
+    from pdserve.router.planner import MIGRATED, RoutePlan
+
+    prepared = PreparedRequest("r1", mock.Mock(), (1, 2, 3), (), common_pb2.SamplingParams(max_tokens=8), "",
+                               lora_name="a")
+    decode = Worker("d1", Role.DECODE, "127.0.0.1:1", "smol")
+    plan = RoutePlan(decode, "lora_holder", None, MIGRATED, 0, 0)
+    first = _decode_request(prepared, plan, 0, [])
+    moved = _decode_request(prepared, plan, 0, [7, 8])
+    assert first.lora_name == moved.lora_name == "a" and list(moved.resumed_token_ids) == [7, 8]
