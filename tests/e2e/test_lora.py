@@ -142,6 +142,10 @@ def test_n_choices_and_grpc_generate_run_under_the_adapter(lora, reference):
 
     out = _client(lora).completions.create(model="a1", prompt=LONG, max_tokens=MAX_TOKENS, temperature=0, n=2)
     assert [c.text for c in out.choices] == [reference("a1", LONG)] * 2
+    guided = _client(lora).completions.create(model="a1", prompt=f"Story 5. {LONG}", max_tokens=4, temperature=0,
+                                              extra_body={"guided_choice": ["printing", "press"]})
+    assert guided.choices[0].text in ("printing", "press")
+    assert guided.model_extra["pdserve"]["transfer"]["outcome"] == "transferred"  # the grammar on both legs
     with grpc.insecure_channel(f"127.0.0.1:{lora.grpc_port}") as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = generation_pb2.GenerateRequest(model="a1", prompt=SHORT,
