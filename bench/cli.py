@@ -26,7 +26,8 @@ BENCHMARKS = {
     "network": "network",  # prefill and decode on separate hosts (network namespaces): TTFT at shaped link rates
     "nemesis": "nemesis",  # 2 prefill + 2 decode hosts under cut links and killed workers: every request ends right
     "plan-check": "plan_check",  # pdserve plan's predictions against bench serve on pdserve up
-    "plan-scale": "plan_scale",  # pdserve plan for 8 to 512 GPUs on a GPU profile: best xPyD, link bandwidth
+    "plan-scale": "plan_scale",
+    "lora": "lora",  # c8 decode mixing the base model and LoRA adapters against base-only: tokens/s  # pdserve plan for 8 to 512 GPUs on a GPU profile: best xPyD, link bandwidth
 }
 
 

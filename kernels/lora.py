@@ -38,6 +38,35 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: Sequence[tor
     return y
 
 
+def add_lora_dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_full: torch.Tensor,
+                   row_mask: torch.Tensor) -> torch.Tensor:
+    """The same update as `add_lora` in three dense ops whatever the mix of slots, for steps
+    of few rows (decode) where op count, not arithmetic, is the cost:
+
+        y += ((x @ a.view(S * K, in).T) * row_mask) @ b_full
+
+    `b_full` is `[S * K, out]`: slot s's slice i occupies rows s*K + i*R .. + R and only slice
+    i's output columns (zeros elsewhere); `row_mask` `[T, S * K]` is 1 where a column belongs to
+    the row's slot, 0 elsewhere (a row with no adapter: all 0). In place; returns y."""
+    num_slots, k, fan_in = a.shape
+    if b_full.shape != (num_slots * k, y.shape[1]) or row_mask.shape != (x.shape[0], num_slots * k):
+        raise KernelArgumentError(f"b_full {tuple(b_full.shape)} / row_mask {tuple(row_mask.shape)} do not fit "
+                                  f"a {tuple(a.shape)}, x {tuple(x.shape)} and y {tuple(y.shape)}")
+    v = F.linear(x.to(a.dtype), a.view(num_slots * k, fan_in))
+    v.mul_(row_mask)
+    if y.dtype == b_full.dtype and y.is_contiguous():
+        return y.addmm_(v, b_full)
+    y += (v @ b_full).to(y.dtype)
+    return y
+
+
+def dense_row_mask(slots: torch.Tensor, num_slots: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """`add_lora_dense`'s row mask: [T, num_slots * k], 1 on row t's slot's k columns."""
+    one_hot = torch.zeros(slots.shape[0], num_slots + 1, dtype=dtype, device=slots.device)
+    one_hot.scatter_(1, (slots.long() + 1)[:, None], 1)  # column 0 takes the rows with no adapter
+    return one_hot[:, 1:].repeat_interleave(k, dim=1)
+
+
 def _add_lora_grouped(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: Sequence[torch.Tensor],
                       groups: Sequence[tuple[int, int, int]]) -> None:
     rank = a.shape[1] // len(bs)

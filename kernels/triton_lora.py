@@ -1,6 +1,6 @@
 """Triton kernels for `kernels.lora.add_lora`: a shrink then one expand per output slice,
 one program per (token row, block of columns), each row reading its own adapter's matrices
-through `slots` (-1: the program returns at once). Imported lazily.
+through `slots` (-1: every load and store of the program is masked off). Imported lazily.
 """
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ def _shrink_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
+    in_limit = tl.where(slot >= 0, IN, 0)  # no adapter: nothing is read
+    slot = tl.maximum(slot, 0)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for start in range(0, IN, BLOCK_IN):
         cols = start + tl.arange(0, BLOCK_IN)
-        xs = tl.load(x_ptr + t * stride_x + cols, mask=cols < IN, other=0.0).to(tl.float32)
-        mask = (ks[:, None] < K) & (cols[None, :] < IN)
+        xs = tl.load(x_ptr + t * stride_x + cols, mask=cols < in_limit, other=0.0).to(tl.float32)
+        mask = (ks[:, None] < K) & (cols[None, :] < in_limit)
         w = tl.load(a_ptr + (slot * K + ks[:, None]) * IN + cols[None, :], mask=mask, other=0.0)
         acc += tl.sum(w.to(tl.float32) * xs[None, :], axis=1)
     tl.store(v_ptr + t * K + ks, acc, mask=ks < K)
@@ -55,17 +55,17 @@ def _expand_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
+    n_limit = tl.where(slot >= 0, N, 0)  # no adapter: nothing is read or written
+    slot = tl.maximum(slot, 0)
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_R)
     v = tl.load(v_ptr + t * K + v_off + rs, mask=rs < R, other=0.0)
-    mask = (ns[:, None] < N) & (rs[None, :] < R)
+    mask = (ns[:, None] < n_limit) & (rs[None, :] < R)
     w = tl.load(b_ptr + (slot * N + ns[:, None]) * R + rs[None, :], mask=mask, other=0.0)
     update = tl.sum(w.to(tl.float32) * v[None, :], axis=1)
     ys = y_ptr + t * stride_y + y_off + ns
-    old = tl.load(ys, mask=ns < N, other=0.0)
-    tl.store(ys, (old.to(tl.float32) + update).to(old.dtype), mask=ns < N)
+    old = tl.load(ys, mask=ns < n_limit, other=0.0)
+    tl.store(ys, (old.to(tl.float32) + update).to(old.dtype), mask=ns < n_limit)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: Sequence[torch.Tensor],

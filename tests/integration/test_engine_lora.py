@@ -82,9 +82,12 @@ def test_each_adapter_alone_equals_merged_transformers(model_dir, adapters, refs
     llm.engine.assert_no_leaks()
 
 
-def test_batch_mixing_base_and_two_adapters(model_dir, adapters, refs):
-    """One step runs rows of the base model and of two adapters, prefill and decode alike."""
-    llm = make_llm(model_dir, adapters, ("all", "qv"), max_loras=2, max_num_tokens=40)
+@pytest.mark.parametrize("budget", [40, 256], ids=["dense", "grouped"])
+def test_batch_mixing_base_and_two_adapters(model_dir, adapters, refs, budget):
+    """One step runs rows of the base model and of two adapters, prefill and decode alike;
+    a step of more than DENSE_MAX_ROWS rows (the whole batch's prompts at once under the
+    256 budget) takes the grouped torch path, smaller ones the dense one."""
+    llm = make_llm(model_dir, adapters, ("all", "qv"), max_loras=2, max_num_tokens=budget)
     names = [None, "all", "qv", "qv", None, "all"]
     prompts = PROMPTS * 2
     outs = llm.generate(prompts, GREEDY, lora_name=names)
@@ -226,3 +229,103 @@ def test_bad_adapter_is_refused_and_the_engine_stays_healthy(model_dir, adapters
     assert llm.engine.lora_names() == ["all"]
     assert ids(llm.generate(PROMPTS, GREEDY, lora_name="all")) == [refs("all", p) for p in PROMPTS]
     llm.engine.assert_no_leaks()
+
+
+def test_preemption_gives_the_slot_back_and_recomputes_under_the_adapter(model_dir, adapters, refs):
+    """MAX_UTILIZATION on a cache too small for the batch: preempted requests of several
+    adapters are recomputed under their own adapter."""
+    long_params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = make_llm(model_dir, adapters, ("all", "qv", "mlp"), max_loras=3, capacity_policy="MAX_UTILIZATION",
+                   num_blocks=8, max_num_tokens=64)
+    names = ["all", None, "qv", "mlp", "all", "qv"]
+    prompts = [PROMPTS[i % 3] for i in range(len(names))]
+    outs = llm.generate(prompts, long_params, lora_name=names)
+    assert llm.engine.stats().num_preemptions > 0
+    assert ids(outs) == [refs(n, p, 16) for n, p in zip(names, prompts)]
+    llm.engine.assert_no_leaks()
+
+
+def test_speculative_decoding_keeps_the_adapter(model_dir, adapters, refs, monkeypatch):
+    """Draft rows (several per sequence in one step) run under their sequence's adapter:
+    drafts from each adapter's own reference, one wrong in every four, keep its text."""
+    import numpy as np
+
+    from pdserve.engine import speculation
+    from pdserve.engine.config import SpeculativeConfig
+
+    names = [None, "all", "qv"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + i, 9, 11, 4, 7 + i] * 3 for i in range(3)]
+    script = {tuple(p): refs(n, p, 16) for n, p in zip(names, prompts)}
+
+    def propose(tokens, min_n, max_n, k):
+        seq = tokens.tolist()
+        for prompt, reference in script.items():
+            if tuple(seq[:len(prompt)]) == prompt:
+                done = len(seq) - len(prompt)
+                drafts = list(reference[done:done + k])
+                if done % 4 < len(drafts):
+                    drafts[done % 4] = (drafts[done % 4] + 1) % 250 + 3
+                return np.array(drafts, dtype=np.int32)
+        raise AssertionError("an unknown sequence")
+
+    monkeypatch.setattr(speculation, "propose", propose)
+    llm = make_llm(model_dir, adapters, ("all", "qv"), speculative=SpeculativeConfig(num_speculative_tokens=3))
+    llm.engine.speculator.cost = type("FreeRows", (), {"ratio": 0.0, "note": lambda self, rows, s: None})()
+    outs = llm.generate(prompts, params, lora_name=names)
+    assert ids(outs) == [refs(n, p, 16) for n, p in zip(names, prompts)]
+    assert llm.engine.stats().num_accepted_tokens > 0
+    llm.engine.assert_no_leaks()
+
+
+def test_an_adapter_changed_on_disk_fails_its_request_only(model_dir, adapters, refs, tmp_path):
+    """Evicted from memory (max_cpu_loras), an adapter is read again when a request needs it;
+    content that no longer matches its digest ends that request with an error, and the
+    engine goes on serving the others."""
+    import shutil
+
+    shutil.copytree(adapters["qv"], tmp_path / "qv")
+    llm = make_llm(model_dir, adapters, (), max_loras=1, max_cpu_loras=1)
+    llm.load_lora("qv", str(tmp_path / "qv"))
+    llm.load_lora("all", str(adapters["all"]))  # evicts "qv" from memory: neither is resident yet
+    assert llm.engine.loras.adapter("qv") is None
+    write_adapter(tmp_path / "qv", model_dir, targets=("q_proj", "v_proj"), rank=8, alpha=4, seed=9)
+    outs = llm.generate(PROMPTS[:2], GREEDY, lora_name=["qv", "all"])
+    assert outs[0].finish_reason == "error" and list(outs[0].token_ids) == []
+    assert list(outs[1].token_ids) == refs("all", PROMPTS[1])
+    llm.engine.assert_no_leaks()
+
+
+TRITON_CHILD = r"""
+import json, sys
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+model, adapters, prompts, names = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+llm = LLM(model, num_blocks=48, max_num_tokens=24, enable_lora=True, max_loras=2)
+for name, path in adapters.items():
+    llm.load_lora(name, path)
+outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), lora_name=names)
+llm.engine.assert_no_leaks()
+print(json.dumps([list(o.token_ids) for o in outs]))
+"""
+
+
+def test_the_triton_path_through_the_engine_under_the_interpreter(model_dir, adapters, refs):
+    """The engine's LoRA rows through the Triton kernels (TRITON_INTERPRET=1 in a child
+    process): base and two adapters in one batch, chunked prefill and decode."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    names = [None, "all", "qv"]
+    prompts = PROMPTS
+    env = dict(os.environ, PDSERVE_USE_TRITON="1", TRITON_INTERPRET="1")
+    paths = {n: str(adapters[n]) for n in ("all", "qv")}
+    out = subprocess.run([sys.executable, "-c", TRITON_CHILD, str(model_dir), json.dumps(paths),
+                          json.dumps(prompts), json.dumps(names)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == [refs(n, p, 5) for n, p in zip(names, prompts)]
