@@ -176,3 +176,15 @@ def test_a_migrated_request_keeps_its_adapter():
     first = _decode_request(prepared, plan, 0, [])
     moved = _decode_request(prepared, plan, 0, [7, 8])
     assert first.lora_name == moved.lora_name == "a" and list(moved.resumed_token_ids) == [7, 8]
+
+
+def test_only_the_router_may_administer_a_workers_adapters():
+    from pdserve.common.errors import AuthError
+    from pdserve.security.credentials import ADMISSION_METHODS, Identity, check_role, is_bound
+
+    check_role(Identity("router", "router"), "pdserve.v1.Adapters")
+    for role in ("decode", "prefill"):
+        with pytest.raises(AuthError):
+            check_role(Identity(f"{role}-0", role), "pdserve.v1.Adapters")
+    assert not any(m.startswith("/pdserve.v1.Adapters/") for m in ADMISSION_METHODS)  # no shared-secret call
+    assert is_bound("/pdserve.v1.Adapters/LoadAdapter")  # a credential good at one worker only
