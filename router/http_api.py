@@ -139,6 +139,9 @@ class OpenAIHandlers:
         try:
             self._auth.check(request.headers.get("authorization"))
             body = await read_json_object(request, self._max_body_bytes)
+            adapter = self._adapters.find(body["model"]) if isinstance(body.get("model"), str) else None
+            if adapter is not None and not self._catalog.knows(adapter.name):
+                body = {**body, "model": adapter.model_name}  # a LoRA adapter tokenizes as its base model
             return JSONResponse(await self._frontend.run_cpu(call, self._catalog, body))  # off the event loop
         except EXPECTED_ERRORS as err:
             return error_response(err)

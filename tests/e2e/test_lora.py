@@ -173,6 +173,10 @@ def test_models_lists_adapters_with_their_parent_and_unknown_ones_are_404(lora):
                           headers={"Authorization": f"Bearer {CLIENT_KEY}"}, timeout=60)
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found" and "no-such-adapter" in response.json()["error"]["message"]
+    tokens = {model: httpx.post(lora.base_url.replace("/v1", "/tokenize"), json={"model": model, "prompt": SHORT},
+                                headers={"Authorization": f"Bearer {CLIENT_KEY}"}, timeout=60).json()["tokens"]
+              for model in (MODEL, "a1")}
+    assert tokens["a1"] == tokens[MODEL]  # an adapter tokenizes as its base model
 
 
 def test_load_and_unload_need_the_admin_key_and_reach_every_worker(lora, reference):
