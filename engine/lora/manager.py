@@ -8,9 +8,11 @@ Three tiers, each bounded:
 - resident (`max_loras` slots, LRU): on the device, applied by the forward.
 
 A request holds its adapter from `acquire` (add_request) to `release` (its end): a held
-adapter cannot be unloaded (LoraInUseError: unloading is refused, not waited for). A request takes a slot when the scheduler admits it (`try_activate`) and gives
-it back when it is preempted or ends (`deactivate`); a slot in use is never rewritten, so
-no request changes adapter mid-way. Engine thread, except `names` and `digest_of` (any).
+adapter cannot be unloaded (LoraInUseError: unloading is refused, not waited for). A
+request takes a slot when the scheduler admits it (`try_activate`) and gives it back when
+it is preempted or ends (`deactivate`); a slot in use is never rewritten, so no request
+changes adapter mid-way. A request whose adapter is in no slot and finds every slot in use
+waits at the head of the queue (arrival order is kept). Engine thread, except `names` and `digest_of` (any).
 """
 from __future__ import annotations
 

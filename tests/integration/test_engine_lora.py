@@ -329,3 +329,26 @@ def test_the_triton_path_through_the_engine_under_the_interpreter(model_dir, ada
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == [refs(n, p, 5) for n, p in zip(names, prompts)]
+
+
+def test_disaggregated_hand_off_under_an_adapter(model_dir, adapters, refs, tmp_path):
+    """Prefill and decode engines both under the adapter (KV sent through the disk backend):
+    the text is the adapter's; a prefix the decode side cached under another adapter or
+    the base model is not reused."""
+    from engine_pair import assert_all_blocks_back, disaggregated, engines
+    from pdserve.kvtransfer import KVTransferConfig
+    from pdserve.kvtransfer.verdict import RECOMPUTE
+
+    config = KVTransferConfig(backends=("disk", RECOMPUTE), disk_store=str(tmp_path / "store"))
+    prompt = list(range(20, 60))
+    with engines(model_dir, config, common=dict(enable_lora=True, max_loras=2)) as (prefill, decode, _):
+        for llm in (prefill, decode):
+            llm.load_lora("all", str(adapters["all"]))
+            llm.load_lora("qv", str(adapters["qv"]))
+        for i, name in enumerate(["all", None, "qv", "all"]):
+            tokens, sent, received = disaggregated(prefill, decode, prompt, f"r{i}", lora_name=name)
+            assert sent.ok and received.ok, received.describe()
+            assert tokens == refs(name, prompt, 6)
+            # only the repeat of "all" finds its blocks cached on the decode side
+            assert sent.num_blocks == (1 if i == 3 else 3), (i, sent.num_blocks)  # 2 full blocks + 1 part
+        assert_all_blocks_back(prefill, decode)

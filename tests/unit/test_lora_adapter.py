@@ -143,3 +143,26 @@ def test_paths_outside_the_root_are_refused(good, tmp_path):
         load_peft_adapter(root / "missing", TINY, max_rank=8, allowed_root=root)
     with pytest.raises(LoraAdapterError, match="empty"):
         load_peft_adapter("", TINY, max_rank=8)
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(max_loras=0), "max_loras"), (dict(max_lora_rank=0), "max_lora_rank"),
+    (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
+])
+def test_lora_settings_are_checked(fields, words):
+    from pdserve.common.errors import InvalidRequestError
+    from pdserve.engine.config import EngineConfig
+
+    with pytest.raises(InvalidRequestError, match=words):
+        EngineConfig(enable_lora=True, **fields)
+
+
+def test_in_use_maps_to_failed_precondition():
+    from pdserve.common.errors import LoraInUseError, LoraNotFoundError
+
+    err = to_service_error(LoraInUseError("adapter 'a' is used by 1 request(s)"))
+    assert (err.grpc_code, err.http_status, err.openai_body()["error"]["code"]) == \
+        ("FAILED_PRECONDITION", 400, "adapter_in_use")
+    err = to_service_error(LoraNotFoundError("the LoRA adapter 'x' is not loaded", param="model"))
+    assert (err.grpc_code, err.http_status, err.openai_body()["error"]["code"]) == \
+        ("NOT_FOUND", 404, "model_not_found")
