@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    g.add_argument("--model", help="model name in requests (default: the first of /models)")
+    g.add_argument("--model", help="model name in requests (default: the first of /models); a comma list "
+                                    "(a base model and LoRA adapters) is used in turn, request by request")
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat")
     g.add_argument("--temperature", type=float, default=0.0)

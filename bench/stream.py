@@ -111,7 +111,8 @@ class OpenAIStreamClient:
         return self.model
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens,
+        models = self.model.split(",")  # several (a base model and its LoRA adapters): in turn
+        body: dict[str, Any] = {"model": models[req.index % len(models)], "max_tokens": req.max_tokens,
                                 "temperature": self.endpoint.temperature, "stream": True,
                                 "stream_options": {"include_usage": True}}
         if self.endpoint.kind == "chat":

@@ -36,7 +36,8 @@ class DecodeBuild:
                          timeout_s=settings.prefill_timeout_s, auth=runtime.auth)
         remote = RemotePrefill(leg, runtime.loop, failure_policy=settings.failure_policy,
                                timeout_s=settings.prefill_timeout_s)
-        service = DecodeService(DecodeSessions(runtime.loop, remote, runtime.metrics), runtime.served_name)
+        service = DecodeService(DecodeSessions(runtime.loop, remote, runtime.metrics, runtime.adapters),
+                                runtime.served_name)
 
         def add(server):
             decode_pb2_grpc.add_DecodeServicer_to_server(service, server)

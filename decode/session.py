@@ -16,6 +16,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvtransfer.verdict import NO_TRANSFER, Outcome, RequestVerdict
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
+from pdserve.worker.lora import LoraSettings, WorkerAdapters
 from pdserve.worker.transfer import request_verdict_to_proto
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -54,10 +55,12 @@ async def keep_alive(stream: AsyncIterator[T], interval_s: float, make: Callable
 class DecodeSessions:
     """Runs Decode requests on one engine loop; `abort` ends one at any phase."""
 
-    def __init__(self, loop: EngineLoop, remote: RemotePrefill, metrics) -> None:
+    def __init__(self, loop: EngineLoop, remote: RemotePrefill, metrics, adapters: WorkerAdapters | None = None) -> None:
+        """`adapters`: the worker's LoRA adapters (none: LoRA off, every adapter name is NOT_FOUND)."""
         self.loop = loop
         self.remote = remote
         self.metrics = metrics
+        self.adapters = adapters or WorkerAdapters(loop, LoraSettings())
 
     async def run(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
         rid = request.request_id or uuid.uuid4().hex
@@ -67,9 +70,11 @@ class DecodeSessions:
                      place(request.prefill.address, request.prefill.reason, self.remote.can_receive))
         t_arrival = time.monotonic()
         try:
+            # the adapter is this worker's before the request is: loaded here on first use
+            lora_digest = await self.adapters.ensure(request.lora_name)
             stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
                                                  remote_prefill=placement.remote, resumed=resumed,
-                                                 cache_salt=request.cache_salt)
+                                                 cache_salt=request.cache_salt, lora_name=request.lora_name or None)
         except Exception:  # counted, then re-raised
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
@@ -77,7 +82,7 @@ class DecodeSessions:
         decided, leg = RequestVerdict.local(placement.reason), LegResult(NO_TRANSFER)
         try:
             if placement.remote:
-                decided, leg = await self.remote.run(rid, request, stream, timings, t_arrival)
+                decided, leg = await self.remote.run(rid, request, stream, timings, t_arrival, lora_digest)
             verdict = request_verdict_to_proto(decided)  # the request's verdict leaves this process
             self.metrics.prefill_decisions.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome),
                                                   reason=verdict.reason.split(":")[0]).inc()

@@ -35,6 +35,7 @@ from pdserve.router.config import ConfigError, RouterConfig
 from pdserve.router.dispatch import BackgroundTasks, DecodeClient
 from pdserve.router.frontend import Frontend
 from pdserve.router.grpc_api import GenerationServicer, RegistryServicer
+from pdserve.router.adapters import AdapterAdmin, AdapterDirectory
 from pdserve.router.http_api import build_http_app
 from pdserve.router.link_probes import LinkProbes
 from pdserve.router.kv_index import KVEventIntake
@@ -89,7 +90,9 @@ class RouterApp:
         self.frontend = Frontend(self.catalog, planner, self.decode, self.in_flight, self.metrics,
                                  max_migrations=config.max_migrations,
                                  guided=GuidedOptions(config.lenient_json_schema),
-                                 block_hash_key=block_hash_key(self.auth.secret))
+                                 block_hash_key=block_hash_key(self.auth.secret),
+                                 adapters=AdapterDirectory(self.registry))
+        self.adapter_admin = AdapterAdmin(self.registry, self.channels, config.enable_lora)
         self.kv_events = KVEventIntake.for_registry(self.registry, self.channels, self.tasks.spawn,
                                                     config.rpc_timeout_s)
         self.membership = Membership(config, self.registry, self.catalog, self.channels, self.kv_events.sync)
@@ -186,7 +189,8 @@ class RouterApp:
             self.auth.tls.server_credentials() if self.auth.tls else None)
 
     async def _start_http(self) -> None:
-        app = build_http_app(self.frontend, self.catalog, self.registry, self.metrics, self.config, self.api_key)
+        app = build_http_app(self.frontend, self.catalog, self.registry, self.metrics, self.config, self.api_key,
+                             self.adapter_admin)
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -117,6 +117,8 @@ class RouterConfig:
                                                     "registration", "workers")
     # Not flags (tests shorten them):
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S  # what the router asks workers for
+    enable_lora: bool = _opt(False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin key "
+                             "only), which load and unload an adapter on every worker", "workers")
     rpc_timeout_s: float = 10.0  # ModelInfo, Load, Abort calls to workers
     retry_after_s: int = 1  # Retry-After of a 429
     max_indexed_blocks_per_worker: int = 1 << 20  # KV event index bound per worker, all tiers together

@@ -79,7 +79,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @grpc_errors
     async def ModelInfo(self, request, context):
         response = common_pb2.ModelInfoResponse()
-        response.CopyFrom(self._catalog.resolve(request.model).info)
+        response.CopyFrom(self._frontend.resolve(request.model)[0].info)  # an adapter: its base model's
         if not request.include_tokenizer:
             response.ClearField("tokenizer_json")
         response.ClearField("block_hash_salt")  # internal: clients have no use for block hashes

@@ -22,9 +22,10 @@ from starlette.types import Receive, Send
 from starlette.types import Scope as AsgiScope
 
 from pdserve.common.errors import (EXPECTED_ERRORS, ErrorKind, InvalidRequestError, PayloadTooLargeError,
-                                   ServiceError, to_service_error)
+                                   ServiceError, UnauthenticatedError, to_service_error)
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router import fanout, tokenize_api
+from pdserve.router.adapters import AdapterAdmin, AdapterDirectory
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
 from pdserve.router.frontend import Frontend
@@ -113,9 +114,11 @@ class DisconnectAwareStream(StreamingResponse):
 
 
 class OpenAIHandlers:
-    def __init__(self, frontend: Frontend, catalog: ModelCatalog, config: RouterConfig, auth: ClientKeys) -> None:
+    def __init__(self, frontend: Frontend, catalog: ModelCatalog, config: RouterConfig, auth: ClientKeys,
+                 adapters: AdapterDirectory | None = None) -> None:
         self._frontend = frontend
         self._catalog = catalog
+        self._adapters = adapters or AdapterDirectory(None)
         self._max_body_bytes = config.max_body_bytes
         self._auth = auth
         self._ignored = IgnoredFieldLog()
@@ -136,6 +139,9 @@ class OpenAIHandlers:
         try:
             self._auth.check(request.headers.get("authorization"))
             body = await read_json_object(request, self._max_body_bytes)
+            adapter = self._adapters.find(body["model"]) if isinstance(body.get("model"), str) else None
+            if adapter is not None and not self._catalog.knows(adapter.name):
+                body = {**body, "model": adapter.model_name}  # a LoRA adapter tokenizes as its base model
             return JSONResponse(await self._frontend.run_cpu(call, self._catalog, body))  # off the event loop
         except EXPECTED_ERRORS as err:
             return error_response(err)
@@ -145,8 +151,15 @@ class OpenAIHandlers:
             self._auth.check(request.headers.get("authorization"))
         except EXPECTED_ERRORS as err:
             return error_response(err)
+        models = {m.name: m for m in self._catalog.models()}
         data = [{"id": m.name, "object": "model", "created": m.created_unix, "owned_by": "pdserve",
-                 "max_model_len": m.max_model_len} for m in self._catalog.models()]
+                 "root": m.name, "parent": None, "max_model_len": m.max_model_len} for m in models.values()]
+        for adapter in self._adapters.served():  # vLLM's shape: an adapter's parent is its base model
+            base = models.get(adapter.model_name)
+            if base is not None and adapter.name not in models:
+                data.append({"id": adapter.name, "object": "model", "created": base.created_unix,
+                             "owned_by": "pdserve", "root": adapter.name, "parent": adapter.parent,
+                             "max_model_len": base.max_model_len})
         return JSONResponse({"object": "list", "data": data})
 
     async def _handle(self, request: Request, chat: bool) -> Response:
@@ -217,7 +230,7 @@ class OpenAIHandlers:
 
     def _token_text(self, model_name: str) -> Callable[[int], str]:
         def token_text(token_id: int) -> str:
-            return self._catalog.resolve(model_name).prompts.token_text(token_id)
+            return self._frontend.resolve(model_name)[0].prompts.token_text(token_id)
         return token_text
 
 
@@ -328,9 +341,10 @@ async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
 
 
 def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRegistry, metrics: RouterMetrics,
-                   config: RouterConfig, auth: ClientKeys) -> FastAPI:
+                   config: RouterConfig, auth: ClientKeys, admin: AdapterAdmin | None = None) -> FastAPI:
+    """`admin`: the LoRA administration; its endpoints exist only when it is enabled."""
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
-    handlers = OpenAIHandlers(frontend, catalog, config, auth)
+    handlers = OpenAIHandlers(frontend, catalog, config, auth, AdapterDirectory(registry))
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handlers.chat, methods=["POST"])
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
@@ -356,6 +370,8 @@ def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRe
                 return error_response(err)
         return Response(metrics.render(registry), media_type=metrics.content_type)
 
+    if admin is not None and admin.enabled:
+        add_lora_routes(app, admin, auth, config.max_body_bytes)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
@@ -379,6 +395,24 @@ def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRe
     return app
 
 
+def add_lora_routes(app: FastAPI, admin: AdapterAdmin, auth: ClientKeys, max_body_bytes: int) -> None:
+    """vLLM's runtime adapter endpoints, for the admin key only (a client key is 401)."""
+
+    def endpoint(action: Callable[[dict], Awaitable[dict]]):
+        async def handle(request: Request) -> Response:
+            try:
+                if auth.check(request.headers.get("authorization")) < Scope.ADMIN:
+                    raise UnauthenticatedError("LoRA adapter administration needs the admin key")
+                body = await read_json_object(request, max_body_bytes)
+                return JSONResponse(await action(body))
+            except EXPECTED_ERRORS as err:
+                return error_response(err)
+        return handle
+
+    app.add_api_route("/v1/load_lora_adapter", endpoint(admin.load), methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", endpoint(admin.unload), methods=["POST"])
+
+
 def _health_body(registry: WorkerRegistry, catalog: ModelCatalog, scope: Scope) -> dict[str, Any]:
     """ANONYMOUS: the status; CLIENT: models and worker counts too; ADMIN: each worker's KV
     backends by worker id, and whether remote prefill is degraded."""
@@ -396,4 +430,6 @@ def _health_body(registry: WorkerRegistry, catalog: ModelCatalog, scope: Scope) 
         body.update(models=catalog.names(), decode_workers=num_decode, prefill_workers=num_prefill)
     if scope >= Scope.ADMIN:
         body.update(kv_transfer="degraded" if degraded else "ok", kv_backends=backends)
+        body["lora_adapters"] = {r.worker_id: {a.name: "loaded" if a.loaded else "loadable" for a in r.load.lora_adapters}
+                                 for r in registry.alive() if r.load.lora_adapters}
     return body

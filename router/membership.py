@@ -69,6 +69,7 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
 MAX_REPORTED_REQUESTS = 1 << 20  # a load report's counts are clamped to these bounds
 MAX_REPORTED_TOKENS = 1 << 40
 MAX_REPORTED_BACKENDS = 16
+MAX_REPORTED_ADAPTERS = 1024
 
 
 def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
@@ -83,7 +84,8 @@ def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
                       for b in load.kv_backends[:MAX_REPORTED_BACKENDS]),
                 load.counters if load.HasField("counters") else None,
                 min(int(load.queued_prompt_tokens), MAX_REPORTED_TOKENS), _rate(load.prefill_tokens_per_s),
-                requests(load.num_decoding), load.draining)
+                requests(load.num_decoding), load.draining,
+                tuple(a for a in load.lora_adapters[:MAX_REPORTED_ADAPTERS] if 0 < len(a.name) <= 128))
 
 
 def _rate(value: float) -> float:

@@ -11,6 +11,7 @@ from typing import ClassVar, Sequence
 
 from pdserve.common.block_hash import stable_hash64
 from pdserve.router.kv_index import TIER_RANK
+from pdserve.router.adapters import holds, serves
 from pdserve.router.worker_registry import WorkerRecord
 
 
@@ -155,6 +156,23 @@ class PowerOfTwo(RoutingPolicy):
         first, second = self._rng.sample(range(len(candidates)), 2)
         a, b = candidates[first], candidates[second]
         return Pick(b if b.load_score() < a.load_score() else a, "power_of_two")
+
+
+def adapter_candidates(candidates: Sequence[WorkerRecord], lora_name: str,
+                       max_load_gap: int = 4) -> tuple[list[WorkerRecord], str]:
+    """The candidates a request under LoRA adapter `lora_name` goes to, and why: only workers
+    that may serve it, and of those the ones holding it loaded (no load on the request's path)
+    while the least loaded holder is at most `max_load_gap` requests above the least loaded
+    of all; past that, load wins and the chosen worker loads the adapter. No adapter: all."""
+    if not lora_name:
+        return list(candidates), ""
+    serving = [r for r in candidates if serves(r, lora_name)]
+    holding = [r for r in serving if holds(r, lora_name)]
+    if not holding:
+        return serving, "lora_load"
+    if min(r.load_score() for r in holding) - min(r.load_score() for r in serving) > max_load_gap:
+        return serving, "lora_load_imbalance"
+    return holding, "lora_holder"
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -13,6 +13,7 @@ router's directory of workers' keys).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ class Load:
     prefill_tokens_per_s: float = 0.0  # its recent prefill rate (0: not measured yet)
     num_decoding: int = 0  # running requests past their prompt
     draining: bool = False  # leaving: routed no new work, finishing its own
+    lora_adapters: tuple = ()  # common_pb2.LoraAdapterState of each adapter it serves (loaded or loadable)
 
 
 @dataclass(slots=True)
@@ -207,6 +209,20 @@ class WorkerRegistry:
         if record is not None:
             record.num_routed_since_report += 1
             record.num_routed_prompt_tokens += prompt_tokens
+
+    def note_adapter(self, worker_id: str, state) -> None:
+        """A LoRA adapter the router just had the worker load (its next report confirms it)."""
+        record = self._records.get(worker_id)
+        if record is not None:
+            kept = tuple(a for a in record.load.lora_adapters if a.name != state.name)
+            record.load = dataclasses.replace(record.load, lora_adapters=(*kept, state))
+
+    def note_adapter_gone(self, worker_id: str, name: str) -> None:
+        """A LoRA adapter the router just had the worker unload."""
+        record = self._records.get(worker_id)
+        if record is not None:
+            record.load = dataclasses.replace(
+                record.load, lora_adapters=tuple(a for a in record.load.lora_adapters if a.name != name))
 
     def note_refusal(self, worker_id: str) -> None:
         """The worker refused a request after reading it (RESOURCE_EXHAUSTED): it counts

@@ -18,9 +18,11 @@ import grpc
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.common import progress
 from pdserve.rpc.credentials import InternalAuth, InternalTLS, bind
+from pdserve.worker.adapter_service import SERVICE_NAME as ADAPTERS_SERVICE, add_adapter_service
 from pdserve.worker.convert import load_to_proto
 from pdserve.worker.kv_events import (KV_EVENTS_SERVICE, KVEventFanout, KVEventLog, attach_kv_events,
                                       with_kv_events_service)
+from pdserve.worker.lora import WorkerAdapters
 from pdserve.worker.drain import DrainState, OpenCalls, drain
 from pdserve.worker.registrar import Registrar
 from pdserve.rpc.server import (WORKER_MAX_RECEIVE_BYTES, add_health_and_reflection, internal_server,
@@ -106,6 +108,27 @@ class WorkerRuntime:
     address: str = ""
     auth: InternalAuth = InternalAuth(None)  # signs this worker's outgoing internal calls
     core_share: Any = None  # worker.core_share.CoreShare: the machine's cores, shared with its other workers
+    adapters: Any = None  # worker.lora.WorkerAdapters: the LoRA adapters it serves
+
+
+def _with_adapters(add_role_servicers, names: list[str], adapters) -> tuple[Callable[[Any], None], list[str]]:
+    """The role's servicers and the Adapters service every worker serves (LoRA administration)."""
+    def add(grpc_server) -> None:
+        add_role_servicers(grpc_server)
+        add_adapter_service(grpc_server, adapters)
+
+    return add, [*names, ADAPTERS_SERVICE]
+
+
+def _load_report(loop, metrics, leaving: DrainState, adapters) -> Any:
+    """The worker's heartbeat report (common_pb2.WorkerLoad), its metrics updated on the way."""
+    metrics.observe_engine(loop.last_stats)
+    report = load_to_proto(loop)
+    metrics.observe_backends(report.kv_backends)
+    report.counters.CopyFrom(metrics.counters(loop.last_stats))
+    report.draining = leaving.draining
+    report.lora_adapters.extend(adapters.states())
+    return report
 
 
 class ServiceBuild(Protocol):
@@ -158,31 +181,27 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
         f"{b.name} ok" if b.usable else f"{b.name} off ({b.detail})" for b in states) or "none")
     served = settings.served_model_name or engine.model_name
     loop = EngineLoop(engine)
+    adapters = WorkerAdapters(loop, settings.lora(), check_with=engine.model_config)  # a bad module stops the start
     loop.start(asyncio.get_running_loop())
     metrics = WorkerMetrics(role)
     metrics.watch_tiers(getattr(engine.connector, "tiers", None))  # a test's plain Connector has none
-    protected = [f"pdserve.v1.{role.capitalize()}", KV_EVENTS_SERVICE]
+    protected = [f"pdserve.v1.{role.capitalize()}", KV_EVENTS_SERVICE, ADAPTERS_SERVICE]
     kv_events = attach_kv_events(engine, KVEventLog())
     calls, leaving = OpenCalls(), DrainState()
     server, port = bind_server(settings, (*auth.interceptors(protected, metrics.count_auth_refusal), calls), tls)
     host = settings.advertise_host or settings.host
     runtime = WorkerRuntime(settings, engine, loop, metrics, served, auth=auth, core_share=core_share,
-                            address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}")
+                            address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}",
+                            adapters=adapters)
     auth.serve_as(runtime.address)  # signed calls to this worker name the address it registers
-    add_servicers, names, on_close = await build.make_service(runtime)
+    add_role_servicers, names, on_close = await build.make_service(runtime)
+    add_servicers, names = _with_adapters(add_role_servicers, names, adapters)
     add_servicers, names = with_kv_events_service(add_servicers, names, kv_events)
     health = await start_serving(server, add_servicers, names)
     metrics.serve(settings.host, settings.metrics_port, settings.metrics_token or None)
     info = _worker_info(role, runtime)
 
-    def load():
-        metrics.observe_engine(loop.last_stats)
-        report = load_to_proto(loop)
-        metrics.observe_backends(report.kv_backends)
-        report.counters.CopyFrom(metrics.counters(loop.last_stats))
-        report.draining = leaving.draining
-        return report
-
+    load = functools.partial(_load_report, loop, metrics, leaving, adapters)
     registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls, peers=auth.peers,
                           kv_events=KVEventFanout(kv_events))
     registrar.start()

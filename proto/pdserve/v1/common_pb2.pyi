@@ -269,7 +269,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_queued", "num_running", "num_free_blocks", "num_total_blocks", "kv_backends", "counters", "queued_prompt_tokens", "prefill_tokens_per_s", "num_decoding", "draining")
+    __slots__ = ("num_queued", "num_running", "num_free_blocks", "num_total_blocks", "kv_backends", "counters", "queued_prompt_tokens", "prefill_tokens_per_s", "num_decoding", "draining", "lora_adapters")
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +280,7 @@ class WorkerLoad(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODING_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     num_queued: int
     num_running: int
     num_free_blocks: int
@@ -290,7 +291,22 @@ class WorkerLoad(_message.Message):
     prefill_tokens_per_s: float
     num_decoding: int
     draining: bool
-    def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_backends: _Optional[_Iterable[_Union[KVBackendState, _Mapping]]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_decoding: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterState]
+    def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_backends: _Optional[_Iterable[_Union[KVBackendState, _Mapping]]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_decoding: _Optional[int] = ..., draining: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterState, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapterState(_message.Message):
+    __slots__ = ("name", "base_model_name", "loaded", "digest", "resident")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    base_model_name: str
+    loaded: bool
+    digest: str
+    resident: bool
+    def __init__(self, name: _Optional[str] = ..., base_model_name: _Optional[str] = ..., loaded: _Optional[bool] = ..., digest: _Optional[str] = ..., resident: _Optional[bool] = ...) -> None: ...
 
 class EngineCounters(_message.Message):
     __slots__ = ("prompt_tokens_computed", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "steps", "step_seconds", "transfers", "received")

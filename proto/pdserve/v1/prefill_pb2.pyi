@@ -16,7 +16,7 @@ class TransferEndpoint(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class KVHandoff(_message.Message):
-    __slots__ = ("transfer_id", "backends", "endpoints", "block_ids", "num_cached_tokens", "deadline_unix_ms", "compatibility_hash", "decode_worker_id", "signature")
+    __slots__ = ("transfer_id", "backends", "endpoints", "block_ids", "num_cached_tokens", "deadline_unix_ms", "compatibility_hash", "decode_worker_id", "signature", "lora_name", "lora_digest")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class KVHandoff(_message.Message):
     COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     backends: _containers.RepeatedScalarFieldContainer[str]
     endpoints: _containers.RepeatedCompositeFieldContainer[TransferEndpoint]
@@ -35,7 +37,9 @@ class KVHandoff(_message.Message):
     compatibility_hash: int
     decode_worker_id: str
     signature: bytes
-    def __init__(self, transfer_id: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[TransferEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., compatibility_hash: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    lora_name: str
+    lora_digest: str
+    def __init__(self, transfer_id: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., endpoints: _Optional[_Iterable[_Union[TransferEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., compatibility_hash: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "block_hashes", "sampling", "handoff", "cache_salt")
