@@ -31,7 +31,7 @@ import time
 from pdserve.common.errors import TransferError
 from pdserve.kernels.omp import one_intra_op_thread
 from pdserve.kvtransfer.backends import _gate, _p2p
-from pdserve.kvtransfer.backends._channel import Carrier, Channel, Control
+from pdserve.kvtransfer.backends._channel import Carrier, Channel, Control, Landing
 from pdserve.kvtransfer.base import BlockMessage, BlockSink, KVTransport
 from pdserve.kvtransfer.wire import HEADER_SIZE
 
@@ -61,9 +61,9 @@ class _Link:
 
     def exchange(self, message: BlockMessage, deadline: float) -> None:
         seq = self._next_seq()
-        data, on_device = self.channel.outgoing(message.payload)
-        request = _p2p.encode_request(self.control.session, seq, message, deadline, payload=data,
-                                      on_device=on_device)
+        payload, tag = _p2p.seal_payload(self.control.session, seq, message)
+        data = self.channel.outgoing(payload)
+        request = _p2p.encode_request(self.control.session, seq, message, deadline, tag)
         _p2p.send_all(self.control.sock, request, deadline)
         self._answer(deadline)
         self.channel.send(data, seq, deadline)
@@ -82,7 +82,7 @@ class _Link:
         seq = self._next_seq()
         _p2p.send_all(self.control.sock, _p2p.encode_ping(self.control.session, seq, deadline), deadline)
         self._answer(deadline)
-        data, _ = self.channel.outgoing(bytes(_p2p.PROBE_BYTES))
+        data = self.channel.outgoing(bytes(_p2p.PROBE_BYTES))
         self.channel.send(data, seq, deadline)
         self._answer(deadline)
         self.last_answer = time.monotonic()
@@ -321,15 +321,16 @@ class ControlServer:
         try:
             header, index = _p2p.parse_body(body, index_len, self.sink.limits)
             self.sink.check(header, index)
-            landing = channel.landing(self.sink, header)
+            landing = self._landing(session, channel, header)
         except Exception as exc:  # noqa: BLE001 - refused before any payload moved; the stream stays in sync
             _p2p.send_all(sock, _p2p.refusal(session, exc), deadline)
             return True
         if not self._receive(sock, session, channel, landing.buffer, seq, deadline, "the payload"):
             return False
         try:
-            _p2p.check_payload(session, seq, body[:HEADER_SIZE], index, landing.buffer, payload_tag,
-                               landing.on_device)
+            if session.is_keyed:  # opened into the staging, or refused: nothing of it lands
+                _p2p.open_payload(session, seq, body[:HEADER_SIZE], index, landing.buffer,
+                                  payload_tag, landing.staging)
             landing.finish()
             self.sink.commit(header, index, landing.staging)
         except Exception as exc:  # noqa: BLE001 - the sink's refusal, whatever it is, goes back to the sender
@@ -337,6 +338,15 @@ class ControlServer:
         else:
             _p2p.send_all(sock, _p2p.reply(session, True), deadline)
         return True
+
+    def _landing(self, session: _p2p.Session, channel: Channel, header) -> Landing:
+        """Keyless: the channel's own landing. Keyed: the sealed payload lands in a buffer of
+        the channel's, and is opened into the sink's host staging."""
+        if not session.is_keyed:
+            return channel.landing(self.sink, header)
+        staging = self.sink.staging(header)
+        nbytes = _p2p.sealed_len(session, header.payload_len)
+        return Landing(staging, channel.probe_landing(nbytes))
 
     def _answer_probe(self, sock: socket.socket, session: _p2p.Session, channel: Channel,
                       prefix: bytes, deadline: float) -> bool:
