@@ -12,7 +12,7 @@ import grpc
 from pdserve.common.errors import UnauthenticatedError
 from pdserve.router.config import ConfigError, RouterConfig
 from pdserve.rpc.server import refuse_unread
-from pdserve.security.client_keys import ClientKeyError, ClientKeys, load_admin_key
+from pdserve.security.client_keys import ClientKeyError, ClientKeys, load_admin_key, open_scope_for
 from pdserve.security.tenants import TenantKeys, TenantKeysError
 
 
@@ -22,7 +22,7 @@ def client_keys(config: RouterConfig) -> ClientKeys:
     try:
         admin = load_admin_key(config.admin_api_key_file) if config.admin_api_key_file else None
         tenants = TenantKeys(config.api_keys_file) if config.api_keys_file else None
-        return ClientKeys(config.api_key, admin, tenants)
+        return ClientKeys(config.api_key, admin, tenants, open_scope_for(config.host))
     except (ClientKeyError, TenantKeysError) as exc:
         raise ConfigError(str(exc)) from None
 
