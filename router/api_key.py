@@ -27,6 +27,26 @@ def client_keys(config: RouterConfig) -> ClientKeys:
         raise ConfigError(str(exc)) from None
 
 
+def metrics_bearer(config: RouterConfig) -> str | None:
+    """The one bearer /metrics answers (HTTP and --metrics-port): the metrics token where
+    one is set (what a scraper holds: it names workers and their cache hits), else the API
+    key under --metrics-auth; None: open."""
+    if config.metrics_token:
+        return config.metrics_token
+    return config.api_key if config.metrics_auth else None
+
+
+def check_metrics_bearer(config: RouterConfig, authorization: str | None) -> None:
+    """UNAUTHENTICATED unless `authorization` is /metrics' bearer (`metrics_bearer`), compared
+    in constant time; nothing to check where /metrics is open."""
+    import hmac
+
+    bearer = metrics_bearer(config)
+    if bearer is not None and not hmac.compare_digest((authorization or "").strip().encode(),
+                                                      f"Bearer {bearer}".encode()):
+        raise UnauthenticatedError("/metrics needs its bearer token: send 'Authorization: Bearer <token>'")
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses a call to a `protected` service (full names, e.g. "pdserve.v1.Generation")
     without the API key, with UNAUTHENTICATED, before its request message is received: a

@@ -56,14 +56,20 @@ def open_scope_for(host: str) -> Scope:
     return Scope.ADMIN if is_loopback(host) else Scope.CLIENT
 
 
-def load_admin_key(path: str | os.PathLike) -> str:
-    """The admin key in `path`, a file private to this user (ClusterSecretError otherwise):
-    one word of printable ASCII (ClientKeyError otherwise)."""
-    raw = read_private_file(path, "admin API key", max_bytes=MAX_ADMIN_KEY_BYTES)
+def load_key_file(path: str | os.PathLike, what: str) -> str:
+    """The key (a bearer token, a password) in `path`, a file private to this user or on a
+    Secret volume (ClusterSecretError otherwise): one word of printable ASCII (ClientKeyError
+    otherwise). Keys come from files so that no flag (ps) or environment shows them."""
+    raw = read_private_file(path, what, max_bytes=MAX_ADMIN_KEY_BYTES)
     key = raw.decode("ascii", errors="replace").strip()
     if not key or not key.isprintable() or " " in key:
-        raise ClientKeyError(f"{path}: the admin key must be one word of printable ASCII")
+        raise ClientKeyError(f"{path}: the {what} must be one word of printable ASCII")
     return key
+
+
+def load_admin_key(path: str | os.PathLike) -> str:
+    """The admin key in `path` (`load_key_file`)."""
+    return load_key_file(path, "admin key")
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,38 @@ ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _key_file_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings read from key files (--metrics-token-file, --redis-url-file,
+    --redis-password-file), so that no flag or environment shows them."""
+    from urllib.parse import quote
+
+    from pdserve.security.client_keys import ClientKeyError, load_key_file
+    from pdserve.security.secret import ClusterSecretError
+
+    out: dict[str, Any] = {}
+    try:
+        if values.get("metrics_token_file"):
+            if values.get("metrics_token"):
+                raise SettingsError("--metrics-token and --metrics-token-file: give one")
+            out["metrics_token"] = load_key_file(values["metrics_token_file"], "metrics token")
+        url = values.get("redis_url") or ""
+        if values.get("redis_url_file"):
+            if url:
+                raise SettingsError("--redis-url and --redis-url-file: give one")
+            url = load_key_file(values["redis_url_file"], "Redis URL")
+        if values.get("redis_password_file"):
+            scheme, sep, rest = url.partition("://")
+            if not sep or "@" in rest:
+                raise SettingsError("--redis-password-file needs a --redis-url without a password")
+            password = quote(load_key_file(values["redis_password_file"], "Redis password"), safe="")
+            url = f"{scheme}://:{password}@{rest}"
+    except (ClientKeyError, ClusterSecretError) as exc:
+        raise SettingsError(str(exc)) from None
+    if url:
+        out["redis_url"] = url
+    return out
+
+
 GROUPS = ("common", "worker", "engine", "kv transfer", "lifecycle")  # `up` shares all but common and worker
 
 
@@ -86,6 +118,10 @@ class WorkerSettings:
                                f"fallback chain, comma separated, of {', '.join(BACKENDS)}; recompute ends it",
                                "kv transfer")
     redis_url: str = setting("", "redis://host:port/db for the redis backend", "kv transfer")
+    redis_url_file: str = setting("", "file holding --redis-url (mode 0600, or a Secret volume's): a URL with a "
+                                  "password shown by no flag or environment", "kv transfer")
+    redis_password_file: str = setting("", "file holding the Redis password (mode 0600, or a Secret volume's), "
+                                       "added to --redis-url", "kv transfer")
     disk_store: str = setting("", "directory of the disk KV store (shared volume in k8s)", "kv transfer")
     disk_store_max_gb: float = setting(DISK_STORE_MAX_GB, "disk store size budget in GiB", "kv transfer")
     prefix_store: str = setting("none", "persistent prefix cache in that store (located by "
@@ -104,7 +140,9 @@ class WorkerSettings:
     # -- worker: one process's own
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0: off)", "worker")
     metrics_token: str = setting("", "the metrics port answers only 'Authorization: Bearer TOKEN' (prefer "
-                                 "PDSERVE_METRICS_TOKEN: flags show in ps; none: open)", "worker")
+                                 "--metrics-token-file or PDSERVE_METRICS_TOKEN: flags show in ps; none: open)",
+                                 "worker")
+    metrics_token_file: str = setting("", "file holding --metrics-token (mode 0600, or a Secret volume's)", "worker")
     grpc_port: int = setting(0, "gRPC port (0 picks a free one)", "worker")  # from_settings: the role's port
     advertise_host: str = setting("", "address peers and the router use to reach this worker (none: --host)",
                                   "worker")
@@ -163,6 +201,7 @@ class WorkerSettings:
                 values[f.name] = coerce(raw, f.default)
             except (TypeError, ValueError):
                 raise SettingsError(f"--{f.name.replace('_', '-')}: cannot use {raw!r}") from None
+        values.update(_key_file_values(values))
         out = cls(**values)
         if out.failure_policy not in FAILURE_POLICIES:
             raise SettingsError(f"--failure-policy must be one of {', '.join(FAILURE_POLICIES)}")
