@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from pdserve.common.errors import AlreadyExistsError, AuthError
 from pdserve.router.config import Role
+from pdserve.router.prefix_claims import RoutedPrefixes
 from pdserve.security import registration
 from pdserve.security.credentials import Identity
 
@@ -126,6 +127,7 @@ class WorkerRegistry:
         self._max_cached_hashes = max_cached_hashes
         self._clock = clock
         self._records: dict[str, WorkerRecord] = {}
+        self.routed = RoutedPrefixes(4 * max_cached_hashes)  # what a worker's claims are checked against
 
     def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = (), *,
                  lease: bytes = b"", leased: bool = False, public_key: bytes = b"") -> bytes:
@@ -189,6 +191,7 @@ class WorkerRegistry:
             return False
         _check_lease(record, lease)
         del self._records[worker_id]
+        self.routed.forget(worker_id)
         log.info("deregistered worker %s", worker_id)
         return True
 
@@ -207,6 +210,7 @@ class WorkerRegistry:
         otherwise)."""
         record = self._records.get(worker_id)
         if record is not None:
+            self.routed.note(worker_id, block_hashes)
             record.num_routed_since_report += 1
             record.num_routed_prompt_tokens += prompt_tokens
             if len(record.cached_hashes) + len(block_hashes) <= self._max_cached_hashes:
@@ -265,10 +269,11 @@ class WorkerRegistry:
         for worker_id in [w for w, r in self._records.items() if r.last_seen < horizon]:
             log.warning("forgetting silent worker %s", worker_id)
             del self._records[worker_id]
+            self.routed.forget(worker_id)
 
     def _set_cached(self, record: WorkerRecord, cached_hashes: Iterable[int]) -> None:
         hashes = set()
-        for block_hash in cached_hashes:
+        for block_hash in self.routed.vouched(record.worker_id, cached_hashes):  # only what it was sent
             if len(hashes) >= self._max_cached_hashes:
                 break
             hashes.add(int(block_hash))

@@ -104,14 +104,31 @@ def test_round_robin_spreads_and_session_affinity_sticks(make_cluster):
             w.requests.clear()
 
 
+def test_a_worker_claiming_a_prefix_it_was_never_sent_wins_nothing(make_cluster):
+    """Issue 48: through the real Registry, a decode whose heartbeats report the block hashes
+    of a prompt the router never sent it is not preferred for that prompt: its claim is
+    dropped, and the prompt lands by load, not by 'prefix_match'."""
+    cluster = make_cluster(decode_policy="prefix_aware", prefill_policy="round_robin")
+    prompt = words(24)
+    cluster.add("rogue", cached_hashes=hash_prompt_blocks(TOKENIZER.encode(prompt).ids, BLOCK_SIZE, SALT))
+    cluster.add("d0")
+    cluster.add("p0", role=registry_pb2.WORKER_ROLE_PREFILL)
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        answer = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt + " w100 w101", "max_tokens": 1})
+    routing = answer.json()["pdserve"]["routing"]
+    assert routing["decode_reason"] == "no_prefix_match" and routing["matched_prefix_tokens"] == 0, routing
+
+
 def test_prefix_aware_routes_a_repeated_prefix_to_the_worker_holding_it(make_cluster):
     cluster = make_cluster(decode_policy="prefix_aware", prefill_policy="round_robin")
     prompt = words(24)
     cached = hash_prompt_blocks(TOKENIZER.encode(prompt).ids, BLOCK_SIZE, SALT)
-    cluster.add("d0")
     holder = cluster.add("d1", cached_hashes=cached)  # reports the prompt's blocks cached
-    prefill = cluster.add("p0", role=registry_pb2.WORKER_ROLE_PREFILL)
     with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        # a claim counts once the router sent the worker those blocks: d1, alone, gets the prompt once
+        http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}).raise_for_status()
+        cluster.add("d0")
+        prefill = cluster.add("p0", role=registry_pb2.WORKER_ROLE_PREFILL)
         answer = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt + " w100 w101", "max_tokens": 1})
         routing = answer.json()["pdserve"]["routing"]
         assert (routing["decode_worker_id"], routing["decode_reason"]) == ("d1", "prefix_match")
@@ -119,7 +136,7 @@ def test_prefix_aware_routes_a_repeated_prefix_to_the_worker_holding_it(make_clu
         # Conditional disaggregation: 2 uncached tokens (<= 4) -> decode prefills locally.
         assert routing["prefill_reason"] == "short_uncached_prompt"
         assert answer.json()["pdserve"]["transfer"]["outcome"] == "local"
-        assert len(holder.requests) == 1 and holder.requests[0].prefill.address == ""
+        assert len(holder.requests) == 2 and holder.requests[-1].prefill.address == ""
         # A fresh long prompt goes anywhere, with a prefill worker; repeating its prefix follows it there.
         fresh = words(20, start=150)
         first = http.post("/v1/completions", json={"model": MODEL, "prompt": fresh, "max_tokens": 1}).json()

@@ -53,7 +53,13 @@ def test_restart_under_a_new_id_replaces_the_old_entry(registry):
     assert [r.worker_id for r in registry.records()] == ["a2"]
 
 
+def sent(registry, worker_id: str, hashes) -> None:
+    """The router sent `worker_id` prompts holding these blocks (what its claims may name)."""
+    registry.routed.note(worker_id, list(hashes))
+
+
 def test_cached_hashes_are_a_capped_snapshot(registry):
+    sent(registry, "a", range(300))
     registry.register(worker("a"), Load(), cached_hashes=range(500))
     record = registry.get("a")
     assert len(record.cached_hashes) == 100
@@ -67,6 +73,7 @@ def test_a_report_sent_before_a_routed_prompt_ran_does_not_erase_it(registry, cl
     """Hashes routed to a worker count as cached there until its reports list them, or for
     expect_s (5 s) if they never do: a heartbeat already on its way cannot undo the routing."""
     registry.register(worker("a"), Load())
+    sent(registry, "a", [1])
     registry.note_routed("a", [7, 8])
     registry.heartbeat("a", Load(), cached_hashes=[1])  # sent before the prompt ran
     assert registry.get("a").num_matched_blocks([7, 8]) == 2
@@ -75,6 +82,40 @@ def test_a_report_sent_before_a_routed_prompt_ran_does_not_erase_it(registry, cl
     clock.now += 6
     registry.heartbeat("a", Load(), cached_hashes=[1, 7])  # 8 never came (evicted, failed): forgotten
     assert registry.get("a").cached_hashes == {1, 7}
+
+
+def test_a_worker_claiming_prefixes_it_was_never_sent_does_not_capture_routing(registry):
+    """Issue 48: a worker reporting the block hashes of a popular prefix (a system prompt's)
+    it does not hold won every prompt starting with it under prefix_aware. A claimed hash
+    counts only if the router sent that worker a prompt holding it: the liar's report is
+    dropped and the prompts go where they went before; a worker's own routed prefixes
+    still count once it reports them, and it cannot keep claims past its deregistration."""
+    policy = make_policy("prefix_aware")
+    system_prompt = [31, 32, 33, 34, 35, 36]
+    registry.register(worker("honest"), Load(num_running=2))
+    registry.note_routed("honest", system_prompt)
+    registry.heartbeat("honest", Load(num_running=2), cached_hashes=system_prompt)
+    registry.register(worker("rogue"), Load(), cached_hashes=system_prompt)
+    registry.heartbeat("rogue", Load(), cached_hashes=system_prompt + [99])
+    assert registry.get("rogue").cached_hashes == set()
+    query = RouteQuery((*system_prompt, 40), num_prompt_tokens=120, block_size=16)
+    picks = [policy.choose(registry.routable(Role.DECODE, "m"), query).record.worker_id for _ in range(100)]
+    assert picks == ["honest"] * 100
+    registry.note_routed("rogue", system_prompt[:2])  # it was sent the first two blocks: those count
+    registry.heartbeat("rogue", Load(), cached_hashes=system_prompt)
+    assert registry.get("rogue").cached_hashes == set(system_prompt[:2])
+    assert registry.deregister("rogue")
+    registry.register(worker("rogue"), Load(), cached_hashes=system_prompt)
+    assert registry.get("rogue").cached_hashes == set()
+
+
+def test_routed_prefixes_are_bounded_per_worker():
+    from pdserve.router.prefix_claims import RoutedPrefixes
+
+    routed = RoutedPrefixes(max_per_worker=3)
+    routed.note("a", [1, 2, 3])
+    routed.note("a", [4, 1])  # 1 refreshed, 2 the oldest: forgotten
+    assert routed.vouched("a", [1, 2, 3, 4, 5]) == [1, 3, 4] and routed.vouched("b", [1]) == []
 
 
 def test_round_robin_cycles(registry):
@@ -98,6 +139,8 @@ def test_least_loaded_counts_what_was_sent_since_the_last_report(registry):
 
 
 def test_prefix_aware_prefers_the_longest_cached_run_then_the_least_loaded(registry):
+    for name, hashes in (("a", [11, 12, 13]), ("b", [11]), ("c", [11, 12, 13, 99])):
+        sent(registry, name, hashes)
     registry.register(worker("a"), Load(num_running=5), cached_hashes=[11, 12, 13])
     registry.register(worker("b"), Load(), cached_hashes=[11])
     registry.register(worker("c"), Load(num_running=1), cached_hashes=[11, 12, 13, 99])
@@ -113,6 +156,7 @@ def test_prefix_aware_keeps_affinity_only_where_it_pays_and_the_pool_stays_balan
     """A shared chat-template block is not worth affinity (the chats spread); a long shared
     prefix is, until its worker is more than max_load_gap requests busier than the least loaded."""
     policy = make_policy("prefix_aware")
+    sent(registry, "a", [1, 2, 3, 4, 5, 6])
     registry.register(worker("a"), Load(), cached_hashes=[1, 2, 3, 4, 5, 6])
     registry.register(worker("b"), Load())
     template_only = RouteQuery((1, 70), num_prompt_tokens=40, block_size=16)  # 16 of 40 tokens cached on a
@@ -164,6 +208,7 @@ def test_planner_conditional_disaggregation_reasons(registry):
         planner.plan("r0", "m", 40, 4, [], "")
     assert caught.value.kind is ErrorKind.UNAVAILABLE
 
+    sent(registry, "d", range(1, 9))
     registry.register(worker("d"), Load(), cached_hashes=[1, 2, 3, 4, 5, 6, 7, 8])
     plan = planner.plan("r1", "m", 40, 4, list(range(90, 100)), "")
     assert (plan.prefill, plan.prefill_reason) == (None, "no_prefill_worker")
