@@ -37,9 +37,20 @@ ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _read_token(path: str) -> str:
+    """An enrollment token from its private file (one line: its fields are words)."""
+    from pdserve.security.enrollment import MAX_TOKEN_CHARS
+    from pdserve.security.secret import read_private_file
+
+    text = read_private_file(path, "enrollment token", max_bytes=MAX_TOKEN_CHARS).decode("ascii", "replace").strip()
+    if not text or "\n" in text or not text.isprintable():
+        raise SettingsError(f"{path}: the enrollment token is one line of printable ASCII")
+    return text
+
+
 def _key_file_values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings read from key files (--metrics-token-file, --redis-url-file,
-    --redis-password-file), so that no flag or environment shows them."""
+    """The settings read from key files (--metrics-token-file, --enrollment-token-file,
+    --redis-url-file, --redis-password-file), so that no flag or environment shows them."""
     from urllib.parse import quote
 
     from pdserve.security.client_keys import ClientKeyError, load_key_file
@@ -51,6 +62,10 @@ def _key_file_values(values: Mapping[str, Any]) -> dict[str, Any]:
             if values.get("metrics_token"):
                 raise SettingsError("--metrics-token and --metrics-token-file: give one")
             out["metrics_token"] = load_key_file(values["metrics_token_file"], "metrics token")
+        if values.get("enrollment_token_file"):
+            if values.get("enrollment_token"):
+                raise SettingsError("--enrollment-token and --enrollment-token-file: give one")
+            out["enrollment_token"] = _read_token(values["enrollment_token_file"])
         url = values.get("redis_url") or ""
         if values.get("redis_url_file"):
             if url:
@@ -153,6 +168,8 @@ class WorkerSettings:
                                     "--enrollment-public-key asks for at Register (prefer "
                                     "PDSERVE_ENROLLMENT_TOKEN: flags show in ps; `up` issues one per worker)",
                                     "worker")
+    enrollment_token_file: str = setting("", "file holding --enrollment-token (mode 0600, or a Secret or "
+                                         "memory volume's): what an enrolling init container writes", "worker")
     transfer_port: int = setting(0, "decode: UCX listener port; the NCCL/gloo store listens on the next port (0 "
                                  "picks free ones)", "worker")  # from_settings: DECODE_TRANSFER_PORT for decode
     max_queue: int = setting(64, "prefills in flight before refusing", "worker", roles=("prefill",))

@@ -55,7 +55,7 @@ def test_up_takes_only_flags_it_uses():
     # burst_threads and each worker's enrollment_token: `up` sets them itself)
     assert _dests("decode") - {"metrics_port", "metrics_token", "metrics_token_file", "grpc_port", "advertise_host", "router", "worker_id",
                                "transfer_port", "burst_threads", "core_share",
-                               "enrollment_token"} - own <= set(worker_pass_through())
+                               "enrollment_token", "enrollment_token_file"} - own <= set(worker_pass_through())
     assert "attention_window" in worker_pass_through() and "lenient_json_schema" in router_pass_through()
 
 

@@ -33,6 +33,20 @@ def test_a_redis_url_with_its_password_comes_from_a_file(tmp_path):
     assert s.redis_url == url
 
 
+def test_an_enrollment_token_comes_from_a_file_and_is_what_the_router_checks(tmp_path):
+    """A worker's own enrollment token from a file (what an enrolling init container writes
+    into a memory volume): the router's verifier accepts it for that worker, role and host."""
+    from pdserve.security.enrollment import EnrollmentIssuer, EnrollmentVerifier
+
+    issuer = EnrollmentIssuer()
+    token = issuer.issue("decode-7f9c", "decode", "10.0.0.7")
+    s = WorkerSettings.from_settings("decode", {"enrollment_token_file": key_file(tmp_path / "token", token)})
+    assert s.enrollment_token == token
+    EnrollmentVerifier(issuer.public_key).check(s.enrollment_token, "decode-7f9c", "decode", "10.0.0.7:50070")
+    with pytest.raises(SettingsError, match="give one"):
+        WorkerSettings.from_settings("decode", {"enrollment_token": token, "enrollment_token_file": str(tmp_path / "token")})
+
+
 @pytest.mark.parametrize("settings, match", [
     ({"metrics_token": "a", "metrics_token_file": "F"}, "give one"),
     ({"redis_url": "redis://h:1/0", "redis_url_file": "F"}, "give one"),
