@@ -50,6 +50,7 @@ class _Link:
         self.lock = threading.Lock()
         self.closed = False
         self.last_answer = time.monotonic()  # when the receiver last answered on this link
+        self.scratch = _p2p.Scratch(_p2p.host_buffer)  # where this link's payloads are sealed
 
     def _next_seq(self) -> int:
         seq, self.seq = self.seq, (self.seq + 1) & self.channel.max_seq
@@ -61,7 +62,7 @@ class _Link:
 
     def exchange(self, message: BlockMessage, deadline: float) -> None:
         seq = self._next_seq()
-        payload, tag = _p2p.seal_payload(self.control.session, seq, message)
+        payload, tag = _p2p.seal_payload(self.control.session, seq, message, self.scratch)
         data = self.channel.outgoing(payload)
         request = _p2p.encode_request(self.control.session, seq, message, deadline, tag)
         _p2p.send_all(self.control.sock, request, deadline)
@@ -272,9 +273,10 @@ class ControlServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _p2p.keep_alive(sock)
             channel = self._handshake(sock, session)
+            scratch = _p2p.Scratch(channel.probe_landing) if channel is not None else None
             while channel is not None and not self._stop.is_set():
                 readable, _, _ = select.select([sock], [], [], POLL_S)
-                if readable and not self._serve_one(sock, session, channel):
+                if readable and not self._serve_one(sock, session, channel, scratch):
                     break
         except (ConnectionError, TimeoutError, OSError):
             pass  # the sender went away or broke off: drop the link
@@ -300,7 +302,8 @@ class ControlServer:
         _p2p.send_all(sock, _p2p.encode_welcome(session, welcome), deadline)
         return self.carrier.open(Control(sock, session, is_sender=False), hello, welcome, deadline)
 
-    def _serve_one(self, sock: socket.socket, session: _p2p.Session, channel: Channel) -> bool:
+    def _serve_one(self, sock: socket.socket, session: _p2p.Session, channel: Channel,
+                   scratch: "_p2p.Scratch") -> bool:
         """Handle one request. False: the link must be dropped."""
         deadline = time.monotonic() + _p2p.HANDSHAKE_TIMEOUT_S
         prefix = _p2p.recv_exactly(sock, _p2p.REQUEST.size, deadline)
@@ -321,7 +324,7 @@ class ControlServer:
         try:
             header, index = _p2p.parse_body(body, index_len, self.sink.limits)
             self.sink.check(header, index)
-            landing = self._landing(session, channel, header)
+            landing = self._landing(session, channel, header, scratch)
         except Exception as exc:  # noqa: BLE001 - refused before any payload moved; the stream stays in sync
             _p2p.send_all(sock, _p2p.refusal(session, exc), deadline)
             return True
@@ -339,14 +342,13 @@ class ControlServer:
             _p2p.send_all(sock, _p2p.reply(session, True), deadline)
         return True
 
-    def _landing(self, session: _p2p.Session, channel: Channel, header) -> Landing:
-        """Keyless: the channel's own landing. Keyed: the sealed payload lands in a buffer of
-        the channel's, and is opened into the sink's host staging."""
+    def _landing(self, session: _p2p.Session, channel: Channel, header, scratch: "_p2p.Scratch") -> Landing:
+        """Keyless: the channel's own landing. Keyed: the sealed payload lands in the link's
+        scratch (a buffer of the channel's), and is opened into the sink's host staging."""
         if not session.is_keyed:
             return channel.landing(self.sink, header)
         staging = self.sink.staging(header)
-        nbytes = _p2p.sealed_len(session, header.payload_len)
-        return Landing(staging, channel.probe_landing(nbytes))
+        return Landing(staging, scratch.take(_p2p.sealed_len(session, header.payload_len)))
 
     def _answer_probe(self, sock: socket.socket, session: _p2p.Session, channel: Channel,
                       prefix: bytes, deadline: float) -> bool:

@@ -108,18 +108,41 @@ def encode_request(session: Session, seq: int, message: BlockMessage, deadline: 
     return session.seal(head + message.header + message.index + payload_tag)
 
 
-def seal_payload(session: Session, seq: int, message: BlockMessage) -> tuple[object, bytes]:
+def seal_payload(session: Session, seq: int, message: BlockMessage,
+                 scratch: "Scratch | None" = None) -> tuple[object, bytes]:
     """(what the channel carries for request `seq`, the tag its request announces). Keyed:
-    the payload encrypted on the host (a GPU payload is copied there first), ciphertext then
-    tag; keyless: the payload itself and an all-zero tag. Call it right before sealing the
-    request: the payload's nonce is that request's frame number."""
+    the payload encrypted on the host (a GPU payload is copied there first) into `scratch`,
+    ciphertext then tag; keyless: the payload itself and an all-zero tag. Call it right
+    before sealing the request: the payload's nonce is that request's frame number."""
     if not session.is_keyed:
         return message.payload, bytes(PAYLOAD_TAG_BYTES)
+    plaintext = _flat_bytes(message.payload)
+    sealed = (scratch or Scratch(host_buffer)).take(len(plaintext) + PAYLOAD_TAG_BYTES)
+    return sealed, session.seal_payload(seq, message.header, message.index, plaintext, sealed)
+
+
+def host_buffer(nbytes: int) -> memoryview:
+    """`nbytes` of host memory, not zeroed."""
     import numpy
 
-    plaintext = _flat_bytes(message.payload)
-    sealed = memoryview(numpy.empty(len(plaintext) + PAYLOAD_TAG_BYTES, dtype=numpy.uint8))
-    return sealed, session.seal_payload(seq, message.header, message.index, plaintext, sealed)
+    return memoryview(numpy.empty(nbytes, dtype=numpy.uint8))
+
+
+class Scratch:
+    """One link side's buffer for sealed payloads, grown as needed and reused: a link carries
+    one payload at a time, and a link whose payload was abandoned is dropped (the buffer
+    goes with it; a channel may keep it alive a while, `ucx._Quarantine`)."""
+
+    def __init__(self, allocate) -> None:
+        self._allocate = allocate  # nbytes -> a flat buffer (a channel's `probe_landing`)
+        self._buffer = None
+
+    def take(self, nbytes: int):
+        """The first `nbytes` of the buffer (a view), reallocated when too small."""
+        if self._buffer is None or len(self._buffer) < nbytes:
+            self._buffer = None
+            self._buffer = self._allocate(nbytes)
+        return self._buffer[:nbytes]
 
 
 def sealed_len(session: Session, payload_len: int) -> int:

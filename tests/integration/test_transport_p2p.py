@@ -462,8 +462,8 @@ def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatc
     before = link.digests(dst)
     seal = _p2p.seal_payload
 
-    def altered_in_flight(session, seq, sent):
-        sealed, tag = seal(session, seq, sent)
+    def altered_in_flight(session, seq, sent, scratch=None):
+        sealed, tag = seal(session, seq, sent, scratch)
         altered = bytearray(sealed)
         altered[5] ^= 0x40
         return memoryview(altered), tag
@@ -490,8 +490,8 @@ def test_an_earlier_payload_replayed_for_a_new_request_is_refused(link, monkeypa
     sender.key = key
     seal, kept = _p2p.seal_payload, []
 
-    def replaying(session, seq, message):
-        sealed, tag = seal(session, seq, message)
+    def replaying(session, seq, message, scratch=None):
+        sealed, tag = seal(session, seq, message, scratch)
         if not kept:
             kept.append((bytes(sealed), tag))
             return sealed, tag

@@ -275,9 +275,9 @@ def test_a_payload_altered_in_flight_fails_its_mac_and_falls_back(tiny_model_fac
                               step_timeout_s=5, transfer_key=os.urandom(32), store_key=os.urandom(32))
     seal = _p2p.seal_payload
 
-    def altered_after_sealing(session, seq, message):
+    def altered_after_sealing(session, seq, message, scratch=None):
         # what arrives differs from what was sealed
-        sealed, tag = seal(session, seq, message)
+        sealed, tag = seal(session, seq, message, scratch)
         altered = bytearray(sealed)
         altered[0] ^= 1
         return memoryview(altered), tag
