@@ -664,7 +664,7 @@ def test_every_role_reads_one_cluster_secret(profile: str, render) -> None:
     import base64
 
     assert len(base64.b64decode(secret["data"][key])) >= 32
-    for role in ROLES:
+    for role in WORKERS:
         pod = m.workload(role)["spec"]["template"]["spec"]
         container = main_container(m.workload(role))
         _, s = cli_settings(container)
@@ -673,6 +673,41 @@ def test_every_role_reads_one_cluster_secret(profile: str, render) -> None:
         assert volume["secret"]["secretName"] == secret["metadata"]["name"]
         assert s["cluster_secret_file"] == f"{mount['mountPath']}/{key}" and mount["readOnly"] is True
         assert "insecure_internal" not in s
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_the_router_reads_a_key_ring_its_init_container_derives_not_the_secret(profile: str, render,
+                                                                                tmp_path) -> None:
+    """Issue 48: the router loaded the master secret itself. Its container now mounts no
+    cluster secret: an init container, the secret mounted in it alone, writes the router's key
+    ring (call and block-hash keys) into a memory volume, which the router reads. Run here
+    through the real CLI, the ring holds exactly those keys and derives no other."""
+    from pdserve.deploy import cli as pdserve_cli
+    from pdserve.security.secret import ROUTER_USES, ClusterSecret, ClusterSecretError, transfer_key
+
+    m = render(profile)
+    pod = m.workload("router")["spec"]["template"]["spec"]
+    router = main_container(m.workload("router"))
+    assert "cluster-secret" not in {v["name"] for v in router["volumeMounts"]}
+    (init,) = pod["initContainers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["router-keys"]["emptyDir"]["medium"] == "Memory"
+    ring_mount = next(v for v in router["volumeMounts"] if v["name"] == "router-keys")
+    _, s = cli_settings(router)
+    assert s["cluster_secret_file"].startswith(ring_mount["mountPath"] + "/") and ring_mount["readOnly"] is True
+    assert {v["name"] for v in init["volumeMounts"]} >= {"cluster-secret", "router-keys"}
+    args = init["args"]
+    assert args[0] == "router-keys" and f"--out={s['cluster_secret_file']}" in args
+    secret_file = tmp_path / "secret"
+    secret = ClusterSecret.create(secret_file)
+    ring = tmp_path / "ring"
+    argv = [a.replace(a.partition("=")[2], str(secret_file)) if a.startswith("--cluster-secret-file=") else
+            a.replace(s["cluster_secret_file"], str(ring)) for a in args]
+    assert pdserve_cli.main(argv) == 0
+    loaded = ClusterSecret.load(ring)
+    assert all(loaded.key(use) == secret.key(use) for use in ROUTER_USES)
+    with pytest.raises(ClusterSecretError, match="holds no"):
+        transfer_key(loaded)
 
 
 def test_an_existing_secret_replaces_the_generated_one(render_values) -> None:

@@ -86,12 +86,20 @@ are not ready yet, so registration never waits on the router's own readiness.
 - name: cluster-secret
   mountPath: {{ include "pdserve.clusterSecretDir" . }}
   readOnly: true
+{{- include "pdserve.internalTlsMount" . }}
+{{- end }}
+
+{{- define "pdserve.internalTlsMount" -}}
 {{- if include "pdserve.internalTlsSecretName" . }}
 - name: internal-tls
   mountPath: /etc/pdserve/internal-tls
   readOnly: true
 {{- end }}
 {{- end }}
+
+{{/* The router's key ring (the call and block-hash keys, not the secret): an init container
+with the secret derives it into a memory volume, the router's container mounts only that. */}}
+{{- define "pdserve.routerKeysFile" -}}/etc/pdserve/router-keys/router-keys{{- end }}
 
 {{/* The Secret of internal mutual TLS (ca.crt, tls.crt, tls.key: cert-manager's shape): the
 user's, or the one the chart makes; empty when internalTLS.enabled is false. */}}
