@@ -22,11 +22,13 @@ BENCHMARKS = {
     "slowloris": "slow_clients",  # connections that never finish their headers: closed in time, /health fast
     "quantization": "quantization",  # each --quantization against fp32: agreement, perplexity, decode tok/s
     "gguf-1b": "synthetic_gguf",  # a synthetic ~1B GGUF: decode tok/s, fp32 vs its own blocks
+    "int8dot-step": "int8dot_step",  # a step's integer-dot linears against a read of their bytes, one process
     "layerwise": "layerwise",  # a long prompt's KV streamed layer by layer vs sent whole: the transfer's tail
     "network": "network",  # prefill and decode on separate hosts (network namespaces): TTFT at shaped link rates
     "nemesis": "nemesis",  # 2 prefill + 2 decode hosts under cut links and killed workers: every request ends right
     "plan-check": "plan_check",  # pdserve plan's predictions against bench serve on pdserve up
-    "plan-scale": "plan_scale",  # pdserve plan for 8 to 512 GPUs on a GPU profile: best xPyD, link bandwidth
+    "plan-scale": "plan_scale",
+    "lora": "lora",  # c8 decode mixing the base model and LoRA adapters against base-only: tokens/s  # pdserve plan for 8 to 512 GPUs on a GPU profile: best xPyD, link bandwidth
 }
 
 

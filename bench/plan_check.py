@@ -4,8 +4,12 @@ For colocated (`up --local-prefill`) and 1P1D (`up --num-prefill 1 --num-decode 
 request rates (low, knee, overload: by default 0.3x, 0.8x and 1.5x of the highest rate at which
 the profile's simulation of colocated meets the SLO), it starts `pdserve up`, sends `bench
 serve`'s random workload (Poisson arrivals, fixed lengths, ignore_eos), and prints for each
-(config, rate) the predicted and measured TTFT and TPOT p50/p90 and their ratio, then which
-config the simulation ranks first at each rate against the one measured best (most goodput).
+(config, rate) the predicted and measured TTFT and TPOT p50/p90 and their ratio, how many of
+the ratios are within 20%, then which config the simulation ranks first at each rate against
+the one measured best (most goodput). Each prediction simulates the very arrivals `bench serve`
+sends in that run (its seeded Poisson offsets, its request count). Afterwards it also reports
+the profile's `served_step_s` that would have matched the measurement best (`fit_served_step`)
+and writes the rows to `plan_check.json` (what `tests/unit/test_planner_record.py` replays).
 Each run sends about `--run-s` seconds of arrivals (at least 4 requests), so the whole check
 takes about 2 x (start-up + 3 x (run-s + drain)): under 12 minutes on a 2-core machine with
 the defaults. Run it on a quiet machine: its numbers are the record of how far off the
@@ -22,6 +26,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import random
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -30,14 +35,17 @@ from pdserve.bench.cli import HelpFormatter
 from pdserve.bench.experiment import _free_ports
 from pdserve.bench.launch import LaunchError, ServiceGroup, ServiceSpec, wait_ready
 from pdserve.bench.report import BenchRun, Slo as BenchSlo
-from pdserve.bench.serve import LoadPlan, run_load
+from pdserve.bench.serve import LoadPlan, arrival_offsets, run_load
 from pdserve.bench.stream import Endpoint, OpenAIStreamClient
 from pdserve.bench.workload import BenchConfigError, LengthDist, RequestClass, SyntheticWorkload
 from pdserve.planner.profile import load_profile
 from pdserve.planner.search import Candidate, Evaluation, evaluate, max_goodput
 from pdserve.planner.simulator import Deployment
 from pdserve.planner.types import Slo
-from pdserve.planner.workload import random_workload
+from pdserve.planner.workload import TraceRequest
+
+WITHIN = 0.2  # a prediction within 20% of its measurement counts as right (issue 44)
+SERVED_STEP_GRID_S = tuple(i / 1000 for i in range(0, 21))  # what fit_served_step tries
 
 CONFIGS = {"colocated": ("--local-prefill", "--num-decode", "1"),
            "1p1d": ("--num-prefill", "1", "--num-decode", "1")}
@@ -48,11 +56,18 @@ def deployment(config: str, cores: int) -> Deployment:
     return Deployment(0 if config == "colocated" else 1, 1, host_cores=cores)
 
 
-def predict(profile, config: str, rate: float, num_requests: int, input_len: int, output_len: int,
-            slo: Slo, cores: int, seed: int) -> Evaluation:
-    """The simulation of what `bench serve` sends in that run: its rate and lengths, at least 50 requests."""
+def bench_trace(rate: float, run_index: int, count: int, input_len: int, output_len: int,
+                seed: int) -> tuple[TraceRequest, ...]:
+    """The arrivals `bench serve` sends in run `run_index` at `rate` (`run_load`'s seeded offsets)."""
+    rng = random.Random(f"pdserve-arrivals:{seed}:{run_index}")
+    return tuple(TraceRequest(t, input_len, output_len) for t in arrival_offsets("poisson", rate, count, rng))
+
+
+def predict(profile, config: str, rate: float, run_index: int, num_requests: int, input_len: int,
+            output_len: int, slo: Slo, cores: int, seed: int) -> Evaluation:
+    """The simulation of exactly what `bench serve` sends in that run, every request counted."""
     d = deployment(config, cores)
-    trace = random_workload(rate, input_len, output_len, max(num_requests, 50), seed)
+    trace = bench_trace(rate, run_index, num_requests, input_len, output_len, seed)
     return evaluate(profile, Candidate(d, 1, d, cores), trace, slo, rate, warmup=0.0)  # as bench serve counts
 
 
@@ -103,14 +118,29 @@ def measured_ms(run: BenchRun, which: str, q: int) -> float:
     return math.inf if value is None else value
 
 
+def ratios(predicted: Sequence[float], measured: Sequence[float]) -> list[float]:
+    """predicted / measured per metric (nan where either is missing or infinite)."""
+    return [p / m if m and math.isfinite(m) and math.isfinite(p) else math.nan for p, m in zip(predicted, measured)]
+
+
+def within(values: Sequence[float]) -> int:
+    return sum(1 for r in values if abs(r - 1) <= WITHIN)
+
+
+METRICS = (("ttft", 50), ("ttft", 90), ("tpot", 50), ("tpot", 90))
+
+
 def report(rows: list[tuple[str, float, Evaluation, BenchRun]], slo: Slo) -> str:
     lines = [f"{'config':>10} {'rate':>7} {'metric':>9} {'predicted':>10} {'measured':>10} {'ratio':>6}"]
+    all_ratios = []
     for config, rate, pred, run in rows:
-        for which in ("ttft", "tpot"):
-            for q in (50, 90):
-                p, m = pred.ms(which, q), measured_ms(run, which, q)
-                ratio = f"{p / m:.2f}" if m and math.isfinite(m) and math.isfinite(p) else "-"
-                lines.append(f"{config:>10} {rate:>7g} {which.upper() + f' p{q}':>9} {p:>10.0f} {m:>10.0f} {ratio:>6}")
+        for which, q in METRICS:
+            p, m = pred.ms(which, q), measured_ms(run, which, q)
+            ratio = ratios([p], [m])[0]
+            all_ratios.append(ratio)
+            shown = "-" if math.isnan(ratio) else f"{ratio:.2f}"
+            lines.append(f"{config:>10} {rate:>7g} {which.upper() + f' p{q}':>9} {p:>10.0f} {m:>10.0f} {shown:>6}")
+    lines.append(f"within {WITHIN:.0%}: {within(all_ratios)} of {len(all_ratios)} predictions")
     lines.append("")
     lines.append(f"{'rate':>7} {'predicted best':>15} {'measured best':>14}  (goodput under the SLO, req/s)")
     for rate in dict.fromkeys(r for _, r, _, _ in rows):
@@ -120,6 +150,52 @@ def report(rows: list[tuple[str, float, Evaluation, BenchRun]], slo: Slo) -> str
         lines.append(f"{rate:>7g} {best_pred[0]:>15} {best_meas[0]:>14}  "
                      + ", ".join(f"{c} {p.goodput_rps:.3f} vs {run.summary.goodput:.3f}" for c, p, run in at))
     return "\n".join(lines)
+
+
+def record(rows: list[tuple[str, float, Evaluation, BenchRun]], args: argparse.Namespace, cores: int) -> dict:
+    """What the run measured, in the shape `replay` reads: the lengths, the seed, and per
+    (config, rate) its run index, request count and the measured p50/p90 in ms."""
+    rates = list(dict.fromkeys(r for _, r, _, _ in rows))
+    return {"input_len": args.input_len, "output_len": args.output_len, "seed": args.seed, "cores": cores,
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+            "runs": [{"config": c, "rate": r, "run_index": rates.index(r), "num_requests": run.summary.num_requests,
+                      "num_ok": run.summary.num_succeeded,
+                      "measured_ms": {f"{w}_p{q}": _finite(measured_ms(run, w, q)) for w, q in METRICS},
+                      "predicted_ms": {f"{w}_p{q}": _finite(pred.ms(w, q)) for w, q in METRICS}}
+                     for c, r, pred, run in rows]}
+
+
+def _finite(value: float) -> float | None:
+    return round(value, 3) if math.isfinite(value) else None
+
+
+def replay(profile, doc: dict) -> list[tuple[str, float, list[float], list[float]]]:
+    """Each recorded run simulated again under `profile`: (config, rate, predicted, measured),
+    the four metrics in METRICS order, in ms."""
+    slo = Slo(doc["slo_ttft_ms"], doc["slo_tpot_ms"])
+    out = []
+    for run in doc["runs"]:
+        pred = predict(profile, run["config"], run["rate"], run["run_index"], run["num_requests"], doc["input_len"],
+                       doc["output_len"], slo, doc["cores"], doc["seed"])
+        out.append((run["config"], run["rate"], [pred.ms(w, q) for w, q in METRICS],
+                    [_number(run["measured_ms"][f"{w}_p{q}"]) for w, q in METRICS]))
+    return out
+
+
+def _number(value) -> float:
+    return math.inf if value is None else float(value)
+
+
+def fit_served_step(profile, doc: dict, grid: Sequence[float] = SERVED_STEP_GRID_S) -> tuple[float, int]:
+    """The `served_step_s` (of `grid`) under which most replayed predictions fall
+    within 20% of the record, ties to the smallest mean |log ratio|; and that count."""
+    def score(seconds: float) -> tuple[int, float]:
+        rs = [x for _, _, p, m in replay(dataclasses.replace(profile, served_step_s=seconds), doc)
+              for x in ratios(p, m) if math.isfinite(x) and x > 0]
+        return within(rs), -sum(abs(math.log(x)) for x in rs) / max(1, len(rs))
+
+    best = max(grid, key=score)
+    return best, score(best)[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, default=5000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=500.0)
     p.add_argument("--cores", type=int, help="cores of this machine the deployment shares (default: all)")
+    p.add_argument("--served-step-ms", type=float,
+                   help="what a served worker adds to each engine step (default: the profile's served_step_s)")
     p.add_argument("--configs", default="colocated,1p1d")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="print the rates, the predictions and the commands")
@@ -145,6 +223,8 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
         profile = load_profile(args.profile)
+        if args.served_step_ms is not None:
+            profile = dataclasses.replace(profile, served_step_s=args.served_step_ms / 1000)
         slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
         cores = args.cores or profile.machine.num_cores or 1
         configs = [c for c in args.configs.split(",") if c]
@@ -152,8 +232,9 @@ def main(argv: Sequence[str]) -> int:
             raise BenchConfigError(f"--configs: choose from {', '.join(CONFIGS)}")
         rates = (tuple(float(x) for x in args.rates.split(",")) if args.rates
                  else default_rates(profile, args.input_len, args.output_len, slo, cores))
-        predictions = {(c, r): predict(profile, c, r, num_requests(r, args.run_s), args.input_len, args.output_len,
-                                       slo, cores, args.seed) for c in configs for r in rates}
+        predictions = {(c, r): predict(profile, c, r, k, num_requests(r, args.run_s), args.input_len,
+                                       args.output_len, slo, cores, args.seed)
+                       for c in configs for k, r in enumerate(rates)}
         print(f"rates {', '.join(f'{r:g}' for r in rates)} req/s; input {args.input_len}, output {args.output_len}")
         if args.dry_run:
             for (c, r), e in predictions.items():
@@ -167,8 +248,12 @@ def main(argv: Sequence[str]) -> int:
         print(f"pdserve bench plan-check: {exc}", file=sys.stderr)
         return 2
     rows = [(c, r, predictions[(c, r)], measured[c][r]) for c in configs for r in rates]
-    text = report(rows, slo)
+    doc = record(rows, args, cores)
+    served, count = fit_served_step(profile, doc)
+    text = (report(rows, slo) + f"\nserved_step_s {profile.served_step_s * 1000:g} ms; the record fits "
+            f"{served * 1000:g} ms best ({count} of {len(rows) * len(METRICS)} within {WITHIN:.0%})")
     print(text)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan_check.txt").write_text(text + "\n")
+    (out_dir / "plan_check.json").write_text(json.dumps({**doc, "served_step_fit_s": served}, indent=1) + "\n")
     return 0

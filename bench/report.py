@@ -64,6 +64,9 @@ class RequestResult:
     # usage.completion_tokens_details: drafts the server's speculation kept and rejected
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
+    # usage.prompt_tokens_details: prompt tokens the server found cached, and by tier where it says
+    cached_tokens: int | None = None
+    cached_tokens_by_tier: tuple[tuple[str, int], ...] = ()
 
     @property
     def tpot_s(self) -> float | None:
@@ -220,6 +223,8 @@ def request_from_json(doc: Mapping) -> RequestResult:
     except KeyError as e:
         raise ValueError(f"not a request record: missing {e}") from None
     values["itl_s"] = tuple(values["itl_s"])
+    if "cached_tokens_by_tier" in values:
+        values["cached_tokens_by_tier"] = tuple((str(t), int(n)) for t, n in values["cached_tokens_by_tier"])
     return RequestResult(**values)
 
 

@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    g.add_argument("--model", help="model name in requests (default: the first of /models)")
+    g.add_argument("--model", help="model name in requests (default: the first of /models); a comma list "
+                                    "(a base model and LoRA adapters) is used in turn, request by request")
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -372,9 +373,21 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--mix", action="append", metavar="NAME:WEIGHT:INPUT:OUTPUT",
                    help="a request class (repeat for a mix; replaces --input-len/--output-len)")
     w.add_argument("--dataset", help="JSONL of {'messages': [...], 'max_tokens': N} per line")
-    w.add_argument("--workload", choices=("random", "copy"), default="random",
+    w.add_argument("--workload", choices=("random", "copy", "multiturn"), default="random",
                    help="random words, or prompts whose answers quote them (repeat, extract, rename a "
-                        "variable: what speculative decoding is for); --input-len is the quoted text's words")
+                        "variable: what speculative decoding is for; --input-len is the quoted text's words), "
+                        "or chats that come back (bench.multiturn: --sessions, --turns, --think-time-s, "
+                        "--system-len, --turn-len; --output-len is each answer's max_tokens)")
+    m = p.add_argument_group("multiturn workload")
+    m.add_argument("--sessions", type=int, default=8, help="chats run at once")
+    m.add_argument("--turns", type=int, default=4, help="turns per chat")
+    m.add_argument("--think-time-s", type=float, default=1.0,
+                   help="mean pause before each later turn (uniform over 0.5x-1.5x)")
+    m.add_argument("--system-len", default="400-600", help="words of each chat's system message")
+    m.add_argument("--turn-len", default="16-48", help="words of each user message")
+    m.add_argument("--block-size", type=int, default=16,
+                   help="the server's KV block size: a turn's whole history counts as cached at "
+                        "the previous prompt plus answer less one block")
     o = p.add_argument_group("output")
     o.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     o.add_argument("--slo-tpot-ms", type=float, default=100.0)
@@ -433,9 +446,21 @@ def compare_endpoint(args: argparse.Namespace, endpoint):
                                api_key=args.compare_api_key or None)
 
 
+def _multiturn(args: argparse.Namespace) -> int:
+    from pdserve.bench.multiturn import main_multiturn, spec_from_args
+
+    spec_from_args(args)  # its own settings first: a --dataset is refused before it is read
+    args.workload, args.input_len = "random", "1"  # the shared endpoint settings only
+    settings, _ = settings_from_args(args)
+    endpoints = [settings.endpoint] + ([compare_endpoint(args, settings.endpoint)] if args.compare_url else [])
+    return main_multiturn(args, endpoints)
+
+
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
+        if args.workload == "multiturn":
+            return _multiturn(args)
         settings, workload = settings_from_args(args)
         endpoints = [settings.endpoint]
         if args.compare_url:

@@ -52,11 +52,14 @@ class _Trace:
     """What the stream has shown so far; survives a deadline that cuts the stream."""
 
     __slots__ = ("chunk_times", "prompt_tokens", "completion_tokens", "finish_reason", "done", "text",
-                 "accepted", "rejected")
+                 "accepted", "rejected", "parts", "cached", "cached_by_tier")
 
     def __init__(self) -> None:
         self.chunk_times: list[float] = []
         self.text = hashlib.sha256()
+        self.parts: list[str] = []  # the output text itself (a multi-turn session sends it back)
+        self.cached: int | None = None
+        self.cached_by_tier: tuple[tuple[str, int], ...] = ()
         self.accepted: int | None = None
         self.rejected: int | None = None
         self.prompt_tokens: int | None = None
@@ -108,7 +111,8 @@ class OpenAIStreamClient:
         return self.model
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens,
+        models = self.model.split(",")  # several (a base model and its LoRA adapters): in turn
+        body: dict[str, Any] = {"model": models[req.index % len(models)], "max_tokens": req.max_tokens,
                                 "temperature": self.endpoint.temperature, "stream": True,
                                 "stream_options": {"include_usage": True}}
         if self.endpoint.kind == "chat":
@@ -120,11 +124,19 @@ class OpenAIStreamClient:
 
     async def send(self, req: BenchRequest, run_start: float) -> RequestResult:
         """Send `req` now and time it; `run_start` is the perf_counter() origin of start_s."""
+        return (await self.send_for_text(req, run_start))[0]
+
+    async def send_for_text(self, req: BenchRequest, run_start: float,
+                            user: str = "") -> tuple[RequestResult, str]:
+        """`send`, also returning the output text; `user`: the request's `user` field (a session id)."""
         trace = _Trace()
         sent = time.perf_counter()
         error = ""
+        body = self.body(req)
+        if user:
+            body["user"] = user
         try:
-            await asyncio.wait_for(self._stream(req, trace), self.endpoint.request_timeout_s)
+            await asyncio.wait_for(self._stream(body, trace), self.endpoint.request_timeout_s)
             if not trace.chunk_times:
                 error = "no output text in the stream"
         except asyncio.TimeoutError:
@@ -134,10 +146,10 @@ class OpenAIStreamClient:
         except Exception as e:  # transport errors of any kind are this request's failure
             error = _describe(e)
         ended = time.perf_counter()
-        return _result(req, trace, sent - run_start, sent, ended, error)
+        return _result(req, trace, sent - run_start, sent, ended, error), "".join(trace.parts)
 
-    async def _stream(self, req: BenchRequest, trace: _Trace) -> None:
-        async with self._http.stream("POST", self._url, json=self.body(req)) as resp:
+    async def _stream(self, body: dict[str, Any], trace: _Trace) -> None:
+        async with self._http.stream("POST", self._url, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread())[:300].decode("utf-8", "replace")
                 raise StreamError(f"HTTP {resp.status_code}: {text}")
@@ -170,6 +182,13 @@ class OpenAIStreamClient:
             if isinstance(details, dict):
                 trace.accepted = _int_or_none(details.get("accepted_prediction_tokens"))
                 trace.rejected = _int_or_none(details.get("rejected_prediction_tokens"))
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                trace.cached = _int_or_none(details.get("cached_tokens"))
+        extra = chunk.get("pdserve")  # pdserve's own object: the cached tokens by tier, for an admin key
+        if isinstance(extra, dict) and isinstance(extra.get("cached_tokens_by_tier"), dict):
+            trace.cached_by_tier = tuple(sorted((str(t), n) for t, n in extra["cached_tokens_by_tier"].items()
+                                                if _int_or_none(n) is not None))
         for choice in chunk.get("choices") or ():
             if self.endpoint.kind == "chat":
                 text = (choice.get("delta") or {}).get("content")
@@ -178,6 +197,7 @@ class OpenAIStreamClient:
             if text:
                 trace.chunk_times.append(now)
                 trace.text.update(str(text).encode())
+                trace.parts.append(str(text))
             if choice.get("finish_reason"):
                 trace.finish_reason = str(choice["finish_reason"])
 
@@ -195,7 +215,8 @@ def _result(req: BenchRequest, trace: _Trace, start_s: float, sent: float, ended
         num_chunks=len(times), finish_reason=trace.finish_reason,
         target_input_tokens=req.target_input_tokens, max_tokens=req.max_tokens,
         text_sha256=trace.text.hexdigest(), accepted_prediction_tokens=trace.accepted,
-        rejected_prediction_tokens=trace.rejected)
+        rejected_prediction_tokens=trace.rejected, cached_tokens=trace.cached,
+        cached_tokens_by_tier=trace.cached_by_tier)
 
 
 def _int_or_none(v: object) -> int | None:

@@ -11,7 +11,9 @@ may steer two prompts into one key):
 --insecure-internal) it is the fixed, public `INSECURE_KEY`, and the digests are then as
 strong as unkeyed BLAKE2b: collision-resistant, but anyone can compute them. `salt` is
 the model's compatibility hash; `cache_salt` is the request's tenant salt (vLLM's field): it
-enters the root, so prompts with different salts share no block.
+enters the root, so prompts with different salts share no block. `lora_key` (a LoRA
+adapter's digest, "" for the base model) enters it too when set: KV computed under one
+adapter is never found under another or under the base model.
 
 `hash[i]` is a lookup key, short by design; `d[i]` (32 bytes) is what a cache or store
 hit is checked against before its KV is used: equal digests mean equal prompt prefixes.
@@ -79,12 +81,21 @@ class PromptBlocks:
     digests: list[bytes]
 
 
-def prompt_blocks(token_ids: Iterable[int], block_size: int, salt: int, key: bytes = INSECURE_KEY,
-                  cache_salt: str = "") -> PromptBlocks:
-    """The chained keys and digests of every full block of `token_ids`."""
+def chain_root(salt: int, key: bytes = INSECURE_KEY, cache_salt: str = "", lora_key: str = "") -> bytes:
+    """The digest every chain of this model, key, tenant salt and adapter starts from."""
+    fields: tuple = ("pdserve-blocks-v2", int(salt), cache_salt)
+    if lora_key:  # the base model's keys stay what they were
+        fields += ("lora", lora_key)
+    return hashlib.blake2b(encode_fields(*fields), key=key, digest_size=DIGEST_BYTES).digest()
+
+
+def chain_blocks(parent: bytes, token_ids: Iterable[int], block_size: int,
+                 key: bytes = INSECURE_KEY) -> PromptBlocks:
+    """The keys and digests of the full blocks of `token_ids`, chained after `parent` (the
+    digest of the block before them, or `chain_root`). A prompt's blocks and the blocks a
+    decode generates after it chain the same way, so a later prompt that repeats both finds
+    them under the same keys."""
     ids = list(token_ids)
-    parent = hashlib.blake2b(encode_fields("pdserve-blocks-v2", int(salt), cache_salt),
-                             key=key, digest_size=DIGEST_BYTES).digest()
     hashes: list[int] = []
     digests: list[bytes] = []
     for start in range(0, len(ids) - block_size + 1, block_size):
@@ -96,10 +107,16 @@ def prompt_blocks(token_ids: Iterable[int], block_size: int, salt: int, key: byt
     return PromptBlocks(hashes, digests)
 
 
+def prompt_blocks(token_ids: Iterable[int], block_size: int, salt: int, key: bytes = INSECURE_KEY,
+                  cache_salt: str = "", lora_key: str = "") -> PromptBlocks:
+    """The chained keys and digests of every full block of `token_ids`."""
+    return chain_blocks(chain_root(salt, key, cache_salt, lora_key), token_ids, block_size, key)
+
+
 def hash_prompt_blocks(token_ids: Iterable[int], block_size: int, salt: int, key: bytes = INSECURE_KEY,
-                       cache_salt: str = "") -> list[int]:
+                       cache_salt: str = "", lora_key: str = "") -> list[int]:
     """The keys alone of `prompt_blocks` (what routing compares)."""
-    return prompt_blocks(token_ids, block_size, salt, key, cache_salt).hashes
+    return prompt_blocks(token_ids, block_size, salt, key, cache_salt, lora_key).hashes
 
 
 def prompt_digest(token_ids: Iterable[int]) -> bytes:

@@ -57,6 +57,19 @@ class NotFoundError(PdserveError):
     """An unknown model or worker."""
 
 
+class LoraAdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be served on this model: missing files, a rank over the
+    limit, target modules the model lacks, shapes that disagree, a path outside the root."""
+
+
+class LoraNotFoundError(NotFoundError):
+    """A request or an unload names an adapter this engine has not loaded."""
+
+
+class LoraInUseError(PdserveError):
+    """An adapter cannot be unloaded while requests use it (they must finish first)."""
+
+
 class AlreadyExistsError(PdserveError):
     """The id is taken: a request id in flight, a worker id alive elsewhere."""
 
@@ -174,6 +187,7 @@ _KIND_OF: tuple[tuple[type[BaseException], ErrorKind, str | None], ...] = (
     (CapacityError, ErrorKind.INVALID_ARGUMENT, "kv_capacity_exceeded"),
     (OverloadedError, ErrorKind.RATE_LIMITED, None),
     (IncompatiblePeerError, ErrorKind.FAILED_PRECONDITION, None),
+    (LoraInUseError, ErrorKind.FAILED_PRECONDITION, "adapter_in_use"),
     (RequestAbortedError, ErrorKind.CANCELLED, None),
     (TransferError, ErrorKind.UNAVAILABLE, None),
     (ModelLoadError, ErrorKind.UNAVAILABLE, None),

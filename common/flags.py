@@ -25,10 +25,11 @@ SECURITY_HELP = {
 
 
 def setting(default: Any, help: str, group: str, *, choices: tuple = (), roles: tuple = ("prefill", "decode"),
-            default_factory: Any = None) -> Any:
+            default_factory: Any = None, repeated: bool = False) -> Any:
     """A dataclass field that is also a flag: `help` (its default is appended), the `group`
-    it is listed in, `choices`, and the `roles` that take it (workers: prefill, decode)."""
-    metadata = {"help": help, "group": group, "choices": choices, "roles": roles}
+    it is listed in, `choices`, and the `roles` that take it (workers: prefill, decode). A
+    `repeated` flag takes one or more values and may be given again (its default is ())."""
+    metadata = {"help": help, "group": group, "choices": choices, "roles": roles, "repeated": repeated}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -10,13 +10,13 @@ from pdserve.worker.settings import WorkerSettings
 
 class DecodeBuild:
     """How `run_worker` builds a decode service: its connector (none for local prefill only
-    without a prefix store), then its gRPC service, whose prefill leg drives transfers through
+    without a prefix store or a host tier), then its gRPC service, whose prefill leg drives transfers through
     that connector's `receives`."""
 
     def make_connector(self, settings: WorkerSettings, secret=None):
         from pdserve.engine.connector import Connector
 
-        if not settings.backends and settings.prefix_store == "none":
+        if not settings.backends and settings.prefix_store == "none" and not settings.kv_offload_host_gb:
             return Connector()
         from pdserve.worker.transfer import make_connector
 
@@ -26,6 +26,7 @@ class DecodeBuild:
         from pdserve.decode.prefill_leg import PrefillLeg, RemotePrefill
         from pdserve.decode.servicer import DecodeService
         from pdserve.decode.session import DecodeSessions
+        from pdserve.kvtransfer.connector import PdConnector
         from pdserve.proto.pdserve.v1 import decode_pb2, decode_pb2_grpc
 
         settings = runtime.settings
@@ -35,7 +36,8 @@ class DecodeBuild:
                          timeout_s=settings.prefill_timeout_s, auth=runtime.auth)
         remote = RemotePrefill(leg, runtime.loop, failure_policy=settings.failure_policy,
                                timeout_s=settings.prefill_timeout_s)
-        service = DecodeService(DecodeSessions(runtime.loop, remote, runtime.metrics), runtime.served_name)
+        service = DecodeService(DecodeSessions(runtime.loop, remote, runtime.metrics, runtime.adapters),
+                                runtime.served_name)
 
         def add(server):
             decode_pb2_grpc.add_DecodeServicer_to_server(service, server)
@@ -43,7 +45,7 @@ class DecodeBuild:
         async def close():
             await leg.close()
             connector = runtime.engine.connector
-            if _receives_through(connector, settings):
+            if isinstance(connector, PdConnector):  # its tiers' memory too
                 connector.worker.close()
 
         return add, [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name], close

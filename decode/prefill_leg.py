@@ -40,6 +40,7 @@ class LegResult:
     tail_ms: float = 0.0  # the transfer after the prefill's forward, to the blocks verified here
     prompt_logprobs: tuple = ()  # sampling.prompt_logprobs: computed by the prefill
     num_cached_tokens: int = 0  # prompt tokens the prefill found cached (its prefix cache, its store)
+    cached_tokens_by_tier: tuple[tuple[str, int], ...] = ()  # of those, by tier ("device", "host", ...)
 
     @property
     def ok(self) -> bool:
@@ -78,9 +79,11 @@ class PrefillLeg:
 
     async def run(self, request_id: str, prompt_ids: list[int], block_hashes: list[int],
                   sampling: common_pb2.SamplingParams, choice, block_ids: Sequence[int],
-                  num_cached_tokens: int, cache_salt: str = "") -> LegResult:
+                  num_cached_tokens: int, cache_salt: str = "", lora: tuple[str, str] = ("", "")) -> LegResult:
         """`block_hashes`: this decode's own hashes of the prompt's full blocks (cache salt
-        included): the hand-off's signature binds them, the receiver accepts only them."""
+        included): the hand-off's signature binds them, the receiver accepts only them.
+        `lora`: (name, digest) of the adapter the prompt runs under (empty: the base model);
+        the prefill computes under the same adapter or refuses."""
         from pdserve.worker.transfer import params_to_handoff, sign_handoff, verdict_from_proto
 
         start = time.monotonic()
@@ -88,6 +91,7 @@ class PrefillLeg:
                                            num_cached_tokens // self.block_size, time.time() + self.timeout_s,
                                            block_hashes=block_hashes)
         handoff = params_to_handoff(tp, block_ids, self.block_size, self.worker_id)
+        handoff.lora_name, handoff.lora_digest = lora
         request = prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                              block_hashes=block_hashes, sampling=sampling, handoff=handoff,
                                              cache_salt=cache_salt)
@@ -122,7 +126,8 @@ class PrefillLeg:
         lp = logprob_from_proto(resp.first_token_logprob) if resp.HasField("first_token_logprob") else None
         return LegResult(final, resp.first_token_id, lp, tail_ms=tail_ms,
                          prompt_logprobs=tuple(logprob_from_proto(e) for e in resp.prompt_logprobs),
-                         num_cached_tokens=resp.num_cached_tokens)
+                         num_cached_tokens=resp.num_cached_tokens,
+                         cached_tokens_by_tier=tuple(sorted(resp.cached_tokens_by_tier.items())))
 
     async def _prefill(self, address: str, request: prefill_pb2.PrefillRequest,
                        deadline: float) -> prefill_pb2.PrefillResponse:
@@ -163,7 +168,7 @@ class RemotePrefill:
         return self.leg.can_receive
 
     async def run(self, rid: str, request, stream, timings: common_pb2.RequestTimings,
-                  t_arrival: float) -> tuple[RequestVerdict, LegResult]:
+                  t_arrival: float, lora_digest: str = "") -> tuple[RequestVerdict, LegResult]:
         try:
             ready = await asyncio.wait_for(stream.remote_ready, self.timeout_s)
         except asyncio.TimeoutError:
@@ -176,7 +181,8 @@ class RemotePrefill:
         timings.queue_ms = (t_admitted - t_arrival) * 1000
         # the engine's own hashes, never the router's: the sink checks blocks against them
         result = await self.leg.run(rid, list(request.prompt_token_ids), list(stream.block_hashes), request.sampling,
-                                    request.prefill, block_ids, num_cached, request.cache_salt)
+                                    request.prefill, block_ids, num_cached, request.cache_salt,
+                                    (request.lora_name, lora_digest))
         timings.prefill_ms = (time.monotonic() - t_admitted) * 1000
         timings.transfer_ms = result.tail_ms  # the transfer's tail: not overlapped with compute
         verdict = decide(result.verdict, self.failure_policy)

@@ -32,4 +32,6 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
     @grpc_errors
     async def Load(self, request, context):
-        return load_to_proto(self.sessions.loop)
+        report = load_to_proto(self.sessions.loop)
+        report.lora_adapters.extend(self.sessions.adapters.states())
+        return report

@@ -16,6 +16,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvtransfer.verdict import NO_TRANSFER, Outcome, RequestVerdict
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
+from pdserve.worker.lora import LoraSettings, WorkerAdapters
 from pdserve.worker.transfer import request_verdict_to_proto
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -54,10 +55,12 @@ async def keep_alive(stream: AsyncIterator[T], interval_s: float, make: Callable
 class DecodeSessions:
     """Runs Decode requests on one engine loop; `abort` ends one at any phase."""
 
-    def __init__(self, loop: EngineLoop, remote: RemotePrefill, metrics) -> None:
+    def __init__(self, loop: EngineLoop, remote: RemotePrefill, metrics, adapters: WorkerAdapters | None = None) -> None:
+        """`adapters`: the worker's LoRA adapters (none: LoRA off, every adapter name is NOT_FOUND)."""
         self.loop = loop
         self.remote = remote
         self.metrics = metrics
+        self.adapters = adapters or WorkerAdapters(loop, LoraSettings())
 
     async def run(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeResponse]:
         rid = request.request_id or uuid.uuid4().hex
@@ -67,9 +70,11 @@ class DecodeSessions:
                      place(request.prefill.address, request.prefill.reason, self.remote.can_receive))
         t_arrival = time.monotonic()
         try:
+            # the adapter is this worker's before the request is: loaded here on first use
+            lora_digest = await self.adapters.ensure(request.lora_name)
             stream = await self.loop.add_request(list(request.prompt_token_ids), params, request_id=rid,
                                                  remote_prefill=placement.remote, resumed=resumed,
-                                                 cache_salt=request.cache_salt)
+                                                 cache_salt=request.cache_salt, lora_name=request.lora_name or None)
         except Exception:  # counted, then re-raised
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
@@ -77,7 +82,7 @@ class DecodeSessions:
         decided, leg = RequestVerdict.local(placement.reason), LegResult(NO_TRANSFER)
         try:
             if placement.remote:
-                decided, leg = await self.remote.run(rid, request, stream, timings, t_arrival)
+                decided, leg = await self.remote.run(rid, request, stream, timings, t_arrival, lora_digest)
             verdict = request_verdict_to_proto(decided)  # the request's verdict leaves this process
             self.metrics.prefill_decisions.labels(outcome=common_pb2.TransferOutcome.Name(verdict.outcome),
                                                   reason=verdict.reason.split(":")[0]).inc()
@@ -85,7 +90,8 @@ class DecodeSessions:
             transferred = decided.outcome == Outcome.TRANSFERRED
             if transferred:  # what the link from that prefill worker delivers, for the router
                 self.metrics.observe_received(leg.verdict, leg.tail_ms)
-            async for out, response in self._stream(stream, rid, leg.num_cached_tokens if transferred else None):
+            async for out, response in self._stream(stream, rid, (leg.num_cached_tokens, leg.cached_tokens_by_tier)
+                                                    if transferred else None):
                 if first and (out.new_token_ids or out.finished):
                     first = False
                     response.transfer.CopyFrom(verdict)
@@ -130,11 +136,12 @@ class DecodeSessions:
                           ("transfer", timings.transfer_ms), ("first_decode", timings.first_decode_ms)):
             self.metrics.ttft_phase.labels(phase).observe(ms / 1000)
 
-    async def _stream(self, stream, rid: str, num_cached_remote: int | None):
+    async def _stream(self, stream, rid: str, cached_remote: tuple[int, tuple] | None):
         """(engine output, its proto message) per delta. Usage counts as cached the prompt
         tokens not computed for this request: with KV from a prefill service, those it found
-        cached (`num_cached_remote`: a prefix only this decode held was computed there
-        anyway); else those this engine found in its prefix cache or loaded from a store."""
+        cached (`cached_remote`: a prefix only this decode held was computed there
+        anyway); else those this engine found in its prefix cache or loaded from a tier below
+        it. `cached_remote`: (the prefill's count, its tiers' share) or None."""
         tok = self.loop.engine.tokenizer
         while True:
             try:
@@ -150,14 +157,14 @@ class DecodeSessions:
                 resp.prompt_logprobs.extend(logprob_to_proto(lp, tok) for lp in out.prompt_logprobs)
             if out.finished:
                 resp.finish_reason = FINISH.get(out.finish_reason, common_pb2.FINISH_REASON_STOP)
-                cached = (out.num_cached_tokens + out.num_loaded_tokens if num_cached_remote is None
-                          else num_cached_remote)
+                cached, by_tier = ((out.num_cached_tokens + out.num_loaded_tokens, out.cached_tokens_by_tier)
+                                   if cached_remote is None else cached_remote)
                 resp.usage.CopyFrom(common_pb2.Usage(
                     prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                     cached_prompt_tokens=min(cached, out.num_prompt_tokens),
                     accepted_draft_tokens=out.num_accepted_tokens,
                     rejected_draft_tokens=out.num_draft_tokens - out.num_accepted_tokens,
-                    draft_steps=out.num_draft_steps))
+                    draft_steps=out.num_draft_steps, cached_tokens_by_tier=dict(by_tier)))
                 yield out, resp
                 return
             yield out, resp

@@ -49,7 +49,9 @@ def _add_table(p: argparse.ArgumentParser, table: type, role: str, group: str, t
         if spec.get("group") != group or role not in spec["roles"]:
             continue
         kw: dict[str, Any] = {"choices": spec["choices"] or None}
-        if isinstance(f.default, bool):
+        if spec.get("repeated"):
+            kw = {"action": "extend", "nargs": "+", "default": None}
+        elif isinstance(f.default, bool):
             kw = {"action": "store_true", "default": None}
         elif isinstance(f.default, (int, float)):
             kw["type"] = type(f.default)

@@ -58,6 +58,9 @@ def _flags(settings: dict[str, Any], names) -> list[str]:
         if value is None or value is False:
             continue
         flag = "--" + name.replace("_", "-")
+        if isinstance(value, (list, tuple)):  # a repeated flag: once per value
+            out += [part for item in value for part in (flag, str(item))]
+            continue
         out += [flag] if value is True else [flag, str(value)]
     return out
 
@@ -89,6 +92,8 @@ def plan(settings: dict[str, Any], issuer: EnrollmentIssuer | None = None) -> tu
               *_flags(settings, router_pass_through())]
     if settings.get("log_level"):
         router += ["--log-level", str(settings["log_level"])]
+    if settings.get("enable_lora"):  # the workers' flag turns on the router's adapter endpoints too
+        router += ["--enable-lora"]
     children = [Child("router", router, env={"PDSERVE_API_KEY": settings["api_key"]} if settings.get("api_key") else {})]
     make = worker_maker(settings, num_prefill, num_decode, issuer)
     children += [make("prefill", i) for i in range(num_prefill)] + [make("decode", i) for i in range(num_decode)]

@@ -89,6 +89,7 @@ def assemble(config: EngineConfig, connector: Connector | ConnectorFactory | Non
     connector = Connector() if connector is None else connector
     connector = connector if isinstance(connector, Connector) else connector(layout)
     connector.worker.register_kv_caches(kv.kv_caches, layout)
+    connector.worker.register_block_pool(kv)
     spec = config.speculative
     speculator = Speculator(spec, kv) if spec is not None else NO_SPECULATION
     _log_ready(config, loaded.name, device, kv, max_model_len)

@@ -5,12 +5,21 @@ Invariants:
 * a free block may still carry a hash: it is a cached block, reusable until evicted. The free
   list's order is the eviction order (front = least recently freed = evicted first);
 * `cached` maps a hash to exactly one block carrying that hash.
+
+Two optional hooks, for the tiers under the pool (pdserve.kvtransfer.tiers):
+* `on_evict(evicted)`: cached blocks leaving the cache to be reused, as `EvictedBlock`s
+  (block id, hash, digest). Rule: a hook that copies their bytes must have copied them
+  before the block is written again; the pool hands the block out right after the call,
+  and `KVCacheManager.offload_fence` is what the scheduler waits on before any forward or
+  transfer writes into it.
+* `on_event(tier, kind, block_hashes)`: tier "device", kind "stored" when blocks are
+  published by hash, "removed" when they leave the cache (evicted or reset).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 NULL_BLOCK_ID = 0  # never allocated; block tables point here for slots a window dropped
 
@@ -21,6 +30,24 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: int | None = None
     digest: bytes | None = None  # the full digest its hash was cut from (common.block_hash)
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedBlock:
+    """A cached block's id, key and digest, as a tier below the pool copies it out: evicted
+    (`BlockPool.on_evict`) or just published (`KVCacheManager.on_generated_blocks`)."""
+
+    block_id: int
+    block_hash: int
+    digest: bytes | None
+
+
+def _no_eviction_hook(evicted: list[EvictedBlock]) -> None:
+    pass
+
+
+def _no_event_hook(tier: str, kind: str, block_hashes: list[int]) -> None:
+    pass
 
 
 class BlockPool:
@@ -34,6 +61,8 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:])
         self._cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
+        self.on_evict: Callable[[list[EvictedBlock]], None] = _no_eviction_hook
+        self.on_event: Callable[[str, str, list[int]], None] = _no_event_hook
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -46,6 +75,11 @@ class BlockPool:
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks published by hash (held or free). Safe to read from another thread."""
+        return len(self._cached)
+
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
 
@@ -54,12 +88,18 @@ class BlockPool:
         """n fresh blocks (ref count 1), evicting cached free blocks LRU-first; None if short."""
         if n > len(self._free):
             return None
-        out = []
+        out: list[KVBlock] = []
+        evicted: list[EvictedBlock] = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+                evicted.append(EvictedBlock(block.block_id, block.block_hash, block.digest))
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        if evicted:
+            self.on_evict(evicted)
+            self.on_event("device", "removed", [e.block_hash for e in evicted])
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -96,6 +136,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.digest = digest
         self._cached[block_hash] = block
+        self.on_event("device", "stored", [block_hash])
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
@@ -106,9 +147,12 @@ class BlockPool:
             self.num_evictions += 1
 
     def reset_prefix_cache(self) -> None:
-        for block in list(self._cached.values()):
-            if block.ref_cnt == 0:
-                self._evict(block)
+        dropped = [block for block in self._cached.values() if block.ref_cnt == 0]
+        hashes = [block.block_hash for block in dropped]
+        for block in dropped:
+            self._evict(block)
+        if hashes:
+            self.on_event("device", "removed", hashes)
 
     def assert_all_free(self) -> None:
         """Every usable block is back in the free list (the leak check tests end with)."""

@@ -213,6 +213,8 @@ class SpeculativeConfig:
         return cls(**values)
 
 
+MAX_LORAS = 256
+MAX_LORA_RANK = 512
 QUANTIZATIONS = ("", "int8", "gguf", "gguf-fast", "gguf-int8dot", "gguf-int16dot", "auto")
 
 
@@ -242,8 +244,17 @@ class EngineConfig:
     # in a deployment with a cluster secret; never shown in a repr
     block_hash_key: bytes = field(default=INSECURE_KEY, repr=False)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # LoRA (engine.lora): adapters in the device slots one step may mix, their highest rank,
+    # adapters kept in memory (None: max_loras; at least max_loras), and the directory every
+    # adapter path must be under (None: any path)
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_allowed_root: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_lora()
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")
         if self.quantization == "none":  # the flag's name for no quantization
@@ -254,3 +265,12 @@ class EngineConfig:
         if self.quantization not in ("", "auto") and (self.device != "cpu" or self.dtype != "float32"):
             raise InvalidRequestError(f"--quantization {self.quantization} runs on CPU with float32 "
                                       f"activations only")
+
+    def _check_lora(self) -> None:
+        if not 1 <= self.max_loras <= MAX_LORAS:
+            raise InvalidRequestError(f"max_loras must be in [1, {MAX_LORAS}]")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise InvalidRequestError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}]")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                                      f"({self.max_loras})")

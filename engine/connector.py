@@ -147,6 +147,11 @@ class KVConnectorScheduler(abc.ABC):
         again for the same request if allocation failed; must not reserve anything it would
         leak if the request is never admitted (`request_finished` is called either way)."""
 
+    def matched_tokens_by_tier(self, request_id: str) -> dict[str, int]:
+        """Of the tokens `get_num_new_matched_tokens` offered `request_id` last, how many
+        each tier below the pool holds ("host", "disk", "redis"). Default: none."""
+        return {}
+
     @abc.abstractmethod
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
@@ -169,6 +174,11 @@ class KVConnectorWorker(abc.ABC):
     @abc.abstractmethod
     def register_kv_caches(self, kv_caches: Sequence["torch.Tensor"], layout: KVCacheLayout) -> None:
         """The engine's cache tensors, one per layer. Called once before the first step."""
+
+    def register_block_pool(self, kv: object) -> None:
+        """The engine's `KVCacheManager`, offered once after `register_kv_caches`: a connector
+        with tiers under the pool hooks the pool's evictions (`BlockPool.on_evict`) and the
+        manager's `offload_fence` here. Default: nothing (evicted blocks are dropped)."""
 
     @abc.abstractmethod
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:

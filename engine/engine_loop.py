@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from pdserve.common.errors import UnavailableError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import EngineStats
 from pdserve.engine.outputs import RequestOutput
@@ -52,6 +53,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.last_stats: EngineStats = engine.stats()
         self.error: BaseException | None = None
+        self._waiting: set[asyncio.Future] = set()  # commands' results, touched on the event loop only
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -60,10 +62,14 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stops the thread. A command or a stream still waiting on it then ends with
+        `UnavailableError` instead of waiting out its own timeout: a stopping service's
+        last cancellations (an abort per cut stream) must not outlive the process's stop."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._refuse_waiting(UnavailableError("the engine has stopped"))
 
     @property
     def alive(self) -> bool:
@@ -71,7 +77,10 @@ class EngineLoop:
 
     # -- commands -----------------------------------------------------------------------
     async def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
-        """Run `fn` on the engine thread; its result or exception comes back here."""
+        """Run `fn` on the engine thread; its result or exception comes back here.
+        `UnavailableError` at once when the thread has stopped or died."""
+        if self._stop.is_set() or self.error is not None:
+            raise UnavailableError("the engine has stopped")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
@@ -83,14 +92,19 @@ class EngineLoop:
             else:
                 loop.call_soon_threadsafe(_set_result, fut, result)
 
+        self._waiting.add(fut)
         self._commands.put(run)
         self._wake.set()
-        return await asyncio.wait_for(fut, timeout)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._waiting.discard(fut)
 
     async def add_request(self, prompt_token_ids: list[int], params, *, request_id: str,
                           remote_prefill: bool = False,
                           transfer_params: object | None = None, resumed: Sequence[int] = (),
-                          cache_salt: str = "", stream_layers: bool = True, blocks=None) -> RequestStream:
+                          cache_salt: str = "", stream_layers: bool = True, blocks=None,
+                          lora_name: str | None = None) -> RequestStream:
         stream = RequestStream(request_id)
         if remote_prefill:
             stream.remote_ready = asyncio.get_running_loop().create_future()
@@ -100,7 +114,7 @@ class EngineLoop:
                                               remote_prefill=remote_prefill,
                                               transfer_params=transfer_params, resumed=resumed,
                                               cache_salt=cache_salt, stream_layers=stream_layers,
-                                              blocks=blocks)
+                                              blocks=blocks, lora_name=lora_name)
             self._streams[request_id] = stream
             return request
 
@@ -136,7 +150,7 @@ class EngineLoop:
         except BaseException as exc:  # the service reports unhealthy; requests get errors
             log.exception("engine thread died")
             self.error = exc
-            self._fail_all(exc)
+            self._refuse_waiting(exc)
 
     def _drain_commands(self) -> None:
         while True:
@@ -168,10 +182,20 @@ class EngineLoop:
         if actions:
             self._loop.call_soon_threadsafe(_run_all, actions)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for stream in list(self._streams.values()):
-            self._loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
-        self._streams.clear()
+    def _refuse_waiting(self, exc: BaseException) -> None:
+        """Ends every stream and command still waiting on the thread with `exc` (from any
+        thread: the event loop does it)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
+        loop.call_soon_threadsafe(self._fail_commands, exc)
+
+    def _fail_commands(self, exc: BaseException) -> None:
+        for fut in list(self._waiting):
+            _set_exception(fut, exc)
 
 
 def _run_all(actions: list[tuple[Callable[..., None], Any, Any]]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import struct
 from collections import Counter
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 from pdserve.common.errors import ModelLoadError
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.kernels import cpu_native, int8_dot
-from pdserve.kernels.quant import INTEGER_DOT_MODES, NATIVE_TYPES, QuantWeight
+from pdserve.kernels.quant import BLOCK_BYTES, INTEGER_DOT_MODES, NATIVE_TYPES, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -82,20 +83,18 @@ def read_quantized(gguf_path: Path, state: dict[str, torch.Tensor],
     """The GGUF's linears with a native block type, checked against `state` (the float32
     weights of the same file); logs what stays float32 and why."""
     import gguf
-    import numpy as np
 
     served: dict[str, QuantWeight] = {}
     unsupported: Counter[str] = Counter()
     mismatched: list[str] = []
-    for tensor in gguf.GGUFReader(str(gguf_path)).tensors:
-        name = hf_name(tensor.name)
+    for gguf_name, qtype, data in tensor_blocks(gguf_path):
+        name = hf_name(gguf_name)
         if name is None or name not in state:
             continue
-        qtype = int(tensor.tensor_type)
         if qtype not in NATIVE_TYPES:
-            unsupported[tensor.tensor_type.name] += 1
+            unsupported[gguf.GGMLQuantizationType(qtype).name] += 1
             continue
-        blocks = QuantWeight(torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)), qtype)
+        blocks = QuantWeight(torch.from_numpy(data.copy()), qtype)
         matched = _as_served(blocks, state[name], _heads_of(name, config))
         if matched is None:
             mismatched.append(name)
@@ -110,6 +109,76 @@ def read_quantized(gguf_path: Path, state: dict[str, torch.Tensor],
     return served
 
 
+# GGUF metadata value types -> their size in bytes (8: string, 9: array, read apart)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def tensor_blocks(gguf_path: Path):
+    """(name, GGML type, uint8 [rows, row bytes] memory map) for each 2-D tensor of a native
+    block type in the file, and (name, type, None) for the others: the header read directly,
+    its metadata skipped, not parsed (the gguf package builds every field, a tokenizer's
+    vocabulary included, which costs seconds)."""
+    import numpy as np
+
+    raw = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    buf = memoryview(raw)
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values if len(values) > 1 else values[0]
+
+    def string() -> str:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
+
+    def skip(vtype: int) -> None:
+        nonlocal pos
+        if vtype == 8:
+            n = take("Q")  # not `pos += take(...)`: that adds to the position read before take moved it
+            pos += n
+        elif vtype == 9:
+            etype, count = take("IQ")
+            if etype in _SCALAR_BYTES:
+                pos += count * _SCALAR_BYTES[etype]
+            else:
+                for _ in range(count):
+                    skip(etype)
+        elif vtype in _SCALAR_BYTES:
+            pos += _SCALAR_BYTES[vtype]
+        else:
+            raise ModelLoadError(f"{gguf_path}: unknown GGUF metadata type {vtype}")
+
+    magic, version, n_tensors, n_kv = take("4sIQQ")
+    if magic != b"GGUF" or version < 2:
+        raise ModelLoadError(f"{gguf_path} is not a GGUF v2+ file")
+    alignment = 32
+    for _ in range(n_kv):
+        key, vtype = string(), take("I")
+        if key == "general.alignment" and vtype == 4:
+            alignment = take("I")
+        else:
+            skip(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), take("I")
+        dims = [take("Q") for _ in range(n_dims)]
+        qtype, offset = take("IQ")
+        infos.append((name, dims, qtype, offset))
+    start = -(-pos // alignment) * alignment
+    for name, dims, qtype, offset in infos:
+        if qtype not in NATIVE_TYPES or len(dims) != 2:
+            yield name, qtype, None
+            continue
+        row_bytes = dims[0] // 32 * BLOCK_BYTES[qtype]  # dims run innermost first: [in, out]
+        begin = start + offset
+        yield name, qtype, raw[begin:begin + row_bytes * dims[1]].reshape(dims[1], row_bytes)
+
+
 def _heads_of(name: str, config: ModelConfig) -> int:
     if name.endswith("q_proj.weight"):
         return config.num_heads
@@ -122,14 +191,15 @@ def _as_served(blocks: QuantWeight, weight: torch.Tensor, heads: int) -> QuantWe
     """`blocks` in the row order of `weight` if they dequantize to it exactly, else None."""
     if (blocks.out_features, blocks.in_features) != tuple(weight.shape):
         return None
-    if torch.equal(blocks.dequantize(), weight):
-        return blocks
     rows = blocks.out_features
+    candidates = [blocks]
     if heads and rows % (2 * heads) == 0:
         # llama.cpp stores each head's rows interleaved (pairs of halves); transformers' order
-        # has the two halves apart: row (h, a, i) of transformers is row (h, i, a) of the file
+        # has the two halves apart: row (h, a, i) of transformers is row (h, i, a) of the file.
+        # Its converter always reorders q and k: that order is tried first.
         order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
-        permuted = blocks.permute_rows(order)
-        if torch.equal(permuted.dequantize(), weight):
-            return permuted
+        candidates.insert(0, blocks.permute_rows(order))
+    for candidate in candidates:
+        if torch.equal(candidate.dequantize(), weight):
+            return candidate
     return None

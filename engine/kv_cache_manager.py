@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from pdserve.common.util import available_memory_bytes, cdiv
-from pdserve.engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from pdserve.engine.block_pool import NULL_BLOCK_ID, BlockPool, EvictedBlock, KVBlock
 from pdserve.engine.config import CacheConfig, ModelConfig
 from pdserve.engine.request import Request
 
@@ -88,6 +89,15 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already published by hash
         self._num_dropped_blocks: dict[str, int] = {}  # leading blocks a window released
         self.num_digest_mismatches = 0  # cached blocks whose key matched but digest did not
+        # extends a request's block keys over the full blocks it generated (engine.intake);
+        # the engine sets it: without, only prompt blocks are published
+        self.extend_block_hashes: Callable[[Request, int], None] = _keep_prompt_keys
+        # waits until blocks evicted to a tier below have been copied out (BlockPool.on_evict):
+        # the scheduler calls it once a step, before a forward or a transfer writes into them
+        self.offload_fence: Callable[[], None] = _nothing_to_wait_for
+        # blocks holding generated tokens, published just now: a tier that writes through (the
+        # prefix store) copies them out, as the prefill does the prompt's (kvtransfer.tiers)
+        self.on_generated_blocks: Callable[[list[EvictedBlock]], None] = _no_write_through
 
     # -- contract -----------------------------------------------------------------------
     def get_max_resource_count(self) -> int:
@@ -137,15 +147,26 @@ class KVCacheManager:
         return True
 
     def update_resources(self, request: Request) -> None:
-        """After a step: publish newly full prompt blocks by hash; release blocks a window dropped."""
+        """After a step: publish newly full blocks by hash, the prompt's and the generated ones
+        (so the next turn of a chat, which repeats both, finds them); release blocks a window
+        dropped. A block is full when all its positions are computed and their tokens known."""
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full > len(request.block_hashes):
+            self.extend_block_hashes(request, min(num_full, len(blocks)))
+        num_full = min(num_full, len(request.block_hashes), len(blocks))
         start = self._num_cached_blocks.get(request.request_id, 0)
+        generated: list[EvictedBlock] = []
         for i in range(start, num_full):
-            if blocks[i].block_id != NULL_BLOCK_ID:
-                self.pool.cache_full_block(blocks[i], request.block_hashes[i], _digest(request, i))
+            block = blocks[i]
+            if block.block_id != NULL_BLOCK_ID:
+                self.pool.cache_full_block(block, request.block_hashes[i], _digest(request, i))
+                if (i + 1) * self.block_size > request.num_prompt_tokens and block.block_hash == request.block_hashes[i]:
+                    generated.append(EvictedBlock(block.block_id, block.block_hash, block.digest))
+        if generated:
+            self.on_generated_blocks(generated)
         self._num_cached_blocks[request.request_id] = max(start, num_full)
         window = self.config.attention_window
         if window is not None:
@@ -162,8 +183,8 @@ class KVCacheManager:
 
     def trim(self, request: Request) -> None:
         """Give back the blocks past the one `request`'s next token goes in (blocks allocated
-        for positions that were computed and then not kept; output blocks are never cached,
-        so nothing else refers to them)."""
+        for positions that were computed and then not kept). The blocks it published by hash
+        are kept; those past them were never published, so nothing else refers to them."""
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return
@@ -248,6 +269,18 @@ class KVCacheManager:
         if self._blocks:
             raise AssertionError(f"requests still hold blocks: {sorted(self._blocks)[:10]}")
         self.pool.assert_all_free()
+
+
+def _nothing_to_wait_for() -> None:
+    pass
+
+
+def _no_write_through(blocks: list[EvictedBlock]) -> None:
+    pass
+
+
+def _keep_prompt_keys(request: Request, num_blocks: int) -> None:
+    """No block keys beyond the prompt's (an engine sets `extend_block_hashes`)."""
 
 
 def _digest(request: Request, index: int) -> bytes | None:

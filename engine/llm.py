@@ -5,6 +5,7 @@ import itertools
 from dataclasses import replace
 from typing import Iterator, Sequence
 
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.connector import Connector, ConnectorFactory
 from pdserve.engine.llm_engine import LLMEngine
@@ -40,12 +41,21 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in directory `path` as `name` (needs enable_lora=True)."""
+        self.engine.load_lora(name, path)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        """All prompts run together (continuous batching); results in prompt order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 lora_name: str | Sequence[str | None] | None = None) -> list[Completion]:
+        """All prompts run together (continuous batching); results in prompt order.
+        `lora_name`: the adapter of every prompt, or one per prompt (None: the base model)."""
         prompts = _as_list(prompts)
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        ids = [self._submit(p, sp) for p, sp in zip(prompts, params_list)]
+        names = list(lora_name) if isinstance(lora_name, (list, tuple)) else [lora_name] * len(prompts)
+        if len(names) != len(prompts):
+            raise InvalidRequestError(f"{len(names)} lora names for {len(prompts)} prompts")
+        ids = [self._submit(p, sp, lora_name=n) for p, sp, n in zip(prompts, params_list, names)]
         state = {rid: _Accumulator(rid, self._prompt_ids.pop(rid)) for rid in ids}
         for out in self._drain():
             acc = state.get(out.request_id)
@@ -54,9 +64,9 @@ class LLM:
         return [state[rid].completion(self.engine) for rid in ids]
 
     def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None,
-                        request_id: str | None = None) -> Iterator[RequestOutput]:
+                        request_id: str | None = None, lora_name: str | None = None) -> Iterator[RequestOutput]:
         """Deltas of one request as they come (other requests in flight keep running)."""
-        rid = self._submit(prompt, params, request_id)
+        rid = self._submit(prompt, params, request_id, lora_name)
         self._prompt_ids.pop(rid, None)
         for out in self._drain():
             if out.request_id == rid:
@@ -65,8 +75,8 @@ class LLM:
                     return
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        rid = self._submit(prompt, params, request_id)
+                    request_id: str | None = None, lora_name: str | None = None) -> str:
+        rid = self._submit(prompt, params, request_id, lora_name)
         self._prompt_ids.pop(rid, None)
         return rid
 
@@ -77,9 +87,10 @@ class LLM:
         outputs, _ = self.engine.step()
         return outputs
 
-    def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> str:
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
+                lora_name: str | None = None) -> str:
         rid = request_id or f"offline-{next(self._ids)}"
-        request = self.engine.add_request(prompt, params or SamplingParams(), request_id=rid)
+        request = self.engine.add_request(prompt, params or SamplingParams(), request_id=rid, lora_name=lora_name)
         self._prompt_ids[rid] = tuple(request.prompt_token_ids)
         return rid
 

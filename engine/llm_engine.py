@@ -17,6 +17,7 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineStats, PrefillRate, RequestOutput, delta
 from pdserve.engine.intake import Intake
+from pdserve.engine.lora import NO_LORAS, LoraAdapter, LoraManager
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob, stop_status
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -43,11 +44,14 @@ class LLMEngine:
         self.connector, self.layout, self.max_model_len = parts.connector, parts.layout, parts.max_model_len
         self.compat_hash, self.device = self.layout.compatibility_hash(), self.model.device
         self.model_config, self.tokenizer, self.model_name = loaded.model_config, loaded.tokenizer, loaded.name
+        self.loras = LoraManager(self.config, self.model_config, self.device, self.model.dtype) \
+            if self.config.enable_lora else NO_LORAS
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.connector.scheduler, self.max_model_len,
-                                   self.speculator)
+                                   self.speculator, self.loras)
         self.intake = Intake(self.config, self.model_config, self.tokenizer, self.max_model_len, self.kv.block_size,
-                             self.compat_hash, self.device)
-        self.runner = ModelRunner(self.model, self.kv, self.connector.worker)
+                             self.compat_hash, self.device, self.loras)
+        self.kv.extend_block_hashes = self.intake.extend_blocks  # generated blocks are cached too
+        self.runner = ModelRunner(self.model, self.kv, self.connector.worker, self.loras)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._pending: list[RequestOutput] = []  # ends decided outside step() (abort, errors)
@@ -61,15 +65,17 @@ class LLMEngine:
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         return self.intake.tokenize(prompt)
 
-    def prompt_blocks(self, token_ids: Sequence[int], cache_salt: str = "") -> PromptBlocks:
-        """The keys and digests of a prompt's full blocks in this engine's cache. Any thread."""
-        return self.intake.prompt_blocks(token_ids, cache_salt)
+    def prompt_blocks(self, token_ids: Sequence[int], cache_salt: str = "",
+                      lora_name: str | None = None) -> PromptBlocks:
+        """The keys and digests of a prompt's full blocks in this engine's cache (under
+        adapter `lora_name`'s digest when given). Any thread."""
+        return self.intake.prompt_blocks(token_ids, cache_salt, lora_name)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, remote_prefill: bool = False,
                     transfer_params: object | None = None, resumed: Sequence[int] = (),
                     cache_salt: str = "", stream_layers: bool = True,
-                    blocks: PromptBlocks | None = None) -> Request:
+                    blocks: PromptBlocks | None = None, lora_name: str | None = None) -> Request:
         """Queue a request. `resumed`: tokens it already generated elsewhere (a decode that
         died mid-stream); they count as its output (max_tokens, penalties, the seeded draw's
         index, grammar and stop-string state), their KV is computed here with the prompt's,
@@ -77,17 +83,25 @@ class LLMEngine:
         the tenant salt; prompts with different salts share no cached block.
         `stream_layers` (prefill side): its KV may leave layer by layer while the forward
         runs; False sends it whole after the forward. `blocks`: the prompt's
-        `prompt_blocks`, when the caller computed them already."""
+        `prompt_blocks`, when the caller computed them already. `lora_name`: the LoRA
+        adapter it runs under (None: the base model; LoraNotFoundError if not loaded)."""
         request_id = request_id or uuid.uuid4().hex
         # an id is taken until its blocks are back: a finished request whose send still
         # reads its blocks holds them under its id (`_sending`)
         if request_id in self._requests or request_id in self._sending:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        request, detok = self.intake.request(
-            request_id, prompt, params or SamplingParams(), remote_prefill=remote_prefill,
-            transfer_params=transfer_params, resumed=resumed, cache_salt=cache_salt,
-            stream_layers=stream_layers, blocks=blocks)
-        self.scheduler.add(request)
+        if lora_name is not None:
+            self.loras.acquire(lora_name)  # held until the request ends (_finish)
+        try:
+            request, detok = self.intake.request(
+                request_id, prompt, params or SamplingParams(), remote_prefill=remote_prefill,
+                transfer_params=transfer_params, resumed=resumed, cache_salt=cache_salt,
+                stream_layers=stream_layers, blocks=blocks, lora_name=lora_name)
+            self.scheduler.add(request)
+        except BaseException:
+            if lora_name is not None:
+                self.loras.release(lora_name)
+            raise
         self._requests[request_id] = request
         self._detok[request_id] = detok
         return request
@@ -137,6 +151,9 @@ class LLMEngine:
         """Run one step. Returns (deltas, requests that now wait for a remote prefill)."""
         outputs = self.take_outputs()
         plan = self.scheduler.schedule()
+        for request in self.loras.take_failed():  # its adapter's files changed or went away
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            self._pending.append(delta(request, (), "", ()))
         self.last_step_ran = bool(plan.chunks)
         between_layers = self._threads.before_step(forward=self.last_step_ran)
         if not plan.chunks and plan.connector_meta.request_ids:
@@ -202,6 +219,28 @@ class LLMEngine:
             self._sending.add(request.request_id)
         self._requests.pop(request.request_id, None)
         self._detok.pop(request.request_id, None)
+        if request.lora_name is not None:
+            self.loras.release(request.lora_name)
+
+    # -- LoRA adapters --------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Load the PEFT adapter in directory `path` as `name` (engine thread). LoraAdapterError
+        (400) names what is wrong with it; AlreadyExistsError if `name` is loaded."""
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name` (engine thread). Refused with LoraInUseError while requests
+        use it (queued, running or still decoding): it never waits and never switches a
+        request to the base model."""
+        self.loras.unload(name)
+
+    def lora_names(self) -> list[str]:
+        """The adapters loaded, by name. Any thread."""
+        return self.loras.names()
+
+    def lora_digest(self, name: str) -> str:
+        """Adapter `name`'s digest (its name and content): what its KV is keyed by. Any thread."""
+        return self.loras.digest_of(name)
 
     # -- introspection ------------------------------------------------------------------
     def idle(self) -> None:
@@ -226,3 +265,4 @@ class LLMEngine:
     def assert_no_leaks(self) -> None:
         """Every KV block is back in the pool (call when nothing is in flight)."""
         self.kv.assert_all_free()
+        self.loras.assert_idle()

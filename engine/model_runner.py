@@ -32,7 +32,11 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCacheManager, connector: KVConnectorWorker) -> None:
+    def __init__(self, model: CausalLM, kv: KVCacheManager, connector: KVConnectorWorker, loras=None) -> None:
+        """`loras`: the engine's adapters (engine.lora), whose slots the step's rows read."""
+        from pdserve.engine.lora import NO_LORAS
+
+        self.loras = loras or NO_LORAS
         self.model = model
         self.kv = kv
         self.connector = connector
@@ -44,9 +48,10 @@ class ModelRunner:
 
     def execute(self, step: SchedulerOutput, between_layers: Callable[[], None] | None = None) -> StepResult:
         """`between_layers`: run before each layer of the forward (CausalLM.forward)."""
-        # decodes first, then prefill chunks (AttentionMetadata's packing order)
-        chunks = sorted(step.chunks, key=lambda c: c.num_new_tokens > 1)
-        input_ids, positions, slots = [], [], []
+        # decodes first, then prefill chunks (AttentionMetadata's packing order); within each,
+        # rows of one adapter slot are next to each other (one run per slot for the LoRA update)
+        chunks = sorted(step.chunks, key=lambda c: (c.num_new_tokens > 1, c.request.lora_slot))
+        input_ids, positions, slots, lora_slots = [], [], [], []
         logit_rows: list[int] = []
         sampling: list[ScheduledChunk] = []
         prompt_rows: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first row)
@@ -60,6 +65,7 @@ class ModelRunner:
                 prompt_rows.append((chunk, len(input_ids)))
             first_row = len(input_ids)
             input_ids += chunk.token_ids
+            lora_slots += [req.lora_slot] * chunk.num_rows
             for pos in range(chunk.start, chunk.start + chunk.num_rows):
                 positions.append(pos)
                 slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
@@ -94,7 +100,8 @@ class ModelRunner:
         self.connector.start_load_kv(step.connector_meta)
         hidden = self.model.forward(self._tensor(input_ids, torch.int64),
                                     self._tensor(positions, torch.int64), meta,
-                                    self.kv.kv_caches, self.connector, save_ctx, between_layers)
+                                    self.kv.kv_caches, self.connector, save_ctx, between_layers,
+                                    self.loras.batch(lora_slots))
         self.connector.wait_for_save()
         if logit_rows:
             logits = self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)])

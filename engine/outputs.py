@@ -35,6 +35,8 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_draft_steps: int = 0  # steps that checked drafts for it
+    # prompt tokens found cached, by tier ("device", "host", "disk", "redis"), at first admission
+    cached_tokens_by_tier: tuple[tuple[str, int], ...] = ()
 
 
 def delta(request: Request, tokens: Sequence[int], text: str, logprobs: Sequence[TokenLogprob]) -> RequestOutput:
@@ -51,7 +53,8 @@ def delta(request: Request, tokens: Sequence[int], text: str, logprobs: Sequence
         prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time, num_draft_tokens=spec.num_draft_tokens if spec else 0,
         num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-        num_draft_steps=spec.num_draft_steps if spec else 0)
+        num_draft_steps=spec.num_draft_steps if spec else 0,
+        cached_tokens_by_tier=tuple(sorted(request.cached_tokens_by_tier.items())))
 
 
 def merge_deltas(deltas: Sequence[RequestOutput]) -> RequestOutput:

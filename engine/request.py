@@ -58,10 +58,14 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     num_external_tokens: int = 0  # prompt tokens a connector provided (loaded or received)
     num_loaded_tokens: int = 0  # of those, loaded from a connector's store at admission
+    # prompt tokens found cached at first admission, by tier: "device" (the pool), "host", "disk", "redis"
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # full prompt blocks, chained (their keys)
     block_digests: list[bytes] = field(default_factory=list)  # their full digests: a cache hit must match
     cache_salt: str = ""  # the tenant salt in the first block's hash (common.block_hash)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model); in its block keys
+    lora_slot: int = -1  # the device slot holding that adapter while admitted (engine.lora)
     stop_reason: str | int | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

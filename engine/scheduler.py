@@ -72,8 +72,13 @@ def connector_view(request: Request) -> ConnectorRequest:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  connector: KVConnectorScheduler, max_model_len: int,
-                 speculator: NoSpeculation = NO_SPECULATION) -> None:
+                 speculator: NoSpeculation = NO_SPECULATION, loras=None) -> None:
+        """`loras`: the engine's adapters (engine.lora): a request is admitted only once a
+        device slot holds its adapter, and gives the slot back when preempted or ended."""
+        from pdserve.engine.lora import NO_LORAS
+
         self.config = config
+        self.loras = loras or NO_LORAS
         self.speculator = speculator
         self.kv = kv
         self.connector = connector
@@ -110,6 +115,7 @@ class Scheduler:
         if self.capacity.admits_while_running or not had_running:
             self._schedule_waiting(out, budget)
         self.speculator.add_drafts(out.chunks, self.config.max_num_tokens)
+        self.kv.offload_fence()  # blocks evicted this step are copied out before anything writes them
         now = time.monotonic()
         for chunk in out.chunks:
             if chunk.request.first_scheduled_time is None:
@@ -141,6 +147,7 @@ class Scheduler:
         self.running.remove(request)
         out.chunks[:] = [c for c in out.chunks if c.request is not request]
         self.kv.free_resources(request.request_id)
+        self.loras.deactivate(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -177,8 +184,17 @@ class Scheduler:
             budget -= out.chunks[-1].num_new_tokens
         self.waiting.extendleft(reversed(passed))
 
-    def _admit(self, request: Request, out: SchedulerOutput, budget: int,
-               num_prefilling: int) -> bool:
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int, num_prefilling: int) -> bool:
+        """Admit `request` if a slot holds its adapter and its blocks fit (`_admit_blocks`)."""
+        if not self.loras.try_activate(request):
+            return False
+        if self._admit_blocks(request, out, budget, num_prefilling):
+            return True
+        self.loras.deactivate(request)
+        return False
+
+    def _admit_blocks(self, request: Request, out: SchedulerOutput, budget: int,
+                      num_prefilling: int) -> bool:
         # a prompt whose logprobs are wanted runs whole: neither the cache nor a load serves it
         whole = request.needs_prompt_logprobs
         hit = PrefixHit(()) if whole else self.kv.find_prefix_hit(request)
@@ -204,6 +220,8 @@ class Scheduler:
             return False
         if request.num_cached_tokens < 0:  # its first admission
             request.num_cached_tokens = hit_tokens
+            tiers = self.connector.matched_tokens_by_tier(request.request_id) if num_external else {}
+            request.cached_tokens_by_tier = {k: v for k, v in (("device", hit_tokens), *tiers.items()) if v}
             self.num_prefix_queries += request.num_prompt_tokens
             self.num_prefix_hits += hit_tokens
         self.connector.update_state_after_alloc(creq, self.kv.blocks_of(request.request_id), num_external)
@@ -241,6 +259,7 @@ class Scheduler:
         """End `request`. Returns True if its blocks were freed now (False: the connector
         still sends from them; free them when it reports the send done)."""
         request.status = status
+        self.loras.deactivate(request)
         if request in self.running:
             self.running.remove(request)
         elif request.request_id in self.remote:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")  # the kernel's isa code is the index
 TYPES = (Q4_0, Q4_1, Q8_0)
+PACKED_BITS = {Q4_0: 8, Q4_1: 8, Q8_0: 16}  # block type -> the activation bits whose calls pack (pack_rows)
 # mode -> block type -> the bits its linears quantize their inputs to
 ACTIVATION_BITS = {"gguf-int8dot": {Q4_0: 8, Q4_1: 8, Q8_0: 16}, "gguf-int16dot": {Q4_0: 16, Q4_1: 16, Q8_0: 16}}
 QUANTIZE_EVENT = "pdserve::quantize_activations"  # the profiler's name for the activations' quantization
@@ -124,14 +125,46 @@ def int8dot_linear(x: Int8Activations, weight: QuantWeight, bias: torch.Tensor |
     return module.int8dot_linear(x.q, x.scales, x.sums, weight.blocks, weight.qtype, bias, code)
 
 
+def packs(qtype: int, bits: int, isa: str | None = None) -> bool:
+    """Whether `bits`-bit activations against `qtype` blocks take the packed layout on `isa`
+    (default: this process's path): on every vector path, 8-bit ones against Q4_0 and Q4_1,
+    16-bit ones against Q8_0."""
+    return PACKED_BITS.get(qtype) == bits and (isa or chosen_isa()) != "scalar"
+
+
+def pack_rows(weight: QuantWeight) -> torch.Tensor:
+    """`weight`'s blocks in groups of 16 rows, each block's 16 scales together and its
+    weights interleaved 4 bytes (Q8_0: 2) a row (the layout `csrc/cpu_int8_dot.cpp`'s
+    packed_group reads): as many bytes as the blocks, one vector lane a row."""
+    return cpu_native.int8_dot_module().pack_rows(weight.blocks, weight.qtype)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: QuantWeight,
+                  bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """x float32 [M, K] quantized to blocks (PACKED_BITS) and multiplied by `packed`
+    (pack_rows of `weight`) in one native call, on vector path `isa` (default: this
+    process's): [M, out_features] float32."""
+    module = cpu_native.int8_dot_module()
+    code = ISAS.index(isa or chosen_isa())
+    if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler: name it
+        with torch.profiler.record_function(GEMM_EVENT):
+            return module.packed_linear(x, packed, weight.qtype, weight.out_features, bias, code)
+    return module.packed_linear(x, packed, weight.qtype, weight.out_features, bias, code)
+
+
 class Int8DotLinear:
     """An integer-dot mode's linear over one weight's blocks: integer dots for decode-sized
     calls, the exact expanded GEMM for prompts (see the module docstring)."""
 
-    __slots__ = ("weight", "bits")
+    __slots__ = ("weight", "bits", "packed", "_step")
 
     def __init__(self, weight: QuantWeight, bits: int) -> None:
         self.weight, self.bits = weight, bits
+        self.packed = pack_rows(weight) if packs(weight.qtype, bits) else None
+        self._step = None  # packed: the native call and its constant arguments, looked up once
+        if self.packed is not None:
+            self._step = (cpu_native.int8_dot_module().packed_linear, self.packed, weight.qtype,
+                          weight.out_features, ISAS.index(chosen_isa()))
 
     @classmethod
     def build(cls, weight: QuantWeight, mode: str = "gguf-int8dot") -> Int8DotLinear | None:
@@ -156,10 +189,18 @@ class Int8DotLinear:
         return self.weight.in_features
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        step = self._step
+        if step is not None and x.dim() == 2 and x.shape[0] < GEMM_ROWS and not torch.autograd._profiler_enabled():
+            # a decode step's call, with no Python work around the native one: a step makes
+            # one per linear, and the native call of a small linear is a few microseconds
+            call, packed, qtype, n, code = step
+            return call(x, packed, qtype, n, bias, code)  # (it makes x contiguous itself)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         if x2.shape[0] >= GEMM_ROWS:
             y = _expanded_linear(cpu_native.quant_module(), x2, self.weight, bias)
+        elif self.packed is not None:
+            y = packed_linear(x2, self.packed, self.weight, bias)
         else:
             y = int8dot_linear(quantize_activations(x2, self.bits), self.weight, bias)
         return y.reshape(*lead, self.weight.out_features)

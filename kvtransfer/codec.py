@@ -168,6 +168,7 @@ class RecordReads:
         self.store = store
         self.num_unauthenticated = 0
         self.num_digest_mismatches = 0
+        self.num_corrupt = 0  # truncated or malformed records (dropped)
 
     def payload(self, data: bytes | memoryview, limits: WireLimits, key: int, mac_key: bytes | None,
                 digest: bytes | None, name: object, drop: Callable[[], None]) -> memoryview | None:
@@ -182,6 +183,7 @@ class RecordReads:
             log.warning("%s: refusing record %s: %s", self.store, name, exc)
             drop()
         except WireError as exc:
+            self.num_corrupt += 1
             log.warning("%s: dropping corrupt record %s: %s", self.store, name, exc)
             drop()
         return None
@@ -201,6 +203,11 @@ class CountsRecordReads:
     def num_digest_mismatches(self) -> int:
         """Records under a matching key holding another prefix's block (kept)."""
         return self._reads.num_digest_mismatches
+
+    @property
+    def num_corrupt(self) -> int:
+        """Records truncated or malformed (dropped)."""
+        return self._reads.num_corrupt
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,7 @@ class KVTransferConfig:
     probe_cooldown_s: float = 5.0  # how long an unhealthy backend is skipped before a probe
     prefix_cache: str | None = None  # one of STORES, or None
     load_timeout_s: float = 10.0  # deadline of a prefix-cache lookup + fetch
+    host_offload_bytes: int = 0  # the host-memory tier under the pool (kvtransfer.tiers); 0: none
     layerwise: bool = True  # a sender streams each layer of each prompt chunk (ucx/nccl)
     # From the cluster secret (None: no secret configured): peers of the ucx/nccl control
     # channels prove they hold `transfer_key`; store records carry a MAC under `store_key`.
@@ -81,6 +82,8 @@ class KVTransferConfig:
             raise InvalidRequestError(f"kv backends repeat: {self.backends}")
         if self.prefix_cache is not None and self.prefix_cache not in STORES:
             raise InvalidRequestError(f"prefix_cache must be one of {STORES}")
+        if self.host_offload_bytes < 0:
+            raise InvalidRequestError("host_offload_bytes must be >= 0")
         if self.step_timeout_s <= 0 or self.load_timeout_s <= 0 or self.redis_timeout_s <= 0:
             raise InvalidRequestError("timeouts must be positive")
 

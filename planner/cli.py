@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -62,12 +63,16 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--max-unit", type=int, default=8, help="most workers in one xPyD unit (default 8)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="one JSON object per candidate, ranked, on stdout")
+    p.add_argument("--served-step-ms", type=float, help="what a served worker adds to each engine step (default: "
+                   "the profile's; `bench plan-check` reports the value its run implies)")
     return p
 
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile)
+        if args.served_step_ms is not None:
+            profile = dataclasses.replace(profile, served_step_s=args.served_step_ms / 1000)
         if args.model:
             from pdserve.planner.compat import model_compat_hash
 
@@ -185,6 +190,7 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="'default', a transformers directory or a .gguf file")
     p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
     p.add_argument("--quick", action="store_true", help="a small grid: well under a minute (tests, a first look)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="as the workers' --device (default cpu)")
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's choice)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--block-size", type=int, default=16)
@@ -203,7 +209,8 @@ def run_profile(args: argparse.Namespace, transfer_probe_for) -> int:
 
     backends = args.transfer_backends if args.transfer_backends is not None else ("" if args.quick else "ucx")
     try:
-        profile = measure(args.model, grid=QUICK if args.quick else Grid(), num_threads=args.num_threads,
+        profile = measure(args.model, grid=QUICK if args.quick else Grid(), device=args.device,
+                          num_threads=args.num_threads,
                           dtype=args.dtype, block_size=args.block_size, quantization=args.quantization,
                           speculative_config=args.speculative_config,
                           transfer_probe=transfer_probe_for([b for b in backends.split(",") if b.strip()]),

@@ -10,6 +10,16 @@ of the step's work fitted to the measured steps:
             + decode_seq_s * (sequences decoding this step)
             + decode_context_s * (their context tokens, summed)
 
+A step that decodes is priced, where the profile measured decode steps (`decode_table`), by
+the measured step of that batch size at that context per sequence (interpolated, `DecodeTable`)
+plus the linear model's prompt terms: a linear fit over every step pays a batch of one the
+intercept that long prompt steps need, and a decode step of a small batch costs far less.
+
+A served worker does more than its engine's step: it streams each step's tokens to the router,
+which streams them on to the client, on the same cores where workers share a host.
+`served_step_s` adds that to every step; `pdserve profile` times the engine alone and writes 0,
+and `pdserve bench plan-check --fit-served-step` reports the value its measurement implies.
+
 A profile carries the KV compatibility hash of the engine that measured it (`compat_hash`,
 hex): a plan for another model or other weights refuses it (`check_compatible`). The JSON is
 read with every field checked; nothing in it is executed.
@@ -59,6 +69,41 @@ class StepCost:
 
     def scaled(self, factor: float) -> "StepCost":
         return StepCost(*(getattr(self, f.name) * factor for f in fields(self)))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTable:
+    """Measured decode steps, (batch size, context tokens per sequence, seconds) each: a
+    step's seconds are interpolated linearly in batch size at each measured context, then
+    linearly in context between them; outside the measured range the nearest segment
+    continues, never below the cheapest step measured."""
+
+    points: tuple[tuple[int, int, float], ...]
+
+    def __post_init__(self) -> None:
+        for point in self.points:
+            if len(point) != 3 or not (point[0] >= 1 and point[1] >= 0 and math.isfinite(point[2])
+                                       and point[2] > 0):
+                raise ProfileError(f"decode table point {point!r}: need (batch >= 1, context >= 0, seconds > 0)")
+        contexts = {c for _, c, _ in self.points}
+        for context in contexts:
+            if len({b for b, c, _ in self.points if c == context}) < 2:
+                raise ProfileError(f"decode table: context {context} needs two batch sizes or more")
+
+    def seconds(self, batch: int, context_per_seq: float) -> float:
+        contexts = sorted({c for _, c, _ in self.points})
+        rows = [(c, _interpolate([(b, s) for b, cc, s in self.points if cc == c], batch)) for c in contexts]
+        value = _interpolate(rows, context_per_seq) if len(rows) > 1 else rows[0][1]
+        return max(value, min(s for _, _, s in self.points))
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through `points` (sorted here); the end segments continue past them."""
+    pts = sorted(points)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1 or (x1, y1) == pts[-1]:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1
+    return pts[0][1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +161,8 @@ class Profile:
     machine: Machine = field(default_factory=Machine)
     samples: Mapping[str, Any] = field(default_factory=dict)  # the raw measurements, for the record
     created: str = ""
+    decode_table: DecodeTable | None = None  # measured decode steps (None: `step` prices them)
+    served_step_s: float = 0.0  # what a served worker adds to each step (module docstring)
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0 or self.kv_tokens < self.block_size:
@@ -124,6 +171,18 @@ class Profile:
             raise ProfileError("spec_tokens_per_step must be >= 1")
         if self.devices_per_worker < 1 or self.threads < 1:
             raise ProfileError("devices_per_worker and threads must be >= 1")
+        if not (isinstance(self.served_step_s, (int, float)) and 0 <= self.served_step_s < 10):
+            raise ProfileError(f"served_step_s must be seconds in [0, 10), not {self.served_step_s!r}")
+
+    def step_seconds(self, prefill_tokens: int, prefill_attention: float, num_decode: int,
+                     decode_context: int) -> float:
+        """One engine step's seconds (module docstring): the decode table's step for the
+        decoding sequences plus the prompt terms, or the linear model alone."""
+        step = self.step
+        if not num_decode or self.decode_table is None:
+            return self.served_step_s + step.seconds(prefill_tokens, prefill_attention, num_decode, decode_context)
+        return (self.served_step_s + self.decode_table.seconds(num_decode, decode_context / num_decode)
+                + step.prefill_token_s * prefill_tokens + step.prefill_attention_s * prefill_attention)
 
     def transfer(self, backend: str | None = None) -> TransferCost | None:
         """The named backend's link, or the fastest one measured (None: none measured)."""
@@ -179,13 +238,34 @@ def profile_from_dict(doc: Any) -> Profile:
         machine = Machine(**{**asdict(machine), "isa_flags": tuple(machine.isa_flags)})
         by_fraction = tuple((float(f), int(t)) for f, t in doc.get("kv_tokens_by_fraction", ()))
         plain = {f.name: doc[f.name] for f in fields(Profile)
-                 if f.name in doc and f.name not in ("step", "transfers", "machine", "kv_tokens_by_fraction")}
+                 if f.name in doc and f.name not in ("step", "transfers", "machine", "kv_tokens_by_fraction",
+                                                     "decode_table")}
         return Profile(**{**plain, "step": step, "transfers": transfers, "machine": machine,
-                          "kv_tokens_by_fraction": by_fraction})
+                          "kv_tokens_by_fraction": by_fraction, "decode_table": _decode_table(doc)})
     except KeyError as exc:
         raise ProfileError(f"missing field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ProfileError(str(exc)) from None
+
+
+def _decode_table(doc: dict) -> DecodeTable | None:
+    """The profile's decode table; a profile written before it had one gets it from its
+    decode samples; one without either has none."""
+    table = doc.get("decode_table")
+    if isinstance(table, dict):
+        points = table.get("points", ())
+    else:
+        decode = doc.get("samples", {}).get("decode", ()) if isinstance(doc.get("samples"), dict) else ()
+        points = [(d["batch"], d["context"], d["step_s"]) for d in decode
+                  if isinstance(d, dict) and d.get("step_s", 0) > 0] if table is None else ()
+    if not points:
+        return None
+    try:
+        return DecodeTable(tuple((int(b), int(c), float(s)) for b, c, s in points))
+    except ProfileError:
+        if table is not None:
+            raise
+        return None  # samples too few to interpolate: the linear model prices decode steps
 
 
 def _fields(doc: Any, cls: type, required: bool = True) -> dict[str, Any]:

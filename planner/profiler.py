@@ -3,9 +3,10 @@ stepped here one step at a time) and write what the simulator needs (`profile.Pr
 
 Every engine step measured becomes one row of work and seconds: prompts of each length alone
 at each chunk budget (and again, served from the prefix cache), then batches of sequences
-decoding at each context length. `StepCost` is fitted to all rows; the rows are kept in the
-profile's `samples`. The transfer links come from a probe the caller passes (the CLI passes
-`bench transfer`'s measurement; the planner imports no benchmark).
+decoding at each context length. `StepCost` is fitted to all rows; the decode steps also make
+the profile's `decode_table`; the rows are kept in the profile's `samples`. The transfer links
+come from a probe the caller passes (the CLI passes `bench transfer`'s measurement; the planner
+imports no benchmark).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from datetime import datetime, timezone
 from typing import Callable, Sequence
 
 from pdserve.planner.compat import hash_hex
-from pdserve.planner.profile import Machine, Profile, TransferCost, fit_step_cost
+from pdserve.planner.profile import DecodeTable, Machine, Profile, TransferCost, fit_step_cost
 
 DEFAULT_FRACTION = 0.9  # CacheConfig.free_memory_fraction's default
 
@@ -63,11 +64,12 @@ def machine() -> Machine:
                    isa_flags=tuple(f for f in wanted if f in flags), memory_bytes=available_memory_bytes())
 
 
-def measure(model: str = "default", *, grid: Grid = Grid(), num_threads: int = 0, dtype: str = "float32",
+def measure(model: str = "default", *, grid: Grid = Grid(), device: str = "cpu", num_threads: int = 0,
+            dtype: str = "float32",
             block_size: int = 16, quantization: str = "auto", speculative_config: str = "",
             transfer_probe: TransferProbe | None = None,
             log: Callable[[str], None] = lambda _: None) -> Profile:
-    """A profile of `model` on this machine (the engine runs on CPU)."""
+    """A profile of `model` on this machine, the engine on `device` (as the workers' --device)."""
     import torch
 
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
@@ -76,7 +78,8 @@ def measure(model: str = "default", *, grid: Grid = Grid(), num_threads: int = 0
     longest = max(max(grid.prompt_lens), max(grid.context_lens) + grid.decode_steps + 2)
     # every decode batch fits whole, each sequence rounded up to its last block
     room = max(longest * 2, max(grid.batch_sizes) * (max(grid.context_lens) + grid.decode_steps + 2 + block_size))
-    config = EngineConfig(model=model, dtype=dtype, num_threads=num_threads or None, quantization=quantization,
+    config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=num_threads or None,
+                          quantization=quantization,
                           speculative=SpeculativeConfig.from_json(speculative_config),
                           cache=CacheConfig(block_size=block_size, max_tokens=room + 4 * block_size, dtype=dtype),
                           scheduler=SchedulerConfig(max_num_tokens=max(grid.chunk_budgets),
@@ -92,6 +95,8 @@ def measure(model: str = "default", *, grid: Grid = Grid(), num_threads: int = 0
     _prefills(engine, grid, rng, vocab, rows, samples, log)
     _decodes(engine, grid, rng, vocab, rows, samples, log)
     step = fit_step_cost(rows)
+    points = tuple((d["batch"], d["context"], d["step_s"]) for d in samples["decode"] if d["step_s"] > 0)
+    table = DecodeTable(points) if len(grid.batch_sizes) > 1 and points else None
     stats = engine.stats()
     spec = 1.0 + (stats.num_accepted_tokens / stats.num_verified_sequences if stats.num_verified_sequences else 0.0)
     mc = engine.model_config
@@ -102,12 +107,16 @@ def measure(model: str = "default", *, grid: Grid = Grid(), num_threads: int = 0
     transfers = tuple(transfer_probe()) if transfer_probe else ()
     source = (f"measured by pdserve profile{' --quick' if grid == QUICK else ''} on this machine "
               f"({threads} threads, {len(rows)} engine steps)")
-    return Profile(model=engine.model_name, compat_hash=hash_hex(engine.compat_hash), device="cpu", source=source,
+    here = machine()
+    if device != "cpu" and torch.cuda.is_available():
+        here = dataclasses.replace(here, accelerator=torch.cuda.get_device_name())
+    return Profile(model=engine.model_name, compat_hash=hash_hex(engine.compat_hash), device=device, source=source,
                    step=step, kv_bytes_per_token=kv_bytes,
                    kv_tokens=dict(by_fraction).get(DEFAULT_FRACTION, by_fraction[-1][1]),
                    block_size=block_size, max_model_len=engine.max_model_len, threads=threads,
                    spec_tokens_per_step=spec, transfers=transfers, kv_tokens_by_fraction=by_fraction,
-                   machine=machine(), samples=samples, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                   machine=here, samples=samples, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   decode_table=table)
 
 
 def _kv_by_fraction(engine, fractions: Sequence[float]) -> tuple[tuple[float, int], ...]:

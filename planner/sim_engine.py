@@ -9,7 +9,7 @@ cache allow. GUARANTEED_NO_EVICT admits only what fits to completion beside ever
 request's own completion; MAX_UTILIZATION admits what fits now and preempts the newest running
 request (recomputed later) when one cannot grow. A request whose prompt a prefill worker
 computes costs its decode no step tokens: it holds its prompt's blocks from admission and waits
-for the KV (`finish_remote`). The step lasts what the profile's `StepCost` says for its work,
+for the KV (`finish_remote`). The step lasts what the profile's `step_seconds` says for its work,
 times the share of the host's cores it gets (`Host`).
 """
 from __future__ import annotations
@@ -70,7 +70,9 @@ class SimRequest:
 
 class Host:
     """Cores that workers share: a step on a host where k workers are busy takes
-    max(1, k * threads / cores) times its profiled time (None cores: each worker has its own)."""
+    max(1, k * threads / cores) times its profiled time, k counted as the step starts and
+    held for the whole step, as an engine under `pdserve up` drops to its base thread count
+    when a peer computes (worker/core_share.py) (None cores: each worker has its own)."""
 
     def __init__(self, cores: int | None, threads: int) -> None:
         self.cores, self.threads, self.busy = cores, threads, 0
@@ -110,6 +112,8 @@ class SimEngine:
         self.busy_s = 0.0
         self.num_steps = 0
         self._wake = env.event()
+        self._stepping = False
+        self._between: list = []  # what waits for the running step to end (`between_steps`)
         env.process(self._loop())
 
     # -- the router's view ------------------------------------------------------------------
@@ -138,6 +142,14 @@ class SimEngine:
         self.running.append(request)
         self.wake()
 
+    def between_steps(self, call) -> None:
+        """Run `call` now if no step is running, else as the running step ends, before the next
+        is planned: the engine's loop takes work from other threads between its steps."""
+        if self._stepping:
+            self._between.append(call)
+        else:
+            call()
+
     def wake(self) -> None:
         if not self._wake.triggered:
             self._wake.succeed()
@@ -155,11 +167,16 @@ class SimEngine:
                 continue
             self.host.busy += 1
             seconds = self._step_seconds(chunks) * self.host.factor()
+            self._stepping = True
             yield self.env.timeout(seconds)
+            self._stepping = False
             self.host.busy -= 1
             self.busy_s += seconds
             self.num_steps += 1
             self._apply(chunks, seconds)
+            between, self._between = self._between, []
+            for call in between:
+                call()
 
     def _step_seconds(self, chunks: list[tuple[SimRequest, int, int]]) -> float:
         prefill = attention = decodes = context = 0
@@ -170,7 +187,7 @@ class SimEngine:
             else:
                 prefill += n
                 attention += n * (start + n / 2)
-        return self.profile.step.seconds(prefill, attention, decodes, context)
+        return self.profile.step_seconds(prefill, attention, decodes, context)
 
     def _apply(self, chunks: list[tuple[SimRequest, int, int]], seconds: float) -> None:
         for request, start, n in chunks:

@@ -10,8 +10,8 @@ the shorter predicted first token (each side's queued prompt tokens and this pro
 profile's prefill rate, the transfer on the remote side, the stall of the decode's streams on
 the local side) unless `predict` is off (`--static-routing`). A remote prompt: the decode
 admits it (holding its blocks), the prefill worker computes it, its KV crosses the prefill
-worker's link (the profile's transfer cost past the forward, transfers queued on the link), the
-first token arrives with it.
+worker's link (the profile's transfer cost past the forward, transfers queued on the link), and
+the decode takes it, with its first token, when its running step ends.
 
 A request's TTFT runs from its arrival to its first token, its TPOT from the first token to
 the last over the tokens between. Requests unfinished at the horizon count as missing every
@@ -159,9 +159,13 @@ class _Fleet:
         prefill.release(twin)
         request = twin.twin
         request.transfer_s = transfer_s
+        decode = self._decode_of.pop(request.rid)
+        # the decode takes the landed KV and its first token between two of its steps
+        decode.between_steps(lambda: self._first_token(decode, request))
+
+    def _first_token(self, decode: SimEngine, request: SimRequest) -> None:
         request.generated = 1
         request.first_token_s = self.env.now
-        decode = self._decode_of.pop(request.rid)
         if request.output_len <= 1:
             self._finished(request)
             del decode.remote[request.rid]

@@ -25,7 +25,7 @@ class PrefillBuild:
         connector = runtime.engine.connector
         runner = PrefillRunner(runtime.loop, connector.sends, runtime.metrics, block_size=runtime.engine.kv.block_size,
                                max_queue=runtime.settings.max_queue, handoff_mac=runtime.auth.handoff_mac(),
-                               core_share=runtime.core_share)
+                               core_share=runtime.core_share, adapters=runtime.adapters)
         service = PrefillService(runner, runtime.served_name)
 
         def add(server):

@@ -20,6 +20,7 @@ from pdserve.proto.pdserve.v1 import common_pb2, prefill_pb2
 from pdserve.security.handoffs import MAX_HANDOFF_HORIZON_S, HandoffLedger, check_presenter
 from pdserve.security.secret import Mac
 from pdserve.worker.convert import logprob_to_proto, sampling_from_proto
+from pdserve.worker.lora import LoraSettings, WorkerAdapters
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -35,14 +36,16 @@ def first_token_params(params):
 class PrefillRunner:
     def __init__(self, loop: EngineLoop, sends: SendControl, metrics, *, block_size: int, max_queue: int,
                  handoff_mac: Mac | None = None, ledger: HandoffLedger | None = None,
-                 core_share=None) -> None:
+                 core_share=None, adapters: WorkerAdapters | None = None) -> None:
         """`sends`: the transfer layer's send side (`PdConnector.sends`); `block_size`: the
         engine's, that of the hand-offs' block counts. With `handoff_mac`, a hand-off must carry a decode's valid signature over it and its
         request, and come from the decode it names. Each hand-off is accepted once (`ledger`).
         With a `core_share` (worker.core_share), a prompt that arrives while every other
         worker of the machine is idle is sent whole after its forward: that forward takes
-        their cores too, and per-layer sends would preempt its threads."""
+        their cores too, and per-layer sends would preempt its threads. `adapters`: the
+        worker's LoRA adapters (none: LoRA off, a hand-off naming one is NOT_FOUND)."""
         self.loop = loop
+        self.adapters = adapters or WorkerAdapters(loop, LoraSettings())
         self.handoff_mac = handoff_mac
         self.ledger = ledger or HandoffLedger()
         self.sends = sends
@@ -53,14 +56,17 @@ class PrefillRunner:
         self.core_share = core_share
         self._owners: dict[str, str] = {}  # request id -> the decode its hand-off names, while run() holds it
 
-    def _check(self, request: prefill_pb2.PrefillRequest, caller: str) -> tuple[float, PromptBlocks]:
-        """Seconds left of the hand-off's deadline and the prompt's blocks, after the checks
-        that need no model work: signed for this request, by the decode that calls,
-        compatible, in time, new."""
-        handoff = request.handoff
+    def _check_signed(self, request: prefill_pb2.PrefillRequest, caller: str) -> None:
+        """The hand-off is signed for this request, by the decode that calls (with a mac)."""
         if self.handoff_mac is not None:
             check_handoff_signature(request, self.handoff_mac)
-            check_presenter(handoff.decode_worker_id, caller)
+            check_presenter(request.handoff.decode_worker_id, caller)
+
+    def _check(self, request: prefill_pb2.PrefillRequest, caller: str) -> tuple[float, PromptBlocks]:
+        """Seconds left of the hand-off's deadline and the prompt's blocks, after the checks
+        that need no model work: signed (`_check_signed`, called first), compatible, in time,
+        new."""
+        handoff = request.handoff
         ours = self.loop.engine.compat_hash
         if handoff.compatibility_hash != ours:
             raise IncompatiblePeerError(f"compatibility hash {handoff.compatibility_hash:#x} != ours {ours:#x}")
@@ -82,7 +88,8 @@ class PrefillRunner:
         ours of the same prompt (and cache salt): they are what the decode's sink will
         accept, and what its signature bound."""
         check_cache_salt(request.cache_salt)
-        ours = self.loop.engine.prompt_blocks(request.prompt_token_ids, request.cache_salt)
+        lora = (request.handoff.lora_name,) if request.handoff.lora_name else ()  # keyed by its digest
+        ours = self.loop.engine.prompt_blocks(request.prompt_token_ids, request.cache_salt, *lora)
         if request.block_hashes and list(request.block_hashes) != ours.hashes:
             raise InvalidRequestError("block_hashes do not match the prompt's blocks", param="block_hashes")
         return ours
@@ -91,6 +98,11 @@ class PrefillRunner:
         """`caller`: the verified caller id of the call (rpc.credentials.caller_id)."""
         arrival = time.monotonic()
         handoff, rid = request.handoff, request.request_id
+        self._check_signed(request, caller)
+        # the adapter is part of the compatibility check: the decode's digest must be ours
+        # (its block hashes are keyed by it too)
+        await self.adapters.ensure(handoff.lora_name)
+        self.adapters.check_handoff(handoff.lora_name, handoff.lora_digest)
         remaining_s, blocks = self._check(request, caller)
         tp = handoff_to_params(handoff, self.block_size)
         refusal = self._refusal(tp, handoff.transfer_id)
@@ -137,7 +149,7 @@ class PrefillRunner:
             return await self.loop.add_request(list(request.prompt_token_ids), params,
                                                request_id=request.request_id, transfer_params=tp,
                                                cache_salt=request.cache_salt, stream_layers=stream_layers,
-                                               blocks=blocks)
+                                               blocks=blocks, lora_name=request.handoff.lora_name or None)
         except PdserveError:
             raise
         except BaseException:
@@ -177,7 +189,8 @@ class PrefillRunner:
             request_id=rid, first_token_id=out.new_token_ids[0], verdict=verdict,
             timings=prefill_pb2.PrefillTimings(compute_ms=compute_ms, transfer_ms=tail_ms),
             num_computed_tokens=out.num_prompt_tokens - out.num_cached_tokens - out.num_external_tokens,
-            num_cached_tokens=out.num_cached_tokens + out.num_external_tokens)
+            num_cached_tokens=out.num_cached_tokens + out.num_external_tokens,
+            cached_tokens_by_tier=dict(out.cached_tokens_by_tier))
         tok = self.loop.engine.tokenizer
         if out.new_logprobs:
             resp.first_token_logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0], tok))

@@ -28,4 +28,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     @grpc_errors
     async def Load(self, request, context):
-        return load_to_proto(self.runner.loop, num_queued_extra=self.runner.num_inflight)
+        report = load_to_proto(self.runner.loop, num_queued_extra=self.runner.num_inflight)
+        report.lora_adapters.extend(self.runner.adapters.states())
+        return report

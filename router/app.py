@@ -35,8 +35,10 @@ from pdserve.router.config import ConfigError, RouterConfig
 from pdserve.router.dispatch import BackgroundTasks, DecodeClient
 from pdserve.router.frontend import Frontend
 from pdserve.router.grpc_api import GenerationServicer, RegistryServicer
+from pdserve.router.adapters import AdapterAdmin, AdapterDirectory
 from pdserve.router.http_api import build_http_app
 from pdserve.router.link_probes import LinkProbes
+from pdserve.router.kv_index import KVEventIntake
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
@@ -65,7 +67,8 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class RouterApp:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.registry = WorkerRegistry(config.worker_timeout_s, config.max_cached_hashes_per_worker)
+        self.registry = WorkerRegistry(config.worker_timeout_s, config.max_indexed_blocks_per_worker,
+                                       check_claims=config.check_prefix_claims)
         self.metrics = RouterMetrics(self.registry)
         self.catalog = ModelCatalog()
         tls = InternalTLS.load(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
@@ -88,8 +91,12 @@ class RouterApp:
         self.frontend = Frontend(self.catalog, planner, self.decode, self.in_flight, self.metrics,
                                  max_migrations=config.max_migrations,
                                  guided=GuidedOptions(config.lenient_json_schema),
-                                 block_hash_key=block_hash_key(self.auth.secret))
-        self.membership = Membership(config, self.registry, self.catalog, self.channels)
+                                 block_hash_key=block_hash_key(self.auth.secret),
+                                 adapters=AdapterDirectory(self.registry))
+        self.adapter_admin = AdapterAdmin(self.registry, self.channels, config.enable_lora)
+        self.kv_events = KVEventIntake.for_registry(self.registry, self.channels, self.tasks.spawn,
+                                                    config.rpc_timeout_s)
+        self.membership = Membership(config, self.registry, self.catalog, self.channels, self.kv_events.sync)
         self.api_key = client_keys(config)
         self.enrollment = enrollment_verifier(config)
         self.revocations = (Revocations(config.revoked_workers_file, self.enrollment, self.registry)
@@ -175,7 +182,7 @@ class RouterApp:
         interceptors = self.auth.interceptors([_REGISTRY], self.metrics.count_auth_refusal, RegistryKeys(self.registry))
         registry = internal_server(REGISTRY_MAX_RECEIVE_BYTES, interceptors)
         registry_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.membership, self.config, authenticated=self.auth.enabled,
+            RegistryServicer(self.membership, self.config, self.kv_events, authenticated=self.auth.enabled,
                              public_key=self.auth.public_key, enrollment=self.enrollment), registry)
         self._registry_server, self.registry_port = await _serve(
             registry, self.config.internal_host or self.config.host, self.config.registry_port, _REGISTRY,
@@ -183,7 +190,8 @@ class RouterApp:
             self.auth.tls.server_credentials() if self.auth.tls else None)
 
     async def _start_http(self) -> None:
-        app = build_http_app(self.frontend, self.catalog, self.registry, self.metrics, self.config, self.api_key)
+        app = build_http_app(self.frontend, self.catalog, self.registry, self.metrics, self.config, self.api_key,
+                             self.adapter_admin)
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -92,6 +92,9 @@ class RouterConfig:
                               "[tokens_per_minute=N] [in_flight=N]' a line (# comments; mode 0600), read again "
                               "when it changes: each tenant prefix-caches apart from the others, under its "
                               "limits (429 with Retry-After past one)", "routing")
+    check_prefix_claims: bool = _opt(False, "a worker's KV events count for prefix-aware routing only for blocks "
+                                     "this router sent it: a worker cannot capture a popular prefix's prompts "
+                                     "by claiming it (affinity starts afresh after a router restart)", "routing")
     metrics_auth: bool = _opt(False, "/metrics requires the API key too (/health and /ready stay open)", "routing")
     tls_cert: str = _opt("", "PEM certificate (chain) for HTTPS and gRPC TLS on the client ports", "routing")
     tls_key: str = _opt("", "PEM private key of --tls-cert", "routing")
@@ -122,9 +125,11 @@ class RouterConfig:
                                                     "registration", "workers")
     # Not flags (tests shorten them):
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S  # what the router asks workers for
+    enable_lora: bool = _opt(False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin key "
+                             "only), which load and unload an adapter on every worker", "workers")
     rpc_timeout_s: float = 10.0  # ModelInfo, Load, Abort calls to workers
     retry_after_s: int = 1  # Retry-After of a 429
-    max_cached_hashes_per_worker: int = 8192  # prefix-aware routing memory per worker
+    max_indexed_blocks_per_worker: int = 1 << 20  # KV event index bound per worker, all tiers together
     metrics_token: str = dataclasses.field(default="", repr=False)  # read from --metrics-token-file
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from typing import AsyncIterator
 from pdserve.common.block_hash import INSECURE_KEY, check_cache_salt, hash_prompt_blocks
 from pdserve.common.errors import EXPECTED_ERRORS, ErrorKind, ServiceError, to_service_error
 from pdserve.proto.pdserve.v1 import common_pb2, decode_pb2, generation_pb2
+from pdserve.router.adapters import AdapterDirectory, ServedAdapter
 from pdserve.router.cpu_pool import CpuPool
 from pdserve.router.admission import InFlight
 from pdserve.router.catalog import ModelCatalog, ServedModel
@@ -64,15 +65,19 @@ class PreparedRequest:
     session_key: str
     echo_text: str | None = None  # GenerateRequest.echo: the prompt's text
     cache_salt: str = ""  # what the blocks are hashed under: the request's cache_salt in its tenant's namespace
+    lora_name: str = ""  # the LoRA adapter the request's model named (empty: the base model)
 
 
 class Frontend:
     def __init__(self, catalog: ModelCatalog, planner: RoutePlanner, decode: DecodeClient,
                  in_flight: InFlight, metrics: RouterMetrics, cpu: CpuPool | None = None,
                  max_migrations: int = 2, guided: GuidedOptions = GuidedOptions(),
-                 block_hash_key: bytes = INSECURE_KEY, limits: TenantLimiter | None = None) -> None:
+                 block_hash_key: bytes = INSECURE_KEY, limits: TenantLimiter | None = None,
+                 adapters: AdapterDirectory | None = None) -> None:
         """`block_hash_key`: the deployment's (security.secret.block_hash_key), so the
-        router's block hashes are the workers'. `limits`: each tenant's."""
+        router's block hashes are the workers'. `limits`: each tenant's. `adapters`: the LoRA
+        adapters the workers serve (none: a model name is a served model's or unknown)."""
+        self._adapters = adapters or AdapterDirectory(None)
         self._limits = limits or TenantLimiter()
         self._catalog = catalog
         self._block_hash_key = block_hash_key
@@ -108,6 +113,7 @@ class Frontend:
                         if scope < Scope.ADMIN:
                             for name in INTERNAL_FIELDS:
                                 response.ClearField(name)
+                            response.usage.ClearField("cached_tokens_by_tier")  # where the cache held it
                         yield response
         except EXPECTED_ERRORS as err:
             outcome = to_service_error(err).outcome
@@ -140,9 +146,23 @@ class Frontend:
         decode = None if request_id is None else self._in_flight.decode_of(request_id)
         return False if decode is None else await self._decode.abort(decode, request_id, reason)
 
+    def resolve(self, name: str) -> tuple[ServedModel, str]:
+        """(the served model, the LoRA adapter or "") a request's `model` names: a served
+        model's name, or an adapter's that a live worker serves (run on its parent model).
+        NOT_FOUND otherwise."""
+        model, adapter = self._resolve(name)
+        return model, adapter.name if adapter is not None else ""
+
+    def _resolve(self, name: str) -> tuple[ServedModel, ServedAdapter | None]:
+        if name and not self._catalog.knows(name):
+            adapter = self._adapters.find(name)
+            if adapter is not None:
+                return self._catalog.resolve(adapter.model_name), adapter
+        return self._catalog.resolve(name), None
+
     async def prepare(self, request: generation_pb2.GenerateRequest, request_id: str,
                       tenant: Tenant | None = None) -> PreparedRequest:
-        model = self._catalog.resolve(request.model)
+        model, adapter = self._resolve(request.model)
         check_cache_salt(request.cache_salt)
         # Tokenizing and templating are CPU work: off the event loop, in a bounded pool.
         prompt_ids = await self._cpu.run(model.prompts.build, request, model.max_model_len)
@@ -153,10 +173,14 @@ class Frontend:
         self._limits.charge_tokens(tenant, len(prompt_ids) + sampling.max_tokens)
         await self._cpu.run(compile_constraint, sampling, self._guided)  # checked before any worker is asked
         salt = request.cache_salt if tenant is None else tenant_cache_salt(tenant.name, request.cache_salt)
-        hashes = hash_prompt_blocks(prompt_ids, model.block_size, model.block_hash_salt, self._block_hash_key, salt)
+        # keyed as the workers key them, under the adapter's digest; before any worker reported
+        # it, under a key no worker's cache holds (never the base model's)
+        lora_key = "" if adapter is None else adapter.digest or f"unreported:{adapter.name}"
+        hashes = hash_prompt_blocks(prompt_ids, model.block_size, model.block_hash_salt, self._block_hash_key, salt,
+                                    lora_key)
         echo_text = await self._cpu.run(model.prompts.echo_text, request, prompt_ids) if request.echo else None
         return PreparedRequest(request_id, model, tuple(prompt_ids), tuple(hashes), sampling, request.session_id,
-                               echo_text, salt)
+                               echo_text, salt, adapter.name if adapter is not None else "")
 
     async def _run(self, request: generation_pb2.GenerateRequest, request_id: str,
                    tenant: Tenant | None = None) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -207,7 +231,7 @@ class Frontend:
             try:
                 plan = self._planner.plan(prepared.request_id, prepared.model.name, len(prepared.prompt_token_ids),
                                           prepared.model.block_size, prepared.block_hashes, prepared.session_key,
-                                          exclude=tried, migrated=bool(lost))
+                                          exclude=tried, migrated=bool(lost), lora_name=prepared.lora_name)
             except EXPECTED_ERRORS:
                 if last_error is not None:  # every worker refused: report the last refusal
                     raise last_error from None
@@ -284,7 +308,8 @@ def _decode_request(prepared: PreparedRequest, plan: RoutePlan, arrival_unix_ms:
     request = decode_pb2.DecodeRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                                        block_hashes=prepared.block_hashes, sampling=prepared.sampling,
                                        prefill=prefill, arrival_unix_ms=arrival_unix_ms,
-                                       resumed_token_ids=resumed, cache_salt=prepared.cache_salt)
+                                       resumed_token_ids=resumed, cache_salt=prepared.cache_salt,
+                                       lora_name=prepared.lora_name)
     if resumed:  # the client has the prompt's logprobs from the first decode
         request.sampling.ClearField("prompt_logprobs")
     return request

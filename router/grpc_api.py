@@ -7,12 +7,13 @@ import logging
 from pdserve.common.errors import EXPECTED_ERRORS, InvalidRequestError
 from pdserve.rpc.credentials import caller_id, certificate_addresses
 from pdserve.rpc.errors import grpc_errors
-from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, registry_pb2,
+from pdserve.proto.pdserve.v1 import (common_pb2, generation_pb2_grpc, kv_events_pb2, registry_pb2,
                                       registry_pb2_grpc)
 from pdserve.router import fanout
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontend import Frontend
+from pdserve.router.kv_index import KVEventIntake
 from pdserve.router.membership import Membership, load_from_proto, worker_from_proto
 from pdserve.router.request_ids import check_label
 from pdserve.router.tools import apply_tools, grpc_tool_calls
@@ -78,7 +79,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @grpc_errors
     async def ModelInfo(self, request, context):
         response = common_pb2.ModelInfoResponse()
-        response.CopyFrom(self._catalog.resolve(request.model).info)
+        response.CopyFrom(self._frontend.resolve(request.model)[0].info)  # an adapter: its base model's
         if not request.include_tokenizer:
             response.ClearField("tokenizer_json")
         response.ClearField("block_hash_salt")  # internal: clients have no use for block hashes
@@ -92,9 +93,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     public key it registered (which its later calls are signed with); `public_key` is the
     router's own, sent back in RegisterResponse."""
 
-    def __init__(self, membership: Membership, config: RouterConfig, *, authenticated: bool = False,
-                 public_key: bytes = b"", enrollment: EnrollmentVerifier | None = None) -> None:
+    def __init__(self, membership: Membership, config: RouterConfig, kv_events: KVEventIntake, *,
+                 authenticated: bool = False, public_key: bytes = b"",
+                 enrollment: EnrollmentVerifier | None = None) -> None:
         """`enrollment`: when set, a Register needs its worker's own enrollment token."""
+        self._kv_events = kv_events
         self._membership = membership
         self._enrollment = enrollment
         self._authenticated = authenticated
@@ -116,8 +119,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
                 found = [v for k, v in context.invocation_metadata() or () if k == ENROLLMENT_HEADER]
                 self._enrollment.check(found[0] if len(found) == 1 else None, worker.worker_id, worker.role.value,
                                        worker.address)
-            lease = await self._membership.register(worker, load_from_proto(request.load),
-                                                    request.load.cached_block_hashes, request.lease,
+            lease = await self._membership.register(worker, load_from_proto(request.load), request.lease,
                                                     request.public_key, require_key=self._authenticated)
         except Exception as exc:  # logged, then re-raised
             log.warning("register of %r refused: %s", request.worker.worker_id, exc)
@@ -129,8 +131,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     @grpc_errors
     async def Heartbeat(self, request, context):
         self._check_caller(context, request.worker_id)
-        self._membership.heartbeat(request.worker_id, load_from_proto(request.load),
-                                   request.load.cached_block_hashes, request.lease)
+        self._membership.heartbeat(request.worker_id, load_from_proto(request.load), request.lease)
         return registry_pb2.HeartbeatResponse(heartbeat_interval_ms=self._interval_ms)
 
     @grpc_errors
@@ -143,3 +144,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     @grpc_errors
     async def Lookup(self, request, context):
         return self._membership.lookup(request.worker_id)
+
+    @grpc_errors
+    async def PublishKVEvents(self, request, context):
+        """Only the registered worker itself: its credential and its registration's lease."""
+        self._check_caller(context, request.worker_id)
+        self._membership.check_lease(request.worker_id, request.lease)
+        return kv_events_pb2.KVEventAck(in_order=self._kv_events.receive(request))

@@ -22,9 +22,10 @@ from starlette.types import Receive, Send
 from starlette.types import Scope as AsgiScope
 
 from pdserve.common.errors import (EXPECTED_ERRORS, ErrorKind, InvalidRequestError, PayloadTooLargeError,
-                                   ServiceError, to_service_error)
+                                   ServiceError, UnauthenticatedError, to_service_error)
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router import fanout, tokenize_api
+from pdserve.router.adapters import AdapterAdmin, AdapterDirectory
 from pdserve.router.api_key import check_metrics_bearer
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
@@ -114,9 +115,11 @@ class DisconnectAwareStream(StreamingResponse):
 
 
 class OpenAIHandlers:
-    def __init__(self, frontend: Frontend, catalog: ModelCatalog, config: RouterConfig, auth: ClientKeys) -> None:
+    def __init__(self, frontend: Frontend, catalog: ModelCatalog, config: RouterConfig, auth: ClientKeys,
+                 adapters: AdapterDirectory | None = None) -> None:
         self._frontend = frontend
         self._catalog = catalog
+        self._adapters = adapters or AdapterDirectory(None)
         self._max_body_bytes = config.max_body_bytes
         self._auth = auth
         self._ignored = IgnoredFieldLog()
@@ -137,6 +140,9 @@ class OpenAIHandlers:
         try:
             self._auth.check(request.headers.get("authorization"))
             body = await read_json_object(request, self._max_body_bytes)
+            adapter = self._adapters.find(body["model"]) if isinstance(body.get("model"), str) else None
+            if adapter is not None and not self._catalog.knows(adapter.name):
+                body = {**body, "model": adapter.model_name}  # a LoRA adapter tokenizes as its base model
             return JSONResponse(await self._frontend.run_cpu(call, self._catalog, body))  # off the event loop
         except EXPECTED_ERRORS as err:
             return error_response(err)
@@ -146,8 +152,15 @@ class OpenAIHandlers:
             self._auth.check(request.headers.get("authorization"))
         except EXPECTED_ERRORS as err:
             return error_response(err)
+        models = {m.name: m for m in self._catalog.models()}
         data = [{"id": m.name, "object": "model", "created": m.created_unix, "owned_by": "pdserve",
-                 "max_model_len": m.max_model_len} for m in self._catalog.models()]
+                 "root": m.name, "parent": None, "max_model_len": m.max_model_len} for m in models.values()]
+        for adapter in self._adapters.served():  # vLLM's shape: an adapter's parent is its base model
+            base = models.get(adapter.model_name)
+            if base is not None and adapter.name not in models:
+                data.append({"id": adapter.name, "object": "model", "created": base.created_unix,
+                             "owned_by": "pdserve", "root": adapter.name, "parent": adapter.parent,
+                             "max_model_len": base.max_model_len})
         return JSONResponse({"object": "list", "data": data})
 
     async def _handle(self, request: Request, chat: bool) -> Response:
@@ -186,20 +199,8 @@ class OpenAIHandlers:
 
     async def _stream(self, request: Request, responses: AsyncIterator[generation_pb2.GenerateResponse],
                       formatter: ResponseFormatter, parsed: OpenAIRequest) -> Response:
-        # Wait for the first message before answering: errors before it get a real status.
-        try:
-            first = await _until_disconnect(request.receive, anext(responses))
-        except EXPECTED_ERRORS as err:
-            await responses.aclose()
-            return error_response(err)
-        except StopAsyncIteration:
-            return error_response(ServiceError(ErrorKind.INTERNAL, "empty stream"))
-        if isinstance(first, Response):  # the client left while waiting
-            await responses.aclose()
-            return first
-        return DisconnectAwareStream(_sse_events(first, responses, formatter, parsed.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _answer_stream(request.receive, responses, lambda first: _sse_events(
+            first, responses, formatter, parsed.include_usage))
 
     async def _fan_out(self, request: Request, parsed: OpenAIRequest, chat: bool, api: str,
                        caller: Caller) -> Response:
@@ -218,17 +219,8 @@ class OpenAIHandlers:
 
         if parsed.stream:
             stream = fanout.merged(choices, generate)
-            try:  # the first message before answering: errors before it get a real status
-                first = await _until_disconnect(request.receive, anext(stream))
-            except EXPECTED_ERRORS as err:
-                await stream.aclose()
-                return error_response(err)
-            if isinstance(first, Response):  # the client left while waiting
-                await stream.aclose()
-                return first
-            return DisconnectAwareStream(fanout.sse_events(parsed, len(choices), first, stream, formatter),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await _answer_stream(request.receive, stream, lambda first: fanout.sse_events(
+                parsed, len(choices), first, stream, formatter))
 
         async def answer() -> Response:
             try:
@@ -239,7 +231,7 @@ class OpenAIHandlers:
 
     def _token_text(self, model_name: str) -> Callable[[int], str]:
         def token_text(token_id: int) -> str:
-            return self._catalog.resolve(model_name).prompts.token_text(token_id)
+            return self._frontend.resolve(model_name)[0].prompts.token_text(token_id)
         return token_text
 
 
@@ -259,6 +251,75 @@ async def _sse_events(first: generation_pb2.GenerateResponse, responses: AsyncIt
 
 
 _CLIENT_GONE = ServiceError(ErrorKind.CANCELLED, "client disconnected")
+
+# A streamed request waits up to FIRST_MESSAGE_HOLD_S for its first message before it
+# answers, so that an error before it gets a real status. A first message slower than that
+# (a queue, a prompt recomputed after a failed leg) commits the answer to 200: an SSE comment
+# goes out every KEEPALIVE_S until the first message, so no client's or proxy's read timeout
+# cuts a request that is still on its way, and an error after that is an SSE error event.
+FIRST_MESSAGE_HOLD_S = 10.0
+KEEPALIVE_S = 5.0
+_KEEPALIVE_COMMENT = b": waiting for the first token\n\n"
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _answer_stream(receive: Receive, stream: AsyncIterator[Any],
+                         events: Callable[[Any], AsyncIterator[bytes]]) -> Response:
+    """The response of a streamed request: `events(first)` is its SSE body from the first
+    message of `stream` on."""
+    pending = asyncio.ensure_future(anext(stream))
+    watch = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((pending, watch), timeout=FIRST_MESSAGE_HOLD_S, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled: take the request down with it
+        await _drop(pending, stream)
+        raise
+    finally:
+        watch.cancel()
+    if pending.done():
+        try:
+            first = pending.result()
+        except EXPECTED_ERRORS as err:
+            await stream.aclose()
+            return error_response(err)
+        except StopAsyncIteration:
+            return error_response(ServiceError(ErrorKind.INTERNAL, "empty stream"))
+        return DisconnectAwareStream(events(first), media_type="text/event-stream", headers=_SSE_HEADERS)
+    if watch.done() and not watch.cancelled():  # the client left while waiting
+        await _drop(pending, stream)
+        return error_response(_CLIENT_GONE)
+    return DisconnectAwareStream(_after_keepalives(pending, stream, events), media_type="text/event-stream",
+                                 headers=_SSE_HEADERS)
+
+
+async def _after_keepalives(pending: asyncio.Future, stream: AsyncIterator[Any],
+                            events: Callable[[Any], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """Keep-alive comments until `pending` (the first message) is done, then the events."""
+    try:
+        while not (await asyncio.wait((pending,), timeout=KEEPALIVE_S))[0]:
+            yield _KEEPALIVE_COMMENT
+        first = pending.result()
+    except EXPECTED_ERRORS as err:
+        yield sse(to_service_error(err).openai_body())
+        yield sse("[DONE]")
+        return
+    except StopAsyncIteration:
+        yield sse(ServiceError(ErrorKind.INTERNAL, "empty stream").openai_body())
+        yield sse("[DONE]")
+        return
+    finally:
+        if not pending.done():  # the client left: cancelling closes the stream, aborting it
+            await _drop(pending, stream)
+    async for chunk in events(first):
+        yield chunk
+
+
+async def _drop(pending: asyncio.Future, stream: AsyncIterator[Any]) -> None:
+    pending.cancel()
+    with contextlib.suppress(BaseException):
+        await pending
+    with contextlib.suppress(RuntimeError):
+        await stream.aclose()
 
 
 async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
@@ -281,9 +342,10 @@ async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
 
 
 def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRegistry, metrics: RouterMetrics,
-                   config: RouterConfig, auth: ClientKeys) -> FastAPI:
+                   config: RouterConfig, auth: ClientKeys, admin: AdapterAdmin | None = None) -> FastAPI:
+    """`admin`: the LoRA administration; its endpoints exist only when it is enabled."""
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
-    handlers = OpenAIHandlers(frontend, catalog, config, auth)
+    handlers = OpenAIHandlers(frontend, catalog, config, auth, AdapterDirectory(registry))
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handlers.chat, methods=["POST"])
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
@@ -308,6 +370,8 @@ def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRe
             return error_response(err)
         return Response(metrics.render(registry), media_type=metrics.content_type)
 
+    if admin is not None and admin.enabled:
+        add_lora_routes(app, admin, auth, config.max_body_bytes)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
@@ -331,6 +395,24 @@ def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRe
     return app
 
 
+def add_lora_routes(app: FastAPI, admin: AdapterAdmin, auth: ClientKeys, max_body_bytes: int) -> None:
+    """vLLM's runtime adapter endpoints, for the admin key only (a client key is 401)."""
+
+    def endpoint(action: Callable[[dict], Awaitable[dict]]):
+        async def handle(request: Request) -> Response:
+            try:
+                if auth.check(request.headers.get("authorization")) < Scope.ADMIN:
+                    raise UnauthenticatedError("LoRA adapter administration needs the admin key")
+                body = await read_json_object(request, max_body_bytes)
+                return JSONResponse(await action(body))
+            except EXPECTED_ERRORS as err:
+                return error_response(err)
+        return handle
+
+    app.add_api_route("/v1/load_lora_adapter", endpoint(admin.load), methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", endpoint(admin.unload), methods=["POST"])
+
+
 def _health_body(registry: WorkerRegistry, catalog: ModelCatalog, scope: Scope) -> dict[str, Any]:
     """ANONYMOUS: the status; CLIENT: models and worker counts too; ADMIN: each worker's KV
     backends by worker id, and whether remote prefill is degraded."""
@@ -348,4 +430,6 @@ def _health_body(registry: WorkerRegistry, catalog: ModelCatalog, scope: Scope) 
         body.update(models=catalog.names(), decode_workers=num_decode, prefill_workers=num_prefill)
     if scope >= Scope.ADMIN:
         body.update(kv_transfer="degraded" if degraded else "ok", kv_backends=backends)
+        body["lora_adapters"] = {r.worker_id: {a.name: "loaded" if a.loaded else "loadable" for a in r.load.lora_adapters}
+                                 for r in registry.alive() if r.load.lora_adapters}
     return body

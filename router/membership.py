@@ -13,7 +13,7 @@ import asyncio
 import logging
 import re
 import math
-from typing import Iterable
+from typing import Callable
 
 import grpc
 
@@ -69,6 +69,7 @@ def worker_from_proto(info: registry_pb2.WorkerInfo) -> Worker:
 MAX_REPORTED_REQUESTS = 1 << 20  # a load report's counts are clamped to these bounds
 MAX_REPORTED_TOKENS = 1 << 40
 MAX_REPORTED_BACKENDS = 16
+MAX_REPORTED_ADAPTERS = 1024
 
 
 def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
@@ -83,7 +84,8 @@ def load_from_proto(load: common_pb2.WorkerLoad) -> Load:
                       for b in load.kv_backends[:MAX_REPORTED_BACKENDS]),
                 load.counters if load.HasField("counters") else None,
                 min(int(load.queued_prompt_tokens), MAX_REPORTED_TOKENS), _rate(load.prefill_tokens_per_s),
-                requests(load.num_decoding), load.draining)
+                requests(load.num_decoding), load.draining,
+                tuple(a for a in load.lora_adapters[:MAX_REPORTED_ADAPTERS] if 0 < len(a.name) <= 128))
 
 
 def _rate(value: float) -> float:
@@ -93,15 +95,17 @@ def _rate(value: float) -> float:
 
 class Membership:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, catalog: ModelCatalog,
-                 channels: WorkerChannels) -> None:
+                 channels: WorkerChannels, kv_sync: Callable[[str], None] = lambda worker_id: None) -> None:
+        """`kv_sync(worker_id)`: ask a worker for its KV snapshot (after each registration, and
+        at each poll of a static worker, which sends no events)."""
+        self._kv_sync = kv_sync
         self._config = config
         self._registry = registry
         self._catalog = catalog
         self._channels = channels
         self._lock = asyncio.Lock()  # one registration at a time: checks and catalog stay consistent
 
-    async def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = (),
-                       lease: bytes = b"", public_key: bytes = b"", require_key: bool = False) -> bytes:
+    async def register(self, worker: Worker, load: Load, lease: bytes = b"", public_key: bytes = b"", require_key: bool = False) -> bytes:
         """The new registration's lease (WorkerRegistry.register); `lease`: the worker's
         live one, when it registers again; `public_key`: what verifies its calls (with
         `require_key`, INVALID_ARGUMENT unless it is one)."""
@@ -117,14 +121,21 @@ class Membership:
                                                 f"block_size {info.block_size}, registration says "
                                                 f"{worker.model_name!r} {worker.block_size}")
                 await self._catalog.learn(info)
-            return self._registry.register(worker, load, cached_hashes, lease=lease, leased=True,
-                                           public_key=public_key)
+            new_lease = self._registry.register(worker, load, lease=lease, leased=True, public_key=public_key)
+        self._kv_sync(worker.worker_id)  # this router, or the worker, may have restarted: learn what it holds
+        return new_lease
 
-    def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int], lease: bytes) -> None:
+    def heartbeat(self, worker_id: str, load: Load, lease: bytes) -> None:
         """NOT_FOUND when the worker is unknown: it must register again."""
-        if not self._registry.heartbeat(worker_id, load, cached_hashes, lease=lease):
+        if not self._registry.heartbeat(worker_id, load, lease=lease):
             raise NotFoundError(f"worker {worker_id!r} is not registered; register again",
                                 param="worker_id")
+
+    def check_lease(self, worker_id: str, lease: bytes) -> None:
+        """NOT_FOUND when the worker is unknown (register again); UNAUTHENTICATED unless `lease`
+        is its registration's."""
+        if not self._registry.check_lease(worker_id, lease):
+            raise NotFoundError(f"worker {worker_id!r} is not registered; register again", param="worker_id")
 
     def deregister(self, worker_id: str, lease: bytes) -> bool:
         return self._registry.deregister(worker_id, lease=lease)
@@ -153,13 +164,14 @@ class Membership:
             load_msg = await stub.Load(common_pb2.LoadRequest(), timeout=timeout)
             load = load_from_proto(load_msg)
             if self._registry.get(worker_id) is not None:
-                self._registry.heartbeat(worker_id, load, load_msg.cached_block_hashes)
+                self._registry.heartbeat(worker_id, load)
+                self._kv_sync(worker_id)
                 return
             info = await stub.ModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
             worker = Worker(worker_id, static.role, static.address, info.model_name,
                             block_size=info.block_size, num_total_blocks=load.num_total_blocks,
                             max_model_len=info.max_model_len)
-            await self.register(worker, load, load_msg.cached_block_hashes)
+            await self.register(worker, load)
         except grpc.aio.AioRpcError as err:
             log.debug("static worker %s: %s %s", worker_id, err.code().name, err.details())
         except EXPECTED_ERRORS as err:

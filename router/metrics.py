@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -41,6 +42,13 @@ class RouterMetrics:
                                  "Final KV hand-off verdicts of finished requests", ("outcome", "backend"), registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens_total",
                                      "Prompt tokens of finished requests, cached or computed", ("kind",), registry=r)
+        self.matched_prefix_tokens = Counter(
+            "pdserve_router_matched_prefix_tokens_total",
+            "Prompt tokens routed to a decode whose KV events say it holds them, by the nearest tier holding "
+            "each block (device, host, disk, redis): what the router expected cached", ("tier",), registry=r)
+        self.cached_tokens_by_tier = Counter(
+            "pdserve_router_cached_prompt_tokens_by_tier_total", "Cached prompt tokens of finished requests by "
+            "where they were found: device (a worker's KV pool), host, disk, redis", ("tier",), registry=r)
         self.completion_tokens = Counter("pdserve_router_completion_tokens_total", "Generated tokens", registry=r)
         self.draft_tokens = Counter("pdserve_router_draft_tokens_total",
                                     "Speculative drafts checked by decode, accepted or rejected (acceptance rate: "
@@ -68,6 +76,17 @@ class RouterMetrics:
         self._backend_labels.add(name)
         return name
 
+    def count_matched_prefix(self, tiers: Sequence[str], block_size: int, num_matched: int) -> None:
+        """`tiers`: the nearest tier of each leading block a decode was routed for; the last
+        block may be partly prompt (`num_matched` caps the tokens)."""
+        left = num_matched
+        for tier in tiers:
+            tokens = min(block_size, left)
+            if tokens <= 0:
+                return
+            self.matched_prefix_tokens.labels(tier).inc(tokens)
+            left -= tokens
+
     def count_auth_refusal(self, reason: str) -> None:
         self.auth_refused.labels(reason).inc()
 
@@ -81,6 +100,8 @@ class RouterMetrics:
             usage = last.usage
             self.prompt_tokens.labels("cached").inc(usage.cached_prompt_tokens)
             self.prompt_tokens.labels("computed").inc(max(0, usage.prompt_tokens - usage.cached_prompt_tokens))
+            for tier, tokens in usage.cached_tokens_by_tier.items():
+                self.cached_tokens_by_tier.labels(tier).inc(tokens)
             self.completion_tokens.inc(usage.completion_tokens)
             if usage.draft_steps:
                 self.draft_tokens.labels("accepted").inc(usage.accepted_draft_tokens)
@@ -137,13 +158,17 @@ class WorkerEngineMetrics:
         failures = c("pdserve:kv_transfer_failures", "Transfer steps that failed, by backend", ("backend",))
         usable = GaugeMetricFamily("pdserve_router_kv_backend_usable", "1 while a live worker reports a KV "
                                    "transfer backend usable, 0 while it skips it", labels=("worker_id", "backend"))
+        indexed = GaugeMetricFamily("pdserve_router_kv_index_blocks", "Blocks the router's index says a live "
+                                    "worker holds, by tier (from its KV events)", labels=("worker_id", "tier"))
         families = (running, waiting, usage, rate, prompt, generation, queries, hits, preemptions, steps, step_seconds,
-                    transfers, transfer_bytes, transfer_seconds, failures, usable)
+                    transfers, transfer_bytes, transfer_seconds, failures, usable, indexed)
         for record in self._workers.alive():
             labels = (record.worker_id, record.worker.role.value, record.worker.model_name)
             load = record.load
             for backend in load.kv_backends:
                 usable.add_metric((record.worker_id, backend.name), 1 if backend.usable else 0)
+            for tier, held in record.kv.tiers.items():
+                indexed.add_metric((record.worker_id, tier), len(held))
             running.add_metric(labels, load.num_running)
             waiting.add_metric(labels, load.num_queued)
             if load.num_total_blocks:

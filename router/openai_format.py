@@ -1,11 +1,11 @@
 """GenerateResponse messages -> OpenAI JSON (whole responses and SSE chunks).
 
 Besides OpenAI's fields every response carries a non-standard `pdserve` object:
-`{"request_id", "routing": {...}, "transfer": {...}, "timings": {...}}` (what is known at
-that point of the stream; the transfer verdict on the first and the last chunk). Routing,
-transfer and timings are an admin's (`security.client_keys.Scope`): for anyone else the frontend leaves
-them out of the messages, and so they are left out here; usage's cached_tokens stays, as
-OpenAI sends it.
+`{"request_id", "routing": {...}, "transfer": {...}, "timings": {...}, "cached_tokens_by_tier": {...}}`
+(what is known at that point of the stream; the transfer verdict on the first and the last
+chunk, the cached tokens by tier on the last). All but the request id are an admin's
+(`security.client_keys.Scope`): for anyone else the frontend leaves them out of the messages,
+and so they are left out here; usage's cached_tokens (the total) stays, as OpenAI sends it.
 """
 from __future__ import annotations
 
@@ -76,6 +76,8 @@ def pdserve_json(response: generation_pb2.GenerateResponse) -> dict[str, Any]:
         out["transfer"] = verdict_json(response.transfer)
     if response.HasField("timings"):
         out["timings"] = timings_json(response.timings)
+    if response.usage.cached_tokens_by_tier:  # an admin's: where the cached prompt tokens were found
+        out["cached_tokens_by_tier"] = dict(sorted(response.usage.cached_tokens_by_tier.items()))
     return out
 
 

@@ -28,7 +28,7 @@ from pdserve.common.errors import UnavailableError
 from pdserve.router.config import Role
 from pdserve.router.link_probes import LinkProbes
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policies import RouteQuery, RoutingPolicy
+from pdserve.router.policies import RouteQuery, RoutingPolicy, adapter_candidates
 from pdserve.router.worker_registry import Worker, WorkerRecord, WorkerRegistry
 
 log = logging.getLogger("pdserve.router.planner")
@@ -143,28 +143,35 @@ class RoutePlanner:
 
     def plan(self, request_id: str, model_name: str, num_prompt_tokens: int, block_size: int,
              block_hashes: Sequence[int], session_key: str, exclude: Collection[str] = (),
-             migrated: bool = False) -> RoutePlan:
-        """UNAVAILABLE when no decode worker of the model is routable (minus `exclude`).
-        A `migrated` request gets no prefill worker (its resumed tokens are prefilled too)."""
+             migrated: bool = False, lora_name: str = "") -> RoutePlan:
+        """UNAVAILABLE when no decode worker of the model is routable (minus `exclude`), or
+        none serves the LoRA adapter `lora_name`. A `migrated` request gets no prefill worker
+        (its resumed tokens are prefilled too). Under an adapter, workers holding it are
+        preferred while load allows (`adapter_candidates`) on both sides."""
         query = RouteQuery(tuple(block_hashes), session_key, num_prompt_tokens, block_size)
         decoders = [r for r in self._registry.routable(Role.DECODE, model_name) if r.worker_id not in exclude]
+        decoders, lora_reason = adapter_candidates(decoders, lora_name)
         if not decoders:
-            raise UnavailableError(f"no decode worker is available for model {model_name!r}",
-                                   retry_after_s=1)
+            raise UnavailableError(f"no decode worker is available for model {model_name!r}"
+                                   + (f" with adapter {lora_name!r}" if lora_name else ""), retry_after_s=1)
         decode = self._decode_policy.choose(decoders, query)
+        if lora_reason:
+            self._count("decode", "lora", lora_reason)
         self._count("decode", self._decode_policy.name, decode.reason)
-        num_matched = min(decode.record.num_matched_blocks(block_hashes) * block_size, num_prompt_tokens)
+        tiers = decode.record.kv.leading_tiers(block_hashes)
+        num_matched = min(len(tiers) * block_size, num_prompt_tokens)
+        self._metrics.count_matched_prefix(tiers, block_size, num_matched)
         uncached = num_prompt_tokens - num_matched
         if migrated:
             pick = _PrefillPick(None, MIGRATED)
         else:
-            pick = self._pick_prefill(model_name, query, decode.record, uncached)
+            pick = self._pick_prefill(model_name, query, decode.record, uncached, lora_name)
         prefill = pick.record.worker if pick.record is not None else None
         if prefill is not None:
-            self._registry.note_routed(prefill.worker_id, block_hashes, prompt_tokens=uncached)
+            self._registry.note_routed(prefill.worker_id, prompt_tokens=uncached, block_hashes=block_hashes)
         self._count("prefill", self._prefill_policy.name, pick.reason)
-        self._registry.note_routed(decode.record.worker_id, block_hashes,
-                                   prompt_tokens=0 if prefill else max(0, uncached))
+        self._registry.note_routed(decode.record.worker_id, prompt_tokens=0 if prefill else max(0, uncached),
+                                   block_hashes=block_hashes)
         log.info("route %s: decode=%s (%s) prefill=%s (%s) prompt=%d matched=%d%s%s", request_id,
                  decode.record.worker_id, decode.reason, prefill.worker_id if prefill else "local",
                  pick.reason, num_prompt_tokens, num_matched, _describe(pick.prediction),
@@ -174,9 +181,9 @@ class RoutePlanner:
                          pick.record.load.num_queued if prefill else 0, num_matched, pick.prediction)
 
     def _pick_prefill(self, model_name: str, query: RouteQuery, decode: WorkerRecord,
-                      uncached: int) -> _PrefillPick:
+                      uncached: int, lora_name: str = "") -> _PrefillPick:
         """The prefill worker for `uncached` prompt tokens, or none and why (the module's rules)."""
-        prefillers = self._registry.routable(Role.PREFILL, model_name)
+        prefillers, _ = adapter_candidates(self._registry.routable(Role.PREFILL, model_name), lora_name)
         if uncached <= self._threshold:
             return _PrefillPick(None, SHORT_UNCACHED_PROMPT)
         if not prefillers:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from pdserve.common.block_hash import stable_hash64
+from pdserve.router.kv_index import TIER_RANK
+from pdserve.router.adapters import holds, serves
 from pdserve.router.worker_registry import WorkerRecord
 
 
@@ -72,13 +74,21 @@ class LeastLoaded(RoutingPolicy):
         return Pick(self.pick(candidates, query), "least_loaded")
 
 
+# What a prompt block found in each tier is worth, in blocks found on the device: a hit below
+# the pool costs an onboard before the forward, and the further down, the more it costs.
+TIER_WEIGHT = {"device": 1.0, "host": 0.75, "disk": 0.5, "redis": 0.5}
+
+
 class PrefixAware(RoutingPolicy):
     """Cache affinity where it pays and while the pool stays balanced.
 
-    The worker holding the longest run of the prompt's blocks wins when that run is worth
-    keeping (at least `min_match_blocks` blocks and `min_match_fraction` of the prompt: a
-    shared chat-template prefix is not) and its load is at most `max_load_gap` requests above
-    the least loaded worker's. Otherwise the least loaded wins (ties rotate), with the reason.
+    A worker's score is the run of the prompt's leading blocks it holds (its KV events say
+    where: router.kv_index), each block weighed by its nearest tier (TIER_WEIGHT: device over
+    host over disk/Redis). Among the workers at most `max_load_gap` requests above the least
+    loaded, the best score wins when its run is worth keeping (at least `min_match_blocks`
+    blocks and `min_match_fraction` of the prompt: a shared chat-template prefix is not); ties
+    go to the less loaded. Otherwise the least loaded wins (ties rotate), with the reason. The
+    reason of a match names the slowest tier its run reaches ("prefix_match": all on device).
     """
 
     name = "prefix_aware"
@@ -90,17 +100,26 @@ class PrefixAware(RoutingPolicy):
         self.min_match_fraction = min_match_fraction
         self.max_load_gap = max_load_gap
 
+    def _worth_keeping(self, run: Sequence[str], query: RouteQuery) -> bool:
+        return len(run) >= self.min_match_blocks and len(run) * query.block_size >= \
+            self.min_match_fraction * query.prompt_tokens
+
     def choose(self, candidates: Sequence[WorkerRecord], query: RouteQuery) -> Pick:
-        matched = {r.worker_id: r.num_matched_blocks(query.block_hashes) for r in candidates}
-        best = max(matched.values())
-        if best == 0:
+        runs = {r.worker_id: r.kv.leading_tiers(query.block_hashes) for r in candidates}
+        if not any(runs.values()):
             return Pick(self._least_loaded.pick(candidates, query), "no_prefix_match")
-        if best < self.min_match_blocks or best * query.block_size < self.min_match_fraction * query.prompt_tokens:
+        if not any(self._worth_keeping(run, query) for run in runs.values()):
             return Pick(self._least_loaded.pick(candidates, query), "short_prefix_match")
-        record = self._least_loaded.pick([r for r in candidates if matched[r.worker_id] == best], query)
-        if record.load_score() - min(r.load_score() for r in candidates) > self.max_load_gap:
+        lowest = min(r.load_score() for r in candidates)
+        eligible = [r for r in candidates if r.load_score() - lowest <= self.max_load_gap
+                    and self._worth_keeping(runs[r.worker_id], query)]
+        if not eligible:
             return Pick(self._least_loaded.pick(candidates, query), "load_imbalance")
-        return Pick(record, "prefix_match")
+        score = {r.worker_id: sum(TIER_WEIGHT[t] for t in runs[r.worker_id]) for r in eligible}
+        top = max(score.values())
+        record = self._least_loaded.pick([r for r in eligible if score[r.worker_id] == top], query)
+        slowest = max(runs[record.worker_id], key=TIER_RANK.__getitem__)
+        return Pick(record, "prefix_match" if slowest == "device" else f"prefix_match_{slowest}")
 
 
 class SessionAffinity(RoutingPolicy):
@@ -137,6 +156,23 @@ class PowerOfTwo(RoutingPolicy):
         first, second = self._rng.sample(range(len(candidates)), 2)
         a, b = candidates[first], candidates[second]
         return Pick(b if b.load_score() < a.load_score() else a, "power_of_two")
+
+
+def adapter_candidates(candidates: Sequence[WorkerRecord], lora_name: str,
+                       max_load_gap: int = 4) -> tuple[list[WorkerRecord], str]:
+    """The candidates a request under LoRA adapter `lora_name` goes to, and why: only workers
+    that may serve it, and of those the ones holding it loaded (no load on the request's path)
+    while the least loaded holder is at most `max_load_gap` requests above the least loaded
+    of all; past that, load wins and the chosen worker loads the adapter. No adapter: all."""
+    if not lora_name:
+        return list(candidates), ""
+    serving = [r for r in candidates if serves(r, lora_name)]
+    holding = [r for r in serving if holds(r, lora_name)]
+    if not holding:
+        return serving, "lora_load"
+    if min(r.load_score() for r in holding) - min(r.load_score() for r in serving) > max_load_gap:
+        return serving, "lora_load_imbalance"
+    return holding, "lora_holder"
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -8,13 +8,18 @@ Rule: a reported hash counts only if the router itself sent that worker a prompt
 the block (`RoutedPrefixes.note`, at routing); everything else in a report is dropped
 (`vouched`). A worker can then claim only what it was given, at most what it still holds
 or once held. Memory is bounded per worker (the oldest routed hashes are forgotten first).
-`WorkerRegistry` asks it for every report, whatever the report's shape (a hash snapshot, or
-the blocks of stored events): call `vouched` on the hashes a worker claims.
+With `--check-prefix-claims`, `WorkerRegistry` hands each worker's `KVIndex` its `voucher`:
+the blocks of stored events and of snapshots pass through it before they count. Off, claims
+are taken as sent, and a router restarted reroutes a returning session to its holder at once
+from the worker's snapshot; on, that affinity returns only as prompts are routed again.
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
+
+MAX_ROUTED_PER_WORKER = 1 << 16  # routed block hashes remembered per worker (newest kept)
 
 
 class RoutedPrefixes:
@@ -40,6 +45,10 @@ class RoutedPrefixes:
         if not sent:
             return []
         return [h for h in map(int, claimed) if h in sent]
+
+    def voucher(self, worker_id: str) -> Callable[[Iterable[int]], list[int]]:
+        """`vouched` for one worker."""
+        return functools.partial(self.vouched, worker_id)
 
     def forget(self, worker_id: str) -> None:
         self._sent.pop(worker_id, None)

@@ -1,4 +1,5 @@
-"""Which workers exist, whether they are alive, how loaded they are and what they cache.
+"""Which workers exist, whether they are alive, how loaded they are and what they cache
+(each record's `kv`: an index its KV events keep, router.kv_index).
 
 A worker is *routable* when its last heartbeat is younger than the timeout, no RPC to it
 has failed since (a failed RPC marks it suspect; its next heartbeat clears that) and it has
@@ -12,14 +13,16 @@ router's directory of workers' keys).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from pdserve.common.errors import AlreadyExistsError, AuthError
 from pdserve.router.config import Role
-from pdserve.router.prefix_claims import RoutedPrefixes
+from pdserve.router.kv_index import KVIndex
+from pdserve.router.prefix_claims import MAX_ROUTED_PER_WORKER, RoutedPrefixes
 from pdserve.security import registration
 from pdserve.security.credentials import Identity
 
@@ -68,6 +71,7 @@ class Load:
     prefill_tokens_per_s: float = 0.0  # its recent prefill rate (0: not measured yet)
     num_decoding: int = 0  # running requests past their prompt
     draining: bool = False  # leaving: routed no new work, finishing its own
+    lora_adapters: tuple = ()  # common_pb2.LoraAdapterState of each adapter it serves (loaded or loadable)
 
 
 @dataclass(slots=True)
@@ -77,12 +81,11 @@ class WorkerRecord:
     worker: Worker
     load: Load
     last_seen: float
-    cached_hashes: set[int] = field(default_factory=set)
+    kv: KVIndex = field(default_factory=KVIndex)
     suspect: bool = False
     num_routed_since_report: int = 0  # requests sent since the last load report
     num_streams: int = 0  # this router's Decode streams open to it now
     num_routed_prompt_tokens: int = 0  # prompt tokens sent to it to compute since the last report
-    expected: dict[int, float] = field(default_factory=dict)  # hash -> when routed here (not yet reported)
     lease: bytes = b""  # what the worker must show to heartbeat, deregister or register again (b"": none asked)
     public_key: bytes = b""  # what verifies the worker's own call credentials (b"": none given)
     num_refusals: int = 0  # requests it refused after reading them, since it last finished one
@@ -108,29 +111,24 @@ class WorkerRecord:
         return {b for b in self.worker.kv_backends if b not in unusable}
 
     def num_matched_blocks(self, block_hashes: Sequence[int]) -> int:
-        """Length of the run of `block_hashes`, from the first, this worker reports cached."""
-        count = 0
-        for block_hash in block_hashes:
-            if block_hash not in self.cached_hashes:
-                break
-            count += 1
-        return count
+        """Length of the run of `block_hashes`, from the first, this worker holds in any tier."""
+        return len(self.kv.leading_tiers(block_hashes))
 
 
 class WorkerRegistry:
-    def __init__(self, worker_timeout_s: float, max_cached_hashes: int = 8192,
-                 clock: Callable[[], float] = time.monotonic, expect_s: float = 5.0) -> None:
-        """`expect_s`: how long hashes routed to a worker count as cached there although its
-        reports do not list them yet (a report sent before the prompt ran must not erase them)."""
-        self._expect_s = expect_s
+    def __init__(self, worker_timeout_s: float, max_indexed_blocks: int = 1 << 20,
+                 clock: Callable[[], float] = time.monotonic, check_claims: bool = False) -> None:
+        """`max_indexed_blocks`: the most block hashes the index keeps per worker.
+        `check_claims`: a worker's KV events count only for blocks this router sent it
+        (`prefix_claims`; affinity then starts afresh after a router restart)."""
         self._timeout_s = worker_timeout_s
-        self._max_cached_hashes = max_cached_hashes
+        self._max_indexed_blocks = max_indexed_blocks
         self._clock = clock
         self._records: dict[str, WorkerRecord] = {}
-        self.routed = RoutedPrefixes(4 * max_cached_hashes)  # what a worker's claims are checked against
+        self.routed = RoutedPrefixes(min(max_indexed_blocks, MAX_ROUTED_PER_WORKER))  # checks KV claims
+        self._check_claims = check_claims
 
-    def register(self, worker: Worker, load: Load, cached_hashes: Iterable[int] = (), *,
-                 lease: bytes = b"", leased: bool = False, public_key: bytes = b"") -> bytes:
+    def register(self, worker: Worker, load: Load, *, lease: bytes = b"", leased: bool = False, public_key: bytes = b"") -> bytes:
         """Add or replace `worker`; an entry with the same address (a restart under a new
         id) is replaced too. ALREADY_EXISTS while the id is alive, unless `lease` is that
         registration's and `public_key` its key: a second process cannot take over a live
@@ -143,11 +141,15 @@ class WorkerRegistry:
                 del self._records[other.worker_id]
         new_lease = registration.new_lease() if leased else b""
         self._records[worker.worker_id] = WorkerRecord(worker, load, self._clock(), lease=new_lease,
-                                                       public_key=public_key)
-        self._set_cached(self._records[worker.worker_id], cached_hashes)
+                                                       public_key=public_key,
+                                                       kv=KVIndex(max_blocks=self._max_indexed_blocks,
+                                                                  vouch=self._voucher(worker.worker_id)))
         log.info("registered %s worker %s at %s (model %s)", worker.role.value, worker.worker_id,
                  worker.address, worker.model_name)
         return new_lease
+
+    def _voucher(self, worker_id: str):
+        return self.routed.voucher(worker_id) if self._check_claims else None
 
     def check_free(self, worker: Worker, lease: bytes = b"", public_key: bytes = b"") -> None:
         """ALREADY_EXISTS unless `worker` may register now (see `register`). A live leased
@@ -164,8 +166,7 @@ class WorkerRegistry:
                                     live_address=current.worker.address, live_lease=current.lease,
                                     live_key=current.public_key)
 
-    def heartbeat(self, worker_id: str, load: Load, cached_hashes: Iterable[int] = (), *,
-                  lease: bytes | None = None) -> bool:
+    def heartbeat(self, worker_id: str, load: Load, *, lease: bytes | None = None) -> bool:
         """Record a load report. False when the worker is unknown (it must register);
         AuthError when its registration has a lease and `lease` is not it (None: the
         router's own report, from polling a static worker)."""
@@ -180,7 +181,6 @@ class WorkerRegistry:
             log.info("worker %s is draining: no new work goes to it", worker_id)
         record.load, record.last_seen, record.suspect = load, self._clock(), False
         record.num_routed_since_report = record.num_routed_prompt_tokens = 0
-        self._set_cached(record, cached_hashes)
         return True
 
     def deregister(self, worker_id: str, *, lease: bytes | None = None) -> bool:
@@ -195,6 +195,14 @@ class WorkerRegistry:
         log.info("deregistered worker %s", worker_id)
         return True
 
+    def check_lease(self, worker_id: str, lease: bytes) -> bool:
+        """False when the worker is unknown; AuthError unless `lease` is its registration's."""
+        record = self._records.get(worker_id)
+        if record is None:
+            return False
+        _check_lease(record, lease)
+        return True
+
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._records.get(worker_id)
 
@@ -204,19 +212,30 @@ class WorkerRegistry:
             record.suspect = True
             log.warning("worker %s marked suspect: %s", worker_id, why)
 
-    def note_routed(self, worker_id: str, block_hashes: Sequence[int], prompt_tokens: int = 0) -> None:
+    def note_routed(self, worker_id: str, prompt_tokens: int = 0, block_hashes: Sequence[int] = ()) -> None:
         """A request was sent to the worker (`prompt_tokens` of it for the worker to compute):
-        count it, and expect it to cache the prompt's blocks (until its next report says
-        otherwise)."""
+        it counts in its load until the next report. What it caches, its KV events say, for
+        the blocks it was sent (`block_hashes`: `prefix_claims`)."""
         record = self._records.get(worker_id)
         if record is not None:
-            self.routed.note(worker_id, block_hashes)
+            if self._check_claims:
+                self.routed.note(worker_id, block_hashes)
             record.num_routed_since_report += 1
             record.num_routed_prompt_tokens += prompt_tokens
-            if len(record.cached_hashes) + len(block_hashes) <= self._max_cached_hashes:
-                record.cached_hashes.update(block_hashes)
-                now = self._clock()
-                record.expected.update((h, now) for h in block_hashes)
+
+    def note_adapter(self, worker_id: str, state) -> None:
+        """A LoRA adapter the router just had the worker load (its next report confirms it)."""
+        record = self._records.get(worker_id)
+        if record is not None:
+            kept = tuple(a for a in record.load.lora_adapters if a.name != state.name)
+            record.load = dataclasses.replace(record.load, lora_adapters=(*kept, state))
+
+    def note_adapter_gone(self, worker_id: str, name: str) -> None:
+        """A LoRA adapter the router just had the worker unload."""
+        record = self._records.get(worker_id)
+        if record is not None:
+            record.load = dataclasses.replace(
+                record.load, lora_adapters=tuple(a for a in record.load.lora_adapters if a.name != name))
 
     def note_refusal(self, worker_id: str) -> None:
         """The worker refused a request after reading it (RESOURCE_EXHAUSTED): it counts
@@ -270,20 +289,6 @@ class WorkerRegistry:
             log.warning("forgetting silent worker %s", worker_id)
             del self._records[worker_id]
             self.routed.forget(worker_id)
-
-    def _set_cached(self, record: WorkerRecord, cached_hashes: Iterable[int]) -> None:
-        hashes = set()
-        for block_hash in self.routed.vouched(record.worker_id, cached_hashes):  # only what it was sent
-            if len(hashes) >= self._max_cached_hashes:
-                break
-            hashes.add(int(block_hash))
-        now = self._clock()
-        record.expected = {h: t for h, t in record.expected.items() if now - t <= self._expect_s and h not in hashes}
-        for block_hash in record.expected:  # routed here moments ago: the report may predate it
-            if len(hashes) >= self._max_cached_hashes:
-                break
-            hashes.add(block_hash)
-        record.cached_hashes = hashes
 
 
 def _check_lease(record: WorkerRecord, lease: bytes | None) -> None:

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from pdserve.proto.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.proto.pdserve.v1 import adapters_pb2_grpc, decode_pb2_grpc, kv_events_pb2_grpc, prefill_pb2_grpc
 from pdserve.rpc.credentials import InternalTLS, internal_channel
 from pdserve.security.credentials import CallSigner
 
@@ -44,6 +44,12 @@ class WorkerChannels:
 
     def prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         return prefill_pb2_grpc.PrefillStub(self.channel(address))
+
+    def kv_events(self, address: str) -> kv_events_pb2_grpc.KVEventsStub:
+        return kv_events_pb2_grpc.KVEventsStub(self.channel(address))
+
+    def adapters(self, address: str) -> adapters_pb2_grpc.AdaptersStub:
+        return adapters_pb2_grpc.AdaptersStub(self.channel(address))
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

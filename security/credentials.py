@@ -56,12 +56,15 @@ ADMISSION_METHODS = frozenset({
     "/pdserve.v1.Prefill/ModelInfo", "/pdserve.v1.Prefill/Load",
 })
 # Who may call each internal service with their own signature: the router drives decodes,
-# decodes drive prefills, workers keep their own registration. A v1 (cluster-secret)
-# credential carries no role; it is accepted for ADMISSION_METHODS only.
+# decodes drive prefills, workers keep their own registration, routers read workers' KV
+# snapshots. A v1 (cluster-secret) credential carries no role; it is accepted for
+# ADMISSION_METHODS only.
 CALLER_ROLES = {
     "pdserve.v1.Decode": frozenset({"router"}),
     "pdserve.v1.Prefill": frozenset({"decode"}),
     "pdserve.v1.Registry": frozenset({"prefill", "decode"}),
+    "pdserve.v1.KVEvents": frozenset({"router"}),
+    "pdserve.v1.Adapters": frozenset({"router"}),  # LoRA administration: the router's admin endpoints
 }
 
 
@@ -132,7 +135,8 @@ def check_role(identity: Identity, service: str) -> None:
 
 # The services whose calls are bound to the server called (its registered address) and to the
 # request message: a credential for one worker is good at no other, for no other request.
-BOUND_SERVICES = frozenset({"pdserve.v1.Decode", "pdserve.v1.Prefill"})
+BOUND_SERVICES = frozenset({"pdserve.v1.Decode", "pdserve.v1.Prefill", "pdserve.v1.KVEvents",
+                            "pdserve.v1.Adapters"})
 DIGEST_HEADER = "pdserve-request-digest"  # the hex SHA-256 of the request a v2 credential covers
 AUDIENCE_HEADER = "pdserve-audience"  # the address of the server a v2 credential is for
 # A member's proof beside a v2 credential: the cluster secret's MAC over its nonce. Cheap to

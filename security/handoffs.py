@@ -59,6 +59,7 @@ class HandoffClaim:
     block_hashes: Sequence[int]
     sampling: bytes
     cache_salt: str
+    lora: tuple[str, str] = ("", "")  # the adapter's (name, digest) the KV is computed under; empty: base
 
     def signed_fields(self) -> tuple:
         """The fields the MAC is computed over. Each list is length-prefixed item by item
@@ -69,7 +70,7 @@ class HandoffClaim:
                 struct.pack(f"<{len(self.block_ids)}I", *self.block_ids), self.num_cached_tokens,
                 self.deadline_unix_ms, self.compatibility_hash, self.decode_worker_id, self.request_id,
                 prompt_digest(self.prompt_token_ids), hashes_digest(self.block_hashes), self.sampling,
-                self.cache_salt)
+                self.cache_salt, *((_encoded_list(self.lora),) if any(self.lora) else ()))
 
 
 def _encoded_list(items: Sequence[str]) -> bytes:

@@ -46,13 +46,15 @@ def assert_all_blocks_back(prefill, decode) -> None:
     assert decode.engine.connector.receives.sink.reserved_block_ids == set()
 
 
-def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None, stream_layers: bool = True):
+def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None, stream_layers: bool = True,
+                  lora_name: str | None = None):
     """One request, decode-first hand-off. Returns (tokens, sender verdict, receiver verdict).
-    `stream_layers`: whether the prefill may send its KV layer by layer."""
+    `stream_layers`: whether the prefill may send its KV layer by layer; `lora_name`: the
+    adapter both engines run it under."""
     d_engine, p_engine = decode.engine, prefill.engine
     tid = new_transfer_id()
     d_engine.add_request(prompt, GREEDY, request_id=rid, remote_prefill=True,
-                         transfer_params=ReceiveParams(tid))
+                         transfer_params=ReceiveParams(tid), lora_name=lora_name)
     waiting = []
     run_until(decode, lambda: waiting or waiting.extend(d_engine.step()[1]))
     request = waiting[0]
@@ -61,7 +63,7 @@ def disaggregated(prefill, decode, prompt, rid, after_first_step=lambda: None, s
         rid, d_engine.remote_block_ids(rid), len(prompt), num_leading, time.time() + 30, tid)
 
     p_engine.add_request(prompt, FIRST_TOKEN, request_id=f"p-{rid}", transfer_params=params,
-                         stream_layers=stream_layers)
+                         stream_layers=stream_layers, lora_name=lora_name)
     outs = prefill.step()
     after_first_step()
     outs += run_until(prefill, lambda: not p_engine.has_unfinished())

@@ -64,13 +64,13 @@ def model_info(engine, served_name: str, include_tokenizer: bool) -> common_pb2.
     return resp
 
 
-def load_to_proto(engine_loop, num_queued_extra: int = 0, max_hashes: int = 4096) -> common_pb2.WorkerLoad:
+def load_to_proto(engine_loop, num_queued_extra: int = 0) -> common_pb2.WorkerLoad:
+    """Liveness and load; what the worker caches goes to the routers as KV events."""
     s = engine_loop.last_stats
-    hashes = engine_loop.engine.kv.pool.cached_hashes()[-max_hashes:]
     return common_pb2.WorkerLoad(
         num_queued=s.num_waiting + num_queued_extra, num_running=s.num_running + s.num_waiting_remote,
         num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
-        cached_block_hashes=list(reversed(hashes)), queued_prompt_tokens=s.num_queued_prompt_tokens,
+        queued_prompt_tokens=s.num_queued_prompt_tokens,
         prefill_tokens_per_s=s.prefill_tokens_per_s, num_decoding=s.num_decoding,
         kv_backends=[common_pb2.KVBackendState(name=b.name, usable=b.usable, detail=b.detail)
                      for b in engine_loop.engine.connector.worker.backend_states()])

@@ -48,6 +48,11 @@ class WorkerMetrics:
         # the last three recent averages (RECENT_WEIGHT on each new transfer)
         self.received: dict[str, list[float]] = {}
 
+    def watch_tiers(self, tiers) -> None:
+        """Export the KV tiers under the pool (`kvtransfer.tiers.Tiers`; None: none), read at each scrape."""
+        if tiers is not None:
+            self.registry.register(TierCollector(tiers))
+
     def count_auth_refusal(self, reason: str) -> None:
         self.auth_refused.labels(reason=reason).inc()
 
@@ -115,3 +120,39 @@ class WorkerMetrics:
         if port:
             return MetricsServer(host, port, lambda: generate_latest(self.registry), token)
         return None
+
+
+# (name, help, TierStats field, kind) of each per-tier series
+_TIER_SERIES = (
+    ("pdserve_kv_tier_blocks", "KV blocks a tier holds (a shared store: those this worker wrote)", "blocks", "gauge"),
+    ("pdserve_kv_tier_bytes", "bytes of KV a tier holds (a shared store: those this worker wrote)", "bytes", "gauge"),
+    ("pdserve_kv_tier_capacity_bytes", "a tier's bound in bytes (0: the store's own budget or TTL)",
+     "capacity_bytes", "gauge"),
+    ("pdserve_kv_tier_enabled", "1 while a tier is on, 0 while off (see its reason in the logs)", "enabled", "gauge"),
+    ("pdserve_kv_tier_hits", "KV blocks onboarded from a tier into the pool", "hits", "counter"),
+    ("pdserve_kv_tier_misses", "lookups that found nothing in a tier", "misses", "counter"),
+    ("pdserve_kv_tier_evictions", "KV blocks a tier let go to stay within its bound", "evictions", "counter"),
+    ("pdserve_kv_tier_corrupt", "records refused (MAC, format, truncated, digest): misses, never served",
+     "corrupt", "counter"),
+    ("pdserve_kv_tier_dropped", "KV blocks a tier did not take (queue full, tier off)", "dropped", "counter"),
+    ("pdserve_kv_tier_onboard_seconds", "time finding, verifying and copying a tier's hits", "onboard_seconds",
+     "counter"),
+    ("pdserve_kv_tier_onboards", "lookups that onboarded blocks from a tier", "onboards", "counter"),
+)
+
+
+class TierCollector:
+    """Per-tier series of the KV tiers, one label `tier` (device, host, disk, redis)."""
+
+    def __init__(self, tiers) -> None:
+        self._tiers = tiers
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshots = self._tiers.stats()
+        for name, doc, attr, kind in _TIER_SERIES:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["tier"])
+            for snap in snapshots:
+                family.add_metric([snap.tier], float(getattr(snap, attr)))
+            yield family

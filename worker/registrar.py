@@ -7,6 +7,7 @@ from pdserve.rpc.credentials import InternalTLS
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.security.credentials import CallSigner
 from pdserve.security.key_directory import PeerKeys
+from pdserve.worker.kv_events import KVEventFanout
 from pdserve.worker.registry_client import RegistryClient
 from pdserve.worker.settings import WorkerSettings
 
@@ -32,11 +33,13 @@ class Registrar:
     `resolve_every_s`, each resolved address gets its own `RegistryClient` (register,
     heartbeat, re-register on NOT_FOUND, deregister on stop), and an address that no longer
     resolves has its client stopped without deregistering (that router is gone or not ready).
+    With `kv_events`, each router also gets this worker's KV events (worker.kv_events).
     """
 
     def __init__(self, settings: WorkerSettings, info: registry_pb2.WorkerInfo, load_fn,
                  *, resolve_every_s: float = 15.0, signer: CallSigner | None = None,
-                 tls: InternalTLS | None = None, peers: PeerKeys | None = None) -> None:
+                 tls: InternalTLS | None = None, peers: PeerKeys | None = None,
+                 kv_events: KVEventFanout | None = None) -> None:
         """`peers`: learns each router's key, and where to look up peer workers' keys."""
         self.settings = settings
         self.signer = signer
@@ -45,6 +48,7 @@ class Registrar:
         self.info = info
         self.load_fn = load_fn
         self.resolve_every_s = resolve_every_s
+        self.kv_events = kv_events
         self._task: asyncio.Task | None = None
         self._clients: dict[str, RegistryClient] = {}
 
@@ -60,6 +64,8 @@ class Registrar:
 
     def start(self) -> None:
         if self.settings.router:
+            if self.kv_events is not None:
+                self.kv_events.start()
             self._task = asyncio.create_task(self._resolve_forever())
 
     async def wait_registered(self, timeout_s: float) -> None:
@@ -81,7 +87,11 @@ class Registrar:
             for addr in sorted(addrs - set(self._clients)):
                 client = self._clients[addr] = self._client(addr)
                 client.start()
+                if self.kv_events is not None:
+                    self.kv_events.attach(addr, client)
             for addr in set(self._clients) - addrs:
+                if self.kv_events is not None:
+                    await self.kv_events.detach(addr)
                 await self._clients.pop(addr).stop(deregister=False)
             await asyncio.sleep(self.resolve_every_s)
 
@@ -95,5 +105,7 @@ class Registrar:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         clients, self._clients = list(self._clients.values()), {}
         await asyncio.gather(*(c.stop() for c in clients))

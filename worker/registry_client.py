@@ -8,8 +8,8 @@
 
 Protocol (see registry.proto): Register until the router accepts (retrying with backoff
 while it is unreachable or cannot reach us yet), then Heartbeat every interval the router
-asked for. A Heartbeat answered NOT_FOUND (router restarted, or it declared us dead) means
-register again at once. `load_fn` is called for every report and must be cheap and
+asked for. A Heartbeat (or a KV event batch) answered NOT_FOUND or UNAUTHENTICATED (router
+restarted, or it declared us dead) means register again at once. `load_fn` is called for every report and must be cheap and
 thread-safe with respect to the engine (a snapshot).
 
 One client talks to one router address; `pdserve.worker.registrar.Registrar` keeps one client
@@ -28,7 +28,7 @@ from typing import Callable
 
 import grpc
 
-from pdserve.proto.pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from pdserve.proto.pdserve.v1 import common_pb2, kv_events_pb2, registry_pb2, registry_pb2_grpc
 from pdserve.rpc.credentials import InternalTLS, internal_channel
 from pdserve.security.credentials import CallSigner, Identity
 from pdserve.security.enrollment import ENROLLMENT_HEADER
@@ -38,6 +38,10 @@ log = logging.getLogger("pdserve.registry_client")
 
 MAX_RETRY_S = 10.0
 MIN_INTERVAL_S = 0.05  # a router asking for a shorter heartbeat interval gets this one
+# A router that answers a registered worker's call so does not know it (it restarted, or
+# declared the worker dead): NOT_FOUND, or, with a cluster secret, UNAUTHENTICATED (it has no
+# key for the worker's id until the worker registers again).
+_UNKNOWN_HERE = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED)
 _ROLE_NAMES = {registry_pb2.WORKER_ROLE_PREFILL: "prefill", registry_pb2.WORKER_ROLE_DECODE: "decode"}
 
 
@@ -66,6 +70,7 @@ class RegistryClient:
         self._retry_s = retry_s
         self._max_retry_s = max(retry_s, max_retry_s)
         self._registered = asyncio.Event()
+        self._wake = asyncio.Event()  # set: register now (a KV event batch found the router does not know us)
         self._task: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
         self.num_registrations = 0  # how often Register succeeded (re-registrations included)
@@ -129,7 +134,11 @@ class RegistryClient:
                     await asyncio.sleep(backoff_s)
                     backoff_s = min(2 * backoff_s, self._max_retry_s)
                     continue
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._interval_s)
+            if self._wake.is_set():
+                self._wake.clear()
+                continue
             await self._heartbeat(stub)
 
     async def _register(self, stub: registry_pb2_grpc.RegistryStub) -> bool:
@@ -166,14 +175,35 @@ class RegistryClient:
         try:
             answer = await stub.Heartbeat(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                log.info("router %s does not know %s: registering again", self._address, self._info.worker_id)
+            if err.code() in _UNKNOWN_HERE:
+                log.info("router %s does not know %s (%s): registering again", self._address, self._info.worker_id,
+                         err.code().name)
                 self._registered.clear()
             else:
                 log.warning("heartbeat to router %s failed: %s %s", self._address, err.code().name, err.details())
             return False
         self._take_interval(answer.heartbeat_interval_ms)
         return True
+
+    async def publish_kv_events(self, batch: kv_events_pb2.KVEventBatch) -> kv_events_pb2.KVEventAck | None:
+        """Send one batch of KV events (worker id and lease filled here). None when the router
+        did not take it (unreachable, or it does not know us: then register again at once)."""
+        if self._stub is None or not self.registered:
+            return None
+        request = kv_events_pb2.KVEventBatch()
+        request.CopyFrom(batch)
+        request.worker_id, request.lease = self._info.worker_id, self._lease
+        try:
+            return await self._stub.PublishKVEvents(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in _UNKNOWN_HERE:
+                log.info("router %s does not know %s (KV events, %s): registering again", self._address,
+                         self._info.worker_id, err.code().name)
+                self._registered.clear()
+                self._wake.set()
+            else:
+                log.debug("KV events to router %s: %s %s", self._address, err.code().name, err.details())
+            return None
 
     def _load(self) -> common_pb2.WorkerLoad:
         """The load to report; a failing `load_fn` costs one report's numbers, never the loop

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import functools
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -16,7 +18,11 @@ import grpc
 from pdserve.proto.pdserve.v1 import registry_pb2
 from pdserve.common import progress
 from pdserve.rpc.credentials import InternalAuth, InternalTLS, bind
+from pdserve.worker.adapter_service import SERVICE_NAME as ADAPTERS_SERVICE, add_adapter_service
 from pdserve.worker.convert import load_to_proto
+from pdserve.worker.kv_events import (KV_EVENTS_SERVICE, KVEventFanout, KVEventLog, attach_kv_events,
+                                      with_kv_events_service)
+from pdserve.worker.lora import WorkerAdapters
 from pdserve.worker.drain import DrainState, OpenCalls, drain
 from pdserve.worker.registrar import Registrar
 from pdserve.rpc.server import (WORKER_MAX_RECEIVE_BYTES, add_health_and_reflection, internal_server,
@@ -25,6 +31,10 @@ from pdserve.security.secret import ClusterSecret
 from pdserve.worker.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")
+
+# Once its stop begins, a worker process is gone within this many seconds: if a step of the
+# stop hangs, every thread's stack goes to stderr and the process exits with status 1.
+STOP_WITHIN_S = 9.0
 
 
 def bind_server(settings: WorkerSettings, interceptors=(), tls: InternalTLS | None = None) -> tuple[grpc.aio.Server, int]:
@@ -98,6 +108,27 @@ class WorkerRuntime:
     address: str = ""
     auth: InternalAuth = InternalAuth(None)  # signs this worker's outgoing internal calls
     core_share: Any = None  # worker.core_share.CoreShare: the machine's cores, shared with its other workers
+    adapters: Any = None  # worker.lora.WorkerAdapters: the LoRA adapters it serves
+
+
+def _with_adapters(add_role_servicers, names: list[str], adapters) -> tuple[Callable[[Any], None], list[str]]:
+    """The role's servicers and the Adapters service every worker serves (LoRA administration)."""
+    def add(grpc_server) -> None:
+        add_role_servicers(grpc_server)
+        add_adapter_service(grpc_server, adapters)
+
+    return add, [*names, ADAPTERS_SERVICE]
+
+
+def _load_report(loop, metrics, leaving: DrainState, adapters) -> Any:
+    """The worker's heartbeat report (common_pb2.WorkerLoad), its metrics updated on the way."""
+    metrics.observe_engine(loop.last_stats)
+    report = load_to_proto(loop)
+    metrics.observe_backends(report.kv_backends)
+    report.counters.CopyFrom(metrics.counters(loop.last_stats))
+    report.draining = leaving.draining
+    report.lora_adapters.extend(adapters.states())
+    return report
 
 
 class ServiceBuild(Protocol):
@@ -112,6 +143,19 @@ class ServiceBuild(Protocol):
     async def make_service(self, runtime: "WorkerRuntime") -> tuple[Callable[[Any], None], list[str],
                                                                   Callable[[], Awaitable[None]]]:
         """(add the servicers to a grpc.aio server, their full service names, async close)."""
+
+
+def _worker_info(role: str, runtime: WorkerRuntime) -> registry_pb2.WorkerInfo:
+    engine, settings = runtime.engine, runtime.settings
+    return registry_pb2.WorkerInfo(
+        worker_id=runtime.worker_id,
+        role=registry_pb2.WORKER_ROLE_PREFILL if role == "prefill" else registry_pb2.WORKER_ROLE_DECODE,
+        grpc_address=runtime.address, model_name=runtime.served_name, compatibility_hash=engine.compat_hash,
+        block_size=engine.kv.block_size, kv_backends=list(settings.backends),
+        capacity=registry_pb2.WorkerCapacity(
+            num_total_blocks=engine.kv.get_max_resource_count(),
+            max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
+            max_model_len=engine.max_model_len))
 
 
 async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -> int:
@@ -137,37 +181,29 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
         f"{b.name} ok" if b.usable else f"{b.name} off ({b.detail})" for b in states) or "none")
     served = settings.served_model_name or engine.model_name
     loop = EngineLoop(engine)
+    adapters = WorkerAdapters(loop, settings.lora(), check_with=engine.model_config)  # a bad module stops the start
     loop.start(asyncio.get_running_loop())
     metrics = WorkerMetrics(role)
-    protected = [f"pdserve.v1.{role.capitalize()}"]
+    metrics.watch_tiers(getattr(engine.connector, "tiers", None))  # a test's plain Connector has none
+    protected = [f"pdserve.v1.{role.capitalize()}", KV_EVENTS_SERVICE, ADAPTERS_SERVICE]
+    kv_events = attach_kv_events(engine, KVEventLog())
     calls, leaving = OpenCalls(), DrainState()
     server, port = bind_server(settings, (*auth.interceptors(protected, metrics.count_auth_refusal), calls), tls)
     host = settings.advertise_host or settings.host
     runtime = WorkerRuntime(settings, engine, loop, metrics, served, auth=auth, core_share=core_share,
-                            address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}")
+                            address=f"{host}:{port}", worker_id=settings.worker_id or f"{role}-{host}:{port}",
+                            adapters=adapters)
     auth.serve_as(runtime.address)  # signed calls to this worker name the address it registers
-    add_servicers, names, on_close = await build.make_service(runtime)
+    add_role_servicers, names, on_close = await build.make_service(runtime)
+    add_servicers, names = _with_adapters(add_role_servicers, names, adapters)
+    add_servicers, names = with_kv_events_service(add_servicers, names, kv_events)
     health = await start_serving(server, add_servicers, names)
     metrics.serve(settings.host, settings.metrics_port, settings.metrics_token or None)
-    info = registry_pb2.WorkerInfo(
-        worker_id=runtime.worker_id,
-        role=registry_pb2.WORKER_ROLE_PREFILL if role == "prefill" else registry_pb2.WORKER_ROLE_DECODE,
-        grpc_address=runtime.address, model_name=served, compatibility_hash=engine.compat_hash,
-        block_size=engine.kv.block_size, kv_backends=list(settings.backends),
-        capacity=registry_pb2.WorkerCapacity(
-            num_total_blocks=engine.kv.get_max_resource_count(),
-            max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
-            max_model_len=engine.max_model_len))
+    info = _worker_info(role, runtime)
 
-    def load():
-        metrics.observe_engine(loop.last_stats)
-        report = load_to_proto(loop)
-        metrics.observe_backends(report.kv_backends)
-        report.counters.CopyFrom(metrics.counters(loop.last_stats))
-        report.draining = leaving.draining
-        return report
-
-    registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls, peers=auth.peers)
+    load = functools.partial(_load_report, loop, metrics, leaving, adapters)
+    registrar = Registrar(settings, info, load, signer=auth.signer(runtime.worker_id), tls=tls, peers=auth.peers,
+                          kv_events=KVEventFanout(kv_events))
     registrar.start()
     # one line that launchers (pdserve up) and tests wait for
     print(f"pdserve {role} ready on {runtime.address} worker_id={runtime.worker_id}", flush=True)
@@ -184,6 +220,8 @@ async def run_worker(role: str, settings: WorkerSettings, build: ServiceBuild) -
             log.info("%s: drained; %d of %d KV blocks free", role, stats.num_free_blocks, stats.num_total_blocks)
     finally:
         log.info("%s shutting down", role)
+        if sys.__stderr__ is not None:  # run_worker is a process's main: the watchdog ends it
+            faulthandler.dump_traceback_later(STOP_WITHIN_S, exit=True, file=sys.__stderr__)
         await set_serving(health, names, serving=False)
         await registrar.stop()
         await server.stop(grace=2)

@@ -25,6 +25,22 @@ class SettingsError(InvalidRequestError):
     """A setting has a value it cannot take."""
 
 
+def repeated_values(raw: Any) -> tuple[str, ...]:
+    """A repeated setting's values: a list (flags, YAML) as is; a string (a PDSERVE_*
+    variable) is a JSON list, or values separated by whitespace."""
+    if isinstance(raw, (list, tuple)):
+        return tuple(str(v).strip() for v in raw if str(v).strip())
+    text = str(raw).strip()
+    if text.startswith("["):
+        import json
+
+        parsed = json.loads(text)
+        if not isinstance(parsed, list):
+            raise ValueError("expected a list")
+        return tuple(v if isinstance(v, str) else json.dumps(v) for v in parsed)
+    return tuple(text.split())
+
+
 # Where a role's default differs from the field's. The prefill service runs prompts only,
 # the shortest first, in a step sized for it: a short chat that arrives behind a long
 # prompt gets its first token about as fast as alone (`pdserve bench mixed-prefill`
@@ -127,6 +143,18 @@ class WorkerSettings:
         "", "speculative decoding, vLLM's JSON for the ngram method, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}': decode checks up to that many tokens "
         "copied from the prompt or output per step, when it pays (none: off)", "engine")
+    enable_lora: bool = setting(False, "serve LoRA adapters: a request whose model names one runs under it",
+                                "engine")
+    lora_modules: tuple = setting(
+        (), "adapters this worker may serve, each NAME=PATH or JSON {\"name\": ..., \"path\": ..., "
+        "\"base_model_name\": ...} (PEFT's adapter_config.json + safetensors); each is checked at start "
+        "and loaded on first use", "engine", repeated=True)
+    max_loras: int = setting(4, "adapters held in the engine's batch slots at once (more are swapped in, "
+                             "least recently used first, never mid-request)", "engine")
+    max_lora_rank: int = setting(16, "the largest adapter rank accepted", "engine")
+    max_cpu_loras: int = setting(0, "adapters kept in host memory (0: --max-loras)", "engine")
+    lora_allowed_root: str = setting("", "adapter paths must lie under this directory (runtime loads "
+                                     "included; none: any path)", "engine")
     # -- kv transfer: `up` passes these too
     heartbeat_s: float = setting(2.0, "heartbeat interval to the router; the router's ask caps it", "kv transfer")
     kv_backends: str = setting(",".join(b for b in DEFAULT_CHAIN if b != RECOMPUTE),
@@ -144,6 +172,10 @@ class WorkerSettings:
                                 "computes only blocks it lacks and writes those it computes; decode loads "
                                 "matching blocks before asking for a prefill", "kv transfer",
                                 choices=("none", *STORES))
+    kv_offload_host_gb: float = setting(
+        0.0, "host-memory tier under the KV pool, in GiB: blocks the pool evicts are copied there (pinned memory "
+        "on a GPU, a second pool on CPU) and loaded back when a prompt needs them; what it evicts goes to "
+        "--prefix-store (0: none)", "kv transfer")
     transfer_timeout_s: float = setting(10.0, "deadline of one transfer step", "kv transfer")
     kv_probe_cooldown_s: float = setting(5.0, "a KV backend that failed 3 times in a row is skipped this long, "
                                          "then the next transfer probes it", "kv transfer")
@@ -215,7 +247,8 @@ class WorkerSettings:
                 continue
             raw = settings[f.name]
             try:
-                values[f.name] = coerce(raw, f.default)
+                values[f.name] = (repeated_values(raw) if f.metadata.get("repeated")
+                                  else coerce(raw, f.default))
             except (TypeError, ValueError):
                 raise SettingsError(f"--{f.name.replace('_', '-')}: cannot use {raw!r}") from None
         values.update(_key_file_values(values))
@@ -224,9 +257,12 @@ class WorkerSettings:
             raise SettingsError(f"--failure-policy must be one of {', '.join(FAILURE_POLICIES)}")
         if out.attention_window < 0:
             raise SettingsError("--attention-window must be >= 0 (0: none)")
+        if out.kv_offload_host_gb < 0:
+            raise SettingsError("--kv-offload-host-gb must be >= 0 (0: none)")
         if out.prefix_store not in ("none", *STORES):
             raise SettingsError(f"--prefix-store must be {', '.join(sorted(STORES))} or none")
         out.speculative()  # a malformed --speculative-config is refused here, at start
+        out.lora()  # and a malformed --lora-modules entry
         spec = STORE_SPECS.get(out.prefix_store)
         if spec is not None and not getattr(out, spec.location):
             raise SettingsError(f"--prefix-store {out.prefix_store} needs {spec.flag}")
@@ -248,6 +284,7 @@ class WorkerSettings:
             disk_store_max_gb=self.disk_store_max_gb, step_timeout_s=self.transfer_timeout_s,
             probe_cooldown_s=self.kv_probe_cooldown_s,
             prefix_cache=self.prefix_store if self.prefix_store != "none" else None,
+            host_offload_bytes=int(self.kv_offload_host_gb * 2**30),
             layerwise=envs.get("PDSERVE_KV_LAYERWISE") != "0",
             transfer_key=transfer_key(secret), store_key=store_key(secret))
 
@@ -281,6 +318,15 @@ class WorkerSettings:
         except InvalidRequestError as exc:
             raise SettingsError(str(exc)) from None
 
+    def lora(self):
+        """The LoRA settings (`worker.lora.LoraSettings`), validated."""
+        from pdserve.worker.lora import LoraSettings
+
+        try:
+            return LoraSettings.from_worker(self)
+        except InvalidRequestError as exc:
+            raise SettingsError(str(exc)) from None
+
     def engine_config(self, secret=None):
         """The engine's config; its block-hash key derives from the cluster `secret` when
         there is one (else the public fixed key: `common.block_hash.INSECURE_KEY`)."""
@@ -298,6 +344,7 @@ class WorkerSettings:
             scheduler=SchedulerConfig(
                 capacity_policy=self.capacity_policy, chunking_policy=self.chunking_policy,
                 max_num_tokens=self.max_num_tokens, max_batch_size=self.max_batch_size,
-                max_model_len=self.max_model_len or None))
+                max_model_len=self.max_model_len or None),
+            **self.lora().engine_fields())
 
 

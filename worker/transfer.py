@@ -91,7 +91,8 @@ def handoff_claim(request: prefill_pb2.PrefillRequest) -> HandoffClaim:
         h.transfer_id, h.backends, [(e.backend, e.address) for e in h.endpoints], h.block_ids,
         h.num_cached_tokens, h.deadline_unix_ms, h.compatibility_hash, h.decode_worker_id,
         request.request_id, request.prompt_token_ids, request.block_hashes,
-        request.sampling.SerializeToString(deterministic=True), request.cache_salt)
+        request.sampling.SerializeToString(deterministic=True), request.cache_salt,
+        (h.lora_name, h.lora_digest))
 
 
 def sign_handoff(request: prefill_pb2.PrefillRequest, mac: Mac) -> None:

@@ -17,6 +17,7 @@ from pdserve import kernels
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.connector import KVConnectorWorker, LayerSaveContext
+from pdserve.engine.lora.slots import NO_LORA, NoLora
 from pdserve.common.errors import ModelLoadError
 from pdserve.engine.models.linear import Linear, can_prepack
 from pdserve.kernels.quant import QuantWeight
@@ -107,9 +108,12 @@ class CausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor], connector: KVConnectorWorker,
-                save_context: LayerSaveContext, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+                save_context: LayerSaveContext, between_layers: Callable[[], None] | None = None,
+                lora: NoLora = NO_LORA) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden].
         `between_layers`, if given, runs before each layer (the engine's thread count may change there).
+        `lora`: each row's LoRA update, added to every adapted linear's output (after the
+        base linear, whatever its quantization, on its float output).
 
         Each residual add is fused with the RMSNorm after it (`add_rms_norm`), and the
         rotary embedding with the KV-cache write (`rope_store_kv`)."""
@@ -128,15 +132,17 @@ class CausalLM:
                 between_layers()
             connector.wait_for_layer_load(i)
             x = add_rms_norm(h, delta, w.input_norm, eps)
-            qkv = w.qkv(x)
+            qkv = lora.apply(i, "qkv", x, w.qkv(x))
             if w.q_norm is not None:
                 qkv = self._norm_qk(qkv, w)
             q = rope_store_kv(qkv, cos, sin, kv_caches[i], meta.slot_mapping, c.num_heads, c.num_kv_heads)
             connector.save_kv_layer(i, kv_caches[i], save_context)  # its KV is final: it may leave
             attn = self._attention(q, kv_caches[i], meta, decode)
-            x = add_rms_norm(h, w.o_proj(attn.reshape(T, self._q_size)), w.post_norm, eps)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            delta = w.down(F.silu(gate) * up)
+            attn = attn.reshape(T, self._q_size)
+            x = add_rms_norm(h, lora.apply(i, "o_proj", attn, w.o_proj(attn)), w.post_norm, eps)
+            gate, up = lora.apply(i, "gate_up", x, w.gate_up(x)).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            delta = lora.apply(i, "down", act, w.down(act))
         return add_rms_norm(h, delta, self.norm, eps)
 
     def _norm_qk(self, qkv: torch.Tensor, w: LayerWeights) -> torch.Tensor:

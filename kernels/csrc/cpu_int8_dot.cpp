@@ -260,6 +260,106 @@ void tile_dot512(const uint8_t* w0, int64_t row_bytes, const Acts& a, int64_t m0
   for (int j = 0; j < NR; ++j)
     for (int r = 0; r < MR; ++r) y[r * ldy + j] = _mm512_reduce_add_ps(acc[j][r]) + hsum(tail[j][r]) + offset[j][r];
 }
+
+// ---- decode-sized calls over row-interleaved 4-bit weights (pack_rows) --------------------
+// A group of 16 weight rows, block b: 16 scales d (float16), for Q4_1 16 minima m, then 256
+// bytes: 4-byte chunk c (c < 4) of row l at offset 64 c + 4 l, the chunk being bytes 4c..4c+3
+// of the row's GGUF nibbles (low nibbles weights 4c.., high nibbles 16 + 4c..). So vector c
+// holds one chunk of every row, each int32 lane one row: vpdpbusd against the activations'
+// 4 bytes broadcast to every lane leaves each row's block sum in its own lane, and the
+// scales apply 16 rows at a time with no horizontal sums.
+template <int64_t QT, int MR>
+void packed_group(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float* y, int64_t ldy, int lanes) {
+  constexpr int64_t scale_bytes = QT == kQ4_1 ? 64 : 32, step = scale_bytes + 256;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, p += step) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + 4 * step), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + 4 * step + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + 4 * step + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + 4 * step + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + 4 * step + 256), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(p + scale_bytes + 64 * c);
+      lo[c] = _mm512_and_si512(raw, low);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = (m0 + r) * a.nblocks + b;
+      const int8_t* x = a.q + row * kBlock;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        int32_t xl, xh;
+        std::memcpy(&xl, x + 4 * c, 4);
+        std::memcpy(&xh, x + 16 + 4 * c, 4);
+        s0 = _mm512_dpbusd_epi32(s0, lo[c], _mm512_set1_epi32(xl));
+        s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(xh));
+      }
+      const float dx = a.scales[row];
+      __m512i sum = _mm512_add_epi32(s0, s1);
+      if constexpr (QT == kQ4_0)  // its nibbles are q + 8: sum((q + 8) qx) - 8 sum(qx), exact in int32
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * static_cast<int32_t>(a.sums[row])));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r]);
+      if constexpr (QT == kQ4_1) {  // + m_w * d_x * sum(qx)
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * a.sums[row]), acc[r]);
+      }
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << lanes) - 1u);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+
+// Q8_0 against 16-bit activations: block b of a group is 16 scales d (float16), then 16
+// chunks of 32 bytes, chunk c holding bytes 2c, 2c + 1 of every row (row l at 32 c + 2 l):
+// widened to 16 bits, each int32 lane one row's pair, vpdpwssd against the activations' pair
+// broadcast (at most 32 * 128 * 32767 a block: no overflow).
+template <int MR>
+void packed_group16(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float* y, int64_t ldy, int lanes) {
+  constexpr int64_t step = 32 + 512;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, p += step) {
+    for (int64_t off = 0; off < step; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * step + off), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512i s[MR][2];
+    for (int r = 0; r < MR; ++r) s[r][0] = s[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; ++c) {
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * c)));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, a.q16 + ((m0 + r) * a.nblocks + b) * kBlock + 2 * c, 4);
+        s[r][c & 1] = _mm512_dpwssd_epi32(s[r][c & 1], w, _mm512_set1_epi32(pair));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const float dx = a.scales[(m0 + r) * a.nblocks + b];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[r][0], s[r][1])),
+                               _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << lanes) - 1u);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+
+template <int64_t QT, int MR>
+inline void packed_tile(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float* y, int64_t ldy, int lanes) {
+  if constexpr (QT == kQ8_0) {
+    packed_group16<MR>(p, nb, a, m0, y, ldy, lanes);
+  } else {
+    packed_group<QT, MR>(p, nb, a, m0, y, ldy, lanes);
+  }
+}
+
 }  // namespace avx512vnni
 #pragma GCC pop_options
 #endif
@@ -305,6 +405,65 @@ void run(int64_t isa, int64_t qtype, const Acts& a, const uint8_t* blocks, float
     }
   });
 }
+
+// y [M, N] from the packed groups: the groups split evenly over the threads, each group
+// against the activation rows four at a time; Tile<MR>::run is one ISA's group kernel.
+template <int64_t QT, template <int> class Tile>
+void packed_gemv(const Acts& a, const uint8_t* packed, float* y, int64_t N) {
+  const int64_t groups = (N + 15) / 16, group_bytes = a.nblocks * (QT == kQ8_0 ? 544 : QT == kQ4_1 ? 320 : 288);
+  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int lanes = static_cast<int>(std::min<int64_t>(16, N - 16 * g));
+      const uint8_t* p = packed + g * group_bytes;
+      float* out = y + 16 * g;
+      int64_t m = 0;
+      for (; m + 4 <= a.rows; m += 4) Tile<4>::run(p, a.nblocks, a, m, out + m * N, N, lanes);
+      switch (a.rows - m) {
+        case 3: Tile<3>::run(p, a.nblocks, a, m, out + m * N, N, lanes); break;
+        case 2: Tile<2>::run(p, a.nblocks, a, m, out + m * N, N, lanes); break;
+        case 1: Tile<1>::run(p, a.nblocks, a, m, out + m * N, N, lanes); break;
+        default: break;
+      }
+    }
+  });
+}
+
+#if defined(__x86_64__)
+template <int64_t QT>
+struct Packed512 {
+  template <int MR>
+  struct T {
+    static void run(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float* y, int64_t ldy, int lanes) {
+      avx512vnni::packed_tile<QT, MR>(p, nb, a, m0, y, ldy, lanes);
+    }
+  };
+};
+#define PD_PACKED256(NS)                                                                                   \
+  template <int64_t QT>                                                                                    \
+  struct Packed_##NS {                                                                                     \
+    template <int MR>                                                                                      \
+    struct T {                                                                                             \
+      static void run(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float* y, int64_t ldy, int lanes) { \
+        NS::packed_group256<QT, MR>(p, nb, a, m0, y, ldy, lanes);                                          \
+      }                                                                                                    \
+    };                                                                                                     \
+  };
+PD_PACKED256(avx2)
+PD_PACKED256(avxvnni)
+#undef PD_PACKED256
+
+void run_packed(int64_t isa, int64_t qtype, const Acts& a, const uint8_t* packed, float* y, int64_t N) {
+  by_type(qtype, [&](auto qt) {
+    constexpr int64_t QT = decltype(qt)::value;
+    switch (isa) {
+      case kAvx2: return packed_gemv<QT, Packed_avx2<QT>::template T>(a, packed, y, N);
+      case kAvxVnni: return packed_gemv<QT, Packed_avxvnni<QT>::template T>(a, packed, y, N);
+      case kAvx512Vnni: return packed_gemv<QT, Packed512<QT>::template T>(a, packed, y, N);
+      default: TORCH_CHECK(false, "packed weights run on the vector paths (AVX2 and up), not path ", isa);
+    }
+  });
+}
+#endif
 
 }  // namespace
 
@@ -371,8 +530,86 @@ at::Tensor int8dot_linear(at::Tensor q, at::Tensor scales, at::Tensor sums, at::
   return y;
 }
 
+// ---- packed weights for decode-sized calls on the vector paths (packed_gemv) -------------
+int64_t packed_step(int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
+              "only Q4_0, Q4_1 and Q8_0 blocks pack (2 = Q4_0, 3 = Q4_1, 8 = Q8_0), not ", qtype);
+  return qtype == kQ8_0 ? 32 + 512 : (qtype == kQ4_1 ? 64 : 32) + 256;
+}
+
+// blocks [N, nb * block_bytes] -> [ceil(N / 16), nb * packed_step]: the layout packed_group
+// (4-bit) or packed_group16 (Q8_0) reads; the rows past N in the last group are zero (their
+// outputs are never stored).
+at::Tensor pack_rows(at::Tensor blocks, int64_t qtype) {
+  const int64_t step = packed_step(qtype), bb = block_bytes(qtype);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous() && blocks.size(1) % bb == 0,
+              "blocks must be a contiguous uint8 [N, whole blocks of ", bb, " bytes] CPU tensor");
+  const int64_t N = blocks.size(0), nb = blocks.size(1) / bb, groups = (N + 15) / 16;
+  const int64_t scale_bytes = qtype == kQ4_1 ? 64 : 32, qs_at = qtype == kQ4_1 ? 4 : 2;
+  const int64_t chunk = qtype == kQ8_0 ? 2 : 4, chunks = qtype == kQ8_0 ? 16 : 4;
+  at::Tensor out = at::zeros({groups, nb * step}, at::kByte);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t l = 0; l < 16 && 16 * g + l < N; ++l)
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = src + (16 * g + l) * nb * bb + b * bb;
+          uint8_t* o = dst + g * nb * step + b * step;
+          std::memcpy(o + 2 * l, blk, 2);
+          if (qtype == kQ4_1) std::memcpy(o + 32 + 2 * l, blk + 2, 2);
+          for (int64_t c = 0; c < chunks; ++c)
+            std::memcpy(o + scale_bytes + 16 * chunk * c + chunk * l, blk + qs_at + chunk * c, chunk);
+        }
+  });
+  return out;
+}
+
+// x [M, K] float32 against packed weights (pack_rows) of N rows on vector path `isa`: x
+// quantized to 8-bit blocks, 16-bit for Q8_0 (the quantize_activations arithmetic), into
+// this thread's buffers, then packed_gemv.
+// One call per linear and one allocation (y): decode's calls are short, their overhead counts.
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N, c10::optional<at::Tensor> bias,
+                         int64_t isa) {
+  const int64_t step = packed_step(qtype);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % kBlock == 0,
+              "x must be a float32 [M, K] CPU tensor, K a multiple of 32");
+  x = x.contiguous();
+  TORCH_CHECK(isa != kScalar && cpu_has(isa), "instruction-set path ", isa,
+              " is not a vector path this CPU runs (packed weights take AVX2 and up)");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(0) == (N + 15) / 16 && packed.size(1) == nb * step,
+              "packed must be pack_rows' uint8 [", (N + 15) / 16, ", ", nb * step, "] for N = ", N, ", K = ", K);
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N),
+              "bias: float32 [N]");
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  {
+    pybind11::gil_scoped_release no_gil;
+    thread_local std::vector<int8_t> q;  // 8-bit activations (4-bit weights) or, as int16, 16-bit (Q8_0)
+    thread_local std::vector<float> scales, sums;
+    const bool wide = qtype == kQ8_0;
+    q.resize(M * K * (wide ? 2 : 1)), scales.resize(M * nb), sums.resize(M * nb);
+#if defined(__x86_64__)
+    int16_t* q16 = reinterpret_cast<int16_t*>(q.data());
+    if (wide) {
+      avx2::quantize_blocks(x.data_ptr<float>(), q16, scales.data(), sums.data(), M * nb, 32767.0f);
+    } else {
+      avx2::quantize_blocks(x.data_ptr<float>(), q.data(), scales.data(), sums.data(), M * nb, 127.0f);
+    }
+    const Acts acts{wide ? nullptr : q.data(), wide ? q16 : nullptr, scales.data(), sums.data(), M, nb};
+    run_packed(isa, qtype, acts, packed.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
+#endif
+  }
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported_isas", &supported_isas);
   m.def("quantize_activations", &quantize_activations);
   m.def("int8dot_linear", &int8dot_linear);
+  m.def("pack_rows", &pack_rows);
+  m.def("packed_linear", &packed_linear);
 }

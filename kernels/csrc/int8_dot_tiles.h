@@ -228,3 +228,74 @@ void quantize_blocks(const float* xp, T* qp, float* dp, float* sp, int64_t count
     }
   });
 }
+
+// ---- packed groups of 16 rows (`pack_rows` in cpu_int8_dot.cpp) on 256-bit vectors ---------
+// Rows 0-7 of a group take one vector, rows 8-15 the other (half h: bytes 32 h.. of each
+// 64-byte chunk, scales 8 h..): each int32 lane one row, as the 512-bit packed_group.
+inline void store_lanes(float* y, __m256 v, int count) {
+  if (count >= 8) return _mm256_storeu_ps(y, v);
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int i = 0; i < count; ++i) y[i] = tmp[i];
+}
+
+template <int64_t QT, int MR>
+void packed_group256(const uint8_t* p, int64_t nb, const Acts& a, int64_t m0, float* y, int64_t ldy, int lanes) {
+  constexpr int64_t scale_bytes = QT == kQ8_0 ? 32 : QT == kQ4_1 ? 64 : 32;
+  constexpr int64_t step = QT == kQ8_0 ? 32 + 512 : scale_bytes + 256;
+  const __m256i low = _mm256_set1_epi8(15);
+  __m256 acc[2][MR];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < MR; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, p += step) {
+    for (int64_t off = 0; off < step; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * step + off), _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+      __m256i s[MR];
+      for (int r = 0; r < MR; ++r) s[r] = _mm256_setzero_si256();
+      if constexpr (QT == kQ8_0) {  // 16-bit activations: pairs widened, vpmaddwd
+#pragma GCC unroll 16
+        for (int c = 0; c < 16; ++c) {
+          const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 32 * c + 16 * h)));
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, a.q16 + ((m0 + r) * a.nblocks + b) * kBlock + 2 * c, 4);
+            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(w, _mm256_set1_epi32(pair)));
+          }
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_bytes + 64 * c + 32 * h));
+          const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            const int8_t* x = a.q + ((m0 + r) * a.nblocks + b) * kBlock;
+            int32_t xl, xh;
+            std::memcpy(&xl, x + 4 * c, 4);
+            std::memcpy(&xh, x + 16 + 4 * c, 4);
+            s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(dot_u8s8(lo, _mm256_set1_epi32(xl)),
+                                                           dot_u8s8(hi, _mm256_set1_epi32(xh))));
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const int64_t row = (m0 + r) * a.nblocks + b;
+        const float dx = a.scales[row];
+        __m256i sum = s[r];
+        if constexpr (QT == kQ4_0)  // its nibbles are q + 8: sum((q + 8) qx) - 8 sum(qx), exact in int32
+          sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * static_cast<int32_t>(a.sums[row])));
+        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[h][r]);
+        if constexpr (QT == kQ4_1) {  // + m_w * d_x * sum(qx)
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
+          acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * a.sums[row]), acc[h][r]);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < MR; ++r) store_lanes(y + r * ldy + 8 * h, acc[h][r], lanes - 8 * h);
+}

@@ -13,6 +13,9 @@
 
 Two uses, both optional, on the same pair:
 
+* tiers under the pool (`kvtransfer.tiers`): blocks the pool evicts go to the host tier
+  (`KVTransferConfig.host_offload_bytes`) and from there to the prefix store; a prompt's
+  blocks found in any tier are loaded before its forward.
 * persistent prefix cache (`KVTransferConfig.prefix_cache`, a store's name): a prompt's
   full blocks found in the store beyond the local prefix hit are fetched and verified by the
   scheduler half, scattered into the allocated blocks before the forward, and every newly
@@ -57,6 +60,11 @@ class PdConnector(Connector):
     def receives(self) -> DecodeReceives:
         return self.worker.receives
 
+    @property
+    def tiers(self):
+        """The tiers under the pool: their stats, and `set_on_event` for their events."""
+        return self.worker.tiers
+
 
 def build_connector(config: KVTransferConfig, layout: KVCacheLayout, *, listen: bool = True) -> PdConnector:
     """The pdserve connector pair for an engine whose cache has `layout`. `listen`: open the
@@ -67,13 +75,17 @@ def build_connector(config: KVTransferConfig, layout: KVCacheLayout, *, listen: 
                           health_policy=config.health_policy)
     store = backends.stores.get(config.prefix_cache) if config.prefix_cache else None
     if store is None:
-        loads, saves = NoStoreLoads(), NoStoreSaves()
+        store_loads, saves = NoStoreLoads(), NoStoreSaves()
     else:
-        loads, saves = StoreLoads(store, layout), StoreSaves(store, layout)
+        store_loads, saves = StoreLoads(store, layout), StoreSaves(store, layout)
+    from pdserve.kvtransfer.tiers import TieredLoads, Tiers  # the tiers import this package's rooms
+
+    tiers = Tiers(layout, config.host_offload_bytes, store)
+    loads = TieredLoads(tiers.host, store_loads, layout, tiers.lower.stats if tiers.lower is not None else None)
     book, connections = SendBook(), Connections(backends, config.step_timeout_s)
     sends = EngineSends(config, backends, chain, layout, book, connections, warm_up=not listen)
     worker = PdConnectorWorker(layout, saves, sends, DecodeReceives(config, backends, chain, layout, listen=listen),
-                               chain)
+                               chain, tiers)
     return PdConnector(scheduler=PdConnectorScheduler(loads, layout), worker=worker,
                        sends=ServiceSends(book, chain, connections))
 

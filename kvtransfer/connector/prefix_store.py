@@ -134,10 +134,7 @@ class StoreSaves:
         self._kv_caches = list(kv_caches)
 
     def load(self, loads: Sequence[LoadSpec]) -> None:
-        for spec in loads:
-            payload = b"".join(spec.payloads)
-            buffer = buffer_from_bytes(memoryview(payload), len(spec.block_ids), self._kv_caches)
-            scatter_from_host(buffer, self._kv_caches, spec.block_ids)
+        scatter_loads(loads, self._kv_caches)
 
     def track(self, spec: SaveSpec) -> None:
         self._saves[spec.request_id] = _SaveState(spec.block_hashes, spec.first_block, spec.block_digests)
@@ -172,12 +169,25 @@ class StoreSaves:
         self._background.close(timeout_s)
 
 
+def scatter_loads(loads: Sequence[LoadSpec], kv_caches: Sequence[torch.Tensor]) -> None:
+    """Write verified payloads (from any tier) into their allocated blocks."""
+    for spec in loads:
+        payload = b"".join(spec.payloads)
+        buffer = buffer_from_bytes(memoryview(payload), len(spec.block_ids), kv_caches)
+        scatter_from_host(buffer, kv_caches, spec.block_ids)
+
+
 class NoStoreSaves:
+    """No prefix store: nothing saved; loads (the host tier's hits) are still scattered."""
+
+    def __init__(self) -> None:
+        self._kv_caches: list[torch.Tensor] = []
+
     def attach(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        pass
+        self._kv_caches = list(kv_caches)
 
     def load(self, loads: Sequence[LoadSpec]) -> None:
-        pass
+        scatter_loads(loads, self._kv_caches)
 
     def track(self, spec: SaveSpec) -> None:
         pass

@@ -1,18 +1,20 @@
-"""The connector's scheduler half: what to load from the prefix store, and which prompts to
-save or send. It sees requests, block ids and block hashes, never tensors; its store
-lookups are `StoreLoads`'."""
+"""The connector's scheduler half: what to load from the tiers under the pool (host memory,
+the prefix store), and which prompts to save or send. It sees requests, block ids and block
+hashes, never tensors; its lookups in the tiers are `TieredLoads`'."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from pdserve.engine.connector import ConnectorMetadata, ConnectorRequest, KVCacheLayout, KVConnectorScheduler
 from pdserve.kvtransfer.connector.metadata import PdConnectorMetadata, SaveSpec, SendSpec
-from pdserve.kvtransfer.connector.prefix_store import NoStoreLoads, StoreLoads
 from pdserve.kvtransfer.params import ReceiveParams, TransferParams
+
+if TYPE_CHECKING:  # the tiers import the connector's rooms
+    from pdserve.kvtransfer.tiers.loads import TieredLoads
 
 
 class PdConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, loads: StoreLoads | NoStoreLoads, layout: KVCacheLayout) -> None:
+    def __init__(self, loads: "TieredLoads", layout: KVCacheLayout) -> None:
         self.loads = loads
         self.layout = layout
         self._announced: dict[tuple[str, str], SaveSpec | SendSpec] = {}  # last spec sent
@@ -34,6 +36,9 @@ class PdConnectorScheduler(KVConnectorScheduler):
             self._announce(request.request_id, SaveSpec(request.request_id, request.block_hashes, start + hits,
                                                         request.block_digests))
         return hits * bs
+
+    def matched_tokens_by_tier(self, request_id: str) -> dict[str, int]:
+        return self.loads.tokens_by_tier(request_id)
 
     def _announce(self, request_id: str, spec: SaveSpec | SendSpec) -> None:
         key = (type(spec).__name__, request_id)

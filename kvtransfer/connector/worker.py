@@ -5,7 +5,7 @@ three rooms, each with its own threads: `StoreSaves` (prefix-store loads and sav
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -18,22 +18,33 @@ from pdserve.kvtransfer.connector.prefix_store import NoStoreSaves, StoreSaves
 from pdserve.kvtransfer.connector.receives import DecodeReceives
 from pdserve.kvtransfer.connector.sends import EngineSends
 
+if TYPE_CHECKING:  # the tiers import the connector's rooms
+    from pdserve.kvtransfer.tiers import Tiers
+
 
 class PdConnectorWorker(KVConnectorWorker):
     def __init__(self, layout: KVCacheLayout, saves: StoreSaves | NoStoreSaves, sends: EngineSends,
-                 receives: DecodeReceives, chain: FallbackChain) -> None:
+                 receives: DecodeReceives, chain: FallbackChain, tiers: "Tiers | None" = None) -> None:
         self.layout = layout
         self.saves = saves
         self.sends = sends
         self.receives = receives
         self.chain = chain
+        if tiers is None:
+            from pdserve.kvtransfer.tiers import Tiers
+
+            tiers = Tiers(layout, 0, None)
+        self.tiers = tiers
         self._context: LayerSaveContext | None = None  # the step's, from its first saved layer
 
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor], layout: KVCacheLayout) -> None:
         if layout != self.layout:
             raise ValueError(f"the connector was built for {self.layout}, not {layout}")
-        for room in (self.saves, self.sends, self.receives):
+        for room in (self.saves, self.sends, self.receives, self.tiers):
             room.attach(kv_caches)
+
+    def register_block_pool(self, kv: object) -> None:
+        self.tiers.register_block_pool(kv)
 
     def backend_states(self) -> list[BackendState]:
         return self.chain.states()
@@ -75,11 +86,12 @@ class PdConnectorWorker(KVConnectorWorker):
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for background stores and sends. False if some still run at the deadline."""
-        return self.saves.flush(timeout_s) and self.sends.flush(timeout_s)
+        return self.saves.flush(timeout_s) and self.sends.flush(timeout_s) and self.tiers.flush(timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish background work (up to `timeout_s`), stop listening, close the backends."""
         self.saves.close(timeout_s)
         self.sends.close(timeout_s)
         self.receives.close(timeout_s)
+        self.tiers.close(timeout_s)
         self.chain.close()

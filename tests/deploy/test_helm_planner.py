@@ -139,3 +139,84 @@ def test_the_planner_reads_the_routers_metrics_with_the_metrics_token(chart):
 def test_the_chart_with_the_planner_lints_strictly():
     report = checks.helm.lint(checks.CHART_DIR, ON, strict=True, kube_version=f"v{checks.KUBE_VERSION}")
     assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+# --- the profile Job ------------------------------------------------------------------------
+
+PROFILED = {**ON, "profile": {"enabled": True, "quick": True, "numThreads": 2}}
+
+
+def _profile_args(job: dict) -> "checks.argparse.Namespace":
+    container = checks.main_container(job)
+    assert container["command"] == ["pdserve"]
+    return checks.cli.build_parser().parse_args(checks.expand_args(container))
+
+
+def test_the_profile_job_is_off_by_default(chart):
+    docs = _docs(chart, ON)
+    assert not [d for d in docs if d["kind"] in ("Job", "PersistentVolumeClaim")]
+    container = checks.main_container(_one(docs, "Deployment", f"{FULL}-planner"))
+    assert not [a for a in container["args"] if a.startswith("--planner-profile")]
+
+
+def test_the_profile_job_measures_the_workers_model_into_the_planners_volume(chart):
+    chart.validate_schema(PROFILED)
+    docs = _docs(chart, PROFILED)
+    for doc in docs:
+        checks.kubernetes_validate.validate(doc, checks.KUBE_VERSION, strict=True)
+    job = _one(docs, "Job", f"{FULL}-profile")
+    args = _profile_args(job)
+    assert (args.command, args.model, args.device, args.quick, args.num_threads) == ("profile", "default", "cpu",
+                                                                                     True, 2)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
+    container = checks.main_container(job)
+    assert container["securityContext"]["readOnlyRootFilesystem"] and container["securityContext"]["runAsNonRoot"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert args.out == mounts["profile"]["mountPath"] + "/profile.json" and not mounts["profile"].get("readOnly")
+    claim = {v["name"]: v for v in pod["volumes"]}["profile"]["persistentVolumeClaim"]["claimName"]
+    assert _one(docs, "PersistentVolumeClaim", claim)
+    # the planner mounts the same claim read-only and reads the file the Job writes
+    planner = _one(docs, "Deployment", f"{FULL}-planner")
+    _, settings = checks.cli_settings(checks.main_container(planner))
+    planner_volume = {v["name"]: v for v in planner["spec"]["template"]["spec"]["volumes"]}["profile"]
+    assert planner_volume["persistentVolumeClaim"] == {"claimName": claim, "readOnly": True}
+    (mount,) = [m for m in checks.main_container(planner)["volumeMounts"] if m["name"] == "profile"]
+    assert mount["readOnly"] and PlannerSettings.from_settings(settings).planner_profile == args.out
+    assert args.out.startswith(mount["mountPath"] + "/")
+    # nothing in or out of its pod
+    policy = _one(docs, "NetworkPolicy", f"{FULL}-profile")
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert "ingress" not in policy["spec"] and "egress" not in policy["spec"]
+    assert checks.pod_labels(job).items() >= policy["spec"]["podSelector"]["matchLabels"].items()
+
+
+def test_the_profile_job_on_a_gpu_with_another_model_and_an_existing_claim(chart):
+    values = {**ON, "model": {"source": "pvc", "path": "llama", "pvc": {"claimName": "models"}},
+              "engine": {"dtype": "bfloat16"},
+              "profile": {"enabled": True, "device": "cuda", "gpus": 1, "storage": {"existingClaim": "profiles"}}}
+    chart.validate_schema(values)
+    docs = _docs(chart, values)
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim" and "profile" in d["metadata"]["name"]]
+    job = _one(docs, "Job", f"{FULL}-profile")
+    args = _profile_args(job)
+    assert (args.device, args.model, args.dtype) == ("cuda", "/models/llama", "bfloat16")
+    container = checks.main_container(job)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["profile"]["persistentVolumeClaim"]["claimName"] == "profiles"
+    assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "models"
+    # profile.model measures another model than the workers'
+    other = {**values, "profile": {**values["profile"], "model": "/models/other"}}
+    assert _profile_args(_one(_docs(chart, other), "Job", f"{FULL}-profile")).model == "/models/other"
+
+
+@pytest.mark.parametrize("bad", [{"device": "tpu"}, {"storage": {"accessModes": []}}, {"transferBackends": "ucx;rm"}])
+def test_bad_profile_values_fail_the_schema(chart, bad):
+    with pytest.raises(checks.helm.HelmValuesError):
+        chart.validate_schema({"profile": {"enabled": True, **bad}})
+
+
+def test_the_chart_with_the_profile_job_lints_strictly():
+    report = checks.helm.lint(checks.CHART_DIR, PROFILED, strict=True, kube_version=f"v{checks.KUBE_VERSION}")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report

@@ -8,12 +8,7 @@ import signal
 import pytest
 from harness import deploy_workers, stream_and_disrupt
 
-# Skipped while a bug is open: in the full suite of 2026-11-28 (e454e00) decode-0 migrated its
-# stream and printed "shutting down" but had not exited 15 s later, past the 10 s SIGTERM rule.
-# The test passed alone on the same tree; the hang is in the shutdown after a drain deadline
-# passed with a stream open, and is not yet found.
-pytestmark = [pytest.mark.slow, pytest.mark.skip(reason="open bug: a decode whose drain deadline "
-                                                  "passed with a stream open may outlive SIGTERM")]
+pytestmark = [pytest.mark.slow]
 
 CHAT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
 MAX_TOKENS = 200  # long enough that the stream is still open when the drain starts, under load too

@@ -37,7 +37,7 @@ def test_repeated_prefix_goes_to_the_worker_that_holds_it(cluster):
     client = cluster.openai()
     first = _chat(client, "Where is parcel 1?")
     home = first.model_extra["pdserve"]["routing"]["decode_worker_id"]
-    # no wait for a heartbeat: the router counts what it routed as cached until reports say so
+    # no wait for a heartbeat: the decode's KV events tell the router within one batch
     for i in range(2, 6):
         reply = _chat(client, f"Where is parcel {i}?")
         routing = reply.model_extra["pdserve"]["routing"]

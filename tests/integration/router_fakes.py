@@ -31,6 +31,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.rpc.credentials import InternalTLS, bind
 from pdserve.security.credentials import CallSigner
 from pdserve.security.key_directory import PeerKeys
+from pdserve.worker.kv_events import KVEventFanout, KVEventLog, with_kv_events_service
 from pdserve.worker.registry_client import RegistryClient
 
 MODEL = "tiny-chat"
@@ -96,6 +97,7 @@ class Script:
 
     pieces: tuple[str, ...] = REPLY
     delay_s: float = 0.0
+    first_delay_s: float = 0.0  # silence before the first token (a queue, a recompute)
     hold_after: int | None = None
     fail_after: int | None = None  # end the call with `fail_code` after this many tokens
     fail_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
@@ -111,7 +113,8 @@ class FakeWorker:
     role: int  # registry_pb2.WORKER_ROLE_*
     worker_id: str
     script: Script = field(default_factory=Script)
-    cached_hashes: list[int] = field(default_factory=list)
+    kv: KVEventLog = field(default_factory=KVEventLog)  # what it holds: a Decode call stores its prompt's blocks
+    probe_s: float = 0.5  # its KV event stream's probe interval when idle
     compatibility_hash: int = 77
     requests: list[decode_pb2.DecodeRequest] = field(default_factory=list)
     requests_metadata: list = field(default_factory=list)  # each Decode call's invocation metadata
@@ -123,14 +126,16 @@ class FakeWorker:
     _server: Any = None
     client: RegistryClient | None = None
     _abort_events: dict = field(default_factory=dict)
+    _fanout: KVEventFanout | None = None
 
-    async def start(self, tls: InternalTLS | None = None) -> None:
+    async def start(self, tls: InternalTLS | None = None, address: str = "127.0.0.1:0") -> None:
         server = grpc.aio.server()
         if self.role == registry_pb2.WORKER_ROLE_DECODE:
-            decode_pb2_grpc.add_DecodeServicer_to_server(_FakeDecode(self), server)
+            add = lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(_FakeDecode(self), s)  # noqa: E731
         else:
-            prefill_pb2_grpc.add_PrefillServicer_to_server(_FakePrefill(self), server)
-        port = bind(server, "127.0.0.1:0", tls)
+            add = lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(_FakePrefill(self), s)  # noqa: E731
+        with_kv_events_service(add, [], self.kv)[0](server)
+        port = bind(server, address, tls)
         await server.start()
         self._server, self.address = server, f"127.0.0.1:{port}"
 
@@ -142,20 +147,25 @@ class FakeWorker:
     def load(self) -> common_pb2.WorkerLoad:
         if self.report is not None:
             return self.report
-        return common_pb2.WorkerLoad(num_free_blocks=64, num_total_blocks=64, cached_block_hashes=self.cached_hashes)
+        return common_pb2.WorkerLoad(num_free_blocks=64, num_total_blocks=64)
 
     async def register(self, router_address: str, signer: CallSigner | None = None,
                        tls: InternalTLS | None = None) -> None:
         """Through the real worker-side client (register, heartbeat, re-register on NOT_FOUND);
-        `peers` learns the router's key."""
+        `peers` learns the router's key; its KV events go to the router as a worker's do."""
         self.peers = PeerKeys()
         self.client = RegistryClient(router_address, self.info(), self.load, rpc_timeout_s=WAIT_S, retry_s=0.05,
                                      signer=signer, tls=tls, peers=self.peers)
         self.client.start()
+        self._fanout = KVEventFanout(self.kv, flush_s=0.02, probe_s=self.probe_s)
+        self._fanout.start()
+        self._fanout.attach(router_address, self.client)
         await self.client.wait_registered(WAIT_S)
 
     async def kill(self) -> None:
         """Gone without a word: no more heartbeats, the server stops."""
+        if self._fanout is not None:
+            await self._fanout.stop()
         if self.client is not None:
             await self.client.stop(deregister=False)
         if self._server is not None:
@@ -169,6 +179,7 @@ class _FakeDecode(decode_pb2_grpc.DecodeServicer):
     async def Decode(self, request, context):
         w, script = self.w, self.w.script
         w.requests.append(request)
+        w.kv.on_event("device", "stored", list(request.block_hashes))  # as its pool would cache the prompt
         w.requests_metadata.append(tuple(context.invocation_metadata()))
         aborted = w._abort_events.setdefault(request.request_id, asyncio.Event())
         local = not request.prefill.address
@@ -183,6 +194,8 @@ class _FakeDecode(decode_pb2_grpc.DecodeServicer):
                                                  prefill_status_code=script.prefill_status_code)
         n = min(request.sampling.max_tokens, len(script.pieces))
         try:
+            if script.first_delay_s:
+                await asyncio.sleep(script.first_delay_s)
             for i in range(len(request.resumed_token_ids), n):  # a migrated request goes on after them
                 if script.fail_after is not None and i == script.fail_after:
                     await context.abort(script.fail_code, "scripted failure",

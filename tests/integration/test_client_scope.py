@@ -57,7 +57,7 @@ class _ScriptedDecode(decode_pb2_grpc.DecodeServicer):
         yield decode_pb2.DecodeResponse(
             request_id=request.request_id, token_ids=[101], text="!", finish_reason=common_pb2.FINISH_REASON_STOP,
             usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=2,
-                                   cached_prompt_tokens=4),
+                                   cached_prompt_tokens=4, cached_tokens_by_tier={"device": 3, "host": 1}),
             transfer=_verdict(), timings=common_pb2.RequestTimings(queue_ms=1, prefill_ms=2, first_decode_ms=1))
 
     async def ModelInfo(self, request, context):
@@ -187,6 +187,7 @@ def test_the_admin_key_shows_routing_transfer_and_timings(router) -> None:
     extra = body["pdserve"]
     assert extra["routing"]["decode_worker_id"] == "decode-7f9c"
     assert extra["routing"]["prompt_tokens"] > 0 and "matched_prefix_tokens" in extra["routing"]
+    assert extra["cached_tokens_by_tier"] == {"device": 3, "host": 1}  # where the 4 cached tokens were found
     assert SECRET_ADDRESS in extra["transfer"]["reason"] and extra["timings"]["prefill_ms"] == 2
     chunks = _sse_chunks(_chat(router, ADMIN_KEY, stream=True))
     assert chunks[0]["pdserve"]["routing"]["decode_worker_id"] == "decode-7f9c"
@@ -218,6 +219,8 @@ def test_grpc_generate_shows_internals_only_to_the_admin(router) -> None:
     assert "".join(r.text for r in client) == "Hello!" and client[-1].usage.cached_prompt_tokens == 4
     assert all(r.request_id == "mine-1" and not any(r.HasField(f) for f in INTERNALS) for r in client)
     assert admin[0].routing.decode_worker_id == "decode-7f9c" and admin[-1].HasField("timings")
+    assert not client[-1].usage.cached_tokens_by_tier and dict(admin[-1].usage.cached_tokens_by_tier) == {
+        "device": 3, "host": 1}
     assert refused.value.code() == grpc.StatusCode.ABORTED and SECRET_ADDRESS not in refused.value.details()
 
 

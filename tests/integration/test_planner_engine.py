@@ -94,7 +94,7 @@ def test_simulator_tracks_the_engine_on_a_tiny_model(tiny_model_factory):
     assert profile.compat_hash == model_compat_hash(str(model_dir))
     trace = random_workload(6.0, 160, 24, 60, seed=3)
     measured_ttft, measured_tpot, rows = run_engine(model_dir, trace, budget=256)
-    profile = dataclasses.replace(profile, step=fit_step_cost(rows))
+    profile = dataclasses.replace(profile, step=fit_step_cost(rows), decode_table=None)  # the run prices every step
     result = simulate(profile, Deployment(0, 1, decode=EngineKnobs(max_num_tokens=256)), trace)
     sim_ttft, sim_tpot = result.ttft_s.mean(), result.tpot_s.mean()
     report = (f"TTFT measured {measured_ttft.mean() * 1000:.1f} ms, simulated {sim_ttft * 1000:.1f} ms; "
@@ -120,6 +120,7 @@ def test_profile_command_then_plan_refuses_other_weights(tiny_model_factory, tmp
     assert profile.compat_hash == model_compat_hash(str(model_dir)) != model_compat_hash(str(other))
     assert profile.machine.num_cores >= 1 and profile.kv_tokens_by_fraction
     assert [t.backend for t in profile.transfers] == ["socket"]
+    assert profile.device == "cpu" and len(profile.decode_table.points) == 6  # QUICK: 3 batches x 2 contexts
     capsys.readouterr()
     assert main(["plan", "--profile", str(out), "--model", str(model_dir), "--request-rate", "2",
                  "--input-len", "64", "--output-len", "8", "--num-requests", "40"]) == 0

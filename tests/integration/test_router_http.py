@@ -361,3 +361,53 @@ def test_http_non_streaming_disconnect_aborts_on_decode(make_cluster):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{cluster.http}/v1/chat/completions", json=chat_body(), timeout=0.5)
     wait_until(lambda: decode.aborts == [decode.requests[0].request_id], "Abort at the decode worker")
+
+
+def _sse_lines(cluster, body: dict) -> tuple[int, list[str]]:
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            return response.status_code, [line for line in response.iter_lines() if line]
+
+
+def test_a_slow_first_token_keeps_the_stream_alive_and_a_late_error_is_an_event(make_cluster, monkeypatch):
+    """A first token slower than the router's hold commits the answer to 200 and keeps the
+    connection alive with SSE comments (a client's read timeout must not cut a request that
+    is still on its way); an error after that arrives as an error event, then [DONE]."""
+    from pdserve.router import http_api
+
+    monkeypatch.setattr(http_api, "FIRST_MESSAGE_HOLD_S", 0.1)
+    monkeypatch.setattr(http_api, "KEEPALIVE_S", 0.05)
+    cluster = make_cluster()
+    decode = cluster.add("d0", script=Script(first_delay_s=0.6))
+    status, lines = _sse_lines(cluster, chat_body(max_tokens=8, stream=True))
+    assert status == 200
+    assert lines[0].startswith(": waiting")
+    data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in data if c["choices"]) == "Hello, world!"
+    assert lines[-1] == "data: [DONE]"
+
+    decode.script = Script(first_delay_s=0.6, fail_after=0)
+    status, lines = _sse_lines(cluster, chat_body(max_tokens=8, stream=True))
+    assert status == 200 and lines[0].startswith(": waiting")
+    errors = [json.loads(line[6:])["error"] for line in lines if line.startswith("data: {")]
+    assert errors and errors[0]["message"], lines
+    assert lines[-1] == "data: [DONE]"
+
+    decode.script = Script()  # a fast first token still answers as before, with no comment
+    status, lines = _sse_lines(cluster, chat_body(max_tokens=8, stream=True))
+    assert status == 200 and lines[0].startswith("data: ")
+    assert cluster.metric("pdserve_router_requests_total", api="http_chat", outcome="ok") == 2
+
+
+def test_a_client_gone_while_the_first_token_is_slow_aborts_the_request(make_cluster, monkeypatch):
+    from pdserve.router import http_api
+
+    monkeypatch.setattr(http_api, "FIRST_MESSAGE_HOLD_S", 0.1)
+    monkeypatch.setattr(http_api, "KEEPALIVE_S", 0.05)
+    cluster = make_cluster()
+    decode = cluster.add("d0", script=Script(first_delay_s=5.0))
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        with http.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=8, stream=True)) as response:
+            assert response.status_code == 200
+            assert next(line for line in response.iter_lines() if line).startswith(": waiting")
+    wait_until(lambda: decode.cancelled or decode.aborts, "the decode call cancelled or aborted")

@@ -105,12 +105,20 @@ def test_round_robin_spreads_and_session_affinity_sticks(make_cluster):
 
 
 def test_a_worker_claiming_a_prefix_it_was_never_sent_wins_nothing(make_cluster):
-    """Issue 48: through the real Registry, a decode whose heartbeats report the block hashes
+    """Issue 48: through the real Registry, a decode whose KV events say it stored the blocks
     of a prompt the router never sent it is not preferred for that prompt: its claim is
-    dropped, and the prompt lands by load, not by 'prefix_match'."""
-    cluster = make_cluster(decode_policy="prefix_aware", prefill_policy="round_robin")
+    dropped (its index holds none of them), and the prompt lands by load, not 'prefix_match'
+    (--check-prefix-claims)."""
+    cluster = make_cluster(decode_policy="prefix_aware", prefill_policy="round_robin", check_prefix_claims=True)
     prompt = words(24)
-    cluster.add("rogue", cached_hashes=hash_prompt_blocks(TOKENIZER.encode(prompt).ids, BLOCK_SIZE, SALT))
+    cached = hash_prompt_blocks(TOKENIZER.encode(prompt).ids, BLOCK_SIZE, SALT)
+    rogue = cluster.add("rogue")
+    index = cluster.router.registry.get("rogue").kv
+    wait_until(lambda: index.next_seq > 0 and not index.syncing, "the rogue's index synced")
+    seen = index.next_seq
+    rogue.kv.on_event("device", "stored", cached)
+    wait_until(lambda: index.next_seq > seen, "the rogue's event reached the router")
+    assert index.num_blocks == 0 and cluster.router.registry.get("rogue").num_matched_blocks(cached) == 0
     cluster.add("d0")
     cluster.add("p0", role=registry_pb2.WORKER_ROLE_PREFILL)
     with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
@@ -123,12 +131,12 @@ def test_prefix_aware_routes_a_repeated_prefix_to_the_worker_holding_it(make_clu
     cluster = make_cluster(decode_policy="prefix_aware", prefill_policy="round_robin")
     prompt = words(24)
     cached = hash_prompt_blocks(TOKENIZER.encode(prompt).ids, BLOCK_SIZE, SALT)
-    holder = cluster.add("d1", cached_hashes=cached)  # reports the prompt's blocks cached
+    cluster.add("d0")
+    holder = cluster.add("d1")
+    holder.kv.on_event("device", "stored", cached)  # its pool caches the prompt's blocks: an event tells the router
+    wait_until(lambda: cluster.router.registry.get("d1").num_matched_blocks(cached) == len(cached), "d1's events")
+    prefill = cluster.add("p0", role=registry_pb2.WORKER_ROLE_PREFILL)
     with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
-        # a claim counts once the router sent the worker those blocks: d1, alone, gets the prompt once
-        http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}).raise_for_status()
-        cluster.add("d0")
-        prefill = cluster.add("p0", role=registry_pb2.WORKER_ROLE_PREFILL)
         answer = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt + " w100 w101", "max_tokens": 1})
         routing = answer.json()["pdserve"]["routing"]
         assert (routing["decode_worker_id"], routing["decode_reason"]) == ("d1", "prefix_match")
@@ -136,7 +144,7 @@ def test_prefix_aware_routes_a_repeated_prefix_to_the_worker_holding_it(make_clu
         # Conditional disaggregation: 2 uncached tokens (<= 4) -> decode prefills locally.
         assert routing["prefill_reason"] == "short_uncached_prompt"
         assert answer.json()["pdserve"]["transfer"]["outcome"] == "local"
-        assert len(holder.requests) == 2 and holder.requests[-1].prefill.address == ""
+        assert len(holder.requests) == 1 and holder.requests[0].prefill.address == ""
         # A fresh long prompt goes anywhere, with a prefill worker; repeating its prefix follows it there.
         fresh = words(20, start=150)
         first = http.post("/v1/completions", json={"model": MODEL, "prompt": fresh, "max_tokens": 1}).json()
@@ -147,6 +155,8 @@ def test_prefix_aware_routes_a_repeated_prefix_to_the_worker_holding_it(make_clu
         sent = chosen.requests[-1]
         assert sent.prefill.address == prefill.address and sent.prefill.worker_id == "p0"
         assert list(sent.block_hashes) == hash_prompt_blocks(sent.prompt_token_ids, BLOCK_SIZE, SALT)
+        wait_until(lambda: cluster.router.registry.get(chosen.worker_id).num_matched_blocks(sent.block_hashes)
+                   == len(sent.block_hashes), "the chosen worker's events")
         again = http.post("/v1/completions", json={"model": MODEL, "prompt": fresh + " w1", "max_tokens": 1}).json()
         assert again["pdserve"]["routing"]["decode_worker_id"] == chosen.worker_id
         assert again["pdserve"]["routing"]["decode_reason"] == "prefix_match"

@@ -476,3 +476,17 @@ def test_the_api_key_is_never_sent_to_the_compared_server():
     assert serve.compare_endpoint(args, settings.endpoint).api_key is None
     args = serve.build_parser().parse_args([*argv, "--compare-api-key", "theirs"])
     assert serve.compare_endpoint(args, settings.endpoint).api_key == "theirs"
+
+
+def test_a_model_list_takes_turns_request_by_request():
+    """`--model base,a1,a2` mixes the base model and LoRA adapters in one run (issue 47)."""
+    import asyncio
+
+    from pdserve.bench.stream import Endpoint, OpenAIStreamClient
+    from pdserve.bench.workload import BenchRequest, Message
+
+    async def bodies():
+        async with OpenAIStreamClient(Endpoint("http://127.0.0.1:1/v1", model="base,a1,a2")) as client:
+            return [client.body(BenchRequest(i, "c", (Message("user", "hi"),), 4, None))["model"] for i in range(4)]
+
+    assert asyncio.run(bodies()) == ["base", "a1", "a2", "base"]

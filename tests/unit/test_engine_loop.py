@@ -90,3 +90,67 @@ def test_a_remote_prefills_first_token_goes_out_before_the_next_step(tiny_model_
     assert tuple(first.new_token_ids) == (5,) and not first.finished
     assert len(rest.new_token_ids) == 1 and rest.finished
     engine.assert_no_leaks()
+
+
+def test_after_the_loop_stops_its_waiters_end_at_once(tiny_model_factory):
+    """A stopping decode cancels its cut streams, and each cancellation asks the loop to
+    abort its request. Once the thread has stopped those asks, and streams still waiting for
+    tokens, end with UnavailableError at once: before, each waited out its own 30 s and
+    the process outlived its stop."""
+    from pdserve.common.errors import UnavailableError
+
+    engine = LLM(str(tiny_model_factory("llama")), num_blocks=32, block_size=16).engine
+
+    async def scenario() -> None:
+        loop = EngineLoop(engine)
+        loop.start(asyncio.get_running_loop())
+        stream = await loop.add_request(list(range(3, 40)), SamplingParams(max_tokens=2),
+                                        request_id="parked", remote_prefill=True)
+        assert await asyncio.wait_for(stream.remote_ready, 10)
+        loop.stop()
+        out = await stream.next(5)  # the stream ends at once, with the reason
+        assert isinstance(out, UnavailableError)
+        started = time.monotonic()
+        try:
+            await loop.abort("parked")
+        except UnavailableError:
+            pass
+        else:
+            raise AssertionError("an abort after the stop must be refused")
+        assert time.monotonic() - started < 1
+
+    asyncio.run(scenario())
+
+
+def test_a_command_waiting_when_the_thread_stops_is_refused(tiny_model_factory):
+    """A command posted while the thread is inside a step, when the stop comes, never runs:
+    its caller gets UnavailableError from the stop, not its own timeout."""
+    from pdserve.common.errors import UnavailableError
+
+    engine = LLM(str(tiny_model_factory("llama")), num_blocks=32, block_size=16).engine
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck_idle() -> None:
+        inside.set()
+        release.wait(10)
+
+    engine.idle = stuck_idle
+
+    async def scenario() -> None:
+        loop = EngineLoop(engine)
+        loop.start(asyncio.get_running_loop())
+        assert await asyncio.to_thread(inside.wait, 10)
+        waiting = asyncio.ensure_future(loop.call(lambda: "ran", timeout=30))
+        await asyncio.sleep(0)  # the command is posted
+        loop.stop(timeout=0.1)  # the thread is still inside idle(): it cannot take commands
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(waiting, 5)
+        except UnavailableError:
+            pass
+        else:
+            raise AssertionError("a command the thread never ran must be refused")
+        assert time.monotonic() - started < 1
+        release.set()
+
+    asyncio.run(scenario())

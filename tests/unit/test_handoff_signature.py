@@ -49,6 +49,8 @@ CHANGES = {
     "block_hashes": lambda r: r.block_hashes.append(13),
     "sampling": lambda r: setattr(r.sampling, "temperature", 0.0),
     "cache_salt": lambda r: setattr(r, "cache_salt", "other"),
+    "handoff.lora_name": lambda r: setattr(r.handoff, "lora_name", "adapter"),
+    "handoff.lora_digest": lambda r: setattr(r.handoff, "lora_digest", "00ff"),
 }
 
 

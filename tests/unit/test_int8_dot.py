@@ -39,7 +39,7 @@ def each_isa():
 
 @pytest.mark.parametrize("bits, dtype, levels", [(8, torch.int8, 127), (16, torch.int16, 32767)])
 def test_activations_are_blocks_of_8_or_16_bits(bits, dtype, levels):
-    x = torch.randn(3, 128) * torch.tensor([1e-3, 1.0, 40.0]).unsqueeze(1)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(bits)) * torch.tensor([1e-3, 1.0, 40.0]).unsqueeze(1)
     x[1, 32:64] = 0.0  # an all-zero block
     acts = int8_dot.quantize_activations(x, bits)
     assert acts.q.dtype == dtype and acts.q.shape == (3, 128) and acts.scales.shape == (3, 4)
@@ -49,8 +49,11 @@ def test_activations_are_blocks_of_8_or_16_bits(bits, dtype, levels):
     assert acts.scales[1, 1] == 0 and not q[1, 1].any()
     nonzero = acts.scales > 0
     assert torch.equal(q.abs().amax(-1)[nonzero], torch.full((int(nonzero.sum()),), levels, dtype=torch.int32))
+    # half a step, and the float32 rounding of levels / amax against amax / levels: up to
+    # about levels * 2^-23 of a step (0.004 of one at 16 bits, where 0.0001 failed on a draw)
     step = acts.scales.unsqueeze(-1)
-    assert ((acts.dequantize().view(3, 4, 32) - x.view(3, 4, 32)).abs() <= step * 0.5001 + 1e-12).all()
+    margin = 0.5 + levels * 2.0 ** -22
+    assert ((acts.dequantize().view(3, 4, 32) - x.view(3, 4, 32)).abs() <= step * margin + 1e-12).all()
 
 
 @pytest.mark.parametrize("isa", each_isa())
@@ -92,17 +95,61 @@ def test_odd_rows_and_long_rows(isa, name, bits):
     assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@pytest.mark.parametrize("isa", [p for p in each_isa() if p.values[0] != "scalar"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n, k", [(94, 160), (33, 65 * 32), (16, 32), (960, 576)])  # partial and whole groups
+def test_packed_rows_match_float64_and_the_unpacked_path(isa, name, n, k):
+    """pack_rows + packed_linear (one call: 8-bit blocks, 16-bit for Q8_0, then 16 rows a
+    vector) against float64 over the same quantized activations, for 1-31 rows (tiles of 4
+    and remainders)."""
+    bits = int8_dot.PACKED_BITS[TYPES[name]]
+    weight, reference = random_weight(TYPES[name], n, k, seed=n)
+    packed = int8_dot.pack_rows(weight)
+    assert packed.numel() == -(-n // 16) * 16 * weight.blocks.shape[1]  # the blocks' bytes, rows padded to 16
+    for rows in (1, 2, 3, 4, 5, 9, 31):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        bias = torch.randn(n)
+        acts = int8_dot.quantize_activations(x, bits)
+        expected = acts.dequantize().double() @ reference.double().T + bias.double()
+        got = int8_dot.packed_linear(x, packed, weight, bias, isa=isa)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+        unpacked = int8_dot.int8dot_linear(acts, weight, bias, isa="scalar")
+        assert (got - unpacked).abs().max() <= 1e-5 * unpacked.abs().max()
+
+
+def test_what_packs():
+    assert int8_dot.packs(quant.Q4_1, 8, "avx512vnni") and int8_dot.packs(quant.Q4_0, 8, "avx512vnni")
+    assert int8_dot.packs(quant.Q8_0, 16, "avx512vnni") and not int8_dot.packs(quant.Q4_1, 16, "avx512vnni")
+    assert int8_dot.packs(quant.Q4_1, 8, "avx2") and int8_dot.packs(quant.Q8_0, 16, "avxvnni")
+    assert not int8_dot.packs(quant.Q4_1, 8, "scalar") and not int8_dot.packs(quant.Q8_0, 8, "avx2")
+    weight, _ = random_weight(quant.Q4_1, 32, 64)
+    assert int8_dot.Int8DotLinear.build(weight, "gguf-int16dot").packed is None  # 16-bit 4-bit calls do not pack
+
+
 def test_the_linear_runs_prompts_exact_and_decode_rows_as_integers():
     weight, _ = random_weight(quant.Q4_1, 64, 96)
     linear = int8_dot.Int8DotLinear.build(weight, "gguf-int8dot")
     prompt = torch.randn(40, 96)
     assert torch.equal(linear(prompt), quant.quant_linear(prompt, weight))
+    rows = torch.randn(3, 192)[:, ::2]  # decode rows, not contiguous
+    if linear.packed is not None:
+        assert torch.equal(linear(rows), int8_dot.packed_linear(rows.contiguous(), linear.packed, weight))
     step = torch.randn(2, 3, 96)
-    expected = int8_dot.int8dot_linear(int8_dot.quantize_activations(step.reshape(6, 96)), weight)
+    if int8_dot.packs(quant.Q4_1, 8):  # AVX-512 VNNI: the packed layout, quantizing in the same call
+        assert linear.packed is not None
+        expected = int8_dot.packed_linear(step.reshape(6, 96), linear.packed, weight)
+    else:
+        assert linear.packed is None
+        expected = int8_dot.int8dot_linear(int8_dot.quantize_activations(step.reshape(6, 96)), weight)
     assert torch.equal(linear(step), expected.reshape(2, 3, 64))
     head, _ = random_weight(quant.Q8_0, 64, 96)  # Q8_0 takes 16-bit activations
-    expected = int8_dot.int8dot_linear(int8_dot.quantize_activations(step.reshape(6, 96), 16), head)
-    assert torch.equal(int8_dot.Int8DotLinear.build(head)(step), expected.reshape(2, 3, 64))
+    linear = int8_dot.Int8DotLinear.build(head)
+    if int8_dot.packs(quant.Q8_0, 16):
+        expected = int8_dot.packed_linear(step.reshape(6, 96), linear.packed, head)
+    else:
+        expected = int8_dot.int8dot_linear(int8_dot.quantize_activations(step.reshape(6, 96), 16), head)
+    assert torch.equal(linear(step), expected.reshape(2, 3, 64))
 
 
 def test_choosing_a_path():
@@ -131,6 +178,15 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(RuntimeError, match="8 or 16 bits"):
         int8_dot.quantize_activations(torch.randn(2, 64), 4)
 
+    with pytest.raises(RuntimeError, match="only Q4_0, Q4_1 and Q8_0 blocks pack"):
+        cpu = __import__("pdserve.kernels.cpu_native", fromlist=["x"]).int8_dot_module()
+        cpu.pack_rows(weight.blocks, 6)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        __import__("pdserve.kernels.cpu_native", fromlist=["x"]).int8_dot_module().packed_linear(
+            torch.randn(2, 40), torch.zeros(1, 288, dtype=torch.uint8), quant.Q4_0, 4, None, 1)
+    with pytest.raises(RuntimeError, match="not a vector path"):
+        __import__("pdserve.kernels.cpu_native", fromlist=["x"]).int8_dot_module().packed_linear(
+            torch.randn(2, 32), torch.zeros(1, 288, dtype=torch.uint8), quant.Q4_0, 4, None, 0)
     with pytest.raises(RuntimeError, match="not one this CPU runs"):
         cpu = __import__("pdserve.kernels.cpu_native", fromlist=["x"]).int8_dot_module()
         cpu.int8dot_linear(acts.q, acts.scales, acts.sums, weight.blocks, weight.qtype, None, 9)

@@ -68,3 +68,28 @@ def test_a_profile_makes_the_simulator_the_advisor_and_must_match_the_model(tmp_
     assert default_advisor(PlannerSettings()).name == "threshold-fallback"
     with pytest.raises(ProfileError, match="compat|hash|model"):
         check_planner_profile({"planner": True, "planner_profile": str(path), "model": "default"})
+
+
+def test_a_profile_not_written_yet_is_waited_for(tmp_path, caplog):
+    """The chart's planner starts before its profile Job has written the profile: the fallback
+    advises until the file is there, a file that does not load leaves the fallback advising, and
+    the first valid one makes the simulator the advisor."""
+    from pdserve.planner.profile import Profile, StepCost, TransferCost, save_profile
+    from pdserve.planner.runner import default_advisor
+    from pdserve.planner.types import Limits, Slo, WorkloadStats
+
+    path = tmp_path / "profile" / "profile.json"
+    advisor = default_advisor(PlannerSettings.from_settings({"planner_profile": str(path)}))
+    ask = lambda: advisor.advise(WorkloadStats(0.5, 200, 32), Slo(2000, 200), Limits(0, 1, 1, 2))  # noqa: E731
+    assert ask().shape.num_decode >= 1 and advisor.name == "threshold-fallback"
+    path.parent.mkdir()
+    path.write_text("{not json")
+    with caplog.at_level("ERROR", logger="pdserve.planner"):
+        ask()
+        ask()
+    assert advisor.name == "threshold-fallback"
+    assert len([r for r in caplog.records if str(path) in r.getMessage()]) == 1  # logged once per error
+    save_profile(Profile(model="m", compat_hash="", device="cpu", source="test",
+                         step=StepCost(0.002, 0.0002, 0.0, 0.0005, 1e-6), kv_bytes_per_token=1000,
+                         kv_tokens=200_000, max_model_len=8192, transfers=(TransferCost("ucx", 1e9, 0.002),)), path)
+    assert ask().reason and advisor.name == "simulator"

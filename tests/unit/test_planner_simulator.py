@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from pdserve.planner import cli as planner_cli
-from pdserve.planner.profile import Profile, ProfileError, StepCost, TransferCost, load_profile, save_profile
+from pdserve.planner.profile import (DecodeTable, Profile, ProfileError, StepCost, TransferCost, load_profile,
+                                     save_profile)
 from pdserve.planner.search import SearchSpace, SimulatedAdvisor, plan
 from pdserve.planner.sim_engine import EngineKnobs
 from pdserve.planner.simulator import Deployment, simulate
@@ -175,3 +176,45 @@ def test_transfers_queue_on_a_slow_link():
     result = simulate(profile, Deployment(1, 1, predict=False, prefill_queue_threshold=99), trace)
     assert result.remote.all()
     assert result.ttft_s.max() >= 5 * 0.8
+
+
+def test_decode_table_prices_decode_steps_and_round_trips(tmp_path):
+    """A decode step is the measured step of its batch at its context per sequence, linear
+    between measurements and past them; prompt tokens in the step add the linear terms."""
+    table = DecodeTable(((1, 100, 0.010), (4, 100, 0.016), (1, 300, 0.012), (4, 300, 0.020)))
+    profile = linear_profile(decode_table=table, served_step_s=0.001)
+    assert profile.step_seconds(0, 0, 1, 100) == pytest.approx(0.011)
+    assert profile.step_seconds(0, 0, 2, 400) == pytest.approx(0.001 + (0.012 + 0.012 + 0.008 / 3) / 2)  # 200 each
+    assert profile.step_seconds(0, 0, 8, 8 * 100) == pytest.approx(0.001 + 0.024)  # past the last batch
+    assert profile.step_seconds(10, 50, 1, 300) == pytest.approx(0.001 + 0.012 + 0.0002 * 10)
+    assert profile.step_seconds(10, 0, 0, 0) == pytest.approx(0.001 + 0.002 + 0.002)  # no decode: the linear model
+    loaded = load_profile(save_profile(profile, tmp_path / "p.json"))
+    assert loaded.decode_table == table and loaded.served_step_s == 0.001
+    with pytest.raises(ProfileError, match="two batch sizes"):
+        DecodeTable(((1, 100, 0.01), (1, 300, 0.012)))
+
+
+def test_an_older_profile_gets_its_decode_table_from_its_samples(tmp_path):
+    doc = json.loads(linear_profile().to_json())
+    del doc["decode_table"], doc["served_step_s"]
+    doc["samples"] = {"decode": [{"batch": 1, "context": 128, "step_s": 0.01},
+                                 {"batch": 8, "context": 128, "step_s": 0.03}]}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    loaded = load_profile(path)
+    assert loaded.decode_table == DecodeTable(((1, 128, 0.01), (8, 128, 0.03)))
+    assert loaded.served_step_s == 0.0
+
+
+def test_plan_served_step_lengthens_every_step_and_refuses_a_negative_one(tmp_path, capsys):
+    path = save_profile(linear_profile(), tmp_path / "p.json")
+    args = ("--profile", str(path), "--request-rate", "1", "--num-requests", "40", "--cores", "2",
+            "--chunk-budgets", "256", "--json")
+    code, out, _ = _plan(capsys, *args)
+    served_code, served_out, _ = _plan(capsys, *args, "--served-step-ms", "20")
+    assert code == served_code == 0
+    tpot = {o["config"]: o["tpot_p50_ms"] for o in map(json.loads, out.splitlines())}
+    served = {o["config"]: o["tpot_p50_ms"] for o in map(json.loads, served_out.splitlines())}
+    assert served["colocated"] >= tpot["colocated"] + 19
+    code, _, err = _plan(capsys, *args, "--served-step-ms", "-1")
+    assert code == 2 and "served_step_s" in err

@@ -1,6 +1,8 @@
 """`bench serve --trace-out` records what `pdserve plan --trace` reads."""
 from __future__ import annotations
 
+import pytest
+
 from pdserve.bench.report import BenchRun, RequestResult, Slo, summarize
 from pdserve.bench.serve import write_trace_of
 from pdserve.planner.workload import TraceRequest, read_trace
@@ -35,3 +37,34 @@ def test_plan_check_dry_run_prints_predictions_and_commands(tmp_path, capsys):
     assert out.count("pdserve up --local-prefill") == 3 and out.count("pdserve up --num-prefill 1 --num-decode 1") == 3
     assert main(["--profile", str(path), "--dry-run", "--run-s", "5", "--cores", "2"]) == 0  # rates from the profile
     assert main(["--profile", str(path), "--dry-run", "--configs", "3p1d"]) == 2
+
+
+def test_plan_check_report_gives_each_ratio_and_the_count_within_20_percent():
+    from pdserve.bench.plan_check import bench_trace, predict, record, report
+    from pdserve.bench.serve import arrival_offsets
+    from pdserve.planner.profile import Profile, StepCost, TransferCost
+    from pdserve.planner.types import Slo as PlanSlo
+    import argparse
+    import random
+
+    profile = Profile(model="m", compat_hash="", device="cpu", source="test",
+                      step=StepCost(0.002, 0.0002, 0.0, 0.0005, 1e-6), kv_bytes_per_token=1000, kv_tokens=100_000,
+                      transfers=(TransferCost("socket", 1e9, 0.001),))
+    # the simulated arrivals are the very ones bench serve sends in that run
+    assert [r.arrival_s for r in bench_trace(2.0, 1, 5, 64, 8, 0)] == arrival_offsets(
+        "poisson", 2.0, 5, random.Random("pdserve-arrivals:0:1"))
+    slo = PlanSlo(5000, 500)
+    pred = predict(profile, "colocated", 2.0, 0, 6, 64, 8, slo, 2, 0)
+    results = [result(i, i * 0.5, 64, 8) for i in range(6)]  # TTFT 100 ms, e2e 500 ms each
+    run = BenchRun(summarize("rate=2", "poisson", 2.0, results, 3.0, Slo(5000, 500)), tuple(results))
+    text = report([("colocated", 2.0, pred, run)], slo)
+    lines = text.splitlines()
+    assert lines[0].split() == ["config", "rate", "metric", "predicted", "measured", "ratio"]
+    assert len([line for line in lines if line.strip().startswith("colocated")]) == 4
+    assert any(line.startswith("within 20%: ") and line.endswith(" of 4 predictions") for line in lines)
+    ttft_row = next(line.split() for line in lines if "TTFT p50" in line)
+    assert float(ttft_row[-1]) == pytest.approx(pred.ms("ttft", 50) / 100.0, abs=0.01)  # predicted / 100 ms
+    doc = record([("colocated", 2.0, pred, run)], argparse.Namespace(input_len=64, output_len=8, seed=0,
+                                                                      slo_ttft_ms=5000.0, slo_tpot_ms=500.0), 2)
+    assert doc["runs"][0]["num_requests"] == 6 and set(doc["runs"][0]["measured_ms"]) == {
+        "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"}

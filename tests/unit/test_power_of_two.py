@@ -14,7 +14,7 @@ from support import FakeClock
 
 
 def _registry(loads: dict[str, Load], role: Role = Role.DECODE) -> WorkerRegistry:
-    registry = WorkerRegistry(worker_timeout_s=5.0, max_cached_hashes=100, clock=FakeClock())
+    registry = WorkerRegistry(worker_timeout_s=5.0, clock=FakeClock())
     for worker_id, load in loads.items():
         registry.register(Worker(worker_id, role, f"{worker_id}.local:1", "m", block_size=4), load)
     return registry
@@ -32,7 +32,7 @@ def test_power_of_two_spreads_40_requests_over_3_decodes_within_40_60_of_even():
         counts: collections.Counter = collections.Counter()
         for _ in range(40):  # nothing finishes: each routed request adds to its worker's load
             choice = policy.choose(registry.routable(Role.DECODE, "m"), RouteQuery())
-            registry.note_routed(choice.record.worker_id, [])
+            registry.note_routed(choice.record.worker_id)
             counts[choice.record.worker_id] += 1
             assert choice.reason == "power_of_two"
         assert _within_40_60_of_even(counts, 3, 40), (seed, counts)

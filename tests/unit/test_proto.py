@@ -56,7 +56,7 @@ def test_every_declaration_field_and_rpc_has_a_comment():
 
 
 def test_rpc_names_are_the_documented_ones():
-    from pdserve.proto.pdserve.v1 import decode_pb2, generation_pb2, prefill_pb2, registry_pb2
+    from pdserve.proto.pdserve.v1 import decode_pb2, generation_pb2, kv_events_pb2, prefill_pb2, registry_pb2
 
     def rpcs(module, name):
         return sorted(m.name for m in module.DESCRIPTOR.services_by_name[name].methods)
@@ -64,5 +64,6 @@ def test_rpc_names_are_the_documented_ones():
     assert rpcs(generation_pb2, "Generation") == ["Abort", "Generate", "ModelInfo"]
     assert rpcs(decode_pb2, "Decode") == ["Abort", "Decode", "Load", "ModelInfo"]
     assert rpcs(prefill_pb2, "Prefill") == ["Abort", "Load", "ModelInfo", "Prefill"]
-    assert rpcs(registry_pb2, "Registry") == ["Deregister", "Heartbeat", "Lookup", "Register"]
+    assert rpcs(registry_pb2, "Registry") == ["Deregister", "Heartbeat", "Lookup", "PublishKVEvents", "Register"]
+    assert rpcs(kv_events_pb2, "KVEvents") == ["Snapshot"]
     assert decode_pb2.DESCRIPTOR.package == "pdserve.v1"

@@ -14,6 +14,16 @@ from pdserve.router.policies import RouteQuery, make_policy
 from pdserve.router.worker_registry import KVBackendState, Load, Worker, WorkerRegistry
 from support import FakeClock
 
+from pdserve.proto.pdserve.v1 import kv_events_pb2
+
+
+def hold(registry: WorkerRegistry, worker_id: str, block_hashes, tier: str = "device") -> None:
+    """`worker_id`'s index learns, as from a snapshot, that `tier` holds `block_hashes`."""
+    index = registry.get(worker_id).kv
+    index.begin_sync()
+    assert index.finish_sync(kv_events_pb2.KVSnapshotResponse(
+        incarnation=1, last_seq=0, tiers=[kv_events_pb2.KVTierBlocks(tier=tier, block_hashes=block_hashes)]))
+
 
 def worker(worker_id: str, role: Role = Role.DECODE, model: str = "m") -> Worker:
     return Worker(worker_id, role, f"{worker_id}.local:1", model, compatibility_hash=7, block_size=4)
@@ -26,7 +36,7 @@ def clock():
 
 @pytest.fixture
 def registry(clock):
-    return WorkerRegistry(worker_timeout_s=5.0, max_cached_hashes=100, clock=clock)
+    return WorkerRegistry(worker_timeout_s=5.0, clock=clock)
 
 
 def test_liveness_suspicion_and_forgetting(registry, clock):
@@ -53,60 +63,38 @@ def test_restart_under_a_new_id_replaces_the_old_entry(registry):
     assert [r.worker_id for r in registry.records()] == ["a2"]
 
 
-def sent(registry, worker_id: str, hashes) -> None:
-    """The router sent `worker_id` prompts holding these blocks (what its claims may name)."""
-    registry.routed.note(worker_id, list(hashes))
-
-
-def test_cached_hashes_are_a_capped_snapshot(registry):
-    sent(registry, "a", range(300))
-    registry.register(worker("a"), Load(), cached_hashes=range(500))
-    record = registry.get("a")
-    assert len(record.cached_hashes) == 100
-    registry.heartbeat("a", Load(), cached_hashes=[1, 2, 3])
-    assert record.cached_hashes == {1, 2, 3}
-    assert record.num_matched_blocks([1, 2, 9, 3]) == 2
-    assert record.num_matched_blocks([9, 1]) == 0
-
-
-def test_a_report_sent_before_a_routed_prompt_ran_does_not_erase_it(registry, clock):
-    """Hashes routed to a worker count as cached there until its reports list them, or for
-    expect_s (5 s) if they never do: a heartbeat already on its way cannot undo the routing."""
-    registry.register(worker("a"), Load())
-    sent(registry, "a", [1])
-    registry.note_routed("a", [7, 8])
-    registry.heartbeat("a", Load(), cached_hashes=[1])  # sent before the prompt ran
-    assert registry.get("a").num_matched_blocks([7, 8]) == 2
-    registry.heartbeat("a", Load(), cached_hashes=[1, 7])  # now reported: 7 is no longer just expected
-    assert registry.get("a").expected.keys() == {8}
-    clock.now += 6
-    registry.heartbeat("a", Load(), cached_hashes=[1, 7])  # 8 never came (evicted, failed): forgotten
-    assert registry.get("a").cached_hashes == {1, 7}
-
-
-def test_a_worker_claiming_prefixes_it_was_never_sent_does_not_capture_routing(registry):
-    """Issue 48: a worker reporting the block hashes of a popular prefix (a system prompt's)
-    it does not hold won every prompt starting with it under prefix_aware. A claimed hash
-    counts only if the router sent that worker a prompt holding it: the liar's report is
-    dropped and the prompts go where they went before; a worker's own routed prefixes
-    still count once it reports them, and it cannot keep claims past its deregistration."""
+def test_a_worker_claiming_prefixes_it_was_never_sent_does_not_capture_routing(clock):
+    """Issue 48: a worker whose events claim the blocks of a popular prefix (a system
+    prompt's) it does not hold won every prompt starting with it under prefix_aware. A claim
+    counts only for blocks the router sent that worker: the liar's events and snapshot are
+    dropped and the prompts go where they went before; once it was sent some of the blocks,
+    those count; a new registration starts with nothing vouched for (--check-prefix-claims)."""
+    registry = WorkerRegistry(worker_timeout_s=5.0, clock=clock, check_claims=True)
     policy = make_policy("prefix_aware")
     system_prompt = [31, 32, 33, 34, 35, 36]
     registry.register(worker("honest"), Load(num_running=2))
-    registry.note_routed("honest", system_prompt)
-    registry.heartbeat("honest", Load(num_running=2), cached_hashes=system_prompt)
-    registry.register(worker("rogue"), Load(), cached_hashes=system_prompt)
-    registry.heartbeat("rogue", Load(), cached_hashes=system_prompt + [99])
-    assert registry.get("rogue").cached_hashes == set()
+    registry.note_routed("honest", block_hashes=system_prompt)
+    hold(registry, "honest", [])  # synced, empty; then its events
+    assert registry.get("honest").kv.apply(kv_events_pb2.KVEventBatch(incarnation=1, first_seq=1, events=[
+        kv_events_pb2.KVEvent(tier="device", kind=kv_events_pb2.KV_EVENT_KIND_STORED, block_hashes=system_prompt)]))
+    registry.register(worker("rogue"), Load())
+    index = registry.get("rogue").kv
+    index.begin_sync()
+    assert index.finish_sync(kv_events_pb2.KVSnapshotResponse(incarnation=1, last_seq=0, tiers=[
+        kv_events_pb2.KVTierBlocks(tier="device", block_hashes=system_prompt + [99])]))
+    assert index.apply(kv_events_pb2.KVEventBatch(incarnation=1, first_seq=1, events=[
+        kv_events_pb2.KVEvent(tier="host", kind=kv_events_pb2.KV_EVENT_KIND_STORED, block_hashes=system_prompt)]))
+    assert index.num_blocks == 0 and registry.get("rogue").num_matched_blocks(system_prompt) == 0
     query = RouteQuery((*system_prompt, 40), num_prompt_tokens=120, block_size=16)
     picks = [policy.choose(registry.routable(Role.DECODE, "m"), query).record.worker_id for _ in range(100)]
     assert picks == ["honest"] * 100
-    registry.note_routed("rogue", system_prompt[:2])  # it was sent the first two blocks: those count
-    registry.heartbeat("rogue", Load(), cached_hashes=system_prompt)
-    assert registry.get("rogue").cached_hashes == set(system_prompt[:2])
+    registry.note_routed("rogue", block_hashes=system_prompt[:2])  # sent the first two blocks: those count
+    assert index.apply(kv_events_pb2.KVEventBatch(incarnation=1, first_seq=2, events=[
+        kv_events_pb2.KVEvent(tier="device", kind=kv_events_pb2.KV_EVENT_KIND_STORED, block_hashes=system_prompt)]))
+    assert registry.get("rogue").num_matched_blocks(system_prompt) == 2
     assert registry.deregister("rogue")
-    registry.register(worker("rogue"), Load(), cached_hashes=system_prompt)
-    assert registry.get("rogue").cached_hashes == set()
+    registry.register(worker("rogue"), Load())
+    assert registry.routed.vouched("rogue", system_prompt) == []
 
 
 def test_routed_prefixes_are_bounded_per_worker():
@@ -132,18 +120,19 @@ def test_least_loaded_counts_what_was_sent_since_the_last_report(registry):
     policy = make_policy("least_loaded")
     choice = policy.choose(registry.routable(Role.DECODE, "m"), RouteQuery())
     assert (choice.record.worker_id, choice.reason) == ("b", "least_loaded")
-    registry.note_routed("b", [])
-    registry.note_routed("b", [])  # b now 3, a 3: a tie, which rotates
+    registry.note_routed("b")
+    registry.note_routed("b")  # b now 3, a 3: a tie, which rotates
     picks = {policy.choose(registry.routable(Role.DECODE, "m"), RouteQuery()).record.worker_id for _ in range(2)}
     assert picks == {"a", "b"}
 
 
 def test_prefix_aware_prefers_the_longest_cached_run_then_the_least_loaded(registry):
-    for name, hashes in (("a", [11, 12, 13]), ("b", [11]), ("c", [11, 12, 13, 99])):
-        sent(registry, name, hashes)
-    registry.register(worker("a"), Load(num_running=5), cached_hashes=[11, 12, 13])
-    registry.register(worker("b"), Load(), cached_hashes=[11])
-    registry.register(worker("c"), Load(num_running=1), cached_hashes=[11, 12, 13, 99])
+    registry.register(worker("a"), Load(num_running=5))
+    hold(registry, "a", [11, 12, 13])
+    registry.register(worker("b"), Load())
+    hold(registry, "b", [11])
+    registry.register(worker("c"), Load(num_running=1))
+    hold(registry, "c", [11, 12, 13, 99])
     policy = make_policy("prefix_aware")
     candidates = registry.routable(Role.DECODE, "m")
     choice = policy.choose(candidates, RouteQuery((11, 12, 13, 14)))
@@ -156,8 +145,8 @@ def test_prefix_aware_keeps_affinity_only_where_it_pays_and_the_pool_stays_balan
     """A shared chat-template block is not worth affinity (the chats spread); a long shared
     prefix is, until its worker is more than max_load_gap requests busier than the least loaded."""
     policy = make_policy("prefix_aware")
-    sent(registry, "a", [1, 2, 3, 4, 5, 6])
-    registry.register(worker("a"), Load(), cached_hashes=[1, 2, 3, 4, 5, 6])
+    registry.register(worker("a"), Load())
+    hold(registry, "a", [1, 2, 3, 4, 5, 6])
     registry.register(worker("b"), Load())
     template_only = RouteQuery((1, 70), num_prompt_tokens=40, block_size=16)  # 16 of 40 tokens cached on a
     spread = [policy.choose(registry.routable(Role.DECODE, "m"), template_only) for _ in range(4)]
@@ -166,7 +155,7 @@ def test_prefix_aware_keeps_affinity_only_where_it_pays_and_the_pool_stays_balan
     long_prefix = RouteQuery((1, 2, 3, 4, 5, 6, 80), num_prompt_tokens=120, block_size=16)
     choice = policy.choose(registry.routable(Role.DECODE, "m"), long_prefix)
     assert (choice.record.worker_id, choice.reason) == ("a", "prefix_match")
-    registry.heartbeat("a", Load(num_running=5), cached_hashes=[1, 2, 3, 4, 5, 6])
+    registry.heartbeat("a", Load(num_running=5))
     choice = policy.choose(registry.routable(Role.DECODE, "m"), long_prefix)
     assert (choice.record.worker_id, choice.reason) == ("b", "load_imbalance")
 
@@ -208,8 +197,8 @@ def test_planner_conditional_disaggregation_reasons(registry):
         planner.plan("r0", "m", 40, 4, [], "")
     assert caught.value.kind is ErrorKind.UNAVAILABLE
 
-    sent(registry, "d", range(1, 9))
-    registry.register(worker("d"), Load(), cached_hashes=[1, 2, 3, 4, 5, 6, 7, 8])
+    registry.register(worker("d"), Load())
+    hold(registry, "d", [1, 2, 3, 4, 5, 6, 7, 8])
     plan = planner.plan("r1", "m", 40, 4, list(range(90, 100)), "")
     assert (plan.prefill, plan.prefill_reason) == (None, "no_prefill_worker")
 
@@ -223,8 +212,14 @@ def test_planner_conditional_disaggregation_reasons(registry):
     assert decisions(metrics, "prefill", "round_robin", "no_prefill_worker") == 1
     assert decisions(metrics, "decode", "prefix_aware", "prefix_match") == 1
     assert decisions(metrics, "decode", "prefix_aware", "no_prefix_match") == 2
-    # The routed prompt is now expected in d's cache until its next report.
-    assert planner.plan("r4", "m", 40, 4, list(range(50, 60)), "").decode_reason == "prefix_match"
+    # What was routed is not guessed cached: d's events say it, here into its host tier.
+    assert planner.plan("r4", "m", 40, 4, list(range(50, 60)), "").decode_reason == "no_prefix_match"
+    assert registry.get("d").kv.apply(kv_events_pb2.KVEventBatch(incarnation=1, first_seq=1, events=[
+        kv_events_pb2.KVEvent(tier="host", kind=kv_events_pb2.KV_EVENT_KIND_STORED, block_hashes=range(50, 60))]))
+    plan = planner.plan("r4", "m", 40, 4, list(range(50, 60)), "")
+    assert (plan.decode_reason, plan.num_matched_tokens) == ("prefix_match_host", 40)
+    assert metrics.registry.get_sample_value("pdserve_router_matched_prefix_tokens_total", {"tier": "host"}) == 40
+    assert metrics.registry.get_sample_value("pdserve_router_matched_prefix_tokens_total", {"tier": "device"}) == 32
     # A prefill queue at the threshold: decode prefills locally, and says why.
     registry.heartbeat("p", Load(num_queued=4))
     plan = planner.plan("r5", "m", 40, 4, [60, 61], "")
@@ -478,3 +473,24 @@ def test_a_decode_reports_what_each_prefill_worker_delivered():
         landed(2.0, 400.0)
     (link,) = metrics.counters(Stats()).received
     assert 4000 < link.bytes_per_s < 8000 and link.tail_s > 0.3
+
+
+def test_prefix_aware_weighs_where_the_blocks_are_against_load(registry):
+    """The same run of blocks scores highest on a device pool, then host memory, then disk;
+    a holder too busy (more than max_load_gap above the least loaded) gives way to the next."""
+    policy = make_policy("prefix_aware")
+    prompt = RouteQuery((1, 2, 3, 4), num_prompt_tokens=64, block_size=16)
+    for name, tier in (("a", "disk"), ("b", "host"), ("c", "device")):
+        registry.register(worker(name), Load())
+        hold(registry, name, [1, 2, 3, 4], tier)
+    assert (policy.choose(registry.routable(Role.DECODE, "m"), prompt).record.worker_id) == "c"
+    registry.heartbeat("c", Load(num_running=5))
+    choice = policy.choose(registry.routable(Role.DECODE, "m"), prompt)
+    assert (choice.record.worker_id, choice.reason) == ("b", "prefix_match_host")
+    registry.heartbeat("b", Load(num_running=5))
+    choice = policy.choose(registry.routable(Role.DECODE, "m"), prompt)
+    assert (choice.record.worker_id, choice.reason) == ("a", "prefix_match_disk")
+    registry.heartbeat("a", Load(num_running=9))  # every holder busy: the least loaded, and why
+    registry.register(worker("e"), Load())
+    choice = policy.choose(registry.routable(Role.DECODE, "m"), prompt)
+    assert (choice.record.worker_id, choice.reason) == ("e", "load_imbalance")

@@ -24,6 +24,8 @@ from pdserve.router.catalog import ModelCatalog
 from pdserve.rpc.channels import WorkerChannels
 from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_api import RegistryServicer
+from pdserve.router.dispatch import BackgroundTasks
+from pdserve.router.kv_index import KVEventIntake
 from pdserve.router.membership import Membership
 from pdserve.router.worker_registry import WorkerRegistry
 
@@ -52,9 +54,11 @@ class Router:
 async def start_router(bind: str = "127.0.0.1:0") -> Router:
     config = RouterConfig(http_port=0, grpc_port=0, heartbeat_interval_s=HEARTBEAT_S, worker_timeout_s=WAIT_S)
     registry = WorkerRegistry(config.worker_timeout_s)
-    membership = Membership(config, registry, ModelCatalog(), WorkerChannels())
+    channels = WorkerChannels()
+    kv_events = KVEventIntake.for_registry(registry, channels, BackgroundTasks().spawn, WAIT_S)
+    membership = Membership(config, registry, ModelCatalog(), channels, kv_events.sync)
     server = grpc.aio.server()
-    registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(membership, config), server)
+    registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(membership, config, kv_events), server)
     port = server.add_insecure_port(bind)
     await server.start()
     return Router(registry, server, port)

@@ -125,20 +125,29 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "accepted_draft_tokens", "rejected_draft_tokens", "draft_steps")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "accepted_draft_tokens", "rejected_draft_tokens", "draft_steps", "cached_tokens_by_tier")
+    class CachedTokensByTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
     accepted_draft_tokens: int
     rejected_draft_tokens: int
     draft_steps: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., rejected_draft_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ...) -> None: ...
+    cached_tokens_by_tier: _containers.ScalarMap[str, int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., rejected_draft_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class FallbackStep(_message.Message):
     __slots__ = ("backend", "reason", "duration_ms")
@@ -260,30 +269,44 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_queued", "num_running", "num_free_blocks", "num_total_blocks", "cached_block_hashes", "kv_backends", "counters", "queued_prompt_tokens", "prefill_tokens_per_s", "num_decoding", "draining")
+    __slots__ = ("num_queued", "num_running", "num_free_blocks", "num_total_blocks", "kv_backends", "counters", "queued_prompt_tokens", "prefill_tokens_per_s", "num_decoding", "draining", "lora_adapters")
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODING_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     num_queued: int
     num_running: int
     num_free_blocks: int
     num_total_blocks: int
-    cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     kv_backends: _containers.RepeatedCompositeFieldContainer[KVBackendState]
     counters: EngineCounters
     queued_prompt_tokens: int
     prefill_tokens_per_s: float
     num_decoding: int
     draining: bool
-    def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., kv_backends: _Optional[_Iterable[_Union[KVBackendState, _Mapping]]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_decoding: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterState]
+    def __init__(self, num_queued: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_backends: _Optional[_Iterable[_Union[KVBackendState, _Mapping]]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., num_decoding: _Optional[int] = ..., draining: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterState, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapterState(_message.Message):
+    __slots__ = ("name", "base_model_name", "loaded", "digest", "resident")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    base_model_name: str
+    loaded: bool
+    digest: str
+    resident: bool
+    def __init__(self, name: _Optional[str] = ..., base_model_name: _Optional[str] = ..., loaded: _Optional[bool] = ..., digest: _Optional[str] = ..., resident: _Optional[bool] = ...) -> None: ...
 
 class EngineCounters(_message.Message):
     __slots__ = ("prompt_tokens_computed", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "steps", "step_seconds", "transfers", "received")

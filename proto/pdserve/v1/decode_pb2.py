@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"Y\n\rPrefillChoice\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\"\x8b\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12*\n\x07prefill\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.PrefillChoice\x12\x17\n\x0f\x61rrival_unix_ms\x18\x06 \x01(\x03\x12\x19\n\x11resumed_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ckeepalive_ms\x18\x08 \x01(\r\x12\x12\n\ncache_salt\x18\t \x01(\t\"\xd3\x02\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x08transfer\x18\x07 \x01(\x0b\x32\x1b.pdserve.v1.TransferVerdict\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.pdserve.v1.RequestTimings\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob2\x8c\x02\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"Y\n\rPrefillChoice\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x14\n\x0cqueue_length\x18\x04 \x01(\r\"\x9e\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12*\n\x07prefill\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.PrefillChoice\x12\x17\n\x0f\x61rrival_unix_ms\x18\x06 \x01(\x03\x12\x19\n\x11resumed_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ckeepalive_ms\x18\x08 \x01(\r\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x11\n\tlora_name\x18\n \x01(\t\"\xd3\x02\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x08transfer\x18\x07 \x01(\x0b\x32\x1b.pdserve.v1.TransferVerdict\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.pdserve.v1.RequestTimings\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob2\x8c\x02\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLCHOICE']._serialized_start=64
   _globals['_PREFILLCHOICE']._serialized_end=153
   _globals['_DECODEREQUEST']._serialized_start=156
-  _globals['_DECODEREQUEST']._serialized_end=423
-  _globals['_DECODERESPONSE']._serialized_start=426
-  _globals['_DECODERESPONSE']._serialized_end=765
-  _globals['_DECODE']._serialized_start=768
-  _globals['_DECODE']._serialized_end=1036
+  _globals['_DECODEREQUEST']._serialized_end=442
+  _globals['_DECODERESPONSE']._serialized_start=445
+  _globals['_DECODERESPONSE']._serialized_end=784
+  _globals['_DECODE']._serialized_start=787
+  _globals['_DECODE']._serialized_end=1055
 # @@protoc_insertion_point(module_scope)

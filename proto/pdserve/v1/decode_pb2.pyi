@@ -20,7 +20,7 @@ class PrefillChoice(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., reason: _Optional[str] = ..., queue_length: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "block_hashes", "sampling", "prefill", "arrival_unix_ms", "resumed_token_ids", "keepalive_ms", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "block_hashes", "sampling", "prefill", "arrival_unix_ms", "resumed_token_ids", "keepalive_ms", "cache_salt", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class DecodeRequest(_message.Message):
     RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
@@ -39,7 +40,8 @@ class DecodeRequest(_message.Message):
     resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     keepalive_ms: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[PrefillChoice, _Mapping]] = ..., arrival_unix_ms: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., keepalive_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill: _Optional[_Union[PrefillChoice, _Mapping]] = ..., arrival_unix_ms: _Optional[int] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., keepalive_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "transfer", "timings", "prompt_logprobs")

@@ -25,23 +25,27 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"4\n\x10TransferEndpoint\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xf4\x01\n\tKVHandoff\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61\x63kends\x18\x02 \x03(\t\x12/\n\tendpoints\x18\x03 \x03(\x0b\x32\x1c.pdserve.v1.TransferEndpoint\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x1a\n\x12\x63ompatibility_hash\x18\x07 \x01(\x03\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x08 \x01(\t\x12\x11\n\tsignature\x18\t \x01(\x0c\"\xc4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12&\n\x07handoff\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.KVHandoff\x12\x12\n\ncache_salt\x18\x06 \x01(\tJ\x04\x08\x07\x10\x08\"K\n\x0ePrefillTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\"\xcb\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x35\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12,\n\x07verdict\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.TransferVerdict\x12+\n\x07timings\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTimings\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x0f\n\x07skipped\x18\x08 \x01(\x08\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob2\x8e\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"4\n\x10TransferEndpoint\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x9c\x02\n\tKVHandoff\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61\x63kends\x18\x02 \x03(\t\x12/\n\tendpoints\x18\x03 \x03(\x0b\x32\x1c.pdserve.v1.TransferEndpoint\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12\x1a\n\x12\x63ompatibility_hash\x18\x07 \x01(\x03\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x08 \x01(\t\x12\x11\n\tsignature\x18\t \x01(\x0c\x12\x11\n\tlora_name\x18\n \x01(\t\x12\x13\n\x0blora_digest\x18\x0b \x01(\t\"\xc4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12&\n\x07handoff\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.KVHandoff\x12\x12\n\ncache_salt\x18\x06 \x01(\tJ\x04\x08\x07\x10\x08\"K\n\x0ePrefillTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\"\xda\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x35\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12,\n\x07verdict\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.TransferVerdict\x12+\n\x07timings\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTimings\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x0f\n\x07skipped\x18\x08 \x01(\x08\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12R\n\x15\x63\x61\x63hed_tokens_by_tier\x18\n \x03(\x0b\x32\x33.pdserve.v1.PrefillResponse.CachedTokensByTierEntry\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\x8e\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PREFILLRESPONSE_CACHEDTOKENSBYTIERENTRY']._loaded_options = None
+  _globals['_PREFILLRESPONSE_CACHEDTOKENSBYTIERENTRY']._serialized_options = b'8\001'
   _globals['_TRANSFERENDPOINT']._serialized_start=65
   _globals['_TRANSFERENDPOINT']._serialized_end=117
   _globals['_KVHANDOFF']._serialized_start=120
-  _globals['_KVHANDOFF']._serialized_end=364
-  _globals['_PREFILLREQUEST']._serialized_start=367
-  _globals['_PREFILLREQUEST']._serialized_end=563
-  _globals['_PREFILLTIMINGS']._serialized_start=565
-  _globals['_PREFILLTIMINGS']._serialized_end=640
-  _globals['_PREFILLRESPONSE']._serialized_start=643
-  _globals['_PREFILLRESPONSE']._serialized_end=974
-  _globals['_PREFILL']._serialized_start=977
-  _globals['_PREFILL']._serialized_end=1247
+  _globals['_KVHANDOFF']._serialized_end=404
+  _globals['_PREFILLREQUEST']._serialized_start=407
+  _globals['_PREFILLREQUEST']._serialized_end=603
+  _globals['_PREFILLTIMINGS']._serialized_start=605
+  _globals['_PREFILLTIMINGS']._serialized_end=680
+  _globals['_PREFILLRESPONSE']._serialized_start=683
+  _globals['_PREFILLRESPONSE']._serialized_end=1157
+  _globals['_PREFILLRESPONSE_CACHEDTOKENSBYTIERENTRY']._serialized_start=1100
+  _globals['_PREFILLRESPONSE_CACHEDTOKENSBYTIERENTRY']._serialized_end=1157
+  _globals['_PREFILL']._serialized_start=1160
+  _globals['_PREFILL']._serialized_end=1430
 # @@protoc_insertion_point(module_scope)

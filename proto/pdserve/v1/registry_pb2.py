@@ -23,37 +23,38 @@ _sym_db = _symbol_database.Default()
 
 
 from pdserve.proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
+from pdserve.proto.pdserve.v1 import kv_events_pb2 as pdserve_dot_v1_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/registry.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"l\n\x0eWorkerCapacity\x12\x18\n\x10num_total_blocks\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x11\n\tmax_queue\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"\xf3\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12,\n\x08\x63\x61pacity\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.WorkerCapacity\x12\x13\n\x0bkv_backends\x18\x08 \x03(\t\x12\x0f\n\x07version\x18\t \x01(\t\"\x82\x01\n\x0fRegisterRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\r\n\x05lease\x18\x03 \x01(\x0c\x12\x12\n\npublic_key\x18\x04 \x01(\x0c\"v\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x19\n\x11worker_timeout_ms\x18\x02 \x01(\r\x12\r\n\x05lease\x18\x03 \x01(\x0c\x12\x19\n\x11router_public_key\x18\x04 \x01(\x0c\"Z\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\r\n\x05lease\x18\x03 \x01(\x0c\"2\n\x11HeartbeatResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"E\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05lease\x18\x03 \x01(\x0c\"#\n\x12\x44\x65registerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\"\n\rLookupRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"Y\n\x0eLookupResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x12\n\npublic_key\x18\x03 \x01(\x0c*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xa9\x02\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse\x12?\n\x06Lookup\x12\x19.pdserve.v1.LookupRequest\x1a\x1a.pdserve.v1.LookupResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/registry.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x1apdserve/v1/kv_events.proto\"l\n\x0eWorkerCapacity\x12\x18\n\x10num_total_blocks\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x11\n\tmax_queue\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"\xf3\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12,\n\x08\x63\x61pacity\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.WorkerCapacity\x12\x13\n\x0bkv_backends\x18\x08 \x03(\t\x12\x0f\n\x07version\x18\t \x01(\t\"\x82\x01\n\x0fRegisterRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\r\n\x05lease\x18\x03 \x01(\x0c\x12\x12\n\npublic_key\x18\x04 \x01(\x0c\"v\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x19\n\x11worker_timeout_ms\x18\x02 \x01(\r\x12\r\n\x05lease\x18\x03 \x01(\x0c\x12\x19\n\x11router_public_key\x18\x04 \x01(\x0c\"Z\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\r\n\x05lease\x18\x03 \x01(\x0c\"2\n\x11HeartbeatResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"E\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05lease\x18\x03 \x01(\x0c\"#\n\x12\x44\x65registerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\"\n\rLookupRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"Y\n\x0eLookupResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x12\n\npublic_key\x18\x03 \x01(\x0c*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xee\x02\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse\x12?\n\x06Lookup\x12\x19.pdserve.v1.LookupRequest\x1a\x1a.pdserve.v1.LookupResponse\x12\x43\n\x0fPublishKVEvents\x12\x18.pdserve.v1.KVEventBatch\x1a\x16.pdserve.v1.KVEventAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.registry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1054
-  _globals['_WORKERROLE']._serialized_end=1144
-  _globals['_WORKERCAPACITY']._serialized_start=66
-  _globals['_WORKERCAPACITY']._serialized_end=174
-  _globals['_WORKERINFO']._serialized_start=177
-  _globals['_WORKERINFO']._serialized_end=420
-  _globals['_REGISTERREQUEST']._serialized_start=423
-  _globals['_REGISTERREQUEST']._serialized_end=553
-  _globals['_REGISTERRESPONSE']._serialized_start=555
-  _globals['_REGISTERRESPONSE']._serialized_end=673
-  _globals['_HEARTBEATREQUEST']._serialized_start=675
-  _globals['_HEARTBEATREQUEST']._serialized_end=765
-  _globals['_HEARTBEATRESPONSE']._serialized_start=767
-  _globals['_HEARTBEATRESPONSE']._serialized_end=817
-  _globals['_DEREGISTERREQUEST']._serialized_start=819
-  _globals['_DEREGISTERREQUEST']._serialized_end=888
-  _globals['_DEREGISTERRESPONSE']._serialized_start=890
-  _globals['_DEREGISTERRESPONSE']._serialized_end=925
-  _globals['_LOOKUPREQUEST']._serialized_start=927
-  _globals['_LOOKUPREQUEST']._serialized_end=961
-  _globals['_LOOKUPRESPONSE']._serialized_start=963
-  _globals['_LOOKUPRESPONSE']._serialized_end=1052
-  _globals['_REGISTRY']._serialized_start=1147
-  _globals['_REGISTRY']._serialized_end=1444
+  _globals['_WORKERROLE']._serialized_start=1082
+  _globals['_WORKERROLE']._serialized_end=1172
+  _globals['_WORKERCAPACITY']._serialized_start=94
+  _globals['_WORKERCAPACITY']._serialized_end=202
+  _globals['_WORKERINFO']._serialized_start=205
+  _globals['_WORKERINFO']._serialized_end=448
+  _globals['_REGISTERREQUEST']._serialized_start=451
+  _globals['_REGISTERREQUEST']._serialized_end=581
+  _globals['_REGISTERRESPONSE']._serialized_start=583
+  _globals['_REGISTERRESPONSE']._serialized_end=701
+  _globals['_HEARTBEATREQUEST']._serialized_start=703
+  _globals['_HEARTBEATREQUEST']._serialized_end=793
+  _globals['_HEARTBEATRESPONSE']._serialized_start=795
+  _globals['_HEARTBEATRESPONSE']._serialized_end=845
+  _globals['_DEREGISTERREQUEST']._serialized_start=847
+  _globals['_DEREGISTERREQUEST']._serialized_end=916
+  _globals['_DEREGISTERRESPONSE']._serialized_start=918
+  _globals['_DEREGISTERRESPONSE']._serialized_end=953
+  _globals['_LOOKUPREQUEST']._serialized_start=955
+  _globals['_LOOKUPREQUEST']._serialized_end=989
+  _globals['_LOOKUPRESPONSE']._serialized_start=991
+  _globals['_LOOKUPRESPONSE']._serialized_end=1080
+  _globals['_REGISTRY']._serialized_start=1175
+  _globals['_REGISTRY']._serialized_end=1541
 # @@protoc_insertion_point(module_scope)

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pdserve.proto.pdserve.v1 import kv_events_pb2 as pdserve_dot_v1_dot_kv__events__pb2
 from pdserve.proto.pdserve.v1 import registry_pb2 as pdserve_dot_v1_dot_registry__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -55,6 +56,11 @@ class RegistryStub:
                 request_serializer=pdserve_dot_v1_dot_registry__pb2.LookupRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_registry__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.PublishKVEvents = channel.unary_unary(
+                '/pdserve.v1.Registry/PublishKVEvents',
+                request_serializer=pdserve_dot_v1_dot_kv__events__pb2.KVEventBatch.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__events__pb2.KVEventAck.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -90,6 +96,13 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishKVEvents(self, request, context):
+        """A batch of the worker's KV events (kv_events.proto). NOT_FOUND: register again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +125,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=pdserve_dot_v1_dot_registry__pb2.LookupRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_registry__pb2.LookupResponse.SerializeToString,
+            ),
+            'PublishKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishKVEvents,
+                    request_deserializer=pdserve_dot_v1_dot_kv__events__pb2.KVEventBatch.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__events__pb2.KVEventAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +241,33 @@ class Registry:
             '/pdserve.v1.Registry/Lookup',
             pdserve_dot_v1_dot_registry__pb2.LookupRequest.SerializeToString,
             pdserve_dot_v1_dot_registry__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/PublishKVEvents',
+            pdserve_dot_v1_dot_kv__events__pb2.KVEventBatch.SerializeToString,
+            pdserve_dot_v1_dot_kv__events__pb2.KVEventAck.FromString,
             options,
             channel_credentials,
             insecure,

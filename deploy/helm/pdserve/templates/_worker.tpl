@@ -10,6 +10,8 @@ A prefill or decode Deployment plus its headless Service. Call with
 {{- $kv := $values.kvTransfer }}
 {{- $model := $values.model }}
 {{- $engine := $values.engine }}
+{{- $lora := $values.lora }}
+{{- $loraVolume := and $lora.enabled (ne $lora.source "none") }}
 {{- $fullname := include "pdserve.fullname" $ctx }}
 {{- $meta := dict "ctx" $ctx "cfg" $cfg "component" $role }}
 {{- $device := $cfg.device | default (ternary "cuda" "cpu" (gt (int $cfg.gpus) 0)) }}
@@ -43,11 +45,31 @@ spec:
       {{- include "pdserve.podMetadata" $meta | nindent 6 }}
     spec:
       {{- include "pdserve.podSpec" $meta | nindent 6 }}
-      {{- if $values.buildCache.prepare }}
-      # Before the worker starts: the model converted and, on CPU, the attention kernel built
-      # into the build cache (`pdserve prepare`). With buildCache.existingClaim that happens once
-      # per volume, later pods find both; the model the image ships was prepared at build time.
+      {{- if or $values.buildCache.prepare (and $lora.enabled (eq $lora.source "init")) }}
       initContainers:
+      {{- end }}
+      {{- if and $lora.enabled (eq $lora.source "init") }}
+        # Before the worker starts: the LoRA adapters written into their emptyDir.
+        - name: lora-adapters
+          image: {{ $lora.init.image | default (include "pdserve.image" $ctx) | quote }}
+          imagePullPolicy: {{ $values.image.pullPolicy }}
+          command:
+            {{- toYaml $lora.init.command | nindent 12 }}
+          env:
+            - name: PDSERVE_LORA_DIR
+              value: {{ $lora.mountPath | quote }}
+          securityContext:
+            {{- toYaml $values.securityContext | nindent 12 }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+            - name: lora-adapters
+              mountPath: {{ $lora.mountPath }}
+      {{- end }}
+      {{- if $values.buildCache.prepare }}
+        # Before the worker starts: the model converted and, on CPU, the attention kernel built
+        # into the build cache (`pdserve prepare`). With buildCache.existingClaim that happens once
+        # per volume, later pods find both; the model the image ships was prepared at build time.
         - name: prepare
           image: {{ include "pdserve.image" $ctx | quote }}
           imagePullPolicy: {{ $values.image.pullPolicy }}
@@ -163,6 +185,18 @@ spec:
             - {{ printf "--failure-policy=%s" . | quote }}
             {{- end }}
             {{- end }}
+            {{- if $lora.enabled }}
+            - "--enable-lora"
+            - {{ printf "--max-loras=%d" (int $lora.maxLoras) | quote }}
+            - {{ printf "--max-lora-rank=%d" (int $lora.maxLoraRank) | quote }}
+            - {{ printf "--max-cpu-loras=%d" (int $lora.maxCpuLoras) | quote }}
+            - {{ printf "--lora-allowed-root=%s" $lora.mountPath | quote }}
+            {{- range $lora.modules }}
+            {{- $module := dict "name" .name "path" (printf "%s/%s" (trimSuffix "/" $lora.mountPath) (trimPrefix "/" .path)) }}
+            {{- with .baseModelName }}{{- $_ := set $module "base_model_name" . }}{{- end }}
+            - {{ printf "--lora-modules=%s" (toJson $module) | quote }}
+            {{- end }}
+            {{- end }}
             {{- range $cfg.extraArgs }}
             - {{ . | quote }}
             {{- end }}
@@ -217,6 +251,11 @@ spec:
             - name: kv-store
               mountPath: {{ $kv.diskStore.mountPath }}
             {{- end }}
+            {{- if $loraVolume }}
+            - name: lora-adapters
+              mountPath: {{ $lora.mountPath }}
+              readOnly: true
+            {{- end }}
       volumes:
         {{- include "pdserve.clusterSecretVolume" $ctx | nindent 8 }}
         {{- include "pdserve.metricsTokenVolume" $ctx | nindent 8 }}
@@ -253,6 +292,23 @@ spec:
         - name: kv-store
           persistentVolumeClaim:
             claimName: {{ $kv.diskStore.existingClaim | default (printf "%s-kv-store" $fullname) }}
+        {{- end }}
+        {{- if $loraVolume }}
+        - name: lora-adapters
+          {{- if eq $lora.source "pvc" }}
+          persistentVolumeClaim:
+            claimName: {{ $lora.pvc.claimName }}
+            readOnly: true
+          {{- else if eq $lora.source "hostPath" }}
+          hostPath:
+            path: {{ $lora.hostPath.path }}
+            {{- with $lora.hostPath.type }}
+            type: {{ . }}
+            {{- end }}
+          {{- else }}
+          emptyDir:
+            sizeLimit: {{ $lora.init.sizeLimit }}
+          {{- end }}
         {{- end }}
 ---
 # One DNS name per worker pod; only ready pods are listed.
