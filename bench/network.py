@@ -48,7 +48,7 @@ def stream_ttft(cluster: Deployment, body: dict, timeout_s: float = 300.0) -> tu
     """Seconds from sending a streamed completion to its first token's chunk, and the
     request's `pdserve` extras merged over its chunks."""
     req = urllib.request.Request(cluster.url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **cluster.admin_headers()})
     extras: dict = {}
     first = None
     started = time.perf_counter()

@@ -7,6 +7,10 @@ heads x 64 x fp32 = 737,280 B per block across all layers), in the same run:
 * `memcpy`: a plain memory copy of the same bytes in this process;
 * `ucx`, `nccl`: the point-to-point transports (send -> receiver's staging -> verdict), the
   receiver's sink accepting any message without verifying it, so the transport is measured;
+  keyless (payloads in clear, as under --insecure-internal);
+* `ucx+aead`, `nccl+aead`: the same links under a transfer key, as deployments run them:
+  every payload sealed with AES-GCM by the sender and opened by the receiver (`x clear` is
+  their throughput over the keyless row's; `--no-aead` leaves them out);
 * `redis`, `disk`: the stores as the chain uses them: this process puts, the receiver gets
   (records are verified by the store's get), then the keys are discarded.
 
@@ -20,7 +24,9 @@ lines on stdin/stdout (nothing pickled).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -45,6 +51,7 @@ assert BLOCK_NBYTES == 737_280
 LENGTH = struct.Struct("<Q")
 # a receiver command (opening every backend, reading 256 blocks back from a store) ends by then
 RECEIVER_TIMEOUT_S = 300.0
+SEALED = "+aead"  # the suffix of a transport's row under a transfer key
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +113,15 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+def _open_transport(name: str, config, transfer_key: str | None):
+    """Transport `name` (`ucx`, or `ucx+aead`: the same under `transfer_key`, hex)."""
+    from pdserve.kvtransfer import backend_loader
+
+    if name.endswith(SEALED):
+        config = dataclasses.replace(config, transfer_key=bytes.fromhex(transfer_key or ""))
+    return backend_loader.open_transport(name.removesuffix(SEALED), config)
+
+
 # -- the receiving process ----------------------------------------------------------------------
 def _serve_socket(server: socket.socket, max_bytes: int) -> None:
     conn, _ = server.accept()
@@ -146,8 +162,8 @@ def serve(max_blocks: int) -> int:
             sink = BenchSink(max_blocks)
             for name in cmd["backends"]:
                 try:
-                    if name in TRANSPORTS:
-                        backends[name] = backend_loader.open_transport(name, config)
+                    if name.removesuffix(SEALED) in TRANSPORTS:
+                        backends[name] = _open_transport(name, config, cmd.get("transfer_key"))
                         endpoints[name] = backends[name].open_receiver(sink)
                     else:
                         backends[name] = backend_loader.open_store(name, config)
@@ -199,10 +215,11 @@ class Session:
     """Everything one run holds: the receiver process, a redis-server if asked for, the
     opened backends, a raw socket to the receiver and the source bytes. A context manager."""
 
-    def __init__(self, backends: list[str], max_blocks: int) -> None:
+    def __init__(self, backends: list[str], max_blocks: int, sealed: bool = False) -> None:
         from pdserve.kvtransfer import backend_loader
 
         self.max_blocks = max_blocks
+        self.transfer_key = os.urandom(32).hex()
         self.limits = _limits(max_blocks)
         self.skipped: dict[str, str] = {}
         for name in backends:
@@ -210,6 +227,9 @@ class Session:
             if not ok:
                 self.skipped[name] = f"not importable: {why}"
         self.wanted = [b for b in backends if b not in self.skipped]
+        if sealed:  # each transport also under a transfer key, its row after the keyless one
+            self.wanted = [row for b in self.wanted
+                           for row in ((b, b + SEALED) if b in TRANSPORTS else (b,))]
         self.workdir = Path(tempfile.mkdtemp(prefix="pdkv-bench-"))
         self.redis: RedisServer | None = None
         self.receiver: Receiver | None = None
@@ -246,14 +266,16 @@ class Session:
             settings["disk_store"] = str(self.workdir / "disk-store")
         wanted = [b for b in self.wanted if b not in self.skipped]
         self.receiver = Receiver(self.max_blocks)
-        info = self.receiver.call("init", backends=wanted, config=settings)
+        info = self.receiver.call("init", backends=wanted, config=settings,
+                                  transfer_key=self.transfer_key)
         self.endpoints = info["endpoints"]
         self.skipped.update({k: f"the receiver cannot open it: {v}"
                              for k, v in info["unavailable"].items()})
         config = KVTransferConfig(**settings)
         for name in [b for b in wanted if b not in self.skipped]:
             try:
-                self.opened[name] = (backend_loader.open_transport(name, config) if name in TRANSPORTS
+                self.opened[name] = (_open_transport(name, config, self.transfer_key)
+                                     if name.removesuffix(SEALED) in TRANSPORTS
                                      else backend_loader.open_store(name, config))
             except Exception as exc:  # noqa: BLE001 - a backend that cannot open is reported, not fatal
                 self.skipped[name] = f"cannot open: {exc.__class__.__name__}: {exc}"
@@ -301,7 +323,7 @@ class Session:
 
     def _backend_round(self, name: str, backend, message, keys: list[int]) -> Callable[[], None]:
         """One round of `backend` moving `message` (encoded once, outside the timing)."""
-        if name in TRANSPORTS:
+        if name.removesuffix(SEALED) in TRANSPORTS:
             endpoint = self.endpoints[name]
             return lambda: backend.send(endpoint, message, time.monotonic() + 120)
         receiver, compat_hash = self.receiver, self.limits.compat_hash
@@ -316,14 +338,15 @@ class Session:
         return put_get
 
 
-def run(backends: list[str], block_counts: list[int], repeats: int,
-        progress: bool = True) -> tuple[list[Cell], dict[str, str]]:
+def run(backends: list[str], block_counts: list[int], repeats: int, progress: bool = True,
+        sealed: bool = False) -> tuple[list[Cell], dict[str, str]]:
+    """The cells of every backend and size; `sealed`: each transport also under a key."""
     import torch
     from tqdm import tqdm
 
     torch.set_num_threads(1)
     cells: list[Cell] = []
-    with Session(backends, max(block_counts)) as session:
+    with Session(backends, max(block_counts), sealed) as session:
         steps = len(block_counts) * (2 + len(session.opened)) * (repeats + 1)
         with tqdm(total=steps, desc="bench transfer", unit="round", disable=not progress,
                   file=sys.stderr) as bar:
@@ -355,16 +378,19 @@ def links(backends: list[str], repeats: int = 3) -> list[tuple[str, float, float
 # -- output ----------------------------------------------------------------------------------------
 def format_table(cells: list[Cell]) -> str:
     base = {(c.backend, c.num_blocks): c for c in cells}
-    lines = [f"{'backend':<8} {'blocks':>6} {'MB':>8} {'ms':>9} {'MB/s':>9} {'x socket':>9} "
-             f"{'x memcpy':>9}"]
+    lines = [f"{'backend':<9} {'blocks':>6} {'MB':>8} {'ms':>9} {'MB/s':>9} {'x socket':>9} "
+             f"{'x memcpy':>9} {'x clear':>8}"]
+    nan = float("nan")
     for c in cells:
         sock = base.get(("socket", c.num_blocks))
         mem = base.get(("memcpy", c.num_blocks))
+        clear = base.get((c.backend.removesuffix(SEALED), c.num_blocks)) if c.backend.endswith(SEALED) else None
         lines.append(
-            f"{c.backend:<8} {c.num_blocks:>6} {c.num_bytes / 1e6:>8.2f} {c.seconds * 1e3:>9.2f} "
+            f"{c.backend:<9} {c.num_blocks:>6} {c.num_bytes / 1e6:>8.2f} {c.seconds * 1e3:>9.2f} "
             f"{c.bytes_per_s / 1e6:>9.0f} "
-            f"{c.bytes_per_s / sock.bytes_per_s if sock else float('nan'):>9.2f} "
-            f"{c.bytes_per_s / mem.bytes_per_s if mem else float('nan'):>9.3f}")
+            f"{c.bytes_per_s / sock.bytes_per_s if sock else nan:>9.2f} "
+            f"{c.bytes_per_s / mem.bytes_per_s if mem else nan:>9.3f} "
+            f"{c.bytes_per_s / clear.bytes_per_s if clear else nan:>8.2f}")
     return "\n".join(lines)
 
 
@@ -385,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per cell (median; default 5)")
     p.add_argument("--json", type=Path, help="also write the cells to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-aead", action="store_true",
+                   help="measure the transports keyless only (no +aead rows)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the receiver
     p.add_argument("--max-blocks", type=int, default=256, help=argparse.SUPPRESS)
     return p
@@ -400,7 +428,8 @@ def main(argv: list[str]) -> int:
         print(f"pdserve bench transfer: unknown backends {unknown} (choose from {BACKENDS})"
               if unknown else "pdserve bench transfer: --repeats must be >= 1", file=sys.stderr)
         return 2
-    cells, skipped = run(backends, args.blocks, args.repeats, progress=not args.no_progress)
+    cells, skipped = run(backends, args.blocks, args.repeats, progress=not args.no_progress,
+                         sealed=not args.no_aead)
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     print(f"block = {BLOCK_NBYTES:,} B (SmolLM2-135M, all 30 layers); median of {args.repeats} rounds")

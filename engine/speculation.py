@@ -3,7 +3,9 @@ the step that would have computed one token.
 
 Proposal: a decoding sequence whose last n tokens (n from `prompt_lookup_max` down to
 `prompt_lookup_min`) occurred earlier in its prompt or output gets, as drafts, the tokens
-that followed the latest such occurrence (`propose`).
+that followed the latest such occurrence (`propose`). The search looks back at most
+LOOKUP_WINDOW tokens: it runs on the engine thread for every speculating sequence of every
+step, outside the step cost model, so its cost must not grow with a client's context.
 
 Verification: the step computes the sequence's last token and its drafts as consecutive
 decode rows; row i is position `start + i` and attends to positions <= `start + i`, so its
@@ -53,11 +55,14 @@ Record = Callable[[list], list[RequestOutput]]
 PRIOR_KEPT, PRIOR_TESTED = 1.0, 2.0  # a sequence's keep rate starts at 1/2
 EVIDENCE_DECAY = 0.9  # per verification: about the last 10 drafts tested count
 SKIPPED_DECAY = 0.99  # per step a proposal was not run: a failing sequence is probed again
+LOOKUP_WINDOW = 8192  # tokens a proposal searches, the newest: its cost per step is bounded
 
 
-def propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+def propose(tokens: np.ndarray, min_n: int, max_n: int, k: int, window: int = LOOKUP_WINDOW) -> np.ndarray:
     """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
-    `tokens`, for the largest n in [min_n, max_n] that occurs; empty when none does."""
+    `tokens`, for the largest n in [min_n, max_n] that occurs within the last `window`
+    tokens; empty when none does."""
+    tokens = tokens[-window:]
     length = tokens.shape[0]
     if length < 2:
         return tokens[:0]

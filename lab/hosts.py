@@ -187,10 +187,11 @@ class Lab:
                 if time.monotonic() > deadline:
                     raise LabError(f"{service.name} not ready after {timeout_s:.0f} s:\n{service.tail()}")
 
-    def http(self, host: str, url: str, body: dict | None = None, timeout_s: float = 120.0) -> bytes:
+    def http(self, host: str, url: str, body: dict | None = None, timeout_s: float = 120.0,
+             headers: dict[str, str] | None = None) -> bytes:
         """One HTTP request (POST with a JSON `body`, else GET) from inside `host`; its body."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
         with self.inside(host), urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.read()
 

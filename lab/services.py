@@ -8,9 +8,11 @@ import ctypes
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,6 +80,7 @@ class Deployment:
     lab: Lab
     router: Service
     workers: list[Service]
+    admin_key: str = ""  # the router's admin key: a keyless router off loopback shows no internals
 
     @property
     def url(self) -> str:
@@ -85,7 +88,12 @@ class Deployment:
 
     def request(self, path: str, body: dict | None = None, timeout_s: float = 120.0) -> dict:
         """`path` of the router's HTTP API, asked from the router's own host; its JSON."""
-        return json.loads(self.lab.http(self.router.host.name, self.url + path, body, timeout_s) or b"{}")
+        return json.loads(self.lab.http(self.router.host.name, self.url + path, body, timeout_s,
+                                        headers=self.admin_headers()) or b"{}")
+
+    def admin_headers(self) -> dict[str, str]:
+        """What a request sends to see the router's internals (routing, transfer verdicts)."""
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
 
     def gauges(self) -> dict[str, tuple[float, float]]:
         """worker id -> (share of its KV cache in use, requests running), from the router's
@@ -130,6 +138,18 @@ class Deployment:
             service.stop()
 
 
+def _admin_key(router_args: Sequence[str]) -> tuple[str, list[str]]:
+    """(an admin key, the router's flag naming its private file) unless `router_args` bring
+    their own: the lab's router listens off loopback, where only the admin sees internals."""
+    if "--admin-api-key-file" in router_args:
+        return "", []
+    key = secrets.token_urlsafe(24)
+    path = os.path.join(tempfile.mkdtemp(prefix="pdserve-lab-admin-"), "admin-key")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(key + "\n")
+    return key, ["--admin-api-key-file", path]
+
+
 def deploy(lab: Lab, secret_file: str, router: str, prefill: Sequence[str], decode: Sequence[str],
            router_args: Sequence[str] = (), worker_args: Sequence[str] = (),
            worker_env: dict[str, str] | None = None, timeout_s: float = 240.0,
@@ -142,7 +162,9 @@ def deploy(lab: Lab, secret_file: str, router: str, prefill: Sequence[str], deco
     py = [sys.executable, "-m", "pdserve.deploy.cli"]
     secret = ["--cluster-secret-file", secret_file]
     r = lab[router]
-    router_service = lab.start("router", router, [*py, "router", "--host", r.address, *secret, *router_args])
+    admin_key, admin = _admin_key(router_args)
+    router_service = lab.start("router", router, [*py, "router", "--host", r.address, *secret, *admin,
+                                                  *router_args])
     env = {"PDSERVE_UCX_TLS": "tcp,self", **(worker_env or {})}
     workers = []
     for role, hosts in (("prefill", prefill), ("decode", decode)):
@@ -150,7 +172,7 @@ def deploy(lab: Lab, secret_file: str, router: str, prefill: Sequence[str], deco
             argv = [*py, role, "--host", lab[name].address, "--router", f"{r.address}:{ROUTER_REGISTRY_PORT}",
                     "--worker-id", name, *secret, *worker_args, *(per_host_args or {}).get(name, ())]
             workers.append(lab.start(name, name, argv, env))
-    deployment = Deployment(lab, router_service, workers)
+    deployment = Deployment(lab, router_service, workers, admin_key)
     deadline = time.monotonic() + timeout_s
     lab.wait_ready([router_service, *workers], timeout_s)
     while True:

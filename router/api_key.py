@@ -12,7 +12,7 @@ import grpc
 from pdserve.common.errors import UnauthenticatedError
 from pdserve.router.config import ConfigError, RouterConfig
 from pdserve.rpc.server import refuse_unread
-from pdserve.security.client_keys import ClientKeyError, ClientKeys, load_admin_key
+from pdserve.security.client_keys import ClientKeyError, ClientKeys, load_admin_key, open_scope_for
 from pdserve.security.tenants import TenantKeys, TenantKeysError
 
 
@@ -22,9 +22,29 @@ def client_keys(config: RouterConfig) -> ClientKeys:
     try:
         admin = load_admin_key(config.admin_api_key_file) if config.admin_api_key_file else None
         tenants = TenantKeys(config.api_keys_file) if config.api_keys_file else None
-        return ClientKeys(config.api_key, admin, tenants)
+        return ClientKeys(config.api_key, admin, tenants, open_scope_for(config.host))
     except (ClientKeyError, TenantKeysError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+def metrics_bearer(config: RouterConfig) -> str | None:
+    """The one bearer /metrics answers (HTTP and --metrics-port): the metrics token where
+    one is set (what a scraper holds: it names workers and their cache hits), else the API
+    key under --metrics-auth; None: open."""
+    if config.metrics_token:
+        return config.metrics_token
+    return config.api_key if config.metrics_auth else None
+
+
+def check_metrics_bearer(config: RouterConfig, authorization: str | None) -> None:
+    """UNAUTHENTICATED unless `authorization` is /metrics' bearer (`metrics_bearer`), compared
+    in constant time; nothing to check where /metrics is open."""
+    import hmac
+
+    bearer = metrics_bearer(config)
+    if bearer is not None and not hmac.compare_digest((authorization or "").strip().encode(),
+                                                      f"Bearer {bearer}".encode()):
+        raise UnauthenticatedError("/metrics needs its bearer token: send 'Authorization: Bearer <token>'")
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -26,7 +26,7 @@ from pdserve.rpc.credentials import InternalAuth, InternalTLS
 from pdserve.rpc.server import (REGISTRY_MAX_RECEIVE_BYTES, MalformedRequestInterceptor, add_health_and_reflection,
                                 internal_server, server_options, service_name, set_serving)
 from pdserve.router.admission import InFlight
-from pdserve.router.api_key import ApiKeyInterceptor, client_keys
+from pdserve.router.api_key import ApiKeyInterceptor, client_keys, metrics_bearer
 from pdserve.router.enrollment import Revocations, enrollment_verifier
 from pdserve.router.http_guard import guarded_protocol
 from pdserve.router.catalog import ModelCatalog
@@ -67,7 +67,8 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class RouterApp:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.registry = WorkerRegistry(config.worker_timeout_s, config.max_indexed_blocks_per_worker)
+        self.registry = WorkerRegistry(config.worker_timeout_s, config.max_indexed_blocks_per_worker,
+                                       check_claims=config.check_prefix_claims)
         self.metrics = RouterMetrics(self.registry)
         self.catalog = ModelCatalog()
         tls = InternalTLS.load(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
@@ -117,14 +118,14 @@ class RouterApp:
         self._watch = asyncio.get_running_loop().create_task(self._cut_off_dead_workers())
         if self.config.static_workers:
             self._poller = asyncio.get_running_loop().create_task(self.membership.poll_static_workers())
-        if self.config.metrics_port:  # with --metrics-auth, the API key's bearer only (as HTTP /metrics)
+        if self.config.metrics_port:  # the bearer HTTP /metrics asks for (`metrics_bearer`)
             from prometheus_client import generate_latest
 
             from pdserve.common.metrics_http import MetricsServer
 
             self._metrics_server = MetricsServer(self.config.host, self.config.metrics_port,
                                                  lambda: generate_latest(self.metrics.registry),
-                                                 self.config.api_key if self.config.metrics_auth else None)
+                                                 metrics_bearer(self.config))
         log.info("router serving HTTP on http://%s:%d, gRPC on %s:%d, the worker registry on %s:%d",
                  self.config.host, self.http_port, self.config.host, self.grpc_port, self.config.host,
                  self.registry_port)

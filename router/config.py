@@ -71,8 +71,13 @@ class RouterConfig:
                               "loopback unless its --internal-host says otherwise", "listeners")
     registry_port: int = _opt(ROUTER_REGISTRY_PORT, "gRPC port where workers register (internal; keep it off "
                               "client networks)", "listeners")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: flags show "
-                               "in ps)", "routing")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (prefer --api-key-file or "
+                               "PDSERVE_API_KEY: flags show in ps)", "routing")
+    api_key_file: str = _opt("", "file holding the API key (mode 0600, or a Secret volume's): as --api-key, "
+                             "shown by no flag or environment", "routing")
+    metrics_token_file: str = _opt("", "file holding a bearer token (mode 0600, or a Secret volume's): /metrics "
+                                   "(HTTP and --metrics-port) answers only 'Authorization: Bearer <it>'",
+                                   "routing")
     admin_api_key_file: str = _opt("", "file holding the admin key (mode 0600): callers sending 'Authorization: "
                                    "Bearer <it>' see pdserve's internals (routing, transfer verdicts, timings, "
                                    "worker details on /health, workers' errors); with neither key set, every "
@@ -87,6 +92,9 @@ class RouterConfig:
                               "[tokens_per_minute=N] [in_flight=N]' a line (# comments; mode 0600), read again "
                               "when it changes: each tenant prefix-caches apart from the others, under its "
                               "limits (429 with Retry-After past one)", "routing")
+    check_prefix_claims: bool = _opt(False, "a worker's KV events count for prefix-aware routing only for blocks "
+                                     "this router sent it: a worker cannot capture a popular prefix's prompts "
+                                     "by claiming it (affinity starts afresh after a router restart)", "routing")
     metrics_auth: bool = _opt(False, "/metrics requires the API key too (/health and /ready stay open)", "routing")
     tls_cert: str = _opt("", "PEM certificate (chain) for HTTPS and gRPC TLS on the client ports", "routing")
     tls_key: str = _opt("", "PEM private key of --tls-cert", "routing")
@@ -122,6 +130,7 @@ class RouterConfig:
     rpc_timeout_s: float = 10.0  # ModelInfo, Load, Abort calls to workers
     retry_after_s: int = 1  # Retry-After of a 429
     max_indexed_blocks_per_worker: int = 1 << 20  # KV event index bound per worker, all tiers together
+    metrics_token: str = dataclasses.field(default="", repr=False)  # read from --metrics-token-file
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "registry_port", "metrics_port"):
@@ -155,10 +164,26 @@ class RouterConfig:
             raise ConfigError(f"unknown log_level {self.log_level!r}")
         if self.api_key == "":
             object.__setattr__(self, "api_key", None)
+        self._read_key_files()
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.metrics_auth and self.api_key is None:
             raise ConfigError("--metrics-auth needs --api-key")  # the metrics port's one bearer
+
+    def _read_key_files(self) -> None:
+        """--api-key-file and --metrics-token-file, read once here (a bad file stops the start)."""
+        from pdserve.security.client_keys import ClientKeyError, load_key_file
+        from pdserve.security.secret import ClusterSecretError
+
+        try:
+            if self.api_key_file:
+                if self.api_key is not None:
+                    raise ConfigError("--api-key and --api-key-file: give one")
+                object.__setattr__(self, "api_key", load_key_file(self.api_key_file, "API key"))
+            if self.metrics_token_file:
+                object.__setattr__(self, "metrics_token", load_key_file(self.metrics_token_file, "metrics token"))
+        except (ClientKeyError, ClusterSecretError) as exc:
+            raise ConfigError(str(exc)) from None
 
     @property
     def http_limits(self) -> HttpLimits:

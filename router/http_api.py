@@ -26,6 +26,7 @@ from pdserve.common.errors import (EXPECTED_ERRORS, ErrorKind, InvalidRequestErr
 from pdserve.proto.pdserve.v1 import generation_pb2
 from pdserve.router import fanout, tokenize_api
 from pdserve.router.adapters import AdapterAdmin, AdapterDirectory
+from pdserve.router.api_key import check_metrics_bearer
 from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
 from pdserve.router.frontend import Frontend
@@ -363,11 +364,10 @@ def build_http_app(frontend: Frontend, catalog: ModelCatalog, registry: WorkerRe
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     async def prometheus(request: Request) -> Response:
-        if config.metrics_auth:
-            try:
-                auth.check(request.headers.get("authorization"))
-            except EXPECTED_ERRORS as err:
-                return error_response(err)
+        try:
+            check_metrics_bearer(config, request.headers.get("authorization"))
+        except EXPECTED_ERRORS as err:
+            return error_response(err)
         return Response(metrics.render(registry), media_type=metrics.content_type)
 
     if admin is not None and admin.enabled:

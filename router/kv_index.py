@@ -40,6 +40,7 @@ class KVIndex:
     num_blocks: int = 0
     num_snapshots: int = 0
     num_gaps: int = 0
+    vouch: Callable[[Sequence[int]], Sequence[int]] | None = None  # the claims that count (`prefix_claims`)
 
     def tier_of(self, block_hash: int) -> str | None:
         """The nearest tier holding `block_hash`, or None."""
@@ -113,6 +114,8 @@ class KVIndex:
                     self.num_blocks -= before - len(held)
 
     def _add(self, tier: str, block_hashes) -> None:
+        if self.vouch is not None:  # only blocks the router sent this worker count
+            block_hashes = self.vouch(block_hashes)
         held = self.tiers.setdefault(tier, set())
         for block_hash in block_hashes:
             if self.num_blocks >= self.max_blocks:

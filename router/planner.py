@@ -168,9 +168,10 @@ class RoutePlanner:
             pick = self._pick_prefill(model_name, query, decode.record, uncached, lora_name)
         prefill = pick.record.worker if pick.record is not None else None
         if prefill is not None:
-            self._registry.note_routed(prefill.worker_id, prompt_tokens=uncached)
+            self._registry.note_routed(prefill.worker_id, prompt_tokens=uncached, block_hashes=block_hashes)
         self._count("prefill", self._prefill_policy.name, pick.reason)
-        self._registry.note_routed(decode.record.worker_id, prompt_tokens=0 if prefill else max(0, uncached))
+        self._registry.note_routed(decode.record.worker_id, prompt_tokens=0 if prefill else max(0, uncached),
+                                   block_hashes=block_hashes)
         log.info("route %s: decode=%s (%s) prefill=%s (%s) prompt=%d matched=%d%s%s", request_id,
                  decode.record.worker_id, decode.reason, prefill.worker_id if prefill else "local",
                  pick.reason, num_prompt_tokens, num_matched, _describe(pick.prediction),

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from pdserve.common.errors import AlreadyExistsError, AuthError
 from pdserve.router.config import Role
 from pdserve.router.kv_index import KVIndex
+from pdserve.router.prefix_claims import MAX_ROUTED_PER_WORKER, RoutedPrefixes
 from pdserve.security import registration
 from pdserve.security.credentials import Identity
 
@@ -116,12 +117,16 @@ class WorkerRecord:
 
 class WorkerRegistry:
     def __init__(self, worker_timeout_s: float, max_indexed_blocks: int = 1 << 20,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`max_indexed_blocks`: the most block hashes the index keeps per worker."""
+                 clock: Callable[[], float] = time.monotonic, check_claims: bool = False) -> None:
+        """`max_indexed_blocks`: the most block hashes the index keeps per worker.
+        `check_claims`: a worker's KV events count only for blocks this router sent it
+        (`prefix_claims`; affinity then starts afresh after a router restart)."""
         self._timeout_s = worker_timeout_s
         self._max_indexed_blocks = max_indexed_blocks
         self._clock = clock
         self._records: dict[str, WorkerRecord] = {}
+        self.routed = RoutedPrefixes(min(max_indexed_blocks, MAX_ROUTED_PER_WORKER))  # checks KV claims
+        self._check_claims = check_claims
 
     def register(self, worker: Worker, load: Load, *, lease: bytes = b"", leased: bool = False, public_key: bytes = b"") -> bytes:
         """Add or replace `worker`; an entry with the same address (a restart under a new
@@ -137,10 +142,14 @@ class WorkerRegistry:
         new_lease = registration.new_lease() if leased else b""
         self._records[worker.worker_id] = WorkerRecord(worker, load, self._clock(), lease=new_lease,
                                                        public_key=public_key,
-                                                       kv=KVIndex(max_blocks=self._max_indexed_blocks))
+                                                       kv=KVIndex(max_blocks=self._max_indexed_blocks,
+                                                                  vouch=self._voucher(worker.worker_id)))
         log.info("registered %s worker %s at %s (model %s)", worker.role.value, worker.worker_id,
                  worker.address, worker.model_name)
         return new_lease
+
+    def _voucher(self, worker_id: str):
+        return self.routed.voucher(worker_id) if self._check_claims else None
 
     def check_free(self, worker: Worker, lease: bytes = b"", public_key: bytes = b"") -> None:
         """ALREADY_EXISTS unless `worker` may register now (see `register`). A live leased
@@ -182,6 +191,7 @@ class WorkerRegistry:
             return False
         _check_lease(record, lease)
         del self._records[worker_id]
+        self.routed.forget(worker_id)
         log.info("deregistered worker %s", worker_id)
         return True
 
@@ -202,11 +212,14 @@ class WorkerRegistry:
             record.suspect = True
             log.warning("worker %s marked suspect: %s", worker_id, why)
 
-    def note_routed(self, worker_id: str, prompt_tokens: int = 0) -> None:
+    def note_routed(self, worker_id: str, prompt_tokens: int = 0, block_hashes: Sequence[int] = ()) -> None:
         """A request was sent to the worker (`prompt_tokens` of it for the worker to compute):
-        it counts in its load until the next report. What it caches, its KV events say."""
+        it counts in its load until the next report. What it caches, its KV events say, for
+        the blocks it was sent (`block_hashes`: `prefix_claims`)."""
         record = self._records.get(worker_id)
         if record is not None:
+            if self._check_claims:
+                self.routed.note(worker_id, block_hashes)
             record.num_routed_since_report += 1
             record.num_routed_prompt_tokens += prompt_tokens
 
@@ -275,6 +288,7 @@ class WorkerRegistry:
         for worker_id in [w for w, r in self._records.items() if r.last_seen < horizon]:
             log.warning("forgetting silent worker %s", worker_id)
             del self._records[worker_id]
+            self.routed.forget(worker_id)
 
 
 def _check_lease(record: WorkerRecord, lease: bytes | None) -> None:

@@ -11,8 +11,9 @@ before the request is read. A tenant's key names its `Caller`'s tenant, whose pr
 namespace and limits the request gets; the one `--api-key` is the tenant-less client. The key a caller sends sets
 its `Scope`: the admin key (read from a private file, different from the API key) sees
 pdserve's internals; the API key, or no key where none is asked for, sees a client's
-answer only; a router with neither key shows everyone everything (`pdserve up` on a
-laptop). The HTTP check and the gRPC interceptor are adapters in `pdserve.router.api_key`.
+answer only. A router with no key at all shows everyone everything only where it listens
+on loopback (`pdserve up` on a laptop: `open_scope`); listening anywhere else, it has no
+admin without an admin key. The HTTP check and the gRPC interceptor are adapters in `pdserve.router.api_key`.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from pdserve.common.errors import UnauthenticatedError
+from pdserve.common.util import is_loopback
 from pdserve.security.secret import read_private_file
 from pdserve.security.tenants import Tenant, TenantKeys
 
@@ -48,14 +50,26 @@ class Scope(enum.IntEnum):
     ADMIN = 2
 
 
-def load_admin_key(path: str | os.PathLike) -> str:
-    """The admin key in `path`, a file private to this user (ClusterSecretError otherwise):
-    one word of printable ASCII (ClientKeyError otherwise)."""
-    raw = read_private_file(path, "admin API key", max_bytes=MAX_ADMIN_KEY_BYTES)
+def open_scope_for(host: str) -> Scope:
+    """What callers of a router with no key at all see: everything where it listens on
+    loopback only (its callers are this machine's), a client's answer anywhere else."""
+    return Scope.ADMIN if is_loopback(host) else Scope.CLIENT
+
+
+def load_key_file(path: str | os.PathLike, what: str) -> str:
+    """The key (a bearer token, a password) in `path`, a file private to this user or on a
+    Secret volume (ClusterSecretError otherwise): one word of printable ASCII (ClientKeyError
+    otherwise). Keys come from files so that no flag (ps) or environment shows them."""
+    raw = read_private_file(path, what, max_bytes=MAX_ADMIN_KEY_BYTES)
     key = raw.decode("ascii", errors="replace").strip()
     if not key or not key.isprintable() or " " in key:
-        raise ClientKeyError(f"{path}: the admin key must be one word of printable ASCII")
+        raise ClientKeyError(f"{path}: the {what} must be one word of printable ASCII")
     return key
+
+
+def load_admin_key(path: str | os.PathLike) -> str:
+    """The admin key in `path` (`load_key_file`)."""
+    return load_key_file(path, "admin key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +86,12 @@ class ClientKeys:
     not asked for)."""
 
     def __init__(self, api_key: str | None, admin_api_key: str | None = None,
-                 tenants: TenantKeys | None = None) -> None:
+                 tenants: TenantKeys | None = None, open_scope: Scope = Scope.CLIENT) -> None:
+        """`open_scope`: what every caller sees when no key at all is set (ADMIN only for a
+        router on loopback: `open_scope_for`)."""
         if admin_api_key is not None and admin_api_key == api_key:
             raise ClientKeyError("the admin key must differ from the API key")
+        self._open_scope = open_scope
         self._expected = None if api_key is None else f"Bearer {api_key}".encode()
         self._admin = None if admin_api_key is None else f"Bearer {admin_api_key}".encode()
         self._tenants = tenants
@@ -89,7 +106,7 @@ class ClientKeys:
     def caller(self, authorization: str | None) -> Caller:
         """Who a caller sending `authorization` is (never raises)."""
         if self._open():
-            return Caller(Scope.ADMIN)
+            return Caller(self._open_scope)
         sent = (authorization or "").strip()
         if self._admin is not None and hmac.compare_digest(sent.encode(), self._admin):
             return Caller(Scope.ADMIN)
@@ -124,7 +141,7 @@ class ClientKeys:
     def identify_metadata(self, metadata: Iterable[tuple[str, str]] | None) -> Caller:
         """`identify` on gRPC metadata, which must carry at most one `authorization` entry."""
         if self._open():
-            return Caller(Scope.ADMIN)
+            return Caller(self._open_scope)
         found = [value for key, value in (metadata or ()) if key.lower() == "authorization"]
         if len(found) > 1:  # the key checked must be the only one the call carries
             raise UnauthenticatedError(f"a call carries exactly one authorization entry, not {len(found)}")

@@ -7,23 +7,27 @@ an "ok" the sender believes, or a request for blocks 20..21 into one for 21..22)
 
 Rule: a link starts with a mutual challenge-response over the deployment's transfer key, and
 from then on every control frame in either direction carries a tag bound to the session, its
-direction and its position; every payload carries a one-time MAC that its receiver checks on
-the bytes that arrived before anything sees them. A frame or payload that fails its tag ends
-the exchange. Keyless (`--insecure-internal`) the tags use a public key: they catch corruption,
-not an attacker, and payloads carry an all-zero tag (the sink checks their checksum)::
+direction and its position; every payload is encrypted and tagged (AEAD) under a key of the
+link's own, and its receiver opens it before anything sees a byte of it. A frame that fails
+its tag ends the link; a payload that fails its tag is refused, and nothing of it lands.
+Keyless (`--insecure-internal`) the tags use a public key: they catch corruption, not an
+attacker, and payloads travel in clear with an all-zero tag (the sink checks their checksum)::
 
     R -> S  challenge c (32 random bytes)
     S -> R  nonce n (32 random bytes) + HMAC-SHA256(key, "s2r" c n)
     R -> S  HMAC-SHA256(key, "r2s" n c)       (R closes the connection if S's proof fails)
 
 Both sides then hold the session key HMAC-SHA256(key, "session" c n), fresh per connection. A
-frame's tag is HMAC-SHA256(session key, direction, frame number, frame). A payload's tag is
-Poly1305 over the payload under HMAC-SHA256(session key, "payload" seq header index) (the
-header names the transfer and holds its checksum, so no one-time key serves two payloads);
-for a payload that stays on a GPU, Poly1305 over its keyed NH digest instead, the digest's
-key a second one-time key (the caller computes the digest where the payload lives).
+frame's tag is HMAC-SHA256(session key, direction, frame number, frame). A payload is sealed
+with AES-GCM (AES-NI makes it the faster AEAD on the CPUs that serve) under
+HKDF-SHA256(session key, "payload s2r"); its nonce is the frame number of the request that
+announces it (a request is a frame, frame numbers only grow, and the key is the link's own, so
+no nonce serves twice under one key), its associated data the request's seq, header and
+index. The request carries the payload's tag; the payload channel carries ciphertext, then
+the tag again. A payload altered, cut, moved to another request or replayed from an earlier
+one fails its tag, and the receiver refuses it before the sink sees anything.
 
-Torch-free and grpc-free: payloads reach this module as host bytes or as a digest function.
+Torch-free and grpc-free: payloads reach this module as host buffers.
 """
 from __future__ import annotations
 
@@ -31,20 +35,19 @@ import hashlib
 import hmac
 import os
 import struct
-from typing import Callable
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.poly1305 import Poly1305
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from pdserve.common.errors import TransferError
 
 PROOF_BYTES = 32
 TAG_BYTES = 32  # a control frame's HMAC-SHA256
-PAYLOAD_TAG_BYTES = 16  # a payload's Poly1305
+PAYLOAD_TAG_BYTES = 16  # a payload's AES-GCM tag
 _KEYLESS = b"pdserve-v1/keyless-transfer"  # public: without a key, tags only catch corruption
-
-HostBytes = Callable[[], memoryview]  # the payload as flat host bytes, computed only when needed
-DeviceDigest = Callable[[bytes], bytes]  # secret -> the payload's keyed digest, computed on its device
+_PAYLOAD_KEY_INFO = b"pdserve-v1/transfer-payload-aead s2r"  # payloads go sender -> receiver only
 
 
 class PeerNotAuthenticated(TransferError):
@@ -53,6 +56,10 @@ class PeerNotAuthenticated(TransferError):
 
 class TamperedFrame(TransferError):
     """A control frame failed its tag: altered, replayed, reordered, or not from the peer."""
+
+
+class TamperedPayload(TransferError):
+    """A payload failed its AEAD tag: altered, cut, replayed, or not from the peer."""
 
 
 def _proof(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
@@ -69,6 +76,7 @@ class Session:
         self.is_sender = is_sender
         self._out, self._in = (b"s2r", b"r2s") if is_sender else (b"r2s", b"s2r")
         self._num_sent = self._num_received = 0
+        self._aead: AESGCM | None = None
 
     @classmethod
     def derive(cls, transfer_key: bytes | None, challenge: bytes, nonce: bytes,
@@ -94,34 +102,45 @@ class Session:
         self._num_received += 1
         return frame
 
-    def _payload_mac(self, seq: int, header: bytes, index: bytes, host_bytes: HostBytes,
-                     device_digest: DeviceDigest | None) -> Poly1305:
-        context = struct.pack("<Q", seq) + header + index
-        mac = Poly1305(hmac.new(self._key, b"payload" + context, hashlib.sha256).digest())
-        if device_digest is None:
-            mac.update(host_bytes())
-            return mac
-        secret = hmac.new(self._key, b"payload-nh16" + context, hashlib.sha256).digest()
-        mac.update(b"nh16")
-        mac.update(device_digest(secret))
-        return mac
+    def _payload_aead(self) -> AESGCM:
+        if self._aead is None:
+            self._aead = AESGCM(HKDF(hashes.SHA256(), 32, salt=None,
+                                     info=_PAYLOAD_KEY_INFO).derive(self._key))
+        return self._aead
 
-    def payload_tag(self, seq: int, header: bytes, index: bytes, host_bytes: HostBytes,
-                    device_digest: DeviceDigest | None = None) -> bytes:
-        """The tag of request `seq`'s payload (over `device_digest` when given, else the bytes)."""
-        if not self.is_keyed:
-            return bytes(PAYLOAD_TAG_BYTES)
-        return self._payload_mac(seq, header, index, host_bytes, device_digest).finalize()
+    @staticmethod
+    def _payload_nonce(frame_number: int) -> bytes:
+        return b"pay\0" + struct.pack("<Q", frame_number)
 
-    def check_payload(self, seq: int, header: bytes, index: bytes, tag: bytes, host_bytes: HostBytes,
-                      device_digest: DeviceDigest | None = None) -> None:
-        """TransferError unless `tag` is the sender's tag of the payload that arrived."""
-        if not self.is_keyed:  # the sink still verifies the payload's checksum
-            return
+    @staticmethod
+    def _payload_context(seq: int, header: bytes, index: bytes) -> bytes:
+        return b"pdserve-payload" + struct.pack("<Q", seq) + header + index
+
+    def seal_payload(self, seq: int, header: bytes, index: bytes, plaintext: memoryview,
+                     out: memoryview) -> bytes:
+        """Sender: encrypt `plaintext` into `out` (ciphertext, then the tag: PAYLOAD_TAG_BYTES
+        longer) for the request frame we seal next, and return the tag. Keyed sessions only."""
+        if not self.is_keyed or len(out) != len(plaintext) + PAYLOAD_TAG_BYTES:
+            raise TransferError("a payload is sealed on a keyed link, into its length plus a tag")
+        self._payload_aead().encrypt_into(self._payload_nonce(self._num_sent), plaintext,
+                                          self._payload_context(seq, header, index), out)
+        return bytes(out[-PAYLOAD_TAG_BYTES:])
+
+    def open_payload(self, seq: int, header: bytes, index: bytes, sealed: memoryview, tag: bytes,
+                     out: memoryview) -> None:
+        """Receiver: decrypt `sealed` (what the channel carried: ciphertext, then the tag) into
+        `out`, for the request frame we opened last, whose tag it must also carry. Raises
+        TamperedPayload, and then `out` holds nothing to use."""
+        if not self.is_keyed or len(sealed) != len(out) + PAYLOAD_TAG_BYTES:
+            raise TamperedPayload("the payload is not the announced length plus its tag")
+        if not hmac.compare_digest(bytes(sealed[-PAYLOAD_TAG_BYTES:]), tag):
+            raise TamperedPayload("the payload's tag is not the one its request announced")
         try:
-            self._payload_mac(seq, header, index, host_bytes, device_digest).verify(tag)
-        except InvalidSignature:
-            raise TransferError("payload MAC mismatch: the KV bytes were altered in transit") from None
+            self._payload_aead().decrypt_into(self._payload_nonce(self._num_received - 1), sealed,
+                                              self._payload_context(seq, header, index), out)
+        except InvalidTag:
+            raise TamperedPayload("the payload failed its AEAD tag: altered, replayed or not "
+                                  "from the authenticated peer") from None
 
 
 def keyless_session(is_sender: bool) -> Session:

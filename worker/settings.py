@@ -53,6 +53,53 @@ ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _read_token(path: str) -> str:
+    """An enrollment token from its private file (one line: its fields are words)."""
+    from pdserve.security.enrollment import MAX_TOKEN_CHARS
+    from pdserve.security.secret import read_private_file
+
+    text = read_private_file(path, "enrollment token", max_bytes=MAX_TOKEN_CHARS).decode("ascii", "replace").strip()
+    if not text or "\n" in text or not text.isprintable():
+        raise SettingsError(f"{path}: the enrollment token is one line of printable ASCII")
+    return text
+
+
+def _key_file_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings read from key files (--metrics-token-file, --enrollment-token-file,
+    --redis-url-file, --redis-password-file), so that no flag or environment shows them."""
+    from urllib.parse import quote
+
+    from pdserve.security.client_keys import ClientKeyError, load_key_file
+    from pdserve.security.secret import ClusterSecretError
+
+    out: dict[str, Any] = {}
+    try:
+        if values.get("metrics_token_file"):
+            if values.get("metrics_token"):
+                raise SettingsError("--metrics-token and --metrics-token-file: give one")
+            out["metrics_token"] = load_key_file(values["metrics_token_file"], "metrics token")
+        if values.get("enrollment_token_file"):
+            if values.get("enrollment_token"):
+                raise SettingsError("--enrollment-token and --enrollment-token-file: give one")
+            out["enrollment_token"] = _read_token(values["enrollment_token_file"])
+        url = values.get("redis_url") or ""
+        if values.get("redis_url_file"):
+            if url:
+                raise SettingsError("--redis-url and --redis-url-file: give one")
+            url = load_key_file(values["redis_url_file"], "Redis URL")
+        if values.get("redis_password_file"):
+            scheme, sep, rest = url.partition("://")
+            if not sep or "@" in rest:
+                raise SettingsError("--redis-password-file needs a --redis-url without a password")
+            password = quote(load_key_file(values["redis_password_file"], "Redis password"), safe="")
+            url = f"{scheme}://:{password}@{rest}"
+    except (ClientKeyError, ClusterSecretError) as exc:
+        raise SettingsError(str(exc)) from None
+    if url:
+        out["redis_url"] = url
+    return out
+
+
 GROUPS = ("common", "worker", "engine", "kv transfer", "lifecycle")  # `up` shares all but common and worker
 
 
@@ -114,6 +161,10 @@ class WorkerSettings:
                                f"fallback chain, comma separated, of {', '.join(BACKENDS)}; recompute ends it",
                                "kv transfer")
     redis_url: str = setting("", "redis://host:port/db for the redis backend", "kv transfer")
+    redis_url_file: str = setting("", "file holding --redis-url (mode 0600, or a Secret volume's): a URL with a "
+                                  "password shown by no flag or environment", "kv transfer")
+    redis_password_file: str = setting("", "file holding the Redis password (mode 0600, or a Secret volume's), "
+                                       "added to --redis-url", "kv transfer")
     disk_store: str = setting("", "directory of the disk KV store (shared volume in k8s)", "kv transfer")
     disk_store_max_gb: float = setting(DISK_STORE_MAX_GB, "disk store size budget in GiB", "kv transfer")
     prefix_store: str = setting("none", "persistent prefix cache in that store (located by "
@@ -136,7 +187,9 @@ class WorkerSettings:
     # -- worker: one process's own
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0: off)", "worker")
     metrics_token: str = setting("", "the metrics port answers only 'Authorization: Bearer TOKEN' (prefer "
-                                 "PDSERVE_METRICS_TOKEN: flags show in ps; none: open)", "worker")
+                                 "--metrics-token-file or PDSERVE_METRICS_TOKEN: flags show in ps; none: open)",
+                                 "worker")
+    metrics_token_file: str = setting("", "file holding --metrics-token (mode 0600, or a Secret volume's)", "worker")
     grpc_port: int = setting(0, "gRPC port (0 picks a free one)", "worker")  # from_settings: the role's port
     advertise_host: str = setting("", "address peers and the router use to reach this worker (none: --host)",
                                   "worker")
@@ -147,6 +200,8 @@ class WorkerSettings:
                                     "--enrollment-public-key asks for at Register (prefer "
                                     "PDSERVE_ENROLLMENT_TOKEN: flags show in ps; `up` issues one per worker)",
                                     "worker")
+    enrollment_token_file: str = setting("", "file holding --enrollment-token (mode 0600, or a Secret or "
+                                         "memory volume's): what an enrolling init container writes", "worker")
     transfer_port: int = setting(0, "decode: UCX listener port; the NCCL/gloo store listens on the next port (0 "
                                  "picks free ones)", "worker")  # from_settings: DECODE_TRANSFER_PORT for decode
     max_queue: int = setting(64, "prefills in flight before refusing", "worker", roles=("prefill",))
@@ -196,6 +251,7 @@ class WorkerSettings:
                                   else coerce(raw, f.default))
             except (TypeError, ValueError):
                 raise SettingsError(f"--{f.name.replace('_', '-')}: cannot use {raw!r}") from None
+        values.update(_key_file_values(values))
         out = cls(**values)
         if out.failure_policy not in FAILURE_POLICIES:
             raise SettingsError(f"--failure-policy must be one of {', '.join(FAILURE_POLICIES)}")

@@ -42,13 +42,13 @@ class Control:
 
 @dataclass(slots=True)
 class Landing:
-    """Where a payload lands: `buffer` (what the channel receives into, and what the payload's
-    tag is checked on; `on_device`: a GPU tensor, tagged by digest), then `finish()` makes the
-    sink's `staging` hold it (a copy when the two differ), and the sink commits `staging`."""
+    """Where a keyless link's payload lands: `buffer` (what the channel receives into), then
+    `finish()` makes the sink's `staging` hold it (a copy when the two differ), and the sink
+    commits `staging`. A keyed link's sealed payload lands in a `probe_landing` buffer
+    instead and is opened into the sink's host staging by the protocol."""
 
     staging: object
     buffer: object
-    on_device: bool = False
     finish: Callable[[], None] = lambda: None
 
 
@@ -69,10 +69,9 @@ class Channel(ABC):
 
     max_seq: int = 0xFFFFFFFF  # request numbers wrap past this (a channel's tag space)
 
-    def outgoing(self, payload: object) -> tuple[object, bool]:
-        """(what `send` takes for `payload`, whether it is a GPU tensor tagged by digest). The
-        payload's tag is computed on exactly this object."""
-        return payload, False
+    def outgoing(self, payload: object) -> object:
+        """What `send` takes for `payload` (a sealed payload is a flat host buffer)."""
+        return payload
 
     @abstractmethod
     def send(self, data: object, seq: int, deadline: float) -> None:
@@ -80,12 +79,12 @@ class Channel(ABC):
 
     @abstractmethod
     def landing(self, sink: BlockSink, header: BlockHeader) -> Landing:
-        """Where request `header`'s payload lands (from `sink.staging`); TransferError refuses
-        the request before any payload moves."""
+        """Where request `header`'s payload lands on a keyless link (from `sink.staging`);
+        TransferError refuses the request before any payload moves."""
 
     @abstractmethod
     def probe_landing(self, nbytes: int) -> object:
-        """A buffer of `nbytes` a probe's bytes land in."""
+        """A buffer of `nbytes` that a probe's bytes, or a sealed payload, land in."""
 
     @abstractmethod
     def post_receive(self, buffer: object, seq: int) -> Receive:

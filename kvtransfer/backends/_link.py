@@ -31,7 +31,7 @@ import time
 from pdserve.common.errors import TransferError
 from pdserve.kernels.omp import one_intra_op_thread
 from pdserve.kvtransfer.backends import _gate, _p2p
-from pdserve.kvtransfer.backends._channel import Carrier, Channel, Control
+from pdserve.kvtransfer.backends._channel import Carrier, Channel, Control, Landing
 from pdserve.kvtransfer.base import BlockMessage, BlockSink, KVTransport
 from pdserve.kvtransfer.wire import HEADER_SIZE
 
@@ -50,6 +50,7 @@ class _Link:
         self.lock = threading.Lock()
         self.closed = False
         self.last_answer = time.monotonic()  # when the receiver last answered on this link
+        self.scratch = _p2p.Scratch(_p2p.host_buffer)  # where this link's payloads are sealed
 
     def _next_seq(self) -> int:
         seq, self.seq = self.seq, (self.seq + 1) & self.channel.max_seq
@@ -61,9 +62,9 @@ class _Link:
 
     def exchange(self, message: BlockMessage, deadline: float) -> None:
         seq = self._next_seq()
-        data, on_device = self.channel.outgoing(message.payload)
-        request = _p2p.encode_request(self.control.session, seq, message, deadline, payload=data,
-                                      on_device=on_device)
+        payload, tag = _p2p.seal_payload(self.control.session, seq, message, self.scratch)
+        data = self.channel.outgoing(payload)
+        request = _p2p.encode_request(self.control.session, seq, message, deadline, tag)
         _p2p.send_all(self.control.sock, request, deadline)
         self._answer(deadline)
         self.channel.send(data, seq, deadline)
@@ -82,7 +83,7 @@ class _Link:
         seq = self._next_seq()
         _p2p.send_all(self.control.sock, _p2p.encode_ping(self.control.session, seq, deadline), deadline)
         self._answer(deadline)
-        data, _ = self.channel.outgoing(bytes(_p2p.PROBE_BYTES))
+        data = self.channel.outgoing(bytes(_p2p.PROBE_BYTES))
         self.channel.send(data, seq, deadline)
         self._answer(deadline)
         self.last_answer = time.monotonic()
@@ -272,9 +273,10 @@ class ControlServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _p2p.keep_alive(sock)
             channel = self._handshake(sock, session)
+            scratch = _p2p.Scratch(channel.probe_landing) if channel is not None else None
             while channel is not None and not self._stop.is_set():
                 readable, _, _ = select.select([sock], [], [], POLL_S)
-                if readable and not self._serve_one(sock, session, channel):
+                if readable and not self._serve_one(sock, session, channel, scratch):
                     break
         except (ConnectionError, TimeoutError, OSError):
             pass  # the sender went away or broke off: drop the link
@@ -300,7 +302,8 @@ class ControlServer:
         _p2p.send_all(sock, _p2p.encode_welcome(session, welcome), deadline)
         return self.carrier.open(Control(sock, session, is_sender=False), hello, welcome, deadline)
 
-    def _serve_one(self, sock: socket.socket, session: _p2p.Session, channel: Channel) -> bool:
+    def _serve_one(self, sock: socket.socket, session: _p2p.Session, channel: Channel,
+                   scratch: "_p2p.Scratch") -> bool:
         """Handle one request. False: the link must be dropped."""
         deadline = time.monotonic() + _p2p.HANDSHAKE_TIMEOUT_S
         prefix = _p2p.recv_exactly(sock, _p2p.REQUEST.size, deadline)
@@ -321,15 +324,16 @@ class ControlServer:
         try:
             header, index = _p2p.parse_body(body, index_len, self.sink.limits)
             self.sink.check(header, index)
-            landing = channel.landing(self.sink, header)
+            landing = self._landing(session, channel, header, scratch)
         except Exception as exc:  # noqa: BLE001 - refused before any payload moved; the stream stays in sync
             _p2p.send_all(sock, _p2p.refusal(session, exc), deadline)
             return True
         if not self._receive(sock, session, channel, landing.buffer, seq, deadline, "the payload"):
             return False
         try:
-            _p2p.check_payload(session, seq, body[:HEADER_SIZE], index, landing.buffer, payload_tag,
-                               landing.on_device)
+            if session.is_keyed:  # opened into the staging, or refused: nothing of it lands
+                _p2p.open_payload(session, seq, body[:HEADER_SIZE], index, landing.buffer,
+                                  payload_tag, landing.staging)
             landing.finish()
             self.sink.commit(header, index, landing.staging)
         except Exception as exc:  # noqa: BLE001 - the sink's refusal, whatever it is, goes back to the sender
@@ -337,6 +341,14 @@ class ControlServer:
         else:
             _p2p.send_all(sock, _p2p.reply(session, True), deadline)
         return True
+
+    def _landing(self, session: _p2p.Session, channel: Channel, header, scratch: "_p2p.Scratch") -> Landing:
+        """Keyless: the channel's own landing. Keyed: the sealed payload lands in the link's
+        scratch (a buffer of the channel's), and is opened into the sink's host staging."""
+        if not session.is_keyed:
+            return channel.landing(self.sink, header)
+        staging = self.sink.staging(header)
+        return Landing(staging, scratch.take(_p2p.sealed_len(session, header.payload_len)))
 
     def _answer_probe(self, sock: socket.socket, session: _p2p.Session, channel: Channel,
                       prefix: bytes, deadline: float) -> bool:

@@ -10,7 +10,8 @@ Every frame below travels on a link's TCP control connection, sealed with the se
     S -> R  request  REQUEST (16 B): magic b"PDRQ", seq, budget ms, index length
                      + wire header (72 B) + index (16 B per block) + payload tag (16 B)
     R -> S  reply    REPLY (4 B): ok, reserved 0, reason length; + reason (UTF-8, <= 1 KiB)
-    S -> R  payload  on the payload channel, only after an accepting reply
+    S -> R  payload  on the payload channel, only after an accepting reply: keyed, the
+                     payload sealed (ciphertext, then its 16 B tag); keyless, in clear
     R -> S  reply    the verdict: ok, or refused + reason
     S -> R  ping     REQUEST (16 B) with magic b"PDPG", index length 0: a probe, answered like a
                      request whose payload is PROBE_BYTES
@@ -32,7 +33,7 @@ from pdserve.kvtransfer.wire import (
 )
 from pdserve.security.transfer_session import (  # noqa: F401  (the session's names, re-exported)
     PAYLOAD_TAG_BYTES, PROOF_BYTES, TAG_BYTES, PeerNotAuthenticated, Session, TamperedFrame,
-    check_receiver, check_sender, sender_answer,
+    TamperedPayload, check_receiver, check_sender, sender_answer,
 )
 
 HELLO = struct.Struct("<4sH8sHI")  # magic, VERSION, transport name, its version, body length
@@ -42,7 +43,7 @@ MAX_HELLO = 1 << 16  # a UCX worker address is a few hundred bytes; refuse absur
 
 REQUEST = struct.Struct("<4sIII")  # magic, seq, budget ms, index length
 REPLY = struct.Struct("<BBH")  # ok, reserved (0), reason length; then the reason (UTF-8)
-REQUEST_MAGIC, VERSION = b"PDRQ", 4  # these frames' version, carried by the hello
+REQUEST_MAGIC, VERSION = b"PDRQ", 5  # these frames' version, carried by the hello
 PING_MAGIC = b"PDPG"  # a probe of the connection: a REQUEST prefix with no index
 PROBE_BYTES = 8  # what a probe sends on the transport's channel
 PROBE_IDLE_S = 1.0  # a connection idle this long is probed before its next request
@@ -100,41 +101,79 @@ def check_payload_len(message: BlockMessage) -> None:
 
 # -- frames --------------------------------------------------------------------------------------
 def encode_request(session: Session, seq: int, message: BlockMessage, deadline: float,
-                   payload: object = None, on_device: bool = False) -> bytes:
-    """The sealed request for `message`, its payload's tag included (over `payload` when
-    given: the same bytes where the transport sends them from, e.g. a GPU tensor)."""
+                   payload_tag: bytes) -> bytes:
+    """The sealed request for `message`, carrying its payload's tag (`seal_payload`)."""
     budget_ms = int(min(MAX_BUDGET_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
     head = REQUEST.pack(REQUEST_MAGIC, seq, budget_ms, len(message.index))
-    tag = payload_tag(session, seq, message.header, message.index,
-                      message.payload if payload is None else payload, on_device)
-    return session.seal(head + message.header + message.index + tag)
+    return session.seal(head + message.header + message.index + payload_tag)
 
 
-def _device_digest(payload: object, on_device: bool):
-    if not on_device:
-        return None
-    from pdserve.kernels import digest
-
-    return lambda secret: digest.keyed_digest(payload, secret)
-
-
-def payload_tag(session: Session, seq: int, header: bytes, index: bytes, payload: object,
-                on_device: bool = False) -> bytes:
-    """`payload`'s tag: over its bytes, or on its GPU over its NH digest (`on_device`)."""
-    return session.payload_tag(seq, header, index, lambda: _flat_bytes(payload),
-                               _device_digest(payload, on_device))
+def seal_payload(session: Session, seq: int, message: BlockMessage,
+                 scratch: "Scratch | None" = None) -> tuple[object, bytes]:
+    """(what the channel carries for request `seq`, the tag its request announces). Keyed:
+    the payload encrypted on the host (a GPU payload is copied there first) into `scratch`,
+    ciphertext then tag; keyless: the payload itself and an all-zero tag. Call it right
+    before sealing the request: the payload's nonce is that request's frame number."""
+    if not session.is_keyed:
+        return message.payload, bytes(PAYLOAD_TAG_BYTES)
+    plaintext = _flat_bytes(message.payload)
+    sealed = (scratch or Scratch(host_buffer)).take(len(plaintext) + PAYLOAD_TAG_BYTES)
+    return sealed, session.seal_payload(seq, message.header, message.index, plaintext, sealed)
 
 
-def check_payload(session: Session, seq: int, header: bytes, index: bytes, payload: object,
-                  tag: bytes, on_device: bool = False) -> None:
-    session.check_payload(seq, header, index, tag, lambda: _flat_bytes(payload),
-                          _device_digest(payload, on_device))
+def host_buffer(nbytes: int) -> memoryview:
+    """`nbytes` of host memory, not zeroed."""
+    import numpy
+
+    return memoryview(numpy.empty(nbytes, dtype=numpy.uint8))
+
+
+class Scratch:
+    """One link side's buffer for sealed payloads, grown as needed and reused: a link carries
+    one payload at a time, and a link whose payload was abandoned is dropped (the buffer
+    goes with it; a channel may keep it alive a while, `ucx._Quarantine`)."""
+
+    def __init__(self, allocate) -> None:
+        self._allocate = allocate  # nbytes -> a flat buffer (a channel's `probe_landing`)
+        self._buffer = None
+
+    def take(self, nbytes: int):
+        """The first `nbytes` of the buffer (a view), reallocated when too small."""
+        if self._buffer is None or len(self._buffer) < nbytes:
+            self._buffer = None
+            self._buffer = self._allocate(nbytes)
+        return self._buffer[:nbytes]
+
+
+def sealed_len(session: Session, payload_len: int) -> int:
+    """Bytes the channel carries for a payload of `payload_len` on this link."""
+    return payload_len + PAYLOAD_TAG_BYTES if session.is_keyed else payload_len
+
+
+def open_payload(session: Session, seq: int, header: bytes, index: bytes, sealed: object, tag: bytes,
+                 staging: object) -> None:
+    """Decrypt the sealed payload that landed in `sealed` into `staging` (host memory), for
+    the request just opened; TamperedPayload when it fails its tag."""
+    out = _writable_host_bytes(staging)
+    session.open_payload(seq, header, index, _flat_bytes(sealed), tag, out)
+
+
+def _writable_host_bytes(buffer: object) -> memoryview:
+    if hasattr(buffer, "element_size"):
+        if buffer.is_cuda or not buffer.is_contiguous():
+            raise TransferError("a sealed payload is opened into contiguous host memory only")
+        import torch
+
+        return memoryview(buffer.detach().reshape(-1).view(torch.uint8).numpy())
+    view = memoryview(buffer)
+    if view.readonly:
+        raise TransferError("the staging buffer is read-only")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _flat_bytes(payload: object) -> memoryview:
-    """A payload (tensor on any device, or a buffer) as flat host bytes, for its tag. A CUDA
-    tensor is copied to the host for this (a host transport sending a GPU payload: the
-    device-direct nccl path tags its digest instead)."""
+    """A payload (tensor on any device, or a buffer) as flat host bytes, to seal or open (a
+    CUDA tensor is copied to the host for this), or for a host channel to send."""
     if hasattr(payload, "element_size"):
         import torch
 

@@ -10,9 +10,10 @@ initialised and any number of pairs coexist in one process. A gloo device's list
 authenticates nobody, is filtered in the kernel (`security.socket_admission`); NCCL's unique
 id travels only on the control connection (NCCL's proxy and socket listeners are its own).
 
-On NCCL the payload goes device to device: the sender gathers the blocks into a GPU tensor
-(`device_direct`), the tag covers the payload's NH digest computed on the GPU, and the receiver
-lands it in a GPU staging tensor (`staging(header, on_device=True)`). A gloo wait cannot be
+On NCCL a keyless link's payload goes device to device: the sender gathers the blocks into a
+GPU tensor (`device_direct`) and the receiver lands it in a GPU staging tensor
+(`staging(header, on_device=True)`). A keyed link's payload is sealed and opened on the host
+(`security.transfer_session`): only ciphertext crosses NCCL. A gloo wait cannot be
 interrupted and a gloo timeout breaks the pair, so a receive is posted only when a payload is
 announced, bounded by that message's budget.
 """
@@ -166,9 +167,8 @@ class _GroupChannel(Channel):
     def __init__(self, group, backend: str, rank: int) -> None:
         self.group, self.backend, self.peer = group, backend, 1 - rank
 
-    def outgoing(self, payload: object) -> tuple[object, bool]:
-        tensor = _payload_tensor(payload, self.backend)
-        return tensor, tensor.is_cuda
+    def outgoing(self, payload: object) -> object:
+        return _payload_tensor(payload, self.backend)
 
     def send(self, data: object, seq: int, deadline: float) -> None:
         try:
@@ -185,9 +185,9 @@ class _GroupChannel(Channel):
         if target.numel() != header.payload_len:
             raise TransferError(f"staging is {target.numel()} bytes, payload {header.payload_len}")
         if not on_device or target.is_cuda:
-            return Landing(staging, target, target.is_cuda)
+            return Landing(staging, target)
         landing = target.cuda()  # a sink that stages in host memory
-        return Landing(staging, landing, True, finish=lambda: target.copy_(landing))
+        return Landing(staging, landing, finish=lambda: target.copy_(landing))
 
     def probe_landing(self, nbytes: int) -> object:
         import torch
@@ -247,8 +247,9 @@ class NcclTransport(P2PTransport):
 
     @property
     def device_direct(self) -> bool:
-        """On NCCL, GPU payloads go device to device: senders should keep them there."""
-        return self.backend == "nccl"
+        """On NCCL without a transfer key, GPU payloads go device to device: senders should keep
+        them there (keyed, they are sealed on the host)."""
+        return self.backend == "nccl" and self.key is None
 
     def new_carrier(self) -> Carrier:
         return _GroupCarrier(self.backend)

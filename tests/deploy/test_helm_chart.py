@@ -11,6 +11,7 @@ or combine badly, are rejected with a reason.
 from __future__ import annotations
 
 import argparse
+import base64
 import inspect
 import json
 import re
@@ -215,6 +216,27 @@ def cli_settings(container: dict[str, Any]) -> tuple[argparse.Namespace, dict[st
     return namespace, cli.resolve(namespace, environ=environ)
 
 
+def with_secret_files(docs, workload: dict[str, Any], settings: dict[str, Any], root: Path) -> dict[str, Any]:
+    """`settings` as the pod's process sees them: each path that lies on one of its Secret
+    volumes is remapped to a private file under `root` holding what the chart put in that
+    Secret (or a stand-in, for a Secret the user brings)."""
+    import base64
+
+    secrets = {d["metadata"]["name"]: d.get("data") or {} for d in docs if d.get("kind") == "Secret"}
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    out = dict(settings)
+    for mount in main_container(workload).get("volumeMounts") or []:
+        secret = volumes[mount["name"]].get("secret")
+        for item in (secret or {}).get("items") or []:
+            data = secrets.get(secret["secretName"], {}).get(item["key"])
+            local = root / mount["name"] / item["path"]
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(base64.b64decode(data) if data else b"stand-in-key-9f2")
+            local.chmod(0o600)
+            out = {k: str(local) if v == f"{mount['mountPath']}/{item['path']}" else v for k, v in out.items()}
+    return out
+
+
 def admitting_rules(m: Manifests, labels: dict[str, str], port: int) -> list[dict[str, Any]]:
     """Ingress rules of every NetworkPolicy that selects these pod labels and covers the port."""
     def covers(rule: dict[str, Any]) -> bool:
@@ -323,7 +345,7 @@ def test_chart_defaults_are_the_cli_ports(chart: helm.Chart) -> None:
 # --- the roles' command lines ---------------------------------------------------------------
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_router_args_parse_with_the_cli_and_ports_agree(profile: str, render) -> None:
+def test_router_args_parse_with_the_cli_and_ports_agree(profile: str, render, tmp_path) -> None:
     m = render(profile)
     v = m.values["router"]
     container = main_container(m.workload("router"))
@@ -333,11 +355,13 @@ def test_router_args_parse_with_the_cli_and_ports_agree(profile: str, render) ->
                                           "registry": s["registry_port"]}
     assert (s["http_port"], s["grpc_port"], s["registry_port"]) == (v["httpPort"], v["grpcPort"], v["registryPort"])
     assert probe_ports(container) == {s["grpc_port"]}
-    assert ("api_key" in s) == bool(v["apiKeySecret"]["name"])  # PDSERVE_API_KEY from the Secret
+    # the API key is a file from the Secret, never a flag or a variable
+    assert "api_key" not in s and ("api_key_file" in s) == bool(v["apiKeySecret"]["name"])
     # The router's own config accepts what the chart passes (it imports no torch).
     from pdserve.router.config import RouterConfig
 
-    config = RouterConfig.from_settings(s)
+    config = RouterConfig.from_settings(with_secret_files(m.docs, m.workload("router"), s, tmp_path))
+    assert config.metrics_token  # /metrics is never anonymous
     assert (config.host, config.http_port, config.grpc_port) == (m.values["listenHost"], v["httpPort"], v["grpcPort"])
 
 
@@ -398,19 +422,24 @@ def test_workers_get_their_model_and_stores(profile: str, role: str, render) -> 
         assert "disk_store" not in s and "kv-store" not in mounts
 
     redis = v["redis"]
-    if redis["mode"] == "internal":  # the password from the Redis auth Secret, through the environment
-        password, _, where = s["redis_url"].removeprefix("redis://").partition("@")
+    files = volumes.get("redis-key", {}).get("secret", {})
+    if redis["mode"] == "internal":  # a URL without its password; the password a Secret's file
+        assert "@" not in s["redis_url"] and s["redis_password_file"] == f"{mounts['redis-key']['mountPath']}/password"
         auth = redis["internal"]["auth"]["existingSecret"]
-        assert password == f":secret-{auth['name'] or RELEASE + '-redis-auth'}-{auth['key']}"
-        host, port = where.split("/")[0].split(":")
+        assert files["secretName"] == (auth["name"] or f"{RELEASE}-redis-auth")
+        assert files["items"] == [{"key": auth["key"], "path": "password"}]
+        host, port = s["redis_url"].removeprefix("redis://").split("/")[0].split(":")
         service_port = m.named("Service", host)["spec"]["ports"][0]["port"]
         assert int(port) == service_port == container_ports(main_container(m.workload("redis")))["redis"]
     elif redis["mode"] == "external" and redis["external"]["existingSecret"]["name"]:
-        assert s["redis_url"] == f"redis://secret-{redis['external']['existingSecret']['name']}-url:6379/0"
+        assert "redis_url" not in s and s["redis_url_file"] == f"{mounts['redis-key']['mountPath']}/url"
+        secret = redis["external"]["existingSecret"]
+        assert files == {"secretName": secret["name"], "defaultMode": 0o440,
+                         "items": [{"key": secret["key"], "path": "url"}]}
     elif redis["mode"] == "external":
         assert s["redis_url"] == redis["external"]["url"]
     else:
-        assert "redis_url" not in s
+        assert "redis_url" not in s and "redis-key" not in mounts
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -635,7 +664,7 @@ def test_every_role_reads_one_cluster_secret(profile: str, render) -> None:
     import base64
 
     assert len(base64.b64decode(secret["data"][key])) >= 32
-    for role in ROLES:
+    for role in WORKERS:
         pod = m.workload(role)["spec"]["template"]["spec"]
         container = main_container(m.workload(role))
         _, s = cli_settings(container)
@@ -644,6 +673,41 @@ def test_every_role_reads_one_cluster_secret(profile: str, render) -> None:
         assert volume["secret"]["secretName"] == secret["metadata"]["name"]
         assert s["cluster_secret_file"] == f"{mount['mountPath']}/{key}" and mount["readOnly"] is True
         assert "insecure_internal" not in s
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_the_router_reads_a_key_ring_its_init_container_derives_not_the_secret(profile: str, render,
+                                                                                tmp_path) -> None:
+    """Issue 48: the router loaded the master secret itself. Its container now mounts no
+    cluster secret: an init container, the secret mounted in it alone, writes the router's key
+    ring (call and block-hash keys) into a memory volume, which the router reads. Run here
+    through the real CLI, the ring holds exactly those keys and derives no other."""
+    from pdserve.deploy import cli as pdserve_cli
+    from pdserve.security.secret import ROUTER_USES, ClusterSecret, ClusterSecretError, transfer_key
+
+    m = render(profile)
+    pod = m.workload("router")["spec"]["template"]["spec"]
+    router = main_container(m.workload("router"))
+    assert "cluster-secret" not in {v["name"] for v in router["volumeMounts"]}
+    (init,) = pod["initContainers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["router-keys"]["emptyDir"]["medium"] == "Memory"
+    ring_mount = next(v for v in router["volumeMounts"] if v["name"] == "router-keys")
+    _, s = cli_settings(router)
+    assert s["cluster_secret_file"].startswith(ring_mount["mountPath"] + "/") and ring_mount["readOnly"] is True
+    assert {v["name"] for v in init["volumeMounts"]} >= {"cluster-secret", "router-keys"}
+    args = init["args"]
+    assert args[0] == "router-keys" and f"--out={s['cluster_secret_file']}" in args
+    secret_file = tmp_path / "secret"
+    secret = ClusterSecret.create(secret_file)
+    ring = tmp_path / "ring"
+    argv = [a.replace(a.partition("=")[2], str(secret_file)) if a.startswith("--cluster-secret-file=") else
+            a.replace(s["cluster_secret_file"], str(ring)) for a in args]
+    assert pdserve_cli.main(argv) == 0
+    loaded = ClusterSecret.load(ring)
+    assert all(loaded.key(use) == secret.key(use) for use in ROUTER_USES)
+    with pytest.raises(ClusterSecretError, match="holds no"):
+        transfer_key(loaded)
 
 
 def test_an_existing_secret_replaces_the_generated_one(render_values) -> None:
@@ -661,7 +725,7 @@ def test_router_tls_from_a_certificate_secret(render_values) -> None:
     _, s = cli_settings(container)
     mount = next(v for v in container["volumeMounts"] if v["name"] == "tls")
     assert s["tls_cert"] == f"{mount['mountPath']}/tls.crt" and s["tls_key"] == f"{mount['mountPath']}/tls.key"
-    assert s["metrics_auth"] is True
+    assert "metrics_auth" not in s and s["metrics_token_file"]  # /metrics: the metrics token, always
     volume = next(v for v in m.workload("router")["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
     assert volume["secret"]["secretName"] == "router-cert"
 
@@ -763,7 +827,7 @@ def test_internal_mutual_tls_can_be_turned_off(render_values) -> None:
         assert probe_kinds(container) == {"grpc"}
 
 
-def test_the_admin_key_is_mounted_from_its_secret(render_values) -> None:
+def test_the_admin_key_is_mounted_from_its_secret(render_values, tmp_path) -> None:
     m = render_values({"router": {"apiKeySecret": {"name": "api", "key": "key"},
                                   "adminKeySecret": {"name": "ops", "key": "admin"}}})
     _, s = cli_settings(main_container(m.workload("router")))
@@ -772,7 +836,8 @@ def test_the_admin_key_is_mounted_from_its_secret(render_values) -> None:
     assert volume["secret"]["secretName"] == "ops" and volume["secret"]["items"] == [{"key": "admin", "path": "admin"}]
     from pdserve.router.config import RouterConfig
 
-    assert RouterConfig.from_settings(s).admin_api_key_file == s["admin_api_key_file"]
+    config = RouterConfig.from_settings(with_secret_files(m.docs, m.workload("router"), s, tmp_path))
+    assert config.admin_api_key_file.endswith("/admin-key/admin") and config.api_key == "stand-in-key-9f2"
     default = render_values({})
     assert "admin_api_key_file" not in cli_settings(main_container(default.workload("router")))[1]
 
@@ -835,34 +900,41 @@ def test_no_redis_url_or_password_on_any_command_line(profile: str, render) -> N
     m = render(profile)
     for name, container in all_containers(m):
         argv = " ".join([*(container.get("command") or []), *(container.get("args") or [])])
+        argv = argv.replace("--redis-url-file=", "--file=")  # a path, not the URL
         assert "redis://" not in argv and "--redis-url" not in argv and "requirepass " not in argv.replace(
             "printf 'requirepass %s", ""), f"{name}/{container['name']}: {argv}"
-        for var in container.get("env") or []:  # a password only ever comes from a Secret
-            assert "PASSWORD" not in var["name"] or "secretKeyRef" in var.get("valueFrom", {}), var
+        for var in container.get("env") or []:  # issue 48: keys are files, never variables
+            assert "PASSWORD" not in var["name"] and "AUTH" not in var["name"], var
+            assert "secretKeyRef" not in var.get("valueFrom", {}) or name.endswith("-planner"), var
 
 
-def test_the_internal_redis_asks_for_a_password_from_a_secret(render, render_values) -> None:
+def test_the_internal_redis_asks_for_a_password_from_a_secret(render, render_values, tmp_path) -> None:
     m = render("default")
     redis = main_container(m.workload("redis"))
     args = redis["args"]
     assert args[args.index("--protected-mode") + 1] == "yes"
     script = redis["command"][2]
     assert redis["command"][:2] == ["sh", "-c"] and "requirepass" in script and "/run/redis/" in script
+    assert '"$(cat /etc/redis-auth/password)"' in script and "env" not in redis  # a file, not a variable
     assert script.rstrip().endswith('exec redis-server /run/redis/auth.conf "$@"')
+    assert "cat /etc/redis-auth/password" in redis["readinessProbe"]["exec"]["command"][2]
     volumes = {v["name"]: v for v in m.workload("redis")["spec"]["template"]["spec"]["volumes"]}
     assert volumes["run"]["emptyDir"]["medium"] == "Memory"
-    refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in redis["env"]}
     secret = m.named("Secret", f"{RELEASE}-redis-auth")
-    assert refs["REDIS_PASSWORD"] == refs["REDISCLI_AUTH"] == {"name": f"{RELEASE}-redis-auth", "key": "password"}
+    assert volumes["auth"]["secret"] == {"secretName": f"{RELEASE}-redis-auth", "defaultMode": 0o440,
+                                         "items": [{"key": "password", "path": "password"}]}
     assert len(secret["data"]["password"]) >= 40 and secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    for role in WORKERS:  # the workers' URL carries the same Secret's password
-        env = {v["name"]: v for v in main_container(m.workload(role))["env"]}
-        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == refs["REDIS_PASSWORD"]
-        assert env["PDSERVE_REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@")
+    from pdserve.worker.settings import WorkerSettings
+
+    for role in WORKERS:  # the workers' URL carries the same Secret's password, read from its file
+        _, s = cli_settings(main_container(m.workload(role)))
+        settings = WorkerSettings.from_settings(role, with_secret_files(m.docs, m.workload(role), s, tmp_path / role))
+        password = base64.b64decode(secret["data"]["password"]).decode()
+        assert settings.redis_url == f"redis://:{password}@{RELEASE}-redis:6379/0"
     own = render_values({"redis": {"internal": {"auth": {"existingSecret": {"name": "mine", "key": "pw"}}}}})
     assert not [s for s in own.of_kind("Secret") if s["metadata"]["name"].endswith("-redis-auth")]
-    assert {v["name"]: v["valueFrom"]["secretKeyRef"] for v in main_container(own.workload("redis"))["env"]}[
-        "REDIS_PASSWORD"] == {"name": "mine", "key": "pw"}
+    assert {v["name"]: v for v in own.workload("redis")["spec"]["template"]["spec"]["volumes"]}["auth"]["secret"][
+        "secretName"] == "mine"
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -903,45 +975,54 @@ def test_metrics_from_no_longer_admits_every_pod(render, render_values) -> None:
         assert all(r.get("from") for r in rules) and not any(admits(r, {"app": "something-else"}) for r in rules)
 
 
-def test_a_metrics_token_secret_reaches_workers_and_their_service_monitor(chart) -> None:
-    values = {"metrics": {"tokenSecret": {"name": "scrape", "key": "token"}, "serviceMonitor": {"enabled": True}}}
+def test_a_metrics_token_secret_reaches_every_pod_and_service_monitor(chart) -> None:
+    """Issue 48, item 7: every /metrics, the router's included (it names workers and their
+    prefix-cache hits), asks for the metrics token, a file from its Secret; every
+    ServiceMonitor sends it."""
+    values = {"metrics": {"tokenSecret": {"name": "scrape", "key": "token"}, "serviceMonitor": {"enabled": True}},
+              "router": {"metricsAuth": False}}
     out = render_raw(chart, values, (SERVICE_MONITOR_API,))
     docs = [d for path, text in out.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
     m = Manifests(docs=tuple(docs), notes="", values=chart.merge_values(values))
-    for role in WORKERS:
-        env = {v["name"]: v for v in main_container(m.workload(role))["env"]}
-        assert env["PDSERVE_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "scrape", "key": "token"}
-    for monitor in m.of_kind("ServiceMonitor"):
+    for role in ROLES:
+        _, s = cli_settings(main_container(m.workload(role)))
+        mount, volume = _secret_files(m, role, "metrics-token")
+        assert s["metrics_token_file"] == f"{mount['mountPath']}/token" and mount["readOnly"] is True
+        assert volume["secret"]["secretName"] == "scrape" and volume["secret"]["items"] == [{"key": "token", "path": "token"}]
+        assert "PDSERVE_METRICS_TOKEN" not in container_env(main_container(m.workload(role)))
+    monitors = m.of_kind("ServiceMonitor")
+    assert len(monitors) == 3
+    for monitor in monitors:
         (endpoint,) = monitor["spec"]["endpoints"]
-        if monitor["metadata"]["name"].endswith("-router"):
-            assert "authorization" not in endpoint  # router.metricsAuth is off
-        else:
-            assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "scrape", "key": "token"}}
+        assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "scrape", "key": "token"}}
 
 
 def test_worker_metrics_ask_for_a_token_by_default_and_the_notes_warn_without_an_api_key(render) -> None:
-    """Defaults: the chart makes the workers' metrics token (kept across upgrades) and the
-    workers ask for it; with no API key, NOTES.txt says anyone who reaches the router may use it."""
+    """Defaults: the chart makes the metrics token (kept across upgrades) and every pod asks
+    for it; with no API key, NOTES.txt says anyone who reaches the router may use it."""
     m = render("default")
     assert not m.values["metrics"]["tokenSecret"]["name"]
     (token,) = [d for d in m.of_kind("Secret") if d["metadata"]["name"].endswith("-metrics-token")]
     assert token["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    for role in WORKERS:
-        env = {v["name"]: v for v in main_container(m.workload(role))["env"]}
-        ref = env["PDSERVE_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": token["metadata"]["name"], "key": m.values["metrics"]["tokenSecret"]["key"]}
+    for role in ROLES:
+        _, volume = _secret_files(m, role, "metrics-token")
+        assert volume["secret"]["secretName"] == token["metadata"]["name"]
+        assert volume["secret"]["items"] == [{"key": m.values["metrics"]["tokenSecret"]["key"], "path": "token"}]
     if not m.values["router"]["apiKeySecret"]["name"]:
         assert "WARNING: no API key" in m.notes
 
 
-def test_speculative_config_reaches_the_decode_engine(render_values) -> None:
+def test_speculative_config_reaches_the_decode_engine(render_values, tmp_path) -> None:
     """engine.speculativeConfig, a map, is the workers' --speculative-config JSON; unset, off."""
     from pdserve.worker.settings import WorkerSettings
 
     m = render_values({"engine": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 4,
                                                         "prompt_lookup_max": 3}}})
     _, s = cli_settings(main_container(m.workload("decode")))
+    s = with_secret_files(m.docs, m.workload("decode"), s, tmp_path)
     spec = WorkerSettings.from_settings("decode", s).engine_config().speculative
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 4, 3)
-    _, s = cli_settings(main_container(render_values({}).workload("decode")))
+    plain = render_values({})
+    _, s = cli_settings(main_container(plain.workload("decode")))
+    s = with_secret_files(plain.docs, plain.workload("decode"), s, tmp_path)
     assert WorkerSettings.from_settings("decode", s).engine_config().speculative is None

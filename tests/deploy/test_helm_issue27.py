@@ -28,18 +28,20 @@ def _rendered(chart, values) -> list[dict]:
     return [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
 
 
-def _settings(docs: list[dict], role: str) -> dict:
+def _settings(docs: list[dict], role: str, root=None) -> dict:
+    """The role's settings; with `root`, its Secret files laid out there (`with_secret_files`)."""
     (workload,) = [d for d in docs if d.get("kind") in ("Deployment", "StatefulSet")
                    and d["metadata"]["name"].endswith(f"-{role}")]
-    return checks.cli_settings(checks.main_container(workload))[1]
+    settings = checks.cli_settings(checks.main_container(workload))[1]
+    return settings if root is None else checks.with_secret_files(docs, workload, settings, root)
 
 
 @pytest.mark.parametrize("role", checks.WORKERS)
-def test_attention_window_reaches_each_worker_and_its_engine(chart, role):
+def test_attention_window_reaches_each_worker_and_its_engine(chart, role, tmp_path):
     values = {"engine": {"attentionWindow": 512}, "router": {"decodePolicy": "power_of_two"}}
     chart.validate_schema(values)
     docs = _rendered(chart, values)
-    settings = _settings(docs, role)
+    settings = _settings(docs, role, tmp_path)
     assert WorkerSettings.from_settings(role, settings).engine_config().cache.attention_window == 512
     assert _settings(docs, "router")["decode_policy"] == "power_of_two"
     assert "attention_window" not in _settings(_rendered(chart, {}), role)

@@ -40,8 +40,12 @@ def _render(chart, values) -> checks.Manifests:
 
 
 def _worker_settings(manifests, role: str) -> WorkerSettings:
+    import tempfile
+
     _, merged = checks.cli_settings(checks.main_container(manifests.workload(role)))
-    return WorkerSettings.from_settings(role, merged)
+    with tempfile.TemporaryDirectory() as root:  # the pod's Secret files (metrics token, Redis password)
+        merged = checks.with_secret_files(manifests.docs, manifests.workload(role), merged, Path(root))
+        return WorkerSettings.from_settings(role, merged)
 
 
 def test_off_by_default(chart):

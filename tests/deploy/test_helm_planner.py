@@ -127,11 +127,13 @@ def test_a_planner_that_would_fight_or_cannot_scale_fails_the_render(chart, valu
         checks.render_raw(chart, values, ())
 
 
-def test_the_planner_reads_a_router_whose_metrics_ask_for_the_api_key(chart):
+def test_the_planner_reads_the_routers_metrics_with_the_metrics_token(chart):
+    """The router's /metrics answers only the metrics token (issue 48): the planner scrapes
+    with it, whatever the API key."""
     values = {**ON, "router": {"metricsAuth": True, "apiKeySecret": {"name": "api", "key": "k"}}}
     container = checks.main_container(_one(_docs(chart, values), "Deployment", f"{FULL}-planner"))
     _, settings = checks.cli_settings(container)
-    assert settings["api_key"] == "secret-api-k" and "--api-key" not in " ".join(container["args"])
+    assert settings["api_key"] == f"secret-{FULL}-metrics-token-token" and "--api-key" not in " ".join(container["args"])
 
 
 def test_the_chart_with_the_planner_lints_strictly():

@@ -4,9 +4,10 @@ without passing through host memory. Skipped without CUDA.
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so with one GPU the pair's
 process group is `_Loopback`: a device-to-device copy between the two ranks' tensors in this
 process, standing in for NCCL's wire only. Everything else runs for real: the transports and
-their control channel, the gather into a GPU tensor, the digest kernel and the payload MAC,
-the sink's GPU staging and the scatter on the GPU. Host staging is refused outright (the
-functions that copy a payload to the host raise). `test_nccl_between_two_gpus` runs a real
+their control channel, the gather into a GPU tensor, the digest kernel, the sink's GPU
+staging and the scatter on the GPU. Keyless (device-direct), host staging is refused outright
+(the functions that copy a payload to the host raise); keyed, the payload is sealed on the
+host and only its ciphertext crosses the loopback. `test_nccl_between_two_gpus` runs a real
 NCCL pair where there are two GPUs.
 """
 from __future__ import annotations
@@ -85,10 +86,8 @@ class _Loopback:
         return _Work(finish)
 
 
-@pytest.fixture
-def loopback(monkeypatch):
-    """The pairs' groups become loopbacks; every path that would copy a payload to the host
-    raises."""
+def _loopback_groups(monkeypatch) -> dict[bytes, _Loopback]:
+    """The pairs' groups become loopbacks."""
     pairs: dict[bytes, _Loopback] = {}
     lock = threading.Lock()
 
@@ -101,10 +100,29 @@ def loopback(monkeypatch):
         with lock:
             return pairs.setdefault(pair_token, _Loopback())
 
+    monkeypatch.setattr(nccl, "_new_group", new_group)
+    return pairs
+
+
+@pytest.fixture
+def sealed_loopback(monkeypatch):
+    """Loopback pairs for keyed links (their payloads are sealed on the host)."""
+    return _loopback_groups(monkeypatch)
+
+
+@pytest.fixture
+def loopback(monkeypatch):
+    return _keyless_loopback(monkeypatch)
+
+
+def _keyless_loopback(monkeypatch) -> dict[bytes, _Loopback]:
+    """Loopback pairs for keyless links; every path that would copy a payload to the host
+    raises."""
+    pairs = _loopback_groups(monkeypatch)
+
     def no_host_copy(*args, **kwargs):
         raise AssertionError("a payload was copied to the host")
 
-    monkeypatch.setattr(nccl, "_new_group", new_group)
     monkeypatch.setattr(_p2p, "_flat_bytes", no_host_copy)
     from pdserve.kvtransfer import blocks, sink
 
@@ -137,33 +155,55 @@ def _device_message(layout, source, tid, src, dst):
     return encode_message(limits_for(layout), tid, dst, [0] * len(dst), payload)
 
 
+def _send_and_flip(sender, receiver, sink, layout, source, pairs, match: str) -> None:
+    """A message lands bit-identical; the next, a bit flipped on the wire, is refused (`match`)
+    and changes nothing; sent again it lands."""
+    endpoint = receiver.open_receiver(sink)
+    tid = new_transfer_id()
+    sink.expect(tid, [4, 9, 2], time.monotonic() + DEADLINE_S)
+    message = _device_message(layout, source, tid, [1, 5, 7], [4, 9, 2])
+    assert parse_header(message.header, sink.limits).device_digest
+    before = block_digests(sink.kv_caches, [4, 9, 2])
+    sender.send(endpoint, message, time.monotonic() + DEADLINE_S)
+    assert sink.is_complete(tid)
+    assert block_digests(sink.kv_caches, [4, 9, 2]) == block_digests(source, [1, 5, 7]) != before
+
+    tid = new_transfer_id()
+    sink.expect(tid, [3], time.monotonic() + DEADLINE_S)
+    (group,) = pairs.values()  # the pair the first send opened
+    group.corrupt_next = True
+    with pytest.raises(TransferError, match=match):
+        sender.send(endpoint, _device_message(layout, source, tid, [6], [3]), time.monotonic() + DEADLINE_S)
+    assert block_digests(sink.kv_caches, [3]) == block_digests(make_caches(layout), [3])
+    sender.send(endpoint, _device_message(layout, source, tid, [6], [3]), time.monotonic() + DEADLINE_S)
+    assert sink.is_complete(tid) and block_digests(sink.kv_caches, [3]) == block_digests(source, [6])
+
+
 def test_nccl_device_direct_lands_on_the_gpu_and_refuses_a_flipped_bit(loopback):
+    """Keyless (`--insecure-internal`): device to device, the sink's checksum catches a flip."""
+    layout = tiny_layout(num_blocks=16, dtype="bfloat16")
+    source = [c.cuda() for c in make_caches(layout, seed=3)]
+    sink = CacheSink([c.cuda() for c in make_caches(layout)], layout)
+    receiver, sender = nccl.NcclTransport(backend="nccl"), nccl.NcclTransport(backend="nccl")
+    assert sender.device_direct
+    try:
+        _send_and_flip(sender, receiver, sink, layout, source, loopback, "checksum")
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_nccl_keyed_seals_on_the_host_lands_on_the_gpu_and_refuses_a_flipped_bit(sealed_loopback):
+    """With a transfer key, a GPU payload is sealed on the host (AEAD), only ciphertext crosses
+    NCCL, it lands in the GPU cache; a flipped bit fails its tag and nothing lands."""
     layout = tiny_layout(num_blocks=16, dtype="bfloat16")
     source = [c.cuda() for c in make_caches(layout, seed=3)]
     sink = CacheSink([c.cuda() for c in make_caches(layout)], layout)
     key = os.urandom(32)
     receiver, sender = nccl.NcclTransport(backend="nccl", key=key), nccl.NcclTransport(backend="nccl", key=key)
-    assert sender.device_direct
+    assert not sender.device_direct
     try:
-        endpoint = receiver.open_receiver(sink)
-        tid = new_transfer_id()
-        sink.expect(tid, [4, 9, 2], time.monotonic() + DEADLINE_S)
-        message = _device_message(layout, source, tid, [1, 5, 7], [4, 9, 2])
-        assert parse_header(message.header, sink.limits).device_digest
-        before = block_digests(sink.kv_caches, [4, 9, 2])
-        sender.send(endpoint, message, time.monotonic() + DEADLINE_S)
-        assert sink.is_complete(tid)
-        assert block_digests(sink.kv_caches, [4, 9, 2]) == block_digests(source, [1, 5, 7]) != before
-
-        tid = new_transfer_id()
-        sink.expect(tid, [3], time.monotonic() + DEADLINE_S)
-        (group,) = loopback.values()  # the pair the first send opened
-        group.corrupt_next = True
-        with pytest.raises(TransferError, match="payload MAC mismatch"):
-            sender.send(endpoint, _device_message(layout, source, tid, [6], [3]), time.monotonic() + DEADLINE_S)
-        assert block_digests(sink.kv_caches, [3]) == block_digests(make_caches(layout), [3])
-        sender.send(endpoint, _device_message(layout, source, tid, [6], [3]), time.monotonic() + DEADLINE_S)
-        assert sink.is_complete(tid) and block_digests(sink.kv_caches, [3]) == block_digests(source, [6])
+        _send_and_flip(sender, receiver, sink, layout, source, sealed_loopback, "AEAD")
     finally:
         sender.close()
         receiver.close()
@@ -197,21 +237,23 @@ def test_a_gpu_message_through_a_host_path_is_checked_on_the_gpu(monkeypatch):
     assert sink.is_complete(tid) and block_digests(sink.kv_caches, [2, 8]) == block_digests(source, [3, 11])
 
 
-def test_disaggregated_engines_on_the_gpu_over_nccl_equal_local_greedy(loopback, tiny_model_factory):
-    """Two engines on the GPU, the chain nccl -> recompute, layer-wise streaming on: the
-    prompt's blocks go device to device (no host copy anywhere), greedy tokens equal a local
-    engine's, and every block is back in both pools."""
+@pytest.mark.parametrize("keyed", [False, True])
+def test_disaggregated_engines_on_the_gpu_over_nccl_equal_local_greedy(keyed, monkeypatch, tiny_model_factory):
+    """Two engines on the GPU, the chain nccl -> recompute, layer-wise streaming on: keyless,
+    the prompt's blocks go device to device (no host copy anywhere); keyed, sealed on the
+    host. Greedy tokens equal a local engine's, and every block is back in both pools."""
     from pdserve.kvtransfer import KVTransferConfig
     from pdserve.kvtransfer.verdict import RECOMPUTE
     from engine_pair import GREEDY, assert_all_blocks_back, disaggregated, engines
 
     model_dir = tiny_model_factory("llama")
+    (_loopback_groups if keyed else _keyless_loopback)(monkeypatch)
     config = KVTransferConfig(backends=("nccl", RECOMPUTE), step_timeout_s=DEADLINE_S,
-                              transfer_key=os.urandom(32))
+                              transfer_key=os.urandom(32) if keyed else None)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 45, 17)]
     with engines(model_dir, config, common=dict(device="cuda"), max_num_tokens=12) as (prefill, decode, local):
-        assert prefill.engine.connector.worker.sends._device_direct()
+        assert prefill.engine.connector.worker.sends._device_direct() != keyed
         for i, prompt in enumerate(prompts):
             tokens, sent, received = disaggregated(prefill, decode, prompt, f"gpu{i}")
             assert sent.ok and sent.backend == "nccl" and received.ok, received.describe()

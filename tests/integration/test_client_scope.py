@@ -3,7 +3,7 @@ with an API key and an admin key, a client gets the OpenAI answer, usage with ca
 and the request id; only the admin key shows routing (worker ids, matched prefix tokens),
 transfer verdicts, timings, /health's per-worker backends and errors as workers raised them.
 Anonymous /health says the status only. Transfer errors reach a client without the internal
-address they name. A router with no key at all shows everyone everything (laptop default).
+address they name. A router with no key at all shows everyone everything on loopback only.
 
 The router is a real process on 127.0.0.1; its workers are in-test gRPC servers that
 register through the real Registry and stream a scripted reply whose verdict and errors
@@ -237,7 +237,7 @@ def test_health_says_the_status_to_anyone_and_details_to_the_admin(router) -> No
 
 
 def test_without_any_key_everyone_sees_everything(make_cluster) -> None:
-    """`pdserve up` on a laptop: no API key, no admin key; today's answers."""
+    """`pdserve up` on a laptop: no API key, no admin key, loopback: everyone sees everything."""
     cluster = make_cluster()
     cluster.add("d0")
     with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:

@@ -95,6 +95,43 @@ def test_a_silent_client_is_dropped_and_scrapes_resume():
         server.shutdown()
 
 
+def _key_file(path, text: str) -> str:
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_the_routers_metrics_answer_only_the_metrics_token_from_its_file(make_cluster, tmp_path):
+    """Issue 48, item 7: the router's /metrics (it names workers and their prefix-cache hits)
+    answers only the scraper's token, read from a file, on HTTP and on its metrics port;
+    the API key (read from a file too), a tenant's or nothing gets 401. The API key still
+    serves the API."""
+    port = free_port()
+    cluster = make_cluster(api_key_file=_key_file(tmp_path / "api-key", "client-k"),
+                           metrics_token_file=_key_file(tmp_path / "token", "scraper-t"), metrics_port=port)
+    for url in (f"{cluster.http}/metrics", f"http://127.0.0.1:{port}/metrics"):
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer client-k"}).status_code == 401
+        ok = httpx.get(url, headers={"Authorization": "Bearer scraper-t"})
+        assert ok.status_code == 200 and "pdserve_router_requests_total" in ok.text
+    assert httpx.get(f"{cluster.http}/v1/models").status_code == 401
+    assert httpx.get(f"{cluster.http}/v1/models", headers={"Authorization": "Bearer client-k"}).status_code == 200
+
+
+def test_a_key_file_others_can_read_or_two_api_keys_stop_the_router(tmp_path):
+    from pdserve.router.config import ConfigError, RouterConfig
+    from pdserve.security.secret import ClusterSecretError
+
+    shared = _key_file(tmp_path / "shared", "k")
+    (tmp_path / "shared").chmod(0o644)
+    with pytest.raises((ConfigError, ClusterSecretError), match="readable by others"):
+        RouterConfig(metrics_token_file=shared)
+    with pytest.raises(ConfigError, match="give one"):
+        RouterConfig(api_key="a", api_key_file=_key_file(tmp_path / "api", "tok-b7e1"))
+    assert RouterConfig(api_key_file=str(tmp_path / "api")).api_key == "tok-b7e1"
+    assert "tok-b7e1" not in repr(RouterConfig(metrics_token_file=str(tmp_path / "api")))
+
+
 def test_the_routers_metrics_port_follows_metrics_auth(make_cluster):
     port = free_port()
     make_cluster(api_key="sesame", metrics_auth=True, metrics_port=port)

@@ -104,6 +104,29 @@ def test_round_robin_spreads_and_session_affinity_sticks(make_cluster):
             w.requests.clear()
 
 
+def test_a_worker_claiming_a_prefix_it_was_never_sent_wins_nothing(make_cluster):
+    """Issue 48: through the real Registry, a decode whose KV events say it stored the blocks
+    of a prompt the router never sent it is not preferred for that prompt: its claim is
+    dropped (its index holds none of them), and the prompt lands by load, not 'prefix_match'
+    (--check-prefix-claims)."""
+    cluster = make_cluster(decode_policy="prefix_aware", prefill_policy="round_robin", check_prefix_claims=True)
+    prompt = words(24)
+    cached = hash_prompt_blocks(TOKENIZER.encode(prompt).ids, BLOCK_SIZE, SALT)
+    rogue = cluster.add("rogue")
+    index = cluster.router.registry.get("rogue").kv
+    wait_until(lambda: index.next_seq > 0 and not index.syncing, "the rogue's index synced")
+    seen = index.next_seq
+    rogue.kv.on_event("device", "stored", cached)
+    wait_until(lambda: index.next_seq > seen, "the rogue's event reached the router")
+    assert index.num_blocks == 0 and cluster.router.registry.get("rogue").num_matched_blocks(cached) == 0
+    cluster.add("d0")
+    cluster.add("p0", role=registry_pb2.WORKER_ROLE_PREFILL)
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        answer = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt + " w100 w101", "max_tokens": 1})
+    routing = answer.json()["pdserve"]["routing"]
+    assert routing["decode_reason"] == "no_prefix_match" and routing["matched_prefix_tokens"] == 0, routing
+
+
 def test_prefix_aware_routes_a_repeated_prefix_to_the_worker_holding_it(make_cluster):
     cluster = make_cluster(decode_policy="prefix_aware", prefill_policy="round_robin")
     prompt = words(24)

@@ -331,11 +331,14 @@ def test_control_channel_admits_only_holders_of_the_transfer_key(link):
 
 class FlipProxy:
     """A TCP relay in front of a receiver that rewrites the first request's first destination
-    block id on its way (an attacker on the path; it recomputes nothing)."""
+    block id on its way (an attacker on the path; it recomputes nothing), unless `flip` is
+    False; either way `captured` keeps every byte the sender sent through it."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, flip: bool = True) -> None:
         host, port = target.rsplit(":", 1)
         self.target = (host, int(port))
+        self.flip = flip
+        self.captured = bytearray()
         self.server = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"127.0.0.1:{self.server.getsockname()[1]}"
         self.num_flipped = 0
@@ -356,7 +359,9 @@ class FlipProxy:
         seen = bytearray()
         try:
             while data := src.recv(1 << 16):
-                if rewrite and not self.num_flipped:
+                if rewrite:
+                    self.captured += data
+                if rewrite and self.flip and not self.num_flipped:
                     seen += data
                     at = seen.find(_p2p.REQUEST_MAGIC)
                     index_at = at + _p2p.REQUEST.size + HEADER_SIZE
@@ -392,6 +397,58 @@ def test_a_control_frame_altered_on_the_path_is_refused(link):
         proxy.close()
 
 
+CHANNELS = {"ucx": ("pdserve.kvtransfer.backends.ucx", "_UcxChannel"),
+            "nccl": ("pdserve.kvtransfer.backends.nccl", "_GroupChannel"),
+            "tcp": ("pdserve.kvtransfer.backends.tcp", "_StreamChannel")}
+
+
+def tap_channel(backend: str, monkeypatch) -> list[bytes]:
+    """What the sender's payload channel is handed to put on the wire, send by send."""
+    import importlib
+
+    module, name = CHANNELS[backend]
+    cls = getattr(importlib.import_module(module), name)
+    sent, handed = cls.send, []
+
+    def tapped(self, data, seq, deadline):
+        handed.append(bytes(_p2p._flat_bytes(data)))
+        return sent(self, data, seq, deadline)
+
+    monkeypatch.setattr(cls, "send", tapped)
+    return handed
+
+
+def plaintext_runs_in(payload: torch.Tensor, wire: bytes) -> int:
+    """How many of the payload's 16-byte runs (one every 509 bytes) appear in `wire`."""
+    plain = payload.numpy().tobytes()
+    return sum(plain[i:i + 16] in wire for i in range(0, len(plain) - 16, 509))
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_keyed_transfer_puts_no_plaintext_kv_on_the_wire(link, monkeypatch, keyed):
+    """With a transfer key, a capture of everything the sender sends (its control connection
+    through a tap on the path, which for tcp carries the payload too, and what its UCX or
+    gloo channel is handed) holds no run of the KV bytes, and the blocks land bit-identical.
+    Keyless (`--insecure-internal`), the same capture finds them: the tap sees the payload."""
+    key = os.urandom(32) if keyed else None
+    endpoint = link.peer.call("open", key=key.hex() if key else None)["endpoint"]
+    proxy, sender = FlipProxy(endpoint, flip=False), make_transport(link.backend)
+    sender.key = key
+    handed = tap_channel(link.backend, monkeypatch)
+    dst = [22, 23, 24] if keyed else [25, 26, 27]
+    message = make_message(dst, seed=23 if keyed else 24)
+    try:
+        sender.send(proxy.endpoint, message, time.monotonic() + DEADLINE_S)
+        assert link.digests(dst) == payload_digests(message)
+        wire = bytes(proxy.captured) + b"".join(handed)
+        assert len(wire) > message.payload.numel()  # the payload crossed the capture
+        found = plaintext_runs_in(message.payload, wire)
+        assert (found == 0) if keyed else (found > 90), found
+    finally:
+        sender.close()
+        proxy.close()
+
+
 def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatch):
     """With a transfer key, the request's tag covers the payload as sent; bytes changed on the
     payload channel (UCX, gloo) fail it at the receiver, which refuses the transfer before its
@@ -403,19 +460,54 @@ def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatc
     dst = [16, 17]
     message = make_message(dst, seed=19)
     before = link.digests(dst)
-    altered = message.payload.clone()
-    altered[5] ^= 0x40
-    as_sent = _p2p.payload_tag
-    monkeypatch.setattr(_p2p, "payload_tag",
-                        lambda session, seq, header, index, _payload, on_device=False:
-                        as_sent(session, seq, header, index, message.payload, on_device))
+    seal = _p2p.seal_payload
+
+    def altered_in_flight(session, seq, sent, scratch=None):
+        sealed, tag = seal(session, seq, sent, scratch)
+        altered = bytearray(sealed)
+        altered[5] ^= 0x40
+        return memoryview(altered), tag
+
+    monkeypatch.setattr(_p2p, "seal_payload", altered_in_flight)
     try:
-        with pytest.raises(TransferError, match="payload MAC mismatch"):
-            sender.send(endpoint, with_payload(message, altered), time.monotonic() + DEADLINE_S)
+        with pytest.raises(TransferError, match="payload failed its AEAD tag"):
+            sender.send(endpoint, message, time.monotonic() + DEADLINE_S)
         assert link.digests(dst) == before
         monkeypatch.undo()
         sender.send(endpoint, message, time.monotonic() + DEADLINE_S)  # the link survives the refusal
         assert link.digests(dst) == payload_digests(message)
+    finally:
+        sender.close()
+
+
+def test_an_earlier_payload_replayed_for_a_new_request_is_refused(link, monkeypatch):
+    """The sealed bytes and tag of a payload that landed, replayed for the next request on the
+    same link: refused (its nonce and associated data were the earlier request's), nothing of
+    it lands, and the link carries the next honest payload."""
+    key = os.urandom(32)
+    endpoint = link.peer.call("open", key=key.hex())["endpoint"]
+    sender = make_transport(link.backend)
+    sender.key = key
+    seal, kept = _p2p.seal_payload, []
+
+    def replaying(session, seq, message, scratch=None):
+        sealed, tag = seal(session, seq, message, scratch)
+        if not kept:
+            kept.append((bytes(sealed), tag))
+            return sealed, tag
+        return memoryview(bytearray(kept[0][0])), kept[0][1]
+
+    first, second = make_message([28], seed=25), make_message([29], seed=26)
+    before = link.digests([29])
+    monkeypatch.setattr(_p2p, "seal_payload", replaying)
+    try:
+        sender.send(endpoint, first, time.monotonic() + DEADLINE_S)
+        with pytest.raises(TransferError, match="payload"):
+            sender.send(endpoint, second, time.monotonic() + DEADLINE_S)
+        assert link.digests([29]) == before
+        monkeypatch.undo()
+        sender.send(endpoint, second, time.monotonic() + DEADLINE_S)
+        assert link.digests([28, 29]) == payload_digests(first) + payload_digests(second)
     finally:
         sender.close()
 

@@ -13,8 +13,8 @@ from pdserve.security.secret import ClusterSecretError
 
 
 @pytest.mark.parametrize("api_key, admin_key, sent, scope", [
-    (None, None, None, Scope.ADMIN),  # the laptop default: everyone sees everything
-    (None, None, "Bearer anything", Scope.ADMIN),
+    (None, None, None, Scope.CLIENT),  # no key at all, off loopback: nobody is admin
+    (None, None, "Bearer anything", Scope.CLIENT),
     ("k", None, "Bearer k", Scope.CLIENT),
     ("k", None, None, Scope.ANONYMOUS),
     ("k", "a", "Bearer a", Scope.ADMIN),
@@ -26,6 +26,22 @@ from pdserve.security.secret import ClusterSecretError
 ])
 def test_the_key_sent_sets_the_scope(api_key, admin_key, sent, scope) -> None:
     assert ClientKeys(api_key, admin_key).scope(sent) is scope
+
+
+@pytest.mark.parametrize("host, scope", [("127.0.0.1", Scope.ADMIN), ("::1", Scope.ADMIN),
+                                         ("localhost", Scope.ADMIN), ("0.0.0.0", Scope.CLIENT),
+                                         ("::", Scope.CLIENT), ("10.0.0.5", Scope.CLIENT)])
+def test_a_router_with_no_key_has_an_admin_only_on_loopback(host, scope) -> None:
+    """Issue 48, item 7: with no key at all every client was admin. Now only a router that
+    listens on loopback (`pdserve up` on a laptop: its callers are this machine's) shows
+    everyone everything; listening anywhere else, without an admin key no one is admin,
+    over HTTP or gRPC, whatever they send."""
+    keys = client_keys(RouterConfig(host=host))
+    for sent in (None, "Bearer anything", "Bearer admin"):
+        assert keys.scope(sent) is scope
+        assert keys.check_metadata([("authorization", sent)] if sent else []) is scope
+    admin_file_keys = ClientKeys(None, "a", open_scope=Scope.ADMIN)  # a key set: open_scope is moot
+    assert admin_file_keys.scope(None) is Scope.CLIENT and admin_file_keys.scope("Bearer a") is Scope.ADMIN
 
 
 def test_check_refuses_only_where_an_api_key_is_asked_for() -> None:

@@ -53,9 +53,9 @@ def test_up_takes_only_flags_it_uses():
     assert _dests("up") - own == (set(worker_pass_through()) | set(router_pass_through())) - {"log_level"}
     # every engine and transfer flag of a worker reaches the workers `up` starts (core_share,
     # burst_threads and each worker's enrollment_token: `up` sets them itself)
-    assert _dests("decode") - {"metrics_port", "metrics_token", "grpc_port", "advertise_host", "router", "worker_id",
+    assert _dests("decode") - {"metrics_port", "metrics_token", "metrics_token_file", "grpc_port", "advertise_host", "router", "worker_id",
                                "transfer_port", "burst_threads", "core_share",
-                               "enrollment_token"} - own <= set(worker_pass_through())
+                               "enrollment_token", "enrollment_token_file"} - own <= set(worker_pass_through())
     assert "attention_window" in worker_pass_through() and "lenient_json_schema" in router_pass_through()
 
 

@@ -269,26 +269,25 @@ def test_a_payload_altered_in_flight_fails_its_mac_and_falls_back(tiny_model_fac
     import os
 
     from pdserve.kvtransfer.backends import _p2p
-    from pdserve.kvtransfer.base import BlockMessage
 
     model_dir = tiny_model_factory("llama")
     config = KVTransferConfig(backends=(backend, "disk", RECOMPUTE), disk_store=str(tmp_path / "store"),
                               step_timeout_s=5, transfer_key=os.urandom(32), store_key=os.urandom(32))
-    tag_request = _p2p.encode_request
+    seal = _p2p.seal_payload
 
-    def tagged_for_other_bytes(session, seq, message, deadline, payload=None, on_device=False):
-        # what arrives differs from what was tagged
-        altered = (message.payload if payload is None else payload).clone()
-        altered.view(-1).view(torch.uint8)[0] ^= 1
-        other = BlockMessage(message.transfer_id, message.header, message.index, altered)
-        return tag_request(session, seq, other, deadline, on_device=on_device)
+    def altered_after_sealing(session, seq, message, scratch=None):
+        # what arrives differs from what was sealed
+        sealed, tag = seal(session, seq, message, scratch)
+        altered = bytearray(sealed)
+        altered[0] ^= 1
+        return memoryview(altered), tag
 
-    monkeypatch.setattr(_p2p, "encode_request", tagged_for_other_bytes)
+    monkeypatch.setattr(_p2p, "seal_payload", altered_after_sealing)
     prompt = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(7)).tolist()
     with engines(model_dir, config, max_num_tokens=20) as (prefill, decode, local):
         tokens, sent, received = disaggregated(prefill, decode, prompt, "altered")
         assert sent.ok and sent.backend == "disk" and received.ok, received.describe()
         assert [f.backend for f in sent.fallbacks] == [backend]
-        assert "payload MAC mismatch" in sent.fallbacks[0].reason, sent.fallbacks[0].reason
+        assert "payload failed its AEAD tag" in sent.fallbacks[0].reason, sent.fallbacks[0].reason
         assert tuple(tokens) == local.generate(prompt, GREEDY)[0].token_ids
         assert_all_blocks_back(prefill, decode)

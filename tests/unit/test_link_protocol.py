@@ -85,7 +85,7 @@ def test_blocks_arrive_bit_identical_over_one_link(side):
 def test_payload_altered_on_the_channel_is_refused_before_the_sink_and_the_link_survives(side):
     side.network.alter = lambda data: bytes([data[0] ^ 1]) + data[1:]
     message = side.message([1, 2], [3, 4])
-    with pytest.raises(TransferError, match="payload MAC mismatch"):
+    with pytest.raises(TransferError, match="payload failed its AEAD tag"):
         side.send(message, [3, 4])
     assert block_digests(side.caches, [3, 4]) == block_digests(make_caches(LAYOUT), [3, 4])
     side.network.alter = None

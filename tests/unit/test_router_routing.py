@@ -63,6 +63,49 @@ def test_restart_under_a_new_id_replaces_the_old_entry(registry):
     assert [r.worker_id for r in registry.records()] == ["a2"]
 
 
+def test_a_worker_claiming_prefixes_it_was_never_sent_does_not_capture_routing(clock):
+    """Issue 48: a worker whose events claim the blocks of a popular prefix (a system
+    prompt's) it does not hold won every prompt starting with it under prefix_aware. A claim
+    counts only for blocks the router sent that worker: the liar's events and snapshot are
+    dropped and the prompts go where they went before; once it was sent some of the blocks,
+    those count; a new registration starts with nothing vouched for (--check-prefix-claims)."""
+    registry = WorkerRegistry(worker_timeout_s=5.0, clock=clock, check_claims=True)
+    policy = make_policy("prefix_aware")
+    system_prompt = [31, 32, 33, 34, 35, 36]
+    registry.register(worker("honest"), Load(num_running=2))
+    registry.note_routed("honest", block_hashes=system_prompt)
+    hold(registry, "honest", [])  # synced, empty; then its events
+    assert registry.get("honest").kv.apply(kv_events_pb2.KVEventBatch(incarnation=1, first_seq=1, events=[
+        kv_events_pb2.KVEvent(tier="device", kind=kv_events_pb2.KV_EVENT_KIND_STORED, block_hashes=system_prompt)]))
+    registry.register(worker("rogue"), Load())
+    index = registry.get("rogue").kv
+    index.begin_sync()
+    assert index.finish_sync(kv_events_pb2.KVSnapshotResponse(incarnation=1, last_seq=0, tiers=[
+        kv_events_pb2.KVTierBlocks(tier="device", block_hashes=system_prompt + [99])]))
+    assert index.apply(kv_events_pb2.KVEventBatch(incarnation=1, first_seq=1, events=[
+        kv_events_pb2.KVEvent(tier="host", kind=kv_events_pb2.KV_EVENT_KIND_STORED, block_hashes=system_prompt)]))
+    assert index.num_blocks == 0 and registry.get("rogue").num_matched_blocks(system_prompt) == 0
+    query = RouteQuery((*system_prompt, 40), num_prompt_tokens=120, block_size=16)
+    picks = [policy.choose(registry.routable(Role.DECODE, "m"), query).record.worker_id for _ in range(100)]
+    assert picks == ["honest"] * 100
+    registry.note_routed("rogue", block_hashes=system_prompt[:2])  # sent the first two blocks: those count
+    assert index.apply(kv_events_pb2.KVEventBatch(incarnation=1, first_seq=2, events=[
+        kv_events_pb2.KVEvent(tier="device", kind=kv_events_pb2.KV_EVENT_KIND_STORED, block_hashes=system_prompt)]))
+    assert registry.get("rogue").num_matched_blocks(system_prompt) == 2
+    assert registry.deregister("rogue")
+    registry.register(worker("rogue"), Load())
+    assert registry.routed.vouched("rogue", system_prompt) == []
+
+
+def test_routed_prefixes_are_bounded_per_worker():
+    from pdserve.router.prefix_claims import RoutedPrefixes
+
+    routed = RoutedPrefixes(max_per_worker=3)
+    routed.note("a", [1, 2, 3])
+    routed.note("a", [4, 1])  # 1 refreshed, 2 the oldest: forgotten
+    assert routed.vouched("a", [1, 2, 3, 4, 5]) == [1, 3, 4] and routed.vouched("b", [1]) == []
+
+
 def test_round_robin_cycles(registry):
     for name in "abc":
         registry.register(worker(name), Load())

@@ -33,6 +33,22 @@ def test_propose_copies_what_followed_the_latest_longest_match(tokens, min_n, ma
     assert tuple(propose(arr(*tokens), min_n, max_n, k).tolist()) == expected
 
 
+def test_propose_looks_back_only_its_window_whatever_the_context():
+    """Issue 48, item 7: the lookup ran over the whole history on the engine thread every
+    step (21 ms per sequence at 131k tokens). It searches the newest LOOKUP_WINDOW tokens:
+    a match older than that is not proposed; the same match inside the window is."""
+    from pdserve.engine.speculation import LOOKUP_WINDOW
+
+    rng = np.random.default_rng(5)
+    context = rng.integers(1000, 30000, 131_072).astype(np.int32)
+    context[100:104] = [7, 8, 9, 10]  # far back: 7 8 followed by 9 10
+    context[-2:] = [7, 8]
+    assert propose(context, 2, 4, 2).size == 0
+    assert tuple(propose(context, 2, 4, 2, window=context.shape[0]).tolist()) == (9, 10)
+    context[-LOOKUP_WINDOW + 10:-LOOKUP_WINDOW + 14] = [7, 8, 11, 12]  # just inside the window
+    assert tuple(propose(context, 2, 4, 2).tolist()) == (11, 12)
+
+
 def test_history_tracks_prompt_then_output_as_it_grows():
     class Req:
         prompt_token_ids = [1, 2, 3]

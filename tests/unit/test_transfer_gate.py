@@ -98,24 +98,50 @@ def test_a_connection_that_cannot_be_served_does_not_end_the_accept_loop(gate):
     sock.close()
 
 
-def test_a_device_payload_tag_covers_the_digest_and_is_bound_to_its_mode():
-    """The nccl device-direct tag (Poly1305 over the payload's keyed digest, `on_device`)
-    verifies on the same bytes, refuses a flipped bit, a replay under another sequence number
-    and a check in the other mode; here on CPU tensors (the same code a GPU runs, torch path)."""
+def test_a_sealed_payload_opens_once_for_its_request_and_is_ciphertext_on_the_wire():
+    """A keyed link's payload (AES-GCM under the link's own key, the request's frame number as
+    nonce): the bytes the channel carries hold no run of the plaintext; they open for the
+    request that announced them; a flipped bit, another seq, another header, the same bytes
+    replayed for a later request, a tag other than the announced one, a session of another
+    link and a keyless session are all refused."""
     import torch
 
     from pdserve.common.errors import TransferError
 
-    sender = _p2p.Session.derive(KEY, b"c" * 32, b"n" * 32, is_sender=True)
-    receiver = _p2p.Session.derive(KEY, b"c" * 32, b"n" * 32, is_sender=False)
+    def pair(challenge: bytes):
+        return (_p2p.Session.derive(KEY, challenge, b"n" * 32, is_sender=True),
+                _p2p.Session.derive(KEY, challenge, b"n" * 32, is_sender=False))
+
+    sender, receiver = pair(b"c" * 32)
     payload = torch.randint(0, 256, (3 * 16384 + 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     header, index = b"h" * 72, b"i" * 16
-    tag = _p2p.payload_tag(sender, 5, header, index, payload, on_device=True)
-    _p2p.check_payload(receiver, 5, header, index, payload.clone(), tag, on_device=True)
-    assert tag != _p2p.payload_tag(sender, 5, header, index, payload)  # the host mode MACs the bytes themselves
-    altered = payload.clone()
-    altered[40000] ^= 0x02
-    for args, mode in (((5, header, index, altered), True), ((6, header, index, payload), True),
-                       ((5, header, index, payload), False)):
-        with pytest.raises(TransferError, match="payload MAC mismatch"):
-            _p2p.check_payload(receiver, *args, tag, on_device=mode)
+    message = type("Message", (), {"payload": payload, "header": header, "index": index})()
+    sealed, tag = _p2p.seal_payload(sender, 5, message)
+    wire = bytes(sealed)
+    plain = payload.numpy().tobytes()
+    assert len(wire) == len(plain) + _p2p.PAYLOAD_TAG_BYTES and wire[-16:] == tag
+    assert not any(plain[i:i + 16] in wire for i in range(0, len(plain) - 16, 997))
+    receiver.open(*_split(sender.seal(b"request")))  # the request frame that announces it
+    out = torch.empty_like(payload)
+    _p2p.open_payload(receiver, 5, header, index, bytearray(wire), tag, out)
+    assert torch.equal(out, payload)
+
+    flipped = bytearray(wire)
+    flipped[40000] ^= 0x02
+    for args in ((5, header, index, flipped, tag), (6, header, index, bytearray(wire), tag),
+                 (5, b"H" * 72, index, bytearray(wire), tag), (5, header, index, bytearray(wire), bytes(16))):
+        with pytest.raises(TransferError, match="payload"):
+            _p2p.open_payload(receiver, *args, torch.empty_like(payload))
+    receiver.open(*_split(sender.seal(b"a later request")))  # the same bytes replayed for it
+    with pytest.raises(_p2p.TamperedPayload, match="AEAD"):
+        _p2p.open_payload(receiver, 5, header, index, bytearray(wire), tag, torch.empty_like(payload))
+    _, other = pair(b"d" * 32)
+    other.open(*_split(pair(b"d" * 32)[0].seal(b"request")))
+    with pytest.raises(_p2p.TamperedPayload, match="AEAD"):
+        _p2p.open_payload(other, 5, header, index, bytearray(wire), tag, torch.empty_like(payload))
+    keyless = _p2p.Session.derive(None, b"", b"", is_sender=True)
+    assert _p2p.seal_payload(keyless, 5, message) == (payload, bytes(16))
+
+
+def _split(frame: bytes) -> tuple[bytes, bytes]:
+    return frame[:-_p2p.TAG_BYTES], frame[-_p2p.TAG_BYTES:]

@@ -65,12 +65,12 @@ are not ready yet, so registration never waits on the router's own readiness.
 {{- printf "%s-router-headless:%d" (include "pdserve.fullname" .) (int .Values.router.registryPort) }}
 {{- end }}
 
-{{/* The Secret that holds the cluster secret (made by the chart unless existingSecret). */}}
-{{/* The Secret holding the workers' metrics token: the user's, or the one the chart makes. */}}
+{{/* The Secret holding the metrics token: the user's, or the one the chart makes. */}}
 {{- define "pdserve.metricsTokenName" -}}
 {{- .Values.metrics.tokenSecret.name | default (printf "%s-metrics-token" (include "pdserve.fullname" .)) }}
 {{- end }}
 
+{{/* The Secret that holds the cluster secret (made by the chart unless existingSecret). */}}
 {{- define "pdserve.clusterSecretName" -}}
 {{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "pdserve.fullname" .)) }}
 {{- end }}
@@ -86,12 +86,20 @@ are not ready yet, so registration never waits on the router's own readiness.
 - name: cluster-secret
   mountPath: {{ include "pdserve.clusterSecretDir" . }}
   readOnly: true
+{{- include "pdserve.internalTlsMount" . }}
+{{- end }}
+
+{{- define "pdserve.internalTlsMount" -}}
 {{- if include "pdserve.internalTlsSecretName" . }}
 - name: internal-tls
   mountPath: /etc/pdserve/internal-tls
   readOnly: true
 {{- end }}
 {{- end }}
+
+{{/* The router's key ring (the call and block-hash keys, not the secret): an init container
+with the secret derives it into a memory volume, the router's container mounts only that. */}}
+{{- define "pdserve.routerKeysFile" -}}/etc/pdserve/router-keys/router-keys{{- end }}
 
 {{/* The Secret of internal mutual TLS (ca.crt, tls.crt, tls.key: cert-manager's shape): the
 user's, or the one the chart makes; empty when internalTLS.enabled is false. */}}
@@ -149,27 +157,78 @@ checks (rpc.credentials.INTERNAL_SERVER_NAME) and each Service's names in this n
 {{- .Values.redis.internal.auth.existingSecret.name | default (printf "%s-redis-auth" (include "pdserve.fullname" .)) }}
 {{- end }}
 
-{{/* A worker's PDSERVE_REDIS_URL (the URL may carry a password: never on a command line). */}}
+{{/*
+A worker's Redis location. The password is a file (--redis-password-file, the internal
+Redis's Secret) or, for an external Redis whose URL is a Secret, the whole URL is one
+(--redis-url-file): no key on a command line or in the environment. PDSERVE_REDIS_URL
+carries only a URL without a password.
+*/}}
 {{- define "pdserve.redisEnv" -}}
 {{- $redis := .Values.redis }}
 {{- if eq $redis.mode "internal" }}
-- name: REDIS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "pdserve.redisAuthSecretName" . }}
-      key: {{ $redis.internal.auth.existingSecret.key }}
 - name: PDSERVE_REDIS_URL
-  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s-redis:%d/0" (include "pdserve.fullname" .) (int $redis.internal.port) | quote }}
-{{- else if and (eq $redis.mode "external") $redis.external.existingSecret.name }}
-- name: PDSERVE_REDIS_URL
-  valueFrom:
-    secretKeyRef:
-      name: {{ $redis.external.existingSecret.name }}
-      key: {{ $redis.external.existingSecret.key }}
-{{- else if eq $redis.mode "external" }}
+  value: {{ printf "redis://%s-redis:%d/0" (include "pdserve.fullname" .) (int $redis.internal.port) | quote }}
+{{- else if and (eq $redis.mode "external") (not $redis.external.existingSecret.name) }}
 - name: PDSERVE_REDIS_URL
   value: {{ $redis.external.url | quote }}
 {{- end }}
+{{- end }}
+
+{{- define "pdserve.redisArgs" -}}
+{{- $redis := .Values.redis }}
+{{- if eq $redis.mode "internal" }}
+- "--redis-password-file=/etc/pdserve/redis/password"
+{{- else if and (eq $redis.mode "external") $redis.external.existingSecret.name }}
+- "--redis-url-file=/etc/pdserve/redis/url"
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.redisKeyMount" -}}
+{{- if include "pdserve.redisArgs" . }}
+- name: redis-key
+  mountPath: /etc/pdserve/redis
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.redisKeyVolume" -}}
+{{- $redis := .Values.redis }}
+{{- if eq $redis.mode "internal" }}
+- name: redis-key
+  secret:
+    secretName: {{ include "pdserve.redisAuthSecretName" . }}
+    defaultMode: 0440
+    items:
+      - {key: {{ $redis.internal.auth.existingSecret.key }}, path: password}
+{{- else if and (eq $redis.mode "external") $redis.external.existingSecret.name }}
+- name: redis-key
+  secret:
+    secretName: {{ $redis.external.existingSecret.name }}
+    defaultMode: 0440
+    items:
+      - {key: {{ $redis.external.existingSecret.key }}, path: url}
+{{- end }}
+{{- end }}
+
+{{/* The metrics token, a file in every pdserve pod: /metrics (the workers' metrics port,
+the router's HTTP /metrics) answers only `Authorization: Bearer <it>`. */}}
+{{- define "pdserve.metricsTokenArg" -}}
+"--metrics-token-file=/etc/pdserve/metrics-token/token"
+{{- end }}
+
+{{- define "pdserve.metricsTokenMount" -}}
+- name: metrics-token
+  mountPath: /etc/pdserve/metrics-token
+  readOnly: true
+{{- end }}
+
+{{- define "pdserve.metricsTokenVolume" -}}
+- name: metrics-token
+  secret:
+    secretName: {{ include "pdserve.metricsTokenName" . }}
+    defaultMode: 0440
+    items:
+      - {key: {{ .Values.metrics.tokenSecret.key }}, path: token}
 {{- end }}
 
 {{/* Settings the schema cannot express; a broken combination fails the render. */}}

@@ -115,6 +115,8 @@ spec:
             {{- include "pdserve.internalTlsArgs" $ctx | nindent 12 }}
             - {{ printf "--log-level=%s" $values.logLevel | quote }}
             - {{ printf "--metrics-port=%d" (int $values.metrics.port) | quote }}
+            - {{ include "pdserve.metricsTokenArg" $ctx }}
+            {{- include "pdserve.redisArgs" $ctx | nindent 12 }}
             - {{ printf "--model=%s" $modelArg | quote }}
             {{- with $model.servedModelName }}
             - {{ printf "--served-model-name=%s" . | quote }}
@@ -210,11 +212,6 @@ spec:
               value: {{ $value | quote }}
             {{- end }}
             {{- include "pdserve.redisEnv" $ctx | nindent 12 }}
-            - name: PDSERVE_METRICS_TOKEN
-              valueFrom:
-                secretKeyRef:
-                  name: {{ include "pdserve.metricsTokenName" $ctx }}
-                  key: {{ $values.metrics.tokenSecret.key }}
             {{- with $cfg.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -243,6 +240,8 @@ spec:
             - name: shm
               mountPath: /dev/shm
             {{- include "pdserve.clusterSecretMount" $ctx | nindent 12 }}
+            {{- include "pdserve.metricsTokenMount" $ctx | nindent 12 }}
+            {{- include "pdserve.redisKeyMount" $ctx | nindent 12 }}
             {{- if ne $model.source "image" }}
             - name: model
               mountPath: {{ $model.mountPath }}
@@ -259,6 +258,8 @@ spec:
             {{- end }}
       volumes:
         {{- include "pdserve.clusterSecretVolume" $ctx | nindent 8 }}
+        {{- include "pdserve.metricsTokenVolume" $ctx | nindent 8 }}
+        {{- include "pdserve.redisKeyVolume" $ctx | nindent 8 }}
         - name: tmp
           emptyDir:
             sizeLimit: 2Gi
