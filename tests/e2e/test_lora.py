@@ -1,15 +1,17 @@
 """LoRA adapters through real processes: a router (--enable-lora, an admin key), one prefill
 and two decode services, each allowed the adapters under one root and loading a listed one
-on first use. A request whose model names an adapter gets the greedy text of the model with
-that adapter merged in (PEFT's function, W + scaling * B @ A), disaggregated and local,
-streamed and not, over HTTP and gRPC; base requests in the same batch keep the base model's
-text; the hand-off names the adapter and its digest, and a prefill whose adapter of that name
-differs is refused (the decode recomputes under its own). Unknown adapters are 404 in
-OpenAI's shape, malformed ones 400 naming the problem; the admin endpoints need the admin
-key; the router sends an adapter's requests to the decode that holds it.
+on first use. A request whose model names an adapter gets the greedy text of transformers +
+peft with that adapter, disaggregated and local, streamed and not, over HTTP and gRPC; base
+requests in the same batch keep the base model's text; the hand-off names the adapter and
+its digest, and a prefill whose adapter of that name differs is refused (the decode
+recomputes under its own). Unknown adapters are 404 in OpenAI's shape, malformed ones 400
+naming the problem; the admin endpoints need the admin key; the router sends an adapter's
+requests to the decode that holds it.
 
-The adapters are written in PEFT's file format by `tests/lora_adapters.py` with random
-non-zero A and B (the `peft` package itself is not installed here)."""
+The served adapters are made by `peft` itself on the default model as transformers loads it
+(`init_lora_weights=False`: random non-zero A and B) and saved with `save_pretrained`; the
+reference text is that peft model's own `generate`, the adapter unmerged. Malformed adapters
+are written by hand (`tests/lora_adapters.py`), which is what a bad file needs."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -22,7 +24,7 @@ import httpx
 import pytest
 import torch
 from harness import MODEL, deploy_workers
-from lora_adapters import merged_reference, write_adapter
+from lora_adapters import write_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -35,17 +37,42 @@ SHORT = "The three primary colors are"  # under it: the decode prefills it itsel
 MAX_TOKENS = 12
 
 
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (seed, rank, target modules); each a LoRA of its own in one peft model
+ADAPTERS = {"a1": (1, 4, ALL_TARGETS), "a2": (2, 8, ["q_proj", "v_proj", "down_proj"]), "a3": (3, 4, ALL_TARGETS),
+            "skew-decode": (4, 4, ALL_TARGETS), "skew-prefill": (5, 4, ALL_TARGETS)}
+
+
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory):
+def peft_model(tmp_path_factory):
+    """The default model in transformers (fp32) with every adapter of ADAPTERS made by peft,
+    each saved under root/<name> by `save_pretrained`; returns (root, model dir, peft model)."""
+    import peft
+    import transformers
     from pdserve.engine.loader import load_model
 
     root = tmp_path_factory.mktemp("adapters")
     model_dir = Path(load_model("default").model_dir)
-    write_adapter(root / "a1", model_dir, rank=4, seed=1)
-    write_adapter(root / "a2", model_dir, rank=8, seed=2, targets=("q_proj", "v_proj", "down_proj"))
-    write_adapter(root / "a3", model_dir, rank=4, seed=3)
-    write_adapter(root / "skew-decode", model_dir, rank=4, seed=4)
-    write_adapter(root / "skew-prefill", model_dir, rank=4, seed=5)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base.generation_config.eos_token_id = None  # the reference cuts at EOS itself, as the service does
+    model = None
+    for name, (seed, rank, targets) in ADAPTERS.items():
+        config = peft.LoraConfig(r=rank, lora_alpha=8, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                 init_lora_weights=False)  # nn.Linear's random init for A and B: non-zero
+        torch.manual_seed(seed)
+        if model is None:
+            model = peft.get_peft_model(base, config, adapter_name=name)
+        else:
+            model.add_adapter(name, config)
+        model.save_pretrained(root, selected_adapters=[name], safe_serialization=True)  # root/<name>
+        assert (root / name / "adapter_model.safetensors").is_file()
+    model.eval()
+    return root, model_dir, model
+
+
+@pytest.fixture(scope="module")
+def lora(peft_model):
+    root, model_dir, _ = peft_model
     admin_file = root.parent / "admin-key"
     admin_file.write_text(ADMIN_KEY)
     admin_file.chmod(0o600)
@@ -70,25 +97,32 @@ def lora(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(lora):
-    """greedy(adapter dir name or None, prompt) -> transformers' text (cut at EOS)."""
+def reference(peft_model):
+    """greedy(adapter name or None, prompt) -> the peft model's greedy text under that adapter
+    (None: its adapters disabled, the base model), cut at EOS; each computed once."""
     from pdserve.engine.loader import load_model
 
+    _, _, model = peft_model
     tok = load_model("default").tokenizer
-    models: dict = {}
+    eos = set(tok.convert_tokens_to_ids([tok.eos_token])) | {tok.eos_token_id}
     cache: dict = {}
+
+    def run(ids: list[int], max_tokens: int):
+        return model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=max_tokens, do_sample=False)
 
     def greedy(adapter: str | None, prompt: str, max_tokens: int = MAX_TOKENS, ignore_eos: bool = False) -> str:
         key = (adapter, prompt, max_tokens, ignore_eos)
         if key not in cache:
-            if adapter not in models:
-                models[adapter] = merged_reference(lora.model_dir, lora.root / adapter if adapter else None)
             ids = tok(prompt).input_ids
             with torch.no_grad():
-                out = models[adapter].generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                               attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+                if adapter is None:
+                    with model.disable_adapter():
+                        out = run(ids, max_tokens)
+                else:
+                    model.set_adapter(adapter)
+                    out = run(ids, max_tokens)
             new = out[0, len(ids):].tolist()
-            eos = set(tok.convert_tokens_to_ids([tok.eos_token])) | {tok.eos_token_id}
             if not ignore_eos:
                 new = new[:next((i for i, t in enumerate(new) if t in eos), len(new))]
             cache[key] = tok.decode(new, skip_special_tokens=True)
@@ -121,7 +155,7 @@ def _admin(d, path: str, body: dict, key: str = ADMIN_KEY) -> httpx.Response:
     return httpx.post(d.base_url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=180)
 
 
-def test_adapter_text_equals_the_merged_model_on_every_path_and_base_stays_base(lora, reference):
+def test_adapter_text_equals_peft_on_every_path_and_base_stays_base(lora, reference):
     # each long prompt opens differently: no cached prefix makes the router prefill it locally
     cases = [("a1", f"Story 1. {LONG}", False), ("a1", f"Story 2. {LONG}", True), ("a1", SHORT, False),
              ("a1", SHORT, True), (MODEL, f"Story 3. {LONG}", False), (MODEL, SHORT, True),
