@@ -98,27 +98,29 @@ class Offloader:
             self._copy(job)
 
     def _copy(self, job: _Job) -> None:
+        """Copy one job's blocks and hand them to its target; only then is the job done, so
+        that a flush (the fence, then the target's own flush) never misses a copy on its way."""
         data = None
         try:
             if not job.cancelled:
                 data = gather_to_host(self._kv_caches, [b.block_id for b in job.blocks])
         except Exception as exc:  # noqa: BLE001 - an offload never fails the engine
             log.error("kv offload: copy failed: %r", exc)
-        finally:
-            with self._cond:
-                keep = data is not None and not job.cancelled
-                self._jobs.popleft()
-                self._pending_blocks -= len(job.blocks)
-                job.done.set()
-        if not keep:
-            with self._stats.lock:
-                self._stats.dropped += len(job.blocks)
-            return
+        with self._cond:
+            keep = data is not None and not job.cancelled
+            self._jobs.popleft()
+            self._pending_blocks -= len(job.blocks)
         try:
+            if not keep:
+                with self._stats.lock:
+                    self._stats.dropped += len(job.blocks)
+                return
             job.target([b.block_hash for b in job.blocks], [b.digest for b in job.blocks], data)
             self.num_offloaded += len(job.blocks)
         except Exception as exc:  # noqa: BLE001
             log.error("kv offload: storing failed: %r", exc)
+        finally:
+            job.done.set()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop after the copies queued (up to `timeout_s`). Idempotent."""

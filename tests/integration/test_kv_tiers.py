@@ -179,6 +179,8 @@ def test_a_prefill_finds_the_answer_a_decode_generated(tiny_model_factory, tmp_p
         tokens, sent, received = disaggregated(prefill, decode, first, "turn-1")
         assert received.ok
         decode.engine.connector.worker.flush(30)
+        # the answer's block is in the store (written through on the offload thread)
+        wait_until(lambda: tiers_of(decode)["disk"].blocks >= 1, "the decode's answer block stored")
         history = first + tokens[:-1]  # the last token's KV is the next prompt's to compute
         second = history + tokens[-1:] + prompt(8, 9)
         out = list(prefill.generate_stream(second, GREEDY))  # the prefill engine, locally: its lookups
