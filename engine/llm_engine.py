@@ -254,7 +254,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in itertools.chain(s.waiting, s.running))
+        # the prompt work this engine will do itself: a request whose KV a prefill service
+        # computes (waiting for admission or for the KV) is not this engine's queue
+        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in itertools.chain(s.waiting, s.running)
+                     if not r.waits_for_remote_prefill)
         decoding = sum(1 for r in s.running if r.num_computed_tokens >= r.num_prompt_tokens)
         return EngineStats(len(s.waiting), len(s.running), len(s.remote),
                            self.kv.get_num_free_blocks(), self.kv.get_max_resource_count(),

@@ -8,7 +8,8 @@ over the prefill-queue threshold ("prefill_queue_long"), nor when no live prefil
 shares a usable KV backend with D by their last reports ("no_usable_kv_backend": every
 backend down would mean computing the prompt twice). Between those bounds the path with
 the shorter predicted time to first token wins (`predict_ttft`: each side's queued prompt
-tokens over its measured prefill rate, plus the transfer on the remote side, plus on the
+tokens and the ones it must compute over its measured prefill rate (the prefill worker
+computes what its own cache lacks, not only what the decode's lacks), plus the transfer on the remote side, plus on the
 local side the stall its compute costs the streams decoding there; before either side has
 measured a rate, by queued tokens alone, as both run the same model): when 8 prompts arrive at once
 the decode takes its share instead of idling while one prefill worker queues them all
@@ -87,9 +88,12 @@ class TTFTPrediction:
 
 
 def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int,
-                 block_size: int = 16) -> TTFTPrediction | None:
-    """Each side: the prompt tokens queued ahead of these `num_tokens`, and these, at its
-    recent prefill rate; the remote side adds the KV transfer this pair's link costs past the
+                 block_size: int = 16, remote_tokens: int | None = None) -> TTFTPrediction | None:
+    """Each side: the prompt tokens queued ahead of the ones it must compute, and those, at
+    its recent prefill rate. The decode computes `num_tokens` (what it lacks); the prefill
+    worker `remote_tokens` (what it lacks: a prefix only the decode holds, such as a chat's
+    history with its answers, is computed there again; default `num_tokens`) and sends the
+    decode's `num_tokens` worth of blocks; the remote side adds the KV transfer this pair's link costs past the
     forward (`transfer_cost`), the local side the time its own compute holds up each of the
     decode's decoding streams (`stall_s`, `num_stalled`, by its last report).
     A side that has not prefilled yet is taken to prefill at the other's rate (same model; its
@@ -102,12 +106,19 @@ def predict_ttft(prefill: WorkerRecord, decode: WorkerRecord, num_tokens: int,
     if not measured:
         remote_rate = UNMEASURED_TOKENS_PER_S
     local_rate = decode.load.prefill_tokens_per_s or remote_rate
-    compute = num_tokens / remote_rate
+    compute = (num_tokens if remote_tokens is None else remote_tokens) / remote_rate
     transfer = transfer_cost(decode, prefill.worker_id, -(-num_tokens // block_size), compute)
     remote = prefill.queued_prompt_tokens() / remote_rate + compute + transfer
     local = (decode.queued_prompt_tokens() + num_tokens) / local_rate
     return TTFTPrediction(local_s=local, remote_s=remote, stall_s=num_tokens / local_rate,
                           num_stalled=max(1, decode.load.num_decoding), measured=measured, transfer_s=transfer)
+
+
+def remote_work(prefill: WorkerRecord, query: RouteQuery, uncached: int) -> int:
+    """Prompt tokens `prefill` computes for a hand-off of `uncached` tokens: the prompt less
+    the leading blocks its own cache holds (by its KV events), never fewer than `uncached`."""
+    held = len(prefill.kv.leading_tiers(query.block_hashes)) * query.block_size
+    return max(uncached, query.num_prompt_tokens - held)
 
 
 def transfer_cost(decode: WorkerRecord, prefill_id: str, num_blocks: int, compute_s: float) -> float:
@@ -168,7 +179,8 @@ class RoutePlanner:
             pick = self._pick_prefill(model_name, query, decode.record, uncached, lora_name)
         prefill = pick.record.worker if pick.record is not None else None
         if prefill is not None:
-            self._registry.note_routed(prefill.worker_id, prompt_tokens=uncached, block_hashes=block_hashes)
+            self._registry.note_routed(prefill.worker_id, prompt_tokens=remote_work(pick.record, query, uncached),
+                                       block_hashes=block_hashes)
         self._count("prefill", self._prefill_policy.name, pick.reason)
         self._registry.note_routed(decode.record.worker_id, prompt_tokens=0 if prefill else max(0, uncached),
                                    block_hashes=block_hashes)
@@ -191,7 +203,8 @@ class RoutePlanner:
         if not (prefillers := [r for r in prefillers if can_carry(r, decode)]):
             return _PrefillPick(None, NO_USABLE_KV_BACKEND)
         choice = self._prefill_policy.choose(prefillers, query)
-        prediction = (predict_ttft(choice.record, decode, uncached, query.block_size)
+        prediction = (predict_ttft(choice.record, decode, uncached, query.block_size,
+                                   remote_work(choice.record, query, uncached))
                       if self._predict else None)
         if choice.record.load.num_queued >= self._queue_threshold:
             return _PrefillPick(None, PREFILL_QUEUE_LONG, prediction)

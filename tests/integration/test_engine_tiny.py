@@ -549,6 +549,14 @@ def test_stats_report_queued_prompt_tokens_and_the_prefill_rate(llama_dir):
     assert engine.stats().num_queued_prompt_tokens == 0
     assert engine.stats().prefill_tokens_per_s > 0  # 80 tokens
     engine.assert_no_leaks()
+    # a decode's request whose prompt a prefill service computes is not this engine's work,
+    # waiting for admission or for its KV (counted, a chat's turns looked 6 s away locally)
+    engine.add_request(list(range(3, 43)), params, request_id="remote", remote_prefill=True)
+    assert engine.stats().num_queued_prompt_tokens == 0
+    engine.step()
+    assert engine.stats().num_queued_prompt_tokens == 0
+    assert engine.abort("remote")
+    engine.assert_no_leaks()
 
     rate = PrefillRate(half_life_tokens=100, min_tokens=64)
     rate.note(0, 1.0)

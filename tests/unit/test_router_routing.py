@@ -494,3 +494,27 @@ def test_prefix_aware_weighs_where_the_blocks_are_against_load(registry):
     registry.register(worker("e"), Load())
     choice = policy.choose(registry.routable(Role.DECODE, "m"), prompt)
     assert (choice.record.worker_id, choice.reason) == ("e", "load_imbalance")
+
+
+def test_a_prefix_only_the_decode_holds_is_priced_as_recomputed_remotely(registry):
+    """A chat's next turn: the decode holds the history (its answers included) and lacks only
+    the new message; the prefill worker holds none of it. Remote, the prefill worker would
+    compute the whole prompt again; local, the decode computes the new message alone. The
+    prediction charges each side what it lacks, so the turn stays on the decode."""
+    planner, metrics = make_planner(registry, threshold=8, queue_threshold=100)
+    registry.register(worker("d"), Load(prefill_tokens_per_s=400.0))
+    registry.register(worker("p", Role.PREFILL), Load(prefill_tokens_per_s=400.0))
+    history = list(range(5000, 5150))  # 150 blocks of 4 tokens: 600 tokens held by the decode
+    hold(registry, "d", history, tier="host")
+    blocks = history + [9000 + i for i in range(16)]  # the new message: 64 tokens
+    plan = planner.plan("turn", "m", len(blocks) * 4, 4, blocks, "")
+    assert plan.prefill is None and plan.prefill_reason == "predicted_faster_local"
+    assert plan.prediction.local_s == pytest.approx(64 / 400.0)
+    assert plan.prediction.remote_s == pytest.approx(664 / 400.0)
+    # once the prefill worker holds the history too, it computes the new message alone, and
+    # with the decode's queue now ahead (the first turn's 64 tokens) the next turn goes there
+    hold(registry, "p", history)
+    plan = planner.plan("turn-2", "m", len(blocks) * 4, 4, blocks, "")
+    assert plan.prediction.remote_s == pytest.approx(64 / 400.0)
+    assert plan.prediction.local_s == pytest.approx(128 / 400.0)
+    assert plan.prefill.worker_id == "p"
