@@ -179,8 +179,7 @@ class RoutePlanner:
             pick = self._pick_prefill(model_name, query, decode.record, uncached, lora_name)
         prefill = pick.record.worker if pick.record is not None else None
         if prefill is not None:
-            self._registry.note_routed(prefill.worker_id, prompt_tokens=remote_work(pick.record, query, uncached),
-                                       block_hashes=block_hashes)
+            self._registry.note_routed(prefill.worker_id, prompt_tokens=pick.remote_tokens, block_hashes=block_hashes)
         self._count("prefill", self._prefill_policy.name, pick.reason)
         self._registry.note_routed(decode.record.worker_id, prompt_tokens=0 if prefill else max(0, uncached),
                                    block_hashes=block_hashes)
@@ -203,17 +202,17 @@ class RoutePlanner:
         if not (prefillers := [r for r in prefillers if can_carry(r, decode)]):
             return _PrefillPick(None, NO_USABLE_KV_BACKEND)
         choice = self._prefill_policy.choose(prefillers, query)
-        prediction = (predict_ttft(choice.record, decode, uncached, query.block_size,
-                                   remote_work(choice.record, query, uncached))
+        work = remote_work(choice.record, query, uncached)
+        prediction = (predict_ttft(choice.record, decode, uncached, query.block_size, work)
                       if self._predict else None)
         if choice.record.load.num_queued >= self._queue_threshold:
             return _PrefillPick(None, PREFILL_QUEUE_LONG, prediction)
         if prediction is None or not prediction.local_faster:
-            return _PrefillPick(choice.record, choice.reason, prediction)
+            return _PrefillPick(choice.record, choice.reason, prediction, remote_tokens=work)
         age_s = self._probes.try_probe(decode, choice.record.worker_id) if prediction.link_decided else None
         if age_s is None:
             return _PrefillPick(None, PREDICTED_FASTER_LOCAL, prediction)
-        return _PrefillPick(choice.record, LINK_PROBE, prediction, age_s)
+        return _PrefillPick(choice.record, LINK_PROBE, prediction, age_s, remote_tokens=work)
 
     def _count(self, pool: str, policy: str, reason: str) -> None:
         self._metrics.routing.labels(pool, policy, reason).inc()
@@ -225,6 +224,7 @@ class _PrefillPick:
     reason: str
     prediction: TTFTPrediction | None = None
     link_age_s: float = 0.0  # LINK_PROBE: seconds since the link was last measured
+    remote_tokens: int = 0  # prompt tokens the prefill worker computes (`remote_work`)
 
 
 def _describe(prediction: TTFTPrediction | None) -> str:
