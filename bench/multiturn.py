@@ -13,6 +13,13 @@ turns found their whole history
 cached (at least the previous turn's prompt plus answer, less one block); with two servers,
 how many turns answered the same text, and the TTFT p50 of turns >= 2 of each.
 
+A history is judged by the tokens it can share with the turn before: an answer sent back as
+text is tokenized again with the new prompt, and a tokenizer may split that text otherwise
+than the model generated it (e.g. " 1" "2" generated, " 12" read back). No cache can serve
+tokens from the first difference on, so where the server gives both the answer's ids (vLLM's
+return_tokens_as_token_ids) and the new prompt's (its /tokenize), a turn needs its shared
+prefix cached (less one block), and the report counts the answers that were re-encoded.
+
     pdserve bench serve --workload multiturn --sessions 8 --turns 4 --output-len 24 \\
         --ignore-eos --base-url http://127.0.0.1:8000/v1 --compare-url http://127.0.0.1:8100/v1
 """
@@ -54,6 +61,17 @@ class Turn:
     session: int
     turn: int  # 1-based
     result: RequestResult
+    # tokens of this prompt equal to the previous turn's prompt + answer ids (None: unknown)
+    shared_tokens: int | None = None
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def session_id(spec: MultiturnSpec, session: int) -> str:
@@ -81,16 +99,21 @@ async def run_session(client: OpenAIStreamClient, spec: MultiturnSpec, session: 
     ends the session (the history the next turn needs is missing)."""
     history = [system_message(spec, session)]
     turns = []
+    before: list[int] | None = None  # the previous turn's prompt + answer ids, where known
     for t in range(1, spec.num_turns + 1):
         message, max_tokens, think_s = user_turn(spec, session, t)
         if t > 1:
             await asyncio.sleep(think_s)
         history.append(message)
+        prompt_ids = await client.tokenize_chat(history)
         request = BenchRequest(session * spec.num_turns + t - 1, f"turn{t}", tuple(history), max_tokens, None)
-        result, text = await client.send_for_text(request, start, user=session_id(spec, session))
-        turns.append(Turn(session, t, result))
+        result, text, answer_ids = await client.send_for_answer(request, start, user=session_id(spec, session),
+                                                                token_ids=True)
+        shared = shared_prefix(before, prompt_ids) if before is not None and prompt_ids is not None else None
+        turns.append(Turn(session, t, result, shared))
         if not result.success:
             break
+        before = prompt_ids + answer_ids if prompt_ids is not None and answer_ids is not None else None
         history.append(Message("assistant", text))
     return turns
 
@@ -119,18 +142,31 @@ class TurnSummary:
     mean_cached_by_tier: tuple[tuple[str, float], ...]
     num_history_cached: int  # turns >= 2 whose cached tokens cover the previous prompt + answer, less a block
     num_history_checked: int  # turns >= 2 where that could be judged (both turns reported usage)
+    num_reencoded: int = 0  # turns >= 2 whose previous answer came back as other tokens
 
 
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def history_cached(previous: RequestResult, current: RequestResult, block_size: int) -> bool | None:
+def history_cached(previous: RequestResult, current: RequestResult, block_size: int,
+                   shared_tokens: int | None = None) -> bool | None:
     """Whether `current` found its history cached: at least `previous`'s prompt plus answer,
-    less one block. None when either turn did not report what it takes to judge."""
+    or of those the `shared_tokens` its prompt starts with where known, less one block. None
+    when either turn did not report what it takes to judge."""
     if previous.prompt_tokens is None or current.cached_tokens is None or not previous.usage_reported:
         return None
-    return current.cached_tokens >= previous.prompt_tokens + previous.output_tokens - block_size
+    history = previous.prompt_tokens + previous.output_tokens
+    if shared_tokens is not None:
+        history = min(history, shared_tokens)
+    return current.cached_tokens >= history - block_size
+
+
+def reencoded(previous: RequestResult, shared_tokens: int | None) -> bool:
+    """The previous answer came back as other tokens (the shared prefix ends inside it)."""
+    if shared_tokens is None or previous.prompt_tokens is None or not previous.usage_reported:
+        return False
+    return shared_tokens < previous.prompt_tokens + previous.output_tokens
 
 
 def summarize_turns(turns: Sequence[Turn], block_size: int = 16) -> list[TurnSummary]:
@@ -146,8 +182,9 @@ def summarize_turns(turns: Sequence[Turn], block_size: int = 16) -> list[TurnSum
         for r in ok:
             for tier, n in r.cached_tokens_by_tier:
                 tiers[tier].append(n)
-        verdicts = [history_cached(by_key[(t.session, index - 1)], t.result, block_size)
-                    for t in by_turn[index] if t.result.success and (t.session, index - 1) in by_key]
+        returning = [t for t in by_turn[index] if t.result.success and (t.session, index - 1) in by_key]
+        verdicts = [history_cached(by_key[(t.session, index - 1)], t.result, block_size, t.shared_tokens)
+                    for t in returning]
         judged = [v for v in verdicts if v is not None]
         out.append(TurnSummary(
             index, len(ok), len(by_turn[index]),
@@ -155,7 +192,8 @@ def summarize_turns(turns: Sequence[Turn], block_size: int = 16) -> list[TurnSum
             _mean([r.prompt_tokens for r in ok if r.prompt_tokens is not None]),
             _mean([r.cached_tokens for r in ok if r.cached_tokens is not None]),
             tuple((tier, sum(ns) / len(ok)) for tier, ns in sorted(tiers.items())),
-            sum(judged), len(judged)))
+            sum(judged), len(judged),
+            sum(reencoded(by_key[(t.session, index - 1)], t.shared_tokens) for t in returning)))
     return out
 
 
@@ -186,6 +224,8 @@ def format_turns(summaries: Sequence[TurnSummary]) -> str:
                          for tier, n in s.mean_cached_by_tier) or "-"
         rows.append(f"{s.turn:>4} {f'{s.num_ok}/{s.num_sent}':>8} {_fmt(s.ttft_p50_ms):>9} {_fmt(s.ttft_p90_ms):>8} "
                     f"{_fmt(s.mean_prompt_tokens):>7} {_fmt(s.mean_cached_tokens):>7} {history:>15}  {tiers}")
+    rows += [f"turn {s.turn}: {s.num_reencoded} previous answers came back as other tokens (judged on the "
+             "tokens shared)" for s in summaries if s.num_reencoded]
     return "\n".join(rows)
 
 

@@ -13,10 +13,10 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from pdserve.bench.report import RequestResult
-from pdserve.bench.workload import BenchConfigError, BenchRequest
+from pdserve.bench.workload import BenchConfigError, BenchRequest, Message
 
 ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
 
@@ -52,12 +52,13 @@ class _Trace:
     """What the stream has shown so far; survives a deadline that cuts the stream."""
 
     __slots__ = ("chunk_times", "prompt_tokens", "completion_tokens", "finish_reason", "done", "text",
-                 "accepted", "rejected", "parts", "cached", "cached_by_tier")
+                 "accepted", "rejected", "parts", "cached", "cached_by_tier", "token_ids")
 
     def __init__(self) -> None:
         self.chunk_times: list[float] = []
         self.text = hashlib.sha256()
         self.parts: list[str] = []  # the output text itself (a multi-turn session sends it back)
+        self.token_ids: list[int] = []  # the output's ids, when asked for (return_tokens_as_token_ids)
         self.cached: int | None = None
         self.cached_by_tier: tuple[tuple[str, int], ...] = ()
         self.accepted: int | None = None
@@ -129,12 +130,22 @@ class OpenAIStreamClient:
     async def send_for_text(self, req: BenchRequest, run_start: float,
                             user: str = "") -> tuple[RequestResult, str]:
         """`send`, also returning the output text; `user`: the request's `user` field (a session id)."""
+        result, text, _ = await self.send_for_answer(req, run_start, user)
+        return result, text
+
+    async def send_for_answer(self, req: BenchRequest, run_start: float, user: str = "",
+                              token_ids: bool = False) -> tuple[RequestResult, str, list[int] | None]:
+        """`send_for_text`, also returning the output's token ids when `token_ids` (asked for as
+        vLLM does: logprobs with return_tokens_as_token_ids); None where the server sent none
+        for some token."""
         trace = _Trace()
         sent = time.perf_counter()
         error = ""
         body = self.body(req)
         if user:
             body["user"] = user
+        if token_ids and self.endpoint.kind == "chat":
+            body.update(logprobs=True, return_tokens_as_token_ids=True)
         try:
             await asyncio.wait_for(self._stream(body, trace), self.endpoint.request_timeout_s)
             if not trace.chunk_times:
@@ -146,7 +157,22 @@ class OpenAIStreamClient:
         except Exception as e:  # transport errors of any kind are this request's failure
             error = _describe(e)
         ended = time.perf_counter()
-        return _result(req, trace, sent - run_start, sent, ended, error), "".join(trace.parts)
+        result = _result(req, trace, sent - run_start, sent, ended, error)
+        ids = trace.token_ids if token_ids and len(trace.token_ids) == result.output_tokens else None
+        return result, "".join(trace.parts), ids
+
+    async def tokenize_chat(self, messages: Sequence[Message]) -> list[int] | None:
+        """The prompt ids of a chat as the server builds them (its /tokenize, vLLM's shape, at the
+        root beside /v1); None when the server has no such endpoint or fails."""
+        root = self.endpoint.base_url.rstrip("/").removesuffix("/v1")
+        body = {"model": self.model, "messages": [{"role": m.role, "content": m.content} for m in messages]}
+        try:
+            resp = await asyncio.wait_for(self._http.post(root + "/tokenize", json=body),
+                                          self.endpoint.request_timeout_s)
+            ids = resp.json().get("tokens") if resp.status_code == 200 else None
+        except Exception:  # any failure: the ids are unknown, the caller judges without them
+            return None
+        return ids if isinstance(ids, list) and all(_int_or_none(i) is not None for i in ids) else None
 
     async def _stream(self, body: dict[str, Any], trace: _Trace) -> None:
         async with self._http.stream("POST", self._url, json=body) as resp:
@@ -194,6 +220,7 @@ class OpenAIStreamClient:
                 text = (choice.get("delta") or {}).get("content")
             else:
                 text = choice.get("text")
+            _take_token_ids(choice.get("logprobs"), trace)
             if text:
                 trace.chunk_times.append(now)
                 trace.text.update(str(text).encode())
@@ -217,6 +244,15 @@ def _result(req: BenchRequest, trace: _Trace, start_s: float, sent: float, ended
         text_sha256=trace.text.hexdigest(), accepted_prediction_tokens=trace.accepted,
         rejected_prediction_tokens=trace.rejected, cached_tokens=trace.cached,
         cached_tokens_by_tier=trace.cached_by_tier)
+
+
+def _take_token_ids(logprobs: object, trace: _Trace) -> None:
+    """The ids of a chat chunk's logprobs entries written "token_id:N"."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    for entry in content or ():
+        token = entry.get("token") if isinstance(entry, dict) else None
+        if isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit():
+            trace.token_ids.append(int(token[9:]))
 
 
 def _int_or_none(v: object) -> int | None:

@@ -31,7 +31,7 @@ from pdserve.router.catalog import ModelCatalog
 from pdserve.router.config import Role, RouterConfig
 from pdserve.router.frontend import Frontend
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.openai_format import Collected, ResponseFormatter, sse
+from pdserve.router.openai_format import Collected, ResponseFormatter, TokenIds, sse
 from pdserve.router.planner import can_carry
 from pdserve.router.request_ids import new_request_id
 from pdserve.router.openai_request import IgnoredFieldLog, OpenAIRequest, parse_chat, parse_completion
@@ -180,7 +180,7 @@ class OpenAIHandlers:
         responses = self._frontend.generate(parsed.request, api=api, request_id=parsed.request.request_id,
                                             scope=caller.scope, tenant=caller.tenant)
         formatter = ResponseFormatter(chat, parsed.model, parsed.request.request_id, parsed.request.sampling.logprobs,
-                                      self._token_text(parsed.model), tool_mode=parsed.tool_mode,
+                                      self._token_text(parsed), tool_mode=parsed.tool_mode,
                                       ignored_fields=parsed.ignored_fields, prompt_logprobs=parsed.prompt_logprobs)
         if parsed.stream:
             return await self._stream(request, responses, formatter, parsed)
@@ -214,7 +214,7 @@ class OpenAIHandlers:
 
         def formatter(index: int) -> ResponseFormatter:
             return ResponseFormatter(chat, parsed.model, rid, parsed.request.sampling.logprobs,
-                                     self._token_text(parsed.model), index, parsed.tool_mode,
+                                     self._token_text(parsed), index, parsed.tool_mode,
                                      parsed.ignored_fields, parsed.prompt_logprobs)
 
         if parsed.stream:
@@ -229,7 +229,11 @@ class OpenAIHandlers:
                 return error_response(err)
         return await _until_disconnect(request.receive, answer())
 
-    def _token_text(self, model_name: str) -> Callable[[int], str]:
+    def _token_text(self, parsed: OpenAIRequest) -> Callable[[int], str]:
+        if parsed.tokens_as_ids:
+            return TokenIds()
+        model_name = parsed.model
+
         def token_text(token_id: int) -> str:
             return self._frontend.resolve(model_name)[0].prompts.token_text(token_id)
         return token_text

@@ -81,8 +81,22 @@ def pdserve_json(response: generation_pb2.GenerateResponse) -> dict[str, Any]:
     return out
 
 
+class TokenIds:
+    """The TokenText of vLLM's return_tokens_as_token_ids: every token reads "token_id:N",
+    whatever text the worker sent for it."""
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
+def _text(token_id: int, token: str, token_text: TokenText) -> str:
+    if isinstance(token_text, TokenIds):
+        return token_text(token_id)
+    return token or token_text(token_id)
+
+
 def _token_json(token_id: int, logprob: float, token: str, token_text: TokenText) -> dict[str, Any]:
-    text = token or token_text(token_id)
+    text = _text(token_id, token, token_text)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
@@ -96,11 +110,11 @@ def completion_logprobs(entries: list[common_pb2.TokenLogprob], token_text: Toke
                         text_offset: int) -> dict[str, Any]:
     tokens, offsets = [], []
     for e in entries:
-        tokens.append(e.token or token_text(e.token_id))
+        tokens.append(_text(e.token_id, e.token, token_text))
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{(t.token or token_text(t.token_id)): t.logprob for t in e.top_logprobs}
+            "top_logprobs": [{_text(t.token_id, t.token, token_text): t.logprob for t in e.top_logprobs}
                              for e in entries],
             "text_offset": offsets}
 
@@ -124,9 +138,9 @@ def vllm_prompt_logprobs(entries: list[common_pb2.TokenLogprob], token_text: Tok
     token id -> {logprob, decoded_token} holding the token itself and its top alternatives."""
     out: list[Any] = [None]
     for e in entries:
-        position = {str(t.token_id): {"logprob": t.logprob, "decoded_token": t.token or token_text(t.token_id)}
+        position = {str(t.token_id): {"logprob": t.logprob, "decoded_token": _text(t.token_id, t.token, token_text)}
                     for t in e.top_logprobs}
-        position[str(e.token_id)] = {"logprob": e.logprob, "decoded_token": e.token or token_text(e.token_id)}
+        position[str(e.token_id)] = {"logprob": e.logprob, "decoded_token": _text(e.token_id, e.token, token_text)}
         out.append(position)
     return out
 

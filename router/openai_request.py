@@ -38,7 +38,7 @@ _COMMON_FIELDS = frozenset(_TABLE_FIELDS) | frozenset((
     "model", "stream", "stream_options", "top_k", "stop", "stop_token_ids", "ignore_eos", "logit_bias",
     "n", "best_of", "max_tokens", "logprobs", "user", "response_format", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "guided_json_object", "guided_whitespace_pattern",
-    "structured_outputs", "cache_salt"))
+    "structured_outputs", "cache_salt", "return_tokens_as_token_ids"))
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                 "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
@@ -64,6 +64,7 @@ class OpenAIRequest:
     tool_mode: ToolMode = ToolMode()  # chat with tools: how the answer is read (tools.py)
     ignored_fields: tuple[str, ...] = ()  # top-level fields this server does not act on, sorted
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs was asked for (answered in its shape)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N"
 
     def choices(self) -> list[Choice]:
         """The generations to run: best_of per prompt; a seeded request's k-th copy gets
@@ -284,7 +285,8 @@ def parse_completion(raw: dict[str, Any]) -> OpenAIRequest:
             one.token_ids.ids.extend(prompt)
         requests.append(one)
     return OpenAIRequest(requests[0], stream, include_usage, model, n, best_of, tuple(requests),
-                         ignored_fields=_ignored(raw, COMPLETION_FIELDS), prompt_logprobs=body.has("prompt_logprobs"))
+                         ignored_fields=_ignored(raw, COMPLETION_FIELDS), prompt_logprobs=body.has("prompt_logprobs"),
+                         tokens_as_ids=bool(body.bool("return_tokens_as_token_ids")))
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -330,7 +332,8 @@ def parse_chat(raw: dict[str, Any]) -> OpenAIRequest:
     if top_logprobs:
         request.sampling.top_logprobs = top_logprobs
     return OpenAIRequest(request, stream, include_usage, model, n, best_of, tool_mode=tool_mode,
-                         ignored_fields=_ignored(raw, CHAT_FIELDS), prompt_logprobs=body.has("prompt_logprobs"))
+                         ignored_fields=_ignored(raw, CHAT_FIELDS), prompt_logprobs=body.has("prompt_logprobs"),
+                         tokens_as_ids=bool(body.bool("return_tokens_as_token_ids")))
 
 
 def chat_messages(value: Any) -> list[generation_pb2.ChatMessage]:

@@ -22,6 +22,10 @@ def test_sessions_send_their_history_and_answers_back(make_cluster):
     for turn in (t for t in turns if t.turn > 1):  # the previous prompt, its answer, and 3 new words
         earlier = next(t for t in turns if t.session == turn.session and t.turn == turn.turn - 1)
         assert turn.result.prompt_tokens >= earlier.result.prompt_tokens + answer + 3
+        # the fakes' answer ids (100, 101, ...) are not what its text encodes to: the tokens this
+        # prompt shares with the last are the last prompt's, as the router's /tokenize reads them
+        assert turn.shared_tokens == earlier.result.prompt_tokens
+    assert all(t.shared_tokens is None for t in turns if t.turn == 1)
     # one session's turns all went where its `user` hashes (session affinity): 3 at a time
     assert sorted(len(w.requests) for w in workers) in ([0, 6], [3, 3])
     assert session_id(spec, 0) != session_id(spec, 1)

@@ -74,6 +74,33 @@ def test_logprobs_stop_and_sampling_reach_decode(make_cluster):
     assert completion.choices[0].logprobs.token_logprobs == [-0.25, -0.25]
 
 
+def test_return_tokens_as_token_ids_names_every_token_by_id(make_cluster):
+    """vLLM's return_tokens_as_token_ids: each logprob token (chosen and top) reads
+    "token_id:N", streamed or not, chat or completions, whatever text the worker sent."""
+    cluster = make_cluster()
+    cluster.add("d0")
+    client = cluster.openai()
+    ids = {"return_tokens_as_token_ids": True}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=2, extra_body=ids)
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{100 + i}" for i in range(len(REPLY))]
+    assert [t.token for t in content[0].top_logprobs] == ["token_id:100", "token_id:101"]
+    assert content[0].bytes == list(b"token_id:100")
+    streamed = [c.choices[0].logprobs.content[0].token
+                for c in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=4, logprobs=True, stream=True, extra_body=ids)
+                if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content]
+    assert streamed == [f"token_id:{100 + i}" for i in range(len(REPLY))]
+    completion = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, logprobs=1, extra_body=ids)
+    assert completion.choices[0].logprobs.tokens == ["token_id:100", "token_id:101"]
+    plain = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, logprobs=1)
+    assert plain.choices[0].logprobs.tokens == ["Hello", ","]
+    with httpx.Client(base_url=cluster.http, timeout=WAIT_S) as http:
+        bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "return_tokens_as_token_ids": 3})
+    assert bad.status_code == 400 and "return_tokens_as_token_ids" in bad.json()["error"]["message"]
+
+
 def test_n_best_of_and_prompt_lists_give_indexed_choices(make_cluster):
     cluster = make_cluster()
     decode = cluster.add("d0")

@@ -78,6 +78,20 @@ def test_history_cached_needs_both_turns_reports():
     assert history_cached(result(1.0, None, 20, None), result(0.1, 130, 20, 200), 16) is None
 
 
+def test_a_reencoded_answer_is_judged_on_the_tokens_shared():
+    """The answer's text read back as other tokens from its 9th token on: 108 tokens can be
+    cached at most, so 92 cached (108 less a block) is the whole history."""
+    previous = result(1.0, 100, 20, 0)
+    assert history_cached(previous, result(0.1, 130, 20, 92), 16, shared_tokens=108) is True
+    assert history_cached(previous, result(0.1, 130, 20, 91), 16, shared_tokens=108) is False
+    assert history_cached(previous, result(0.1, 130, 20, 103), 16, shared_tokens=125) is False  # all shared
+    turns = [Turn(0, 1, previous), Turn(0, 2, result(0.1, 130, 20, 96), shared_tokens=108),
+             Turn(1, 1, previous), Turn(1, 2, result(0.1, 130, 20, 112), shared_tokens=120)]
+    second = summarize_turns(turns, block_size=16)[1]
+    assert (second.num_history_cached, second.num_history_checked, second.num_reencoded) == (2, 2, 1)
+    assert "turn 2: 1 previous answers came back as other tokens" in format_turns([second])
+
+
 def test_text_agreement_and_comparison_between_two_servers():
     a = [Turn(0, 1, result(1.0, 10, 2, 0, "x")), Turn(0, 2, result(0.2, 20, 2, 10, "y")),
          Turn(1, 1, result(1.0, 10, 2, 0, "z"))]
