@@ -24,7 +24,9 @@ FLAGS = ("--num-threads", "1", "--planner", "--slo-ttft-ms", "4000", "--slo-tpot
 # The fallback wants rate x request time / streams-per-decode decodes: at 0.6, the high phase
 # asks for two whether a request takes 0.4 s (a quiet machine) or 1.5 s (a loaded one), the low
 # one for one.
-RAMP = ((0.2, 10.0), (2.0, 60.0), (0.2, 45.0))  # (requests/s, seconds at least)
+# (requests/s, seconds at least): the high phase goes on until the grown decode is ready, the
+# last until the planner has drained it, so their minimums only need to outlast a decision
+RAMP = ((0.2, 6.0), (2.0, 30.0), (0.2, 10.0))
 PHASE_DEADLINE_S = 180.0  # how much longer a phase may wait for the planner's change to show
 
 
@@ -106,7 +108,7 @@ def test_a_ramp_grows_and_shrinks_decode_with_no_failed_request():
         print(f"requests ok {load.ok}, failed {load.failed}")
         assert grown == 2, timeline
         assert load.failed == 0, load.errors[:5]
-        assert load.ok > 100
+        assert load.ok > 40
         output = up.stop()
         print("".join(line for line in up.lines if "planner:" in line or "draining" in line or "is ready" in line
                       or "drained and exited" in line or "starting (pid" in line))
