@@ -253,8 +253,9 @@ def read_hello(sock: socket.socket, session: Session, transport: str, version: i
     rest = recv_exactly(sock, length + TAG_BYTES, deadline)
     body = session.open(head + rest[:length], rest[length:])[HELLO.size:]
     if ours != VERSION or name.rstrip(b"\0") != transport.encode() or theirs != version:
-        raise TransferError(f"not a pdserve {transport} sender of version {version} "
-                            f"(it speaks {name.rstrip(bytes(1)).decode('ascii', 'replace')} {theirs})")
+        raise TransferError(f"not a pdserve {transport} sender of version {version} on link "
+                            f"protocol {VERSION} (it speaks "
+                            f"{name.rstrip(bytes(1)).decode('ascii', 'replace')} {theirs} on {ours})")
     return body
 
 

@@ -329,6 +329,24 @@ def test_a_hello_of_another_transport_is_refused(side):
         other.close()
 
 
+def test_a_sender_of_the_previous_link_protocol_is_refused_at_its_hello(side, monkeypatch):
+    """Link protocol 5 (a payload sealed whole, its tag in the request) and 6 (sealed in
+    chunks) read a payload differently: a sender of 5 is refused at the hello, with both
+    versions in the reason, before any request; the receiver goes on serving."""
+    def previous_hello(session, transport, version, body):
+        head = _p2p.HELLO.pack(_p2p.HELLO_MAGIC, 5, transport.encode(), version, len(body))
+        return session.seal(head + body)
+
+    monkeypatch.setattr(_p2p, "encode_hello", previous_hello)
+    message = side.message([1], [1])
+    with pytest.raises(TransferError, match="on link protocol 6 .it speaks fake 1 on 5"):
+        side.send(message, [1])
+    monkeypatch.undo()
+    side.send(message, [1], expect=False)
+    assert side.landed([1], [1])
+    side.assert_nothing_reserved()
+
+
 # -- control frames altered, dropped, reordered, replayed: in both directions ------------------------
 class Tap:
     """Rewrites the sealed frames of one direction as they leave `Session.seal`: `pick(frame)`
