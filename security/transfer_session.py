@@ -48,7 +48,7 @@ from pdserve.common.errors import TransferError
 PROOF_BYTES = 32
 TAG_BYTES = 32  # a control frame's HMAC-SHA256
 PAYLOAD_TAG_BYTES = 16  # a payload chunk's AES-GCM tag
-PAYLOAD_CHUNK_BYTES = 4 << 20  # plaintext per sealed chunk: part of the wire format
+PAYLOAD_CHUNK_BYTES = 2 << 20  # plaintext per sealed chunk: part of the wire format
 _KEYLESS = b"pdserve-v1/keyless-transfer"  # public: without a key, tags only catch corruption
 _PAYLOAD_KEY_INFO = b"pdserve-v1/transfer-payload-aead s2r"  # payloads go sender -> receiver only
 
