@@ -11,7 +11,7 @@ direction and its position; every payload is encrypted and tagged (AEAD) under a
 link's own, and its receiver opens it before anything sees a byte of it. A frame that fails
 its tag ends the link; a payload that fails its tag is refused, and nothing of it lands.
 Keyless (`--insecure-internal`) the tags use a public key: they catch corruption, not an
-attacker, and payloads travel in clear with an all-zero tag (the sink checks their checksum)::
+attacker, and payloads travel in clear, in one piece (the sink checks their checksum)::
 
     R -> S  challenge c (32 random bytes)
     S -> R  nonce n (32 random bytes) + HMAC-SHA256(key, "s2r" c n)
@@ -25,9 +25,10 @@ shorter) so that sealing, moving and opening overlap; each chunk travels as its 
 then its own tag. Chunk i's nonce is (i, the frame number of the request that announces the
 payload): a request is a frame, frame numbers only grow, and the key is the link's own, so no
 nonce serves twice under one key. Its associated data is the request's seq, header and index,
-i and the number of chunks. A chunk altered, cut, moved to another place or another request,
-or replayed from an earlier one fails its tag, and the receiver, which counts the chunks from
-the header, misses none: it refuses the payload before the sink sees anything.
+i and the number of chunks. A chunk altered, moved to another place or another request, or
+replayed from an earlier one fails its tag; a chunk missing or cut never completes its receive
+(the receiver counts the chunks from the header and waits for each by the deadline). Either
+way the receiver refuses the payload before the sink sees anything.
 
 Torch-free and grpc-free: payloads reach this module as host buffers.
 """
