@@ -16,7 +16,10 @@ heads x 64 x fp32 = 737,280 B per block across all layers), in the same run:
 
 A backend that is not importable or cannot open here is skipped with the reason. Each cell is
 the median of `--repeats` timed rounds after one warm-up round. Ratios are against `socket`
-and `memcpy` of the same size. The receiver is this module run with `--serve`, speaking JSON
+and `memcpy` of the same size. `cpu ms` is the CPU time of both processes (every thread, the
+receiver's included) per round, averaged over the timed rounds: on a machine of C cores no
+pipeline moves a message faster than `cpu ms` / C, so a sealed row's bound against its clear
+row is min(1, clear ms / (sealed cpu ms / C)). The receiver is this module run with `--serve`, speaking JSON
 lines on stdin/stdout (nothing pickled).
 
     pdserve bench transfer --backends ucx,nccl,redis,disk --blocks 1,16,256 --repeats 5
@@ -61,6 +64,7 @@ class Cell:
     num_bytes: int
     seconds: float  # median of the timed rounds
     bytes_per_s: float
+    cpu_s: float = 0.0  # CPU seconds of both processes per round (mean of the timed rounds)
 
 
 # -- shared -------------------------------------------------------------------------------------
@@ -171,6 +175,8 @@ def serve(max_blocks: int) -> int:
                     unavailable[name] = f"{exc.__class__.__name__}: {exc}"
             return {"socket": server.getsockname()[1], "endpoints": endpoints,
                     "unavailable": unavailable}
+        if cmd["cmd"] == "cpu":  # every thread of this process, for the sender's cpu column
+            return {"seconds": time.process_time()}
         if cmd["cmd"] == "get":
             got = backends[cmd["backend"]].get(cmd["keys"], limits)
             return {"hits": sum(g is not None for g in got)}
@@ -199,16 +205,19 @@ class Receiver(Child):
 
 
 # -- the sending side -----------------------------------------------------------------------------
-def _median_time(fn: Callable[[], None], repeats: int, tick: Callable[[], None]) -> float:
+def _median_time(fn: Callable[[], None], repeats: int, tick: Callable[[], None],
+                 cpu: Callable[[], float] = time.process_time) -> tuple[float, float]:
+    """(median seconds of the timed rounds, `cpu` seconds per timed round)."""
     fn()  # warm-up: connections, pairing, first-touch of buffers
     tick()
     times = []
+    cpu_start = cpu()
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
         tick()
-    return statistics.median(times)
+    return statistics.median(times), (cpu() - cpu_start) / repeats
 
 
 class Session:
@@ -297,6 +306,10 @@ class Session:
             self.redis.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds both processes have used so far (every thread of each)."""
+        return time.process_time() + self.receiver.call("cpu")["seconds"]
+
     def rounds(self, n: int) -> dict[str, Callable[[], None]]:
         """name -> one round moving `n` blocks (the same bytes for every name)."""
         import numpy as np
@@ -353,8 +366,8 @@ def run(backends: list[str], block_counts: list[int], repeats: int, progress: bo
             for n in block_counts:
                 for name, fn in session.rounds(n).items():
                     bar.set_postfix_str(f"{name} x{n}")
-                    seconds = _median_time(fn, repeats, lambda: bar.update(1))
-                    cells.append(Cell(name, n, n * BLOCK_NBYTES, seconds, n * BLOCK_NBYTES / seconds))
+                    seconds, cpu_s = _median_time(fn, repeats, lambda: bar.update(1), session.cpu_seconds)
+                    cells.append(Cell(name, n, n * BLOCK_NBYTES, seconds, n * BLOCK_NBYTES / seconds, cpu_s))
     return cells, session.skipped
 
 
@@ -378,8 +391,8 @@ def links(backends: list[str], repeats: int = 3) -> list[tuple[str, float, float
 # -- output ----------------------------------------------------------------------------------------
 def format_table(cells: list[Cell]) -> str:
     base = {(c.backend, c.num_blocks): c for c in cells}
-    lines = [f"{'backend':<9} {'blocks':>6} {'MB':>8} {'ms':>9} {'MB/s':>9} {'x socket':>9} "
-             f"{'x memcpy':>9} {'x clear':>8}"]
+    lines = [f"{'backend':<9} {'blocks':>6} {'MB':>8} {'ms':>9} {'cpu ms':>8} {'MB/s':>9} "
+             f"{'x socket':>9} {'x memcpy':>9} {'x clear':>8}"]
     nan = float("nan")
     for c in cells:
         sock = base.get(("socket", c.num_blocks))
@@ -387,11 +400,26 @@ def format_table(cells: list[Cell]) -> str:
         clear = base.get((c.backend.removesuffix(SEALED), c.num_blocks)) if c.backend.endswith(SEALED) else None
         lines.append(
             f"{c.backend:<9} {c.num_blocks:>6} {c.num_bytes / 1e6:>8.2f} {c.seconds * 1e3:>9.2f} "
-            f"{c.bytes_per_s / 1e6:>9.0f} "
+            f"{c.cpu_s * 1e3:>8.1f} {c.bytes_per_s / 1e6:>9.0f} "
             f"{c.bytes_per_s / sock.bytes_per_s if sock else nan:>9.2f} "
             f"{c.bytes_per_s / mem.bytes_per_s if mem else nan:>9.3f} "
             f"{c.bytes_per_s / clear.bytes_per_s if clear else nan:>8.2f}")
     return "\n".join(lines)
+
+
+def sealed_bounds(cells: list[Cell], num_cores: int) -> list[str]:
+    """For each sealed row: the best `x clear` any pipeline reaches on `num_cores` cores, since
+    the row's CPU work (both processes) takes at least cpu / num_cores of wall time."""
+    clear = {(c.backend, c.num_blocks): c for c in cells}
+    lines = []
+    for c in cells:
+        base = clear.get((c.backend.removesuffix(SEALED), c.num_blocks))
+        if not c.backend.endswith(SEALED) or base is None or c.cpu_s <= 0:
+            continue
+        bound = min(1.0, base.seconds / (c.cpu_s / num_cores))
+        lines.append(f"{c.backend} x{c.num_blocks}: at most {bound:.2f}x clear on {num_cores} cores "
+                     f"({c.cpu_s * 1e3:.1f} cpu ms / {num_cores} against {base.seconds * 1e3:.2f} ms clear)")
+    return lines
 
 
 def _int_list(text: str) -> list[int]:
@@ -434,6 +462,8 @@ def main(argv: list[str]) -> int:
         print(f"skipped {name}: {why}")
     print(f"block = {BLOCK_NBYTES:,} B (SmolLM2-135M, all 30 layers); median of {args.repeats} rounds")
     print(format_table(cells))
+    for line in sealed_bounds(cells, os.cpu_count() or 1):
+        print(line)
     if args.json:
         args.json.write_text(json.dumps({"cells": [asdict(c) for c in cells], "skipped": skipped},
                                         indent=2))

@@ -11,7 +11,7 @@ direction and its position; every payload is encrypted and tagged (AEAD) under a
 link's own, and its receiver opens it before anything sees a byte of it. A frame that fails
 its tag ends the link; a payload that fails its tag is refused, and nothing of it lands.
 Keyless (`--insecure-internal`) the tags use a public key: they catch corruption, not an
-attacker, and payloads travel in clear with an all-zero tag (the sink checks their checksum)::
+attacker, and payloads travel in clear, in one piece (the sink checks their checksum)::
 
     R -> S  challenge c (32 random bytes)
     S -> R  nonce n (32 random bytes) + HMAC-SHA256(key, "s2r" c n)
@@ -20,12 +20,15 @@ attacker, and payloads travel in clear with an all-zero tag (the sink checks the
 Both sides then hold the session key HMAC-SHA256(key, "session" c n), fresh per connection. A
 frame's tag is HMAC-SHA256(session key, direction, frame number, frame). A payload is sealed
 with AES-GCM (AES-NI makes it the faster AEAD on the CPUs that serve) under
-HKDF-SHA256(session key, "payload s2r"); its nonce is the frame number of the request that
-announces it (a request is a frame, frame numbers only grow, and the key is the link's own, so
-no nonce serves twice under one key), its associated data the request's seq, header and
-index. The request carries the payload's tag; the payload channel carries ciphertext, then
-the tag again. A payload altered, cut, moved to another request or replayed from an earlier
-one fails its tag, and the receiver refuses it before the sink sees anything.
+HKDF-SHA256(session key, "payload s2r"), in chunks of PAYLOAD_CHUNK_BYTES (the last one
+shorter) so that sealing, moving and opening overlap; each chunk travels as its ciphertext
+then its own tag. Chunk i's nonce is (i, the frame number of the request that announces the
+payload): a request is a frame, frame numbers only grow, and the key is the link's own, so no
+nonce serves twice under one key. Its associated data is the request's seq, header and index,
+i and the number of chunks. A chunk altered, moved to another place or another request, or
+replayed from an earlier one fails its tag; a chunk missing or cut never completes its receive
+(the receiver counts the chunks from the header and waits for each by the deadline). Either
+way the receiver refuses the payload before the sink sees anything.
 
 Torch-free and grpc-free: payloads reach this module as host buffers.
 """
@@ -45,7 +48,8 @@ from pdserve.common.errors import TransferError
 
 PROOF_BYTES = 32
 TAG_BYTES = 32  # a control frame's HMAC-SHA256
-PAYLOAD_TAG_BYTES = 16  # a payload's AES-GCM tag
+PAYLOAD_TAG_BYTES = 16  # a payload chunk's AES-GCM tag
+PAYLOAD_CHUNK_BYTES = 2 << 20  # plaintext per sealed chunk: part of the wire format
 _KEYLESS = b"pdserve-v1/keyless-transfer"  # public: without a key, tags only catch corruption
 _PAYLOAD_KEY_INFO = b"pdserve-v1/transfer-payload-aead s2r"  # payloads go sender -> receiver only
 
@@ -108,36 +112,69 @@ class Session:
                                      info=_PAYLOAD_KEY_INFO).derive(self._key))
         return self._aead
 
-    @staticmethod
-    def _payload_nonce(frame_number: int) -> bytes:
-        return b"pay\0" + struct.pack("<Q", frame_number)
+    def payload_sealer(self, seq: int, header: bytes, index: bytes, payload_len: int) -> "PayloadCipher":
+        """Sender: the cipher of the payload announced by the request frame we seal next (call
+        it right before sealing that request). Keyed sessions only."""
+        if not self.is_keyed:
+            raise TransferError("a payload is sealed on a keyed link only")
+        return PayloadCipher(self._payload_aead(), self._num_sent, seq, header, index, payload_len)
 
-    @staticmethod
-    def _payload_context(seq: int, header: bytes, index: bytes) -> bytes:
-        return b"pdserve-payload" + struct.pack("<Q", seq) + header + index
+    def payload_opener(self, seq: int, header: bytes, index: bytes, payload_len: int) -> "PayloadCipher":
+        """Receiver: the cipher of the payload announced by the request frame we opened last."""
+        if not self.is_keyed or not self._num_received:
+            raise TamperedPayload("a payload is opened on a keyed link, after its request")
+        return PayloadCipher(self._payload_aead(), self._num_received - 1, seq, header, index,
+                             payload_len)
 
-    def seal_payload(self, seq: int, header: bytes, index: bytes, plaintext: memoryview,
-                     out: memoryview) -> bytes:
-        """Sender: encrypt `plaintext` into `out` (ciphertext, then the tag: PAYLOAD_TAG_BYTES
-        longer) for the request frame we seal next, and return the tag. Keyed sessions only."""
-        if not self.is_keyed or len(out) != len(plaintext) + PAYLOAD_TAG_BYTES:
-            raise TransferError("a payload is sealed on a keyed link, into its length plus a tag")
-        self._payload_aead().encrypt_into(self._payload_nonce(self._num_sent), plaintext,
-                                          self._payload_context(seq, header, index), out)
-        return bytes(out[-PAYLOAD_TAG_BYTES:])
 
-    def open_payload(self, seq: int, header: bytes, index: bytes, sealed: memoryview, tag: bytes,
-                     out: memoryview) -> None:
-        """Receiver: decrypt `sealed` (what the channel carried: ciphertext, then the tag) into
-        `out`, for the request frame we opened last, whose tag it must also carry. Raises
+def num_payload_chunks(payload_len: int) -> int:
+    """How many chunks a payload of `payload_len` bytes is sealed in (an empty one: one)."""
+    return max(1, -(-payload_len // PAYLOAD_CHUNK_BYTES))
+
+
+def payload_chunks(payload_len: int) -> list[tuple[slice, slice]]:
+    """(plaintext bytes, sealed bytes) of each chunk of a payload of `payload_len`: chunk k is
+    plaintext [k * C, min(len, (k + 1) * C)) and sealed [k * (C + T), + its length + T), where
+    C = PAYLOAD_CHUNK_BYTES and T = PAYLOAD_TAG_BYTES (its ciphertext, then its tag)."""
+    spans = []
+    for k in range(num_payload_chunks(payload_len)):
+        start = k * PAYLOAD_CHUNK_BYTES
+        stop = min(payload_len, start + PAYLOAD_CHUNK_BYTES)
+        at = k * (PAYLOAD_CHUNK_BYTES + PAYLOAD_TAG_BYTES)
+        spans.append((slice(start, stop), slice(at, at + stop - start + PAYLOAD_TAG_BYTES)))
+    return spans
+
+
+class PayloadCipher:
+    """One payload's chunks (`payload_chunks`) under its request's frame number."""
+
+    def __init__(self, aead: AESGCM, frame_number: int, seq: int, header: bytes, index: bytes,
+                 payload_len: int) -> None:
+        self._aead, self._frame_number = aead, frame_number
+        self.payload_len = payload_len
+        self.num_chunks = num_payload_chunks(payload_len)
+        self._context = b"pdserve-payload-chunks" + struct.pack("<QI", seq, self.num_chunks) + header + index
+
+    def _nonce_and_context(self, chunk: int) -> tuple[bytes, bytes]:
+        if not 0 <= chunk < self.num_chunks:
+            raise TransferError(f"chunk {chunk} of a payload of {self.num_chunks}")
+        return struct.pack("<IQ", chunk, self._frame_number), self._context + struct.pack("<I", chunk)
+
+    def seal(self, chunk: int, plaintext: memoryview, out: memoryview) -> None:
+        """Encrypt chunk `chunk`'s `plaintext` into `out`: ciphertext, then the tag."""
+        if len(out) != len(plaintext) + PAYLOAD_TAG_BYTES:
+            raise TransferError("a chunk is sealed into its length plus a tag")
+        nonce, context = self._nonce_and_context(chunk)
+        self._aead.encrypt_into(nonce, plaintext, context, out)
+
+    def open(self, chunk: int, sealed: memoryview, out: memoryview) -> None:
+        """Decrypt chunk `chunk` (`sealed`: ciphertext, then its tag) into `out`. Raises
         TamperedPayload, and then `out` holds nothing to use."""
-        if not self.is_keyed or len(sealed) != len(out) + PAYLOAD_TAG_BYTES:
-            raise TamperedPayload("the payload is not the announced length plus its tag")
-        if not hmac.compare_digest(bytes(sealed[-PAYLOAD_TAG_BYTES:]), tag):
-            raise TamperedPayload("the payload's tag is not the one its request announced")
+        if len(sealed) != len(out) + PAYLOAD_TAG_BYTES:
+            raise TamperedPayload("a payload chunk is not its announced length plus its tag")
+        nonce, context = self._nonce_and_context(chunk)
         try:
-            self._payload_aead().decrypt_into(self._payload_nonce(self._num_received - 1), sealed,
-                                              self._payload_context(seq, header, index), out)
+            self._aead.decrypt_into(nonce, sealed, context, out)
         except InvalidTag:
             raise TamperedPayload("the payload failed its AEAD tag: altered, replayed or not "
                                   "from the authenticated peer") from None

@@ -10,7 +10,10 @@ control connection itself, as `tcp` does, between an accepting reply and the ver
 
 Ordering, per link (the protocol guarantees it; a channel may rely on it):
   * the receiver posts the receive for `seq` (`post_receive`) before it sends the accepting
-    reply, and the sender calls `send(.., seq, ..)` only after reading that reply;
+    reply, and the sender calls `send(.., seq, ..)` only after reading that reply; a keyed
+    payload is several pieces under seq, seq + 1, ... (`_payload`): the receiver posts them
+    all before the reply and waits for them in order, the sender may have several
+    `start_send`s under way at once (each under its own seq, started in seq order);
   * on each side one thread at a time uses a channel (the link's lock, or its serving thread);
   * after `abort` the protocol never uses the channel again; `abort` may be called twice.
 
@@ -45,7 +48,7 @@ class Landing:
     """Where a keyless link's payload lands: `buffer` (what the channel receives into), then
     `finish()` makes the sink's `staging` hold it (a copy when the two differ), and the sink
     commits `staging`. A keyed link's sealed payload lands in a `probe_landing` buffer
-    instead and is opened into the sink's host staging by the protocol."""
+    instead and is opened, chunk by chunk, into the sink's host staging by the protocol."""
 
     staging: object
     buffer: object
@@ -64,18 +67,42 @@ class Receive(ABC):
         abandons the receive."""
 
 
+class Sending(ABC):
+    """A send under way (`Channel.start_send`)."""
+
+    @abstractmethod
+    def wait(self, deadline: float) -> None:
+        """Return once the data moved; raise as `Channel.send` does."""
+
+    def abandon(self) -> None:
+        """Give the send up (the link is being dropped): its buffer stays alive while the
+        channel may still read it."""
+
+
+class _Sent(Sending):
+    def wait(self, deadline: float) -> None:
+        pass
+
+
 class Channel(ABC):
     """One link's payload channel (see the module docstring for the contract)."""
 
     max_seq: int = 0xFFFFFFFF  # request numbers wrap past this (a channel's tag space)
 
     def outgoing(self, payload: object) -> object:
-        """What `send` takes for `payload` (a sealed payload is a flat host buffer)."""
+        """What `send` takes for `payload` (a sealed chunk is a flat host buffer)."""
         return payload
 
     @abstractmethod
     def send(self, data: object, seq: int, deadline: float) -> None:
         """Move `data` into the peer's receive posted under `seq`, by `deadline`."""
+
+    def start_send(self, data: object, seq: int, deadline: float) -> Sending:
+        """Start moving `data` as `send` does and return at once where the channel can (the
+        sender then seals the next chunk meanwhile); `data` stays untouched until the wait.
+        By default the send is done before this returns."""
+        self.send(data, seq, deadline)
+        return _Sent()
 
     @abstractmethod
     def landing(self, sink: BlockSink, header: BlockHeader) -> Landing:

@@ -5,7 +5,8 @@ A link is one TCP control connection from sender S to receiver R plus the channe
 it. Everything but payload bytes travels on the control connection, as sealed frames (`_p2p`,
 `security.transfer_session`): the challenge, the hellos (which name the transport and its
 version, and carry what its channel needs to connect), then per message a request, an
-accepting reply, the payload on the channel, and the verdict.
+accepting reply, the payload on the channel (keyed: sealed in chunks that are sealed, moved
+and opened in a pipeline, `_payload`), and the verdict.
 
 Concurrency: threads and blocking sockets, every read and write under a deadline. The sender
 runs on its caller's thread; a link carries one message at a time (its lock), and a send that
@@ -30,7 +31,7 @@ import time
 
 from pdserve.common.errors import TransferError
 from pdserve.kernels.omp import one_intra_op_thread
-from pdserve.kvtransfer.backends import _gate, _p2p
+from pdserve.kvtransfer.backends import _gate, _p2p, _payload
 from pdserve.kvtransfer.backends._channel import Carrier, Channel, Control, Landing
 from pdserve.kvtransfer.base import BlockMessage, BlockSink, KVTransport
 from pdserve.kvtransfer.wire import HEADER_SIZE
@@ -50,10 +51,11 @@ class _Link:
         self.lock = threading.Lock()
         self.closed = False
         self.last_answer = time.monotonic()  # when the receiver last answered on this link
-        self.scratch = _p2p.Scratch(_p2p.host_buffer)  # where this link's payloads are sealed
+        self.scratch = _payload.Scratch(_payload.host_buffer)  # where this link's payloads are sealed
 
-    def _next_seq(self) -> int:
-        seq, self.seq = self.seq, (self.seq + 1) & self.channel.max_seq
+    def _next_seq(self, count: int = 1) -> int:
+        """The next seq, and `count` in all taken (a payload's chunks use seq .. seq + count - 1)."""
+        seq, self.seq = self.seq, (self.seq + count) & self.channel.max_seq
         return seq
 
     def _answer(self, deadline: float) -> None:
@@ -61,13 +63,15 @@ class _Link:
         _p2p.raise_if_refused(reply, self.endpoint)
 
     def exchange(self, message: BlockMessage, deadline: float) -> None:
-        seq = self._next_seq()
-        payload, tag = _p2p.seal_payload(self.control.session, seq, message, self.scratch)
-        data = self.channel.outgoing(payload)
-        request = _p2p.encode_request(self.control.session, seq, message, deadline, tag)
+        session, nbytes = self.control.session, message.payload_nbytes
+        seq = self._next_seq(len(_payload.chunk_spans(session, nbytes)))
+        cipher = (session.payload_sealer(seq, message.header, message.index, nbytes)
+                  if session.is_keyed else None)  # bound to the request sealed next
+        request = _p2p.encode_request(session, seq, message, deadline)
         _p2p.send_all(self.control.sock, request, deadline)
         self._answer(deadline)
-        self.channel.send(data, seq, deadline)
+        _payload.send_payload(self.channel, session, message.payload, cipher, seq, self.scratch,
+                              deadline)
         self._answer(deadline)
         self.last_answer = time.monotonic()
 
@@ -273,7 +277,7 @@ class ControlServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _p2p.keep_alive(sock)
             channel = self._handshake(sock, session)
-            scratch = _p2p.Scratch(channel.probe_landing) if channel is not None else None
+            scratch = _payload.Scratch(channel.probe_landing) if channel is not None else None
             while channel is not None and not self._stop.is_set():
                 readable, _, _ = select.select([sock], [], [], POLL_S)
                 if readable and not self._serve_one(sock, session, channel, scratch):
@@ -303,7 +307,7 @@ class ControlServer:
         return self.carrier.open(Control(sock, session, is_sender=False), hello, welcome, deadline)
 
     def _serve_one(self, sock: socket.socket, session: _p2p.Session, channel: Channel,
-                   scratch: "_p2p.Scratch") -> bool:
+                   scratch: "_payload.Scratch") -> bool:
         """Handle one request. False: the link must be dropped."""
         deadline = time.monotonic() + _p2p.HANDSHAKE_TIMEOUT_S
         prefix = _p2p.recv_exactly(sock, _p2p.REQUEST.size, deadline)
@@ -317,23 +321,23 @@ class ControlServer:
         deadline = time.monotonic() + budget_s
         try:
             rest = _p2p.recv_exactly(sock, _p2p.request_rest_len(index_len), deadline)
-            body, payload_tag = _p2p.open_request(session, prefix, rest)
+            body = _p2p.open_request(session, prefix, rest)
         except _p2p.TamperedFrame as exc:  # say why, then drop: the stream cannot be trusted
             _p2p.send_all(sock, _p2p.refusal(session, exc), deadline)
             return False
         try:
             header, index = _p2p.parse_body(body, index_len, self.sink.limits)
             self.sink.check(header, index)
-            landing = self._landing(session, channel, header, scratch)
+            landing, opening = self._landing(session, channel, seq, body, header, index, scratch)
         except Exception as exc:  # noqa: BLE001 - refused before any payload moved; the stream stays in sync
             _p2p.send_all(sock, _p2p.refusal(session, exc), deadline)
             return True
-        if not self._receive(sock, session, channel, landing.buffer, seq, deadline, "the payload"):
+        pieces, arrived = (opening.pieces(), opening.arrived) if opening else ([landing.buffer], None)
+        if not self._receive(sock, session, channel, pieces, seq, deadline, "the payload", arrived):
             return False
         try:
-            if session.is_keyed:  # opened into the staging, or refused: nothing of it lands
-                _p2p.open_payload(session, seq, body[:HEADER_SIZE], index, landing.buffer,
-                                  payload_tag, landing.staging)
+            if opening is not None:  # every chunk opened into the staging, or refused: nothing lands
+                opening.check()
             landing.finish()
             self.sink.commit(header, index, landing.staging)
         except Exception as exc:  # noqa: BLE001 - the sink's refusal, whatever it is, goes back to the sender
@@ -342,13 +346,19 @@ class ControlServer:
             _p2p.send_all(sock, _p2p.reply(session, True), deadline)
         return True
 
-    def _landing(self, session: _p2p.Session, channel: Channel, header, scratch: "_p2p.Scratch") -> Landing:
-        """Keyless: the channel's own landing. Keyed: the sealed payload lands in the link's
-        scratch (a buffer of the channel's), and is opened into the sink's host staging."""
+    def _landing(self, session: _p2p.Session, channel: Channel, seq: int, body: bytes, header,
+                 index: bytes, scratch: "_payload.Scratch") -> tuple[Landing, "_payload.Opening | None"]:
+        """Keyless: the channel's own landing. Keyed: the sealed chunks land in the link's
+        scratch (a buffer of the channel's) and are opened, as each arrives, into the sink's
+        host staging (`_payload.Opening`)."""
         if not session.is_keyed:
-            return channel.landing(self.sink, header)
+            return channel.landing(self.sink, header), None
         staging = self.sink.staging(header)
-        return Landing(staging, scratch.take(_p2p.sealed_len(session, header.payload_len)))
+        spans = _payload.chunk_spans(session, header.payload_len)
+        buffer = scratch.take(spans[-1][1].stop)
+        opening = _payload.Opening(session, seq, body[:HEADER_SIZE], index, header.payload_len,
+                                   buffer, staging)
+        return Landing(staging, buffer), opening
 
     def _answer_probe(self, sock: socket.socket, session: _p2p.Session, channel: Channel,
                       prefix: bytes, deadline: float) -> bool:
@@ -357,26 +367,38 @@ class ControlServer:
         seq, budget_s = _p2p.open_ping(session, prefix, tag, channel.max_seq)  # a bad probe drops the link
         deadline = time.monotonic() + budget_s
         buffer = channel.probe_landing(_p2p.PROBE_BYTES)
-        if not self._receive(sock, session, channel, buffer, seq, deadline, "a probe's bytes"):
+        if not self._receive(sock, session, channel, [buffer], seq, deadline, "a probe's bytes"):
             return False
         _p2p.send_all(sock, _p2p.reply(session, True), deadline)
         return True
 
-    def _receive(self, sock: socket.socket, session: _p2p.Session, channel: Channel, buffer: object,
-                 seq: int, deadline: float, what: str) -> bool:
-        """Post the receive, tell the sender to go, wait for the bytes. False when they did not
-        arrive (deadline, hang-up): the caller drops the link."""
-        receive = channel.post_receive(buffer, seq)
+    def _receive(self, sock: socket.socket, session: _p2p.Session, channel: Channel, pieces: list,
+                 seq: int, deadline: float, what: str, arrived=None) -> bool:
+        """Post a receive for each piece (under seq, seq + 1, ...), tell the sender to go, wait
+        for the pieces in order, handing each to `arrived(k)` as it lands (the next one keeps
+        arriving meanwhile). False when one did not arrive (deadline, hang-up): the caller
+        drops the link."""
+        receives = []
         try:
+            for k, piece in enumerate(pieces):
+                receives.append(channel.post_receive(piece, (seq + k) & channel.max_seq))
             _p2p.send_all(sock, _p2p.reply(session, True), deadline)
-        except BaseException:
-            receive.wait(0.0, sock)  # abandoned: the channel retires it
-            raise
-        if receive.wait(deadline, sock):
+            for k in range(len(receives)):
+                receive, receives[k] = receives[k], None
+                if not receive.wait(deadline, sock):
+                    log.warning("%s receiver: %s did not arrive (by the deadline, or the sender "
+                                "hung up)", self.name, what)
+                    return False
+                if arrived is not None:
+                    arrived(k)
             return True
-        log.warning("%s receiver: %s did not arrive (by the deadline, or the sender hung up)",
-                    self.name, what)
-        return False
+        finally:
+            for receive in receives:  # abandoned: the channel retires them
+                if receive is not None:
+                    try:
+                        receive.wait(0.0, sock)
+                    except Exception as exc:  # noqa: BLE001 - the link is dropped anyway
+                        log.debug("abandoning a receive: %s", exc)
 
 
 # -- the transport -------------------------------------------------------------------------------

@@ -8,10 +8,11 @@ Every frame below travels on a link's TCP control connection, sealed with the se
     R -> S  reply    accept, or refuse + reason; after an accept, BODY (4 B) + the transport's
                      welcome (<= MAX_HELLO): both sides then open the payload channel
     S -> R  request  REQUEST (16 B): magic b"PDRQ", seq, budget ms, index length
-                     + wire header (72 B) + index (16 B per block) + payload tag (16 B)
+                     + wire header (72 B) + index (16 B per block)
     R -> S  reply    REPLY (4 B): ok, reserved 0, reason length; + reason (UTF-8, <= 1 KiB)
     S -> R  payload  on the payload channel, only after an accepting reply: keyed, the
-                     payload sealed (ciphertext, then its 16 B tag); keyless, in clear
+                     payload sealed in chunks (each its ciphertext, then its 16 B tag), chunk
+                     k under seq + k (`_payload`); keyless, in clear under seq
     R -> S  reply    the verdict: ok, or refused + reason
     S -> R  ping     REQUEST (16 B) with magic b"PDPG", index length 0: a probe, answered like a
                      request whose payload is PROBE_BYTES
@@ -43,7 +44,7 @@ MAX_HELLO = 1 << 16  # a UCX worker address is a few hundred bytes; refuse absur
 
 REQUEST = struct.Struct("<4sIII")  # magic, seq, budget ms, index length
 REPLY = struct.Struct("<BBH")  # ok, reserved (0), reason length; then the reason (UTF-8)
-REQUEST_MAGIC, VERSION = b"PDRQ", 5  # these frames' version, carried by the hello
+REQUEST_MAGIC, VERSION = b"PDRQ", 6  # these frames' version, carried by the hello (6: chunked payloads)
 PING_MAGIC = b"PDPG"  # a probe of the connection: a REQUEST prefix with no index
 PROBE_BYTES = 8  # what a probe sends on the transport's channel
 PROBE_IDLE_S = 1.0  # a connection idle this long is probed before its next request
@@ -100,93 +101,12 @@ def check_payload_len(message: BlockMessage) -> None:
 
 
 # -- frames --------------------------------------------------------------------------------------
-def encode_request(session: Session, seq: int, message: BlockMessage, deadline: float,
-                   payload_tag: bytes) -> bytes:
-    """The sealed request for `message`, carrying its payload's tag (`seal_payload`)."""
+def encode_request(session: Session, seq: int, message: BlockMessage, deadline: float) -> bytes:
+    """The sealed request for `message` (a keyed link's payload cipher is taken right before:
+    `Session.payload_sealer`)."""
     budget_ms = int(min(MAX_BUDGET_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
     head = REQUEST.pack(REQUEST_MAGIC, seq, budget_ms, len(message.index))
-    return session.seal(head + message.header + message.index + payload_tag)
-
-
-def seal_payload(session: Session, seq: int, message: BlockMessage,
-                 scratch: "Scratch | None" = None) -> tuple[object, bytes]:
-    """(what the channel carries for request `seq`, the tag its request announces). Keyed:
-    the payload encrypted on the host (a GPU payload is copied there first) into `scratch`,
-    ciphertext then tag; keyless: the payload itself and an all-zero tag. Call it right
-    before sealing the request: the payload's nonce is that request's frame number."""
-    if not session.is_keyed:
-        return message.payload, bytes(PAYLOAD_TAG_BYTES)
-    plaintext = _flat_bytes(message.payload)
-    sealed = (scratch or Scratch(host_buffer)).take(len(plaintext) + PAYLOAD_TAG_BYTES)
-    return sealed, session.seal_payload(seq, message.header, message.index, plaintext, sealed)
-
-
-def host_buffer(nbytes: int) -> memoryview:
-    """`nbytes` of host memory, not zeroed."""
-    import numpy
-
-    return memoryview(numpy.empty(nbytes, dtype=numpy.uint8))
-
-
-class Scratch:
-    """One link side's buffer for sealed payloads, grown as needed and reused: a link carries
-    one payload at a time, and a link whose payload was abandoned is dropped (the buffer
-    goes with it; a channel may keep it alive a while, `ucx._Quarantine`)."""
-
-    def __init__(self, allocate) -> None:
-        self._allocate = allocate  # nbytes -> a flat buffer (a channel's `probe_landing`)
-        self._buffer = None
-
-    def take(self, nbytes: int):
-        """The first `nbytes` of the buffer (a view), reallocated when too small."""
-        if self._buffer is None or len(self._buffer) < nbytes:
-            self._buffer = None
-            self._buffer = self._allocate(nbytes)
-        return self._buffer[:nbytes]
-
-
-def sealed_len(session: Session, payload_len: int) -> int:
-    """Bytes the channel carries for a payload of `payload_len` on this link."""
-    return payload_len + PAYLOAD_TAG_BYTES if session.is_keyed else payload_len
-
-
-def open_payload(session: Session, seq: int, header: bytes, index: bytes, sealed: object, tag: bytes,
-                 staging: object) -> None:
-    """Decrypt the sealed payload that landed in `sealed` into `staging` (host memory), for
-    the request just opened; TamperedPayload when it fails its tag."""
-    out = _writable_host_bytes(staging)
-    session.open_payload(seq, header, index, _flat_bytes(sealed), tag, out)
-
-
-def _writable_host_bytes(buffer: object) -> memoryview:
-    if hasattr(buffer, "element_size"):
-        if buffer.is_cuda or not buffer.is_contiguous():
-            raise TransferError("a sealed payload is opened into contiguous host memory only")
-        import torch
-
-        return memoryview(buffer.detach().reshape(-1).view(torch.uint8).numpy())
-    view = memoryview(buffer)
-    if view.readonly:
-        raise TransferError("the staging buffer is read-only")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _flat_bytes(payload: object) -> memoryview:
-    """A payload (tensor on any device, or a buffer) as flat host bytes, to seal or open (a
-    CUDA tensor is copied to the host for this), or for a host channel to send."""
-    if hasattr(payload, "element_size"):
-        import torch
-
-        tensor = payload.detach()
-        if tensor.is_cuda:
-            tensor = tensor.cpu()
-        return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-    if hasattr(payload, "__cuda_array_interface__"):
-        import numpy
-
-        return memoryview(numpy.asarray(payload.get() if hasattr(payload, "get") else payload)).cast("B")
-    view = memoryview(payload)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return session.seal(head + message.header + message.index)
 
 
 def parse_request(frame: bytes, limits: WireLimits,
@@ -224,14 +144,13 @@ def probe_deadline(deadline: float) -> float:
 
 
 def request_rest_len(index_len: int) -> int:
-    """Bytes that follow a REQUEST prefix: header, index, payload tag, the frame's tag."""
-    return HEADER_SIZE + index_len + PAYLOAD_TAG_BYTES + TAG_BYTES
+    """Bytes that follow a REQUEST prefix: header, index, the frame's tag."""
+    return HEADER_SIZE + index_len + TAG_BYTES
 
 
-def open_request(session: Session, prefix: bytes, rest: bytes) -> tuple[bytes, bytes]:
-    """(header + index body, payload tag) of a request whose tag checks; TamperedFrame else."""
-    frame = session.open(prefix + rest[:-TAG_BYTES], rest[-TAG_BYTES:])
-    return frame[REQUEST.size:-PAYLOAD_TAG_BYTES], frame[-PAYLOAD_TAG_BYTES:]
+def open_request(session: Session, prefix: bytes, rest: bytes) -> bytes:
+    """The header + index body of a request whose tag checks; TamperedFrame else."""
+    return session.open(prefix + rest[:-TAG_BYTES], rest[-TAG_BYTES:])[REQUEST.size:]
 
 
 def parse_body(body: bytes, index_len: int, limits: WireLimits) -> tuple[BlockHeader, bytes]:
@@ -334,8 +253,9 @@ def read_hello(sock: socket.socket, session: Session, transport: str, version: i
     rest = recv_exactly(sock, length + TAG_BYTES, deadline)
     body = session.open(head + rest[:length], rest[length:])[HELLO.size:]
     if ours != VERSION or name.rstrip(b"\0") != transport.encode() or theirs != version:
-        raise TransferError(f"not a pdserve {transport} sender of version {version} "
-                            f"(it speaks {name.rstrip(bytes(1)).decode('ascii', 'replace')} {theirs})")
+        raise TransferError(f"not a pdserve {transport} sender of version {version} on link "
+                            f"protocol {VERSION} (it speaks "
+                            f"{name.rstrip(bytes(1)).decode('ascii', 'replace')} {theirs} on {ours})")
     return body
 
 

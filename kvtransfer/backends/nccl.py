@@ -13,7 +13,8 @@ id travels only on the control connection (NCCL's proxy and socket listeners are
 On NCCL a keyless link's payload goes device to device: the sender gathers the blocks into a
 GPU tensor (`device_direct`) and the receiver lands it in a GPU staging tensor
 (`staging(header, on_device=True)`). A keyed link's payload is sealed and opened on the host
-(`security.transfer_session`): only ciphertext crosses NCCL. A gloo wait cannot be
+(`security.transfer_session`), in chunks posted as separate sends and receives (`_payload`):
+only ciphertext crosses NCCL. A gloo wait cannot be
 interrupted and a gloo timeout breaks the pair, so a receive is posted only when a payload is
 announced, bounded by that message's budget.
 """
@@ -27,7 +28,7 @@ import time
 from pdserve.common import envs
 from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.backends import _p2p
-from pdserve.kvtransfer.backends._channel import Carrier, Channel, Control, Landing, Receive
+from pdserve.kvtransfer.backends._channel import Carrier, Channel, Control, Landing, Receive, Sending
 from pdserve.kvtransfer.backends._link import P2PTransport
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,21 @@ class _GroupReceive(Receive):
         return True
 
 
+class _GroupSending(Sending):
+    """A send posted on the group; its tensor is held until it is settled or the link dropped."""
+
+    def __init__(self, work, tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self, deadline: float) -> None:
+        try:
+            _settle(self.work, self.tensor, deadline)
+        except RuntimeError as exc:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"payload not taken before the deadline: {exc}") from None
+            raise TransferError(f"payload send failed: {exc}") from exc
+
+
 class _GroupChannel(Channel):
     """A two-rank process group; payloads tagged with the request's seq."""
 
@@ -171,11 +187,12 @@ class _GroupChannel(Channel):
         return _payload_tensor(payload, self.backend)
 
     def send(self, data: object, seq: int, deadline: float) -> None:
+        self.start_send(data, seq, deadline).wait(deadline)
+
+    def start_send(self, data: object, seq: int, deadline: float) -> Sending:
         try:
-            _settle(self.group.send([data], self.peer, seq), data, deadline)
+            return _GroupSending(self.group.send([data], self.peer, seq), data)
         except RuntimeError as exc:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"payload not taken before the deadline: {exc}") from None
             raise TransferError(f"payload send failed: {exc}") from exc
 
     def landing(self, sink, header) -> Landing:

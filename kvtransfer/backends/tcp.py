@@ -3,7 +3,7 @@ channel contract alone (`_channel`): the proof that a transport needs nothing bu
 
 Between the accepting reply and the verdict nothing else travels on the control connection,
 so the payload's bytes follow the reply there, unframed: the receiver knows their length from
-the request's header, and their tag from the request. A payload cut short leaves the stream
+the request's header (keyed, the sealed chunks follow one another, `_payload`). A payload cut short leaves the stream
 out of step, so the receiver then drops the link. Host memory only; no registry entry (the
 deployment's transports are ucx and nccl): tests and benchmarks build it directly.
 """
@@ -13,7 +13,7 @@ import socket
 import time
 
 from pdserve.common.errors import TransferError
-from pdserve.kvtransfer.backends import _p2p
+from pdserve.kvtransfer.backends import _p2p, _payload
 from pdserve.kvtransfer.backends._channel import Carrier, Channel, Control, Landing, Receive
 from pdserve.kvtransfer.backends._link import P2PTransport
 
@@ -55,7 +55,7 @@ class _StreamChannel(Channel):
         self.sock = sock
 
     def send(self, data: object, seq: int, deadline: float) -> None:
-        _p2p.send_all(self.sock, _p2p._flat_bytes(data), deadline)
+        _p2p.send_all(self.sock, _payload.flat_bytes(data), deadline)
 
     def landing(self, sink, header) -> Landing:
         staging = sink.staging(header)

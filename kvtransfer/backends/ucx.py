@@ -34,7 +34,7 @@ from typing import Any, Coroutine
 from pdserve.common import envs
 from pdserve.common.util import is_loopback
 from pdserve.common.errors import TransferError
-from pdserve.kvtransfer.backends._channel import Carrier, Channel, Control, Landing, Receive
+from pdserve.kvtransfer.backends._channel import Carrier, Channel, Control, Landing, Receive, Sending
 from pdserve.kvtransfer.backends._link import P2PTransport
 from pdserve.kvtransfer.backends._p2p import CLOSE_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAX_HELLO
 
@@ -287,6 +287,30 @@ class _UcxReceive(Receive):
         return True
 
 
+class _UcxSending(Sending):
+    """A UCX send on the loop; given up (deadline, failure, abandon), its buffers are quarantined:
+    UCX may still read them a while."""
+
+    def __init__(self, future: concurrent.futures.Future, buffers: tuple) -> None:
+        self.future, self.buffers = future, buffers
+
+    def wait(self, deadline: float) -> None:
+        try:
+            self.future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            self.abandon()
+            if self.future.done() and not self.future.cancelled():  # the send's own TimeoutError
+                raise
+            raise TimeoutError("the ucx send did not finish before the deadline") from None
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        self.future.cancel()
+        _QUARANTINE.hold(*self.buffers)
+
+
 class _UcxChannel(Channel):
     """One UCX endpoint; payloads tagged (connection id << 32 | seq)."""
 
@@ -294,13 +318,12 @@ class _UcxChannel(Channel):
         self.runtime, self.ep, self.conn_id = runtime, ep, conn_id
 
     def send(self, data: object, seq: int, deadline: float) -> None:
+        self.start_send(data, seq, deadline).wait(deadline)
+
+    def start_send(self, data: object, seq: int, deadline: float) -> Sending:
         payload = _ucx_buffer(data, writable=False)
-        try:
-            self.runtime.run(self.ep.send(payload, tag=(self.conn_id << 32) | seq, force_tag=True),
-                             deadline - time.monotonic())
-        except BaseException:  # cancelled or failed: UCX may still read the payload a while
-            _QUARANTINE.hold(payload, data)
-            raise
+        send = self.ep.send(payload, tag=(self.conn_id << 32) | seq, force_tag=True)
+        return _UcxSending(asyncio.run_coroutine_threadsafe(send, self.runtime.loop), (payload, data))
 
     def landing(self, sink, header) -> Landing:
         staging = sink.staging(header)
@@ -325,7 +348,7 @@ class _UcxChannel(Channel):
 
 
 class _UcxCarrier(Carrier):
-    name, version = "ucx", 4
+    name, version = "ucx", 4  # the link protocol's own VERSION covers the payload's format
 
     def __init__(self, settings: UcxSettings) -> None:
         self.settings = settings

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.common.errors import TransferError
 from pdserve.kernels import digest
-from pdserve.kvtransfer.backends import _p2p, nccl
+from pdserve.kvtransfer.backends import _payload, nccl
 from pdserve.kvtransfer.codec import encode_message, new_transfer_id
 from pdserve.kvtransfer.sink import CacheSink
 from pdserve.kvtransfer.wire import parse_header
@@ -123,7 +123,7 @@ def _keyless_loopback(monkeypatch) -> dict[bytes, _Loopback]:
     def no_host_copy(*args, **kwargs):
         raise AssertionError("a payload was copied to the host")
 
-    monkeypatch.setattr(_p2p, "_flat_bytes", no_host_copy)
+    monkeypatch.setattr(_payload, "flat_bytes", no_host_copy)
     from pdserve.kvtransfer import blocks, sink
 
     monkeypatch.setattr(blocks, "gather_to_host", no_host_copy)

@@ -13,8 +13,13 @@ def test_each_transport_is_measured_in_clear_and_sealed_with_their_ratio():
     assert not skipped, skipped
     rows = {c.backend: c for c in cells}
     assert {"ucx", "ucx+aead", "nccl", "nccl+aead"} <= set(rows)
-    assert all(c.bytes_per_s > 0 for c in cells)
+    assert all(c.bytes_per_s > 0 and c.cpu_s > 0 for c in cells)
     table = transfer.format_table(cells).splitlines()
+    assert table[0].split()[4:6] == ["cpu", "ms"]
+    bounds = transfer.sealed_bounds(cells, 2)
+    assert [line.split()[0] for line in bounds] == ["ucx+aead", "nccl+aead"]
+    at_most = rows["ucx"].seconds / (rows["ucx+aead"].cpu_s / 2)
+    assert float(bounds[0].split()[4].rstrip("x")) == pytest.approx(min(1.0, at_most), abs=0.006)
     assert table[0].split()[-2:] == ["x", "clear"]
     sealed = next(line for line in table if line.startswith("ucx+aead"))
     ratio = float(sealed.split()[-1])

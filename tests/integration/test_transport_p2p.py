@@ -21,8 +21,9 @@ import xxhash
 
 from pdserve.lab.child import Child, serve_commands
 from pdserve.common.errors import TransferError
-from pdserve.kvtransfer.backends import _p2p
+from pdserve.kvtransfer.backends import _p2p, _payload
 from pdserve.kvtransfer.base import BlockMessage
+from pdserve.security import transfer_session
 from pdserve.kvtransfer.wire import (
     HEADER_SIZE, WireLimits, encode_header, encode_index, parse_index, payload_nbytes, verify_payload,
 )
@@ -36,6 +37,7 @@ BLOCK_NBYTES = payload_nbytes(1, LAYOUT["num_layers"], LAYOUT["block_size"],
 DEADLINE_S = 10.0
 SLACK_S = 4.0  # how far past its deadline a call may return on a loaded 2-core box
 NUM_IDLE = 300  # idle connections per port (the full 1,000 was measured by hand: README)
+CHUNK_BYTES = transfer_session.PAYLOAD_CHUNK_BYTES
 
 
 def limits() -> WireLimits:
@@ -147,6 +149,9 @@ def peer_main(backend: str) -> None:
         if cmd["cmd"] == "open":
             transport.key = bytes.fromhex(cmd["key"]) if cmd.get("key") else None
             return {"endpoint": transport.open_receiver(sink)}
+        if cmd["cmd"] == "chunk_bytes":  # small, so that a test's few blocks span many chunks
+            transfer_session.PAYLOAD_CHUNK_BYTES = cmd["value"] or CHUNK_BYTES
+            return {}
         if cmd["cmd"] == "digests":
             return {"digests": sink.digests(cmd["blocks"])}
         if cmd["cmd"] == "stats":
@@ -403,18 +408,20 @@ CHANNELS = {"ucx": ("pdserve.kvtransfer.backends.ucx", "_UcxChannel"),
 
 
 def tap_channel(backend: str, monkeypatch) -> list[bytes]:
-    """What the sender's payload channel is handed to put on the wire, send by send."""
+    """What the sender's payload channel is handed to put on the wire, send by send (a channel
+    with its own `start_send` sends through it, a sealed chunk at a time)."""
     import importlib
 
     module, name = CHANNELS[backend]
     cls = getattr(importlib.import_module(module), name)
-    sent, handed = cls.send, []
+    method = "start_send" if "start_send" in vars(cls) else "send"
+    sent, handed = getattr(cls, method), []
 
     def tapped(self, data, seq, deadline):
-        handed.append(bytes(_p2p._flat_bytes(data)))
+        handed.append(bytes(_payload.flat_bytes(data)))
         return sent(self, data, seq, deadline)
 
-    monkeypatch.setattr(cls, "send", tapped)
+    monkeypatch.setattr(cls, method, tapped)
     return handed
 
 
@@ -450,7 +457,7 @@ def test_a_keyed_transfer_puts_no_plaintext_kv_on_the_wire(link, monkeypatch, ke
 
 
 def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatch):
-    """With a transfer key, the request's tag covers the payload as sent; bytes changed on the
+    """With a transfer key, each sealed chunk's tag covers it as sent; bytes changed on the
     payload channel (UCX, gloo) fail it at the receiver, which refuses the transfer before its
     sink sees them and keeps the link."""
     key = os.urandom(32)
@@ -460,15 +467,13 @@ def test_a_payload_altered_in_flight_is_refused_before_the_sink(link, monkeypatc
     dst = [16, 17]
     message = make_message(dst, seed=19)
     before = link.digests(dst)
-    seal = _p2p.seal_payload
+    seal = _payload.seal_chunk
 
-    def altered_in_flight(session, seq, sent, scratch=None):
-        sealed, tag = seal(session, seq, sent, scratch)
-        altered = bytearray(sealed)
-        altered[5] ^= 0x40
-        return memoryview(altered), tag
+    def altered_in_flight(cipher, chunk, plaintext, out):
+        seal(cipher, chunk, plaintext, out)
+        out[5] ^= 0x40
 
-    monkeypatch.setattr(_p2p, "seal_payload", altered_in_flight)
+    monkeypatch.setattr(_payload, "seal_chunk", altered_in_flight)
     try:
         with pytest.raises(TransferError, match="payload failed its AEAD tag"):
             sender.send(endpoint, message, time.monotonic() + DEADLINE_S)
@@ -488,18 +493,18 @@ def test_an_earlier_payload_replayed_for_a_new_request_is_refused(link, monkeypa
     endpoint = link.peer.call("open", key=key.hex())["endpoint"]
     sender = make_transport(link.backend)
     sender.key = key
-    seal, kept = _p2p.seal_payload, []
+    seal, kept = _payload.seal_chunk, []
 
-    def replaying(session, seq, message, scratch=None):
-        sealed, tag = seal(session, seq, message, scratch)
+    def replaying(cipher, chunk, plaintext, out):
+        seal(cipher, chunk, plaintext, out)
         if not kept:
-            kept.append((bytes(sealed), tag))
-            return sealed, tag
-        return memoryview(bytearray(kept[0][0])), kept[0][1]
+            kept.append(bytes(out))
+        else:
+            out[:] = kept[0]
 
     first, second = make_message([28], seed=25), make_message([29], seed=26)
     before = link.digests([29])
-    monkeypatch.setattr(_p2p, "seal_payload", replaying)
+    monkeypatch.setattr(_payload, "seal_chunk", replaying)
     try:
         sender.send(endpoint, first, time.monotonic() + DEADLINE_S)
         with pytest.raises(TransferError, match="payload"):
@@ -510,6 +515,45 @@ def test_an_earlier_payload_replayed_for_a_new_request_is_refused(link, monkeypa
         assert link.digests([28, 29]) == payload_digests(first) + payload_digests(second)
     finally:
         sender.close()
+
+
+def test_a_payload_of_many_sealed_chunks_lands_and_a_chunk_altered_or_moved_is_refused(link, monkeypatch):
+    """Sealed in chunks far smaller than the payload (both ends agree on the size), a keyed
+    payload is sealed, moved and opened chunk by chunk over the real channel and lands
+    bit-identical; a middle chunk altered in flight, or sealed for another place in the
+    payload, is refused before the sink sees anything, and the link carries the next one."""
+    chunk = 5000  # 8 blocks of 16 KiB: 27 chunks, the last one short
+    key = os.urandom(32)
+    endpoint = link.peer.call("open", key=key.hex())["endpoint"]
+    link.peer.call("chunk_bytes", value=chunk)
+    monkeypatch.setattr(transfer_session, "PAYLOAD_CHUNK_BYTES", chunk)
+    sender = make_transport(link.backend)
+    sender.key = key
+    seal, faults = _payload.seal_chunk, []
+
+    def faulty(cipher, k, plaintext, out):
+        fault = faults[0] if faults else None
+        seal(cipher, 14 if fault == "moved" and k == 13 else k, plaintext, out)
+        if fault == "altered" and k == 13:
+            out[100] ^= 0x08
+
+    monkeypatch.setattr(_payload, "seal_chunk", faulty)
+    dst = [0, 1, 2, 3, 4, 5, 6, 7]
+    try:
+        for fault, seed in (("altered", 31), ("moved", 32)):
+            message = make_message(dst, seed=seed)
+            before = link.digests(dst)
+            faults[:] = [fault]
+            with pytest.raises(TransferError, match="payload failed its AEAD tag"):
+                sender.send(endpoint, message, time.monotonic() + DEADLINE_S)
+            assert link.digests(dst) == before
+            faults.clear()
+            sender.send(endpoint, message, time.monotonic() + DEADLINE_S)  # the same link
+            assert link.digests(dst) == payload_digests(message)
+        assert len(sender._pool._links) == 1
+    finally:
+        sender.close()
+        link.peer.call("chunk_bytes", value=None)  # back to the wire's
 
 
 def test_idle_connections_cost_no_threads_and_leave_the_receiver_serving(link):

@@ -262,27 +262,24 @@ def test_layerwise_benchmark_smoke(tiny_model_factory, backend, capsys):
 @pytest.mark.parametrize("backend", _p2p_params())
 def test_a_payload_altered_in_flight_fails_its_mac_and_falls_back(tiny_model_factory, tmp_path, backend,
                                                                   monkeypatch):
-    """With a transfer key, each payload's tag travels in its (MACed) request: bytes that
-    differ on arrival from what the sender tagged are refused at the decode before its sink
-    sees them, a transfer failure like corrupt data, so the chain goes on (to the disk store)
-    and the decode decodes what a local engine would."""
+    """With a transfer key, each payload chunk carries its AEAD tag under its request's frame
+    number: bytes that differ on arrival from what the sender sealed are refused at the decode
+    before its sink sees them, a transfer failure like corrupt data, so the chain goes on (to
+    the disk store) and the decode decodes what a local engine would."""
     import os
 
-    from pdserve.kvtransfer.backends import _p2p
+    from pdserve.kvtransfer.backends import _payload
 
     model_dir = tiny_model_factory("llama")
     config = KVTransferConfig(backends=(backend, "disk", RECOMPUTE), disk_store=str(tmp_path / "store"),
                               step_timeout_s=5, transfer_key=os.urandom(32), store_key=os.urandom(32))
-    seal = _p2p.seal_payload
+    seal = _payload.seal_chunk
 
-    def altered_after_sealing(session, seq, message, scratch=None):
-        # what arrives differs from what was sealed
-        sealed, tag = seal(session, seq, message, scratch)
-        altered = bytearray(sealed)
-        altered[0] ^= 1
-        return memoryview(altered), tag
+    def altered_after_sealing(cipher, chunk, plaintext, out):
+        seal(cipher, chunk, plaintext, out)
+        out[0] ^= 1  # what arrives differs from what was sealed
 
-    monkeypatch.setattr(_p2p, "seal_payload", altered_after_sealing)
+    monkeypatch.setattr(_payload, "seal_chunk", altered_after_sealing)
     prompt = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(7)).tolist()
     with engines(model_dir, config, max_num_tokens=20) as (prefill, decode, local):
         tokens, sent, received = disaggregated(prefill, decode, prompt, "altered")

@@ -94,6 +94,46 @@ def test_payload_altered_on_the_channel_is_refused_before_the_sink_and_the_link_
     side.assert_nothing_reserved()
 
 
+@pytest.mark.parametrize("fault", ["swapped", "replayed"])
+def test_sealed_chunks_swapped_or_replayed_on_the_channel_are_refused(side, monkeypatch, fault):
+    """A payload sealed in many chunks lands whole; two of its chunks swapped on the channel,
+    or a chunk of the link's previous payload delivered in place of this one's, fail their
+    tags: the sink sees nothing, the link survives and carries the payload next time."""
+    from link_fakes import FakeChannel
+
+    from pdserve.security import transfer_session
+
+    monkeypatch.setattr(transfer_session, "PAYLOAD_CHUNK_BYTES", 200)  # the tiny blocks span many
+    first = side.message([1, 2, 3], [4, 5, 6])
+    side.send(first, [4, 5, 6])
+    assert side.landed([1, 2, 3], [4, 5, 6]) and side.network.num_sent > 10
+    sent, seen, armed = FakeChannel.send, [], []
+
+    def faulty(channel, data, seq, deadline):
+        seen.append(bytes(data))
+        chunk = len(seen) - 1 - armed[0] if armed else -1  # of the payload under attack
+        if fault == "replayed" and chunk == 3:
+            return sent(channel, seen[3], seq, deadline)  # the previous payload's chunk 3
+        if fault == "swapped" and chunk == 2:
+            return  # chunk 2 held back, then delivered in chunk 3's place, and 3 in 2's
+        if fault == "swapped" and chunk == 3:
+            sent(channel, seen[-2], seq, deadline)
+            return sent(channel, data, seq - 1, deadline)
+        return sent(channel, data, seq, deadline)
+
+    monkeypatch.setattr(FakeChannel, "send", faulty)
+    side.send(side.message([1, 2, 3], [7, 8, 9]), [7, 8, 9])  # the payload replay draws from
+    armed.append(len(seen))
+    message = side.message([1, 2, 3], [10, 11, 12])
+    with pytest.raises(TransferError, match="payload failed its AEAD tag"):
+        side.send(message, [10, 11, 12])
+    assert block_digests(side.caches, [10, 11, 12]) == block_digests(make_caches(LAYOUT), [10, 11, 12])
+    armed.clear()
+    side.send(message, [10, 11, 12], expect=False)  # the same reservation, the same link
+    assert side.landed([1, 2, 3], [10, 11, 12]) and len(side.sender._pool._links) == 1
+    side.assert_nothing_reserved()
+
+
 def test_keyless_a_flipped_byte_is_refused_by_the_sinks_checksum():
     s = Side(key=None, sender_key=None)
     try:
@@ -287,6 +327,24 @@ def test_a_hello_of_another_transport_is_refused(side):
             other.send(side.endpoint, side.message([1], [1]), time.monotonic() + DEADLINE_S)
     finally:
         other.close()
+
+
+def test_a_sender_of_the_previous_link_protocol_is_refused_at_its_hello(side, monkeypatch):
+    """Link protocol 5 (a payload sealed whole, its tag in the request) and 6 (sealed in
+    chunks) read a payload differently: a sender of 5 is refused at the hello, with both
+    versions in the reason, before any request; the receiver goes on serving."""
+    def previous_hello(session, transport, version, body):
+        head = _p2p.HELLO.pack(_p2p.HELLO_MAGIC, 5, transport.encode(), version, len(body))
+        return session.seal(head + body)
+
+    monkeypatch.setattr(_p2p, "encode_hello", previous_hello)
+    message = side.message([1], [1])
+    with pytest.raises(TransferError, match="on link protocol 6 .it speaks fake 1 on 5"):
+        side.send(message, [1])
+    monkeypatch.undo()
+    side.send(message, [1], expect=False)
+    assert side.landed([1], [1])
+    side.assert_nothing_reserved()
 
 
 # -- control frames altered, dropped, reordered, replayed: in both directions ------------------------

@@ -4,13 +4,16 @@ that outlives whatever one connection does (its serving thread failing to start 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import time
 
 import pytest
 
-from pdserve.kvtransfer.backends import _gate, _p2p
+from pdserve.common.errors import TransferError
+from pdserve.kvtransfer.backends import _gate, _p2p, _payload
+from pdserve.security import transfer_session
 from support import wait_until
 
 KEY = os.urandom(32)
@@ -98,49 +101,64 @@ def test_a_connection_that_cannot_be_served_does_not_end_the_accept_loop(gate):
     sock.close()
 
 
-def test_a_sealed_payload_opens_once_for_its_request_and_is_ciphertext_on_the_wire():
-    """A keyed link's payload (AES-GCM under the link's own key, the request's frame number as
-    nonce): the bytes the channel carries hold no run of the plaintext; they open for the
-    request that announced them; a flipped bit, another seq, another header, the same bytes
-    replayed for a later request, a tag other than the announced one, a session of another
-    link and a keyless session are all refused."""
-    import torch
+def _seal(session, seq, header, index, plain: bytes) -> bytearray:
+    """`plain` sealed as the link sends it: the chunks of `payload_chunks`, each its own tag."""
+    cipher = session.payload_sealer(seq, header, index, len(plain))
+    spans = transfer_session.payload_chunks(len(plain))
+    wire = bytearray(spans[-1][1].stop)
+    for k, (text, sealed) in enumerate(spans):
+        _payload.seal_chunk(cipher, k, memoryview(plain)[text], memoryview(wire)[sealed])
+    return wire
 
-    from pdserve.common.errors import TransferError
 
+def _open(session, seq, header, index, wire: bytes, payload_len: int) -> bytes:
+    """Each chunk opened in turn, as the receiver does; TamperedPayload at the first that fails."""
+    cipher, out = session.payload_opener(seq, header, index, payload_len), bytearray(payload_len)
+    for k, (text, sealed) in enumerate(transfer_session.payload_chunks(payload_len)):
+        cipher.open(k, memoryview(wire)[sealed], memoryview(out)[text])
+    return bytes(out)
+
+
+def test_a_sealed_payload_opens_once_for_its_request_chunk_by_chunk_and_is_ciphertext_on_the_wire():
+    """A keyed link's payload (AES-GCM under the link's own key, in chunks whose nonce is the
+    chunk's number and the request's frame number): the bytes the channel carries hold no run
+    of the plaintext; they open for the request that announced them; a flipped bit, two chunks
+    swapped, the last chunk cut, another seq, another header, another length, the same bytes
+    replayed for a later request, a session of another link and a keyless session are all
+    refused."""
     def pair(challenge: bytes):
         return (_p2p.Session.derive(KEY, challenge, b"n" * 32, is_sender=True),
                 _p2p.Session.derive(KEY, challenge, b"n" * 32, is_sender=False))
 
+    chunk = transfer_session.PAYLOAD_CHUNK_BYTES
     sender, receiver = pair(b"c" * 32)
-    payload = torch.randint(0, 256, (3 * 16384 + 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    plain = random.Random(3).randbytes(2 * chunk + 1000)  # three chunks, the last one short
     header, index = b"h" * 72, b"i" * 16
-    message = type("Message", (), {"payload": payload, "header": header, "index": index})()
-    sealed, tag = _p2p.seal_payload(sender, 5, message)
-    wire = bytes(sealed)
-    plain = payload.numpy().tobytes()
-    assert len(wire) == len(plain) + _p2p.PAYLOAD_TAG_BYTES and wire[-16:] == tag
-    assert not any(plain[i:i + 16] in wire for i in range(0, len(plain) - 16, 997))
+    wire = _seal(sender, 5, header, index, plain)
     receiver.open(*_split(sender.seal(b"request")))  # the request frame that announces it
-    out = torch.empty_like(payload)
-    _p2p.open_payload(receiver, 5, header, index, bytearray(wire), tag, out)
-    assert torch.equal(out, payload)
+    assert len(wire) == len(plain) + 3 * _p2p.PAYLOAD_TAG_BYTES
+    assert not any(plain[i:i + 16] in wire for i in range(0, len(plain) - 16, 99_991))
+    assert _open(receiver, 5, header, index, wire, len(plain)) == plain
 
     flipped = bytearray(wire)
-    flipped[40000] ^= 0x02
-    for args in ((5, header, index, flipped, tag), (6, header, index, bytearray(wire), tag),
-                 (5, b"H" * 72, index, bytearray(wire), tag), (5, header, index, bytearray(wire), bytes(16))):
-        with pytest.raises(TransferError, match="payload"):
-            _p2p.open_payload(receiver, *args, torch.empty_like(payload))
+    flipped[chunk + 40000] ^= 0x02
+    swapped = wire[chunk + 16:2 * (chunk + 16)] + wire[:chunk + 16] + wire[2 * (chunk + 16):]
+    for args in ((5, header, index, flipped, len(plain)), (5, header, index, swapped, len(plain)),
+                 (6, header, index, wire, len(plain)), (5, b"H" * 72, index, wire, len(plain)),
+                 (5, header, index, wire[:2 * (chunk + 16)], 2 * chunk)):
+        with pytest.raises(_p2p.TamperedPayload, match="AEAD"):
+            _open(receiver, *args)
     receiver.open(*_split(sender.seal(b"a later request")))  # the same bytes replayed for it
     with pytest.raises(_p2p.TamperedPayload, match="AEAD"):
-        _p2p.open_payload(receiver, 5, header, index, bytearray(wire), tag, torch.empty_like(payload))
+        _open(receiver, 5, header, index, wire, len(plain))
     _, other = pair(b"d" * 32)
     other.open(*_split(pair(b"d" * 32)[0].seal(b"request")))
     with pytest.raises(_p2p.TamperedPayload, match="AEAD"):
-        _p2p.open_payload(other, 5, header, index, bytearray(wire), tag, torch.empty_like(payload))
+        _open(other, 5, header, index, wire, len(plain))
     keyless = _p2p.Session.derive(None, b"", b"", is_sender=True)
-    assert _p2p.seal_payload(keyless, 5, message) == (payload, bytes(16))
+    with pytest.raises(TransferError, match="keyed"):
+        keyless.payload_sealer(5, header, index, len(plain))
+    assert _payload.chunk_spans(keyless, len(plain)) == [(slice(0, len(plain)),) * 2]
 
 
 def _split(frame: bytes) -> tuple[bytes, bytes]:
