@@ -87,11 +87,12 @@ class FakeKubeAPI:
         if not audiences:
             return {"authenticated": False, "error": "token audiences is invalid for the target audiences"}
         namespace, account = known.get("namespace", NAMESPACE), known["account"]
+        bound = {"authentication.kubernetes.io/pod-name": [known["pod"]],
+                 "authentication.kubernetes.io/pod-uid": [known["uid"]]} if known["pod"] else {}
         return {"authenticated": True, "audiences": audiences,
                 "user": {"username": f"system:serviceaccount:{namespace}:{account}", "uid": "u-1",
                          "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
-                         "extra": {"authentication.kubernetes.io/pod-name": [known["pod"]],
-                                   "authentication.kubernetes.io/pod-uid": [known["uid"]]}}}
+                         "extra": bound}}
 
     def add_pod(self, name: str, role: str, *, account: str | None = None, phase: str = "Pending",
                 ip: str = "127.0.0.1", labels: dict | None = None, deleting: bool = False, token: str = "",
@@ -187,6 +188,12 @@ def test_the_enroller_refuses_what_the_cluster_does_not_vouch_for(enroller, tmp_
     }
     api.tokens["sa-no-pod"] = {"account": ACCOUNTS["decode"], "audiences": [AUDIENCE], "pod": "ghost", "uid": "x"}
     cases["a pod that does not exist"] = ("sa-no-pod", "does not exist")
+    api.tokens["sa-stale"] = {**api.tokens[api.add_pod("d-new", "decode")], "uid": "uid-of-the-pod-before"}
+    cases["a token of an earlier pod of that name"] = ("sa-stale", "does not exist")
+    api.tokens["sa-unbound"] = {"account": ACCOUNTS["decode"], "audiences": [AUDIENCE], "pod": "", "uid": ""}
+    cases["a token bound to no pod"] = ("sa-unbound", "bound to no pod")
+    api.tokens["sa-elsewhere"] = {**api.tokens[api.add_pod("d-ns", "decode")], "namespace": "other"}
+    cases["a ServiceAccount of another namespace"] = ("sa-elsewhere", "no ServiceAccount of namespace")
     for what, (sa_token, reason) in cases.items():
         done = _enroll(url, sa_token, tmp_path / "token")
         assert done.returncode == 2 and reason in done.stderr, (what, done.stderr)
