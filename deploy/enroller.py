@@ -15,6 +15,7 @@ into a private file the worker reads with `--enrollment-token-file`.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
 import os
@@ -49,12 +50,16 @@ def add_parsers(sub) -> None:
     p.add_argument("--rate", type=float, default=10.0, help="enrollments a second, at most (burst: --burst)")
     p.add_argument("--burst", type=int, default=20)
     p.add_argument("--max-connections", type=int, default=64, help="connections served at once")
+    p.add_argument("--tls-cert", default="", help="PEM certificate: serve HTTPS (the chart: the internal TLS one)")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--log-level", default="INFO")
     c = sub.add_parser("enroll", help="fetch this pod's enrollment token from the enroller (a worker's init step)")
     c.add_argument("--enroller-url", required=True, help="e.g. http://pdserve-enroller:8095")
     c.add_argument("--service-account-token-file", required=True, help="the pod's projected ServiceAccount token")
     c.add_argument("--out", required=True, help="file to write the enrollment token to (0600, replaced whole)")
     c.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long")
+    c.add_argument("--ca-file", default="", help="CA of an https:// enroller's certificate")
+    c.add_argument("--server-name", default="", help="name its certificate must carry (default: the URL's host)")
     k = sub.add_parser("enrollment-keygen", help="make an enrollment key pair (bring your own to the chart)")
     k.add_argument("--out-dir", required=True, help="writes private.pem (0600) and public.pem here")
 
@@ -219,13 +224,22 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     server = _Server((args.host, args.port), Enroller(issuer, policy, cluster),
                      RateLimit(args.rate, args.burst), args.max_connections)
+    scheme = "https" if args.tls_cert else "http"
+    if args.tls_cert:
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(args.tls_cert, args.tls_key or None)
+        # the handshake happens in the connection's own thread, under its socket deadline
+        server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
     thread.start()
     host, port = server.server_address[:2]
-    print(f"pdserve enroller ready http://{host}:{port} public key {issuer.public_key.hex()}", flush=True)
+    print(f"pdserve enroller ready {scheme}://{host}:{port} public key {issuer.public_key.hex()}", flush=True)
     stop.wait()
     server.shutdown()
     server.server_close()
@@ -238,20 +252,47 @@ class _Refused(Exception):
     """The enroller said no for good (a 4xx other than 429): retrying will not help."""
 
 
-def _ask(url: str, sa_token: str, timeout_s: float) -> str:
-    import urllib.error
-    import urllib.request
+class _NamedHTTPS(http.client.HTTPSConnection):
+    """HTTPS whose certificate must carry `server_name`, whatever host the URL names (the
+    internal certificate carries one name for every service)."""
 
-    request = urllib.request.Request(url.rstrip("/") + ENROLL_PATH, data=b"", method="POST",
-                                     headers={"Authorization": f"Bearer {sa_token}"})
+    def __init__(self, host: str, port: int, *, server_name: str, **kwargs: Any) -> None:
+        super().__init__(host, port, **kwargs)
+        self._server_name = server_name
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self._server_name)
+
+
+def _connection(url: str, timeout_s: float, ca_file: str, server_name: str) -> http.client.HTTPConnection:
+    import ssl
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme == "http":
+        return http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+    if parts.scheme != "https":
+        raise ValueError(f"--enroller-url {url!r}: http:// or https://")
+    context = ssl.create_default_context(cafile=ca_file or None)
+    return _NamedHTTPS(parts.hostname, parts.port or 443, server_name=server_name or parts.hostname,
+                       timeout=timeout_s, context=context)
+
+
+def _ask(url: str, sa_token: str, timeout_s: float, ca_file: str = "", server_name: str = "") -> str:
+    connection = _connection(url, timeout_s, ca_file, server_name)
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-            body = json.loads(answer.read(MAX_ANSWER_BYTES))
-    except urllib.error.HTTPError as exc:
-        reason = exc.read(MAX_ANSWER_BYTES).decode("utf-8", "replace")
-        if 400 <= exc.code < 500 and exc.code != 429:
-            raise _Refused(f"the enroller refused ({exc.code}): {reason}") from None
-        raise OSError(f"the enroller answered {exc.code}: {reason}") from None
+        connection.request("POST", ENROLL_PATH, body=b"", headers={"Authorization": f"Bearer {sa_token}"})
+        answer = connection.getresponse()
+        raw = answer.read(MAX_ANSWER_BYTES)
+    finally:
+        connection.close()
+    if answer.status != 200:
+        reason = raw.decode("utf-8", "replace")
+        if 400 <= answer.status < 500 and answer.status != 429:
+            raise _Refused(f"the enroller refused ({answer.status}): {reason}")
+        raise OSError(f"the enroller answered {answer.status}: {reason}")
+    body = json.loads(raw)
     token = body.get("token") if isinstance(body, dict) else None
     if not isinstance(token, str) or not token.isprintable() or not token:
         raise OSError("the enroller's answer holds no token")
@@ -282,14 +323,14 @@ def enroll(args: argparse.Namespace) -> int:
         try:
             with open(args.service_account_token_file, encoding="ascii") as f:
                 sa_token = f.read(16384).strip()
-            token = _ask(args.enroller_url, sa_token, min(10.0, left))
+            token = _ask(args.enroller_url, sa_token, min(10.0, left), args.ca_file, args.server_name)
             _write_private(args.out, token)
             print(f"pdserve enroll: enrollment token written to {args.out}", flush=True)
             return 0
         except _Refused as exc:
             print(f"pdserve enroll: {exc}", file=sys.stderr)
             return 2
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             last = str(exc)
         time.sleep(max(0.0, min(wait_s, deadline - time.monotonic())))
         wait_s = min(5.0, wait_s * 2)

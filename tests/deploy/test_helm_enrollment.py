@@ -93,6 +93,9 @@ def test_the_enroller_maps_the_workers_own_service_accounts_and_labels(m) -> Non
         assert labels.items() <= pod_labels.items() and pod_labels["app.kubernetes.io/component"] == role
     mount = next(vm for vm in container["volumeMounts"] if vm["name"] == "enrollment-key")
     assert args.enrollment_key_file == f"{mount['mountPath']}/private.pem" and mount["readOnly"]
+    tls = next(vm for vm in container["volumeMounts"] if vm["name"] == "internal-tls")["mountPath"]
+    assert (args.tls_cert, args.tls_key) == (f"{tls}/tls.crt", f"{tls}/tls.key")
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
 
 
 def test_a_worker_fetches_its_token_with_a_projected_token_only_its_init_step_sees(m) -> None:
@@ -102,9 +105,12 @@ def test_a_worker_fetches_its_token_with_a_projected_token_only_its_init_step_se
         init = pod["initContainers"][0]
         assert init["name"] == "enroll"
         args = cli.build_parser().parse_args(checks.expand_args(init))
-        assert args.enroller_url == f"http://{FULL}-enroller:{enroller['spec']['ports'][0]['port']}"
+        # HTTPS under internal TLS (on by default): checked against its CA and the internal name
+        assert args.enroller_url == f"https://{FULL}-enroller:{enroller['spec']['ports'][0]['port']}"
         volumes = {v["name"]: v for v in pod["volumes"]}
         mounts = {vm["name"]: vm for vm in init["volumeMounts"]}
+        assert args.ca_file == f"{mounts['internal-tls']['mountPath']}/ca.crt"
+        assert args.server_name == "pdserve-internal"
         (source,) = volumes["enroll-sa-token"]["projected"]["sources"]
         assert source["serviceAccountToken"]["audience"] == m.values["enrollment"]["audience"]
         assert 600 <= source["serviceAccountToken"]["expirationSeconds"] <= 3600
@@ -163,6 +169,11 @@ def test_off_and_bring_your_own_key(chart) -> None:
         assert [c["name"] for c in _pod(off, role)["initContainers"]] == ["prepare"]
         assert "enrollment_token_file" not in checks.cli_settings(checks.main_container(off.workload(role)))[1]
     assert "enrollment_public_key_file" not in checks.cli_settings(checks.main_container(off.workload("router")))[1]
+    plain = _render(chart, {"internalTLS": {"enabled": False}})
+    args = cli.build_parser().parse_args(checks.expand_args(_pod(plain, "decode")["initContainers"][0]))
+    assert args.enroller_url.startswith("http://") and not args.ca_file
+    enroller = cli.build_parser().parse_args(checks.expand_args(checks.main_container(plain.workload("enroller"))))
+    assert not enroller.tls_cert
     own = _render(chart, {"enrollment": {"keySecret": "my-enrollment-key"}})
     assert not [d for d in own.docs if d["kind"] == "Secret" and d["metadata"]["name"] == KEY_SECRET]
     assert _secret_items(_pod(own, "enroller"), "my-enrollment-key") == {"private.pem"}

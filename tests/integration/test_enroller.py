@@ -305,3 +305,30 @@ def test_a_worker_joins_with_its_issued_token_and_a_rogue_with_the_secret_does_n
                                                         f"worker {worker.worker_id!r} is revoked")
     finally:
         loop.run(worker.kill())
+
+
+def test_under_internal_tls_only_a_client_that_checks_the_certificate_is_answered(keys, tmp_path):
+    from pki import TestCA
+
+    tls = TestCA(tmp_path).issue("enroller", dns_names=["pdserve-internal"])
+    api = FakeKubeAPI()
+    process, url = _start(_enroller_argv(keys, api.start(), "--tls-cert", tls.cert, "--tls-key", tls.key),
+                          "pdserve enroller ready")
+    try:
+        assert url.startswith("https://127.0.0.1:")
+        sa_token = api.add_pod("d-tls", "decode")
+        token_file = tmp_path / "sa"
+        token_file.write_text(sa_token)
+        base = [sys.executable, "-m", "pdserve.deploy.cli", "enroll", "--enroller-url", url,
+                "--service-account-token-file", str(token_file), "--out", str(tmp_path / "token")]
+        # no CA: the certificate is not trusted, nothing is sent, and the deadline ends it
+        refused = subprocess.run([*base, "--timeout-s", "2"], capture_output=True, text=True, timeout=START_S)
+        assert refused.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in refused.stderr, refused.stderr
+        assert api.num_reviews == 0
+        done = subprocess.run([*base, "--ca-file", tls.ca, "--server-name", "pdserve-internal"],
+                              capture_output=True, text=True, timeout=START_S)
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "token").read_text().split(" ")[1:3] == ["d-tls", "decode"]
+    finally:
+        _stop(process)
+        api.server.shutdown()

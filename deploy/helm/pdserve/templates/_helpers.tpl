@@ -296,8 +296,10 @@ maps it to the role), else the release's. Call with (dict "ctx" $ "role" "prefil
 {{- end }}
 {{- end }}
 
+{{/* The enroller's URL: HTTPS under the internal certificate when internal TLS is on. */}}
 {{- define "pdserve.enrollerUrl" -}}
-{{- printf "http://%s-enroller:%d" (include "pdserve.fullname" .) (int .Values.enrollment.port) }}
+{{- $scheme := ternary "https" "http" (not (empty (include "pdserve.internalTlsSecretName" .))) }}
+{{- printf "%s://%s-enroller:%d" $scheme (include "pdserve.fullname" .) (int .Values.enrollment.port) }}
 {{- end }}
 
 {{/* Where a worker's init container puts its enrollment token, and the projected token it shows. */}}

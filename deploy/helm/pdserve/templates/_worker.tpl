@@ -62,6 +62,10 @@ spec:
             - {{ printf "--service-account-token-file=%s/token" (include "pdserve.enrollSaTokenDir" $ctx) | quote }}
             - {{ printf "--out=%s/token" (include "pdserve.enrollmentTokenDir" $ctx) | quote }}
             - {{ printf "--timeout-s=%v" $enroll.initTimeoutS | quote }}
+            {{- if include "pdserve.internalTlsSecretName" $ctx }}
+            - "--ca-file=/etc/pdserve/internal-tls/ca.crt"
+            - "--server-name=pdserve-internal"
+            {{- end }}
           env:
             {{- include "pdserve.baseEnv" $ctx | nindent 12 }}
           resources:
@@ -75,6 +79,7 @@ spec:
               readOnly: true
             - name: enrollment
               mountPath: {{ include "pdserve.enrollmentTokenDir" $ctx }}
+            {{- include "pdserve.internalTlsMount" $ctx | nindent 12 }}
       {{- end }}
       {{- if and $lora.enabled (eq $lora.source "init") }}
         # Before the worker starts: the LoRA adapters written into their emptyDir.
