@@ -165,7 +165,10 @@ class _Handler(BaseHTTPRequestHandler):
 
         if self.path != ENROLL_PATH:
             return self._answer(404, {"error": f"no such path (POST {ENROLL_PATH})"})
-        if int(self.headers.get("Content-Length") or 0) > 0:
+        length = self.headers.get("Content-Length") or "0"
+        if not length.isdigit():
+            return self._answer(400, {"error": "Content-Length is not a number"})
+        if int(length) > 0:
             return self._answer(413, {"error": "an enrollment request has no body"})
         scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not token:
@@ -315,6 +318,11 @@ def enroll(args: argparse.Namespace) -> int:
     """Ask until the deadline; a refusal ends it at once (exit 2), the deadline with exit 1."""
     deadline = time.monotonic() + args.timeout_s
     wait_s, last = 0.5, "not asked yet"
+    try:  # a URL or CA file that cannot work ends it now, not at the deadline
+        _connection(args.enroller_url, 1.0, args.ca_file, args.server_name).close()
+    except (ValueError, OSError) as exc:
+        print(f"pdserve enroll: {exc}", file=sys.stderr)
+        return 2
     while True:
         left = deadline - time.monotonic()
         if left <= 0:

@@ -178,3 +178,14 @@ def test_off_and_bring_your_own_key(chart) -> None:
     assert not [d for d in own.docs if d["kind"] == "Secret" and d["metadata"]["name"] == KEY_SECRET]
     assert _secret_items(_pod(own, "enroller"), "my-enrollment-key") == {"private.pem"}
     assert _secret_items(_pod(own, "router"), "my-enrollment-key") == {"public.pem"}
+
+
+def test_the_chart_defaults_are_the_clis(chart) -> None:
+    """One default per setting: the chart's enrollment values equal the commands' own."""
+    values = chart.merge_values({})["enrollment"]
+    enroller = cli.build_parser().parse_args(["enroller", "--enrollment-key-file", "k", "--namespace", "n"])
+    enroll = cli.build_parser().parse_args(["enroll", "--enroller-url", "u", "--service-account-token-file", "t",
+                                            "--out", "o"])
+    assert (values["port"], values["audience"], values["rate"], values["burst"]) == (
+        enroller.port, enroller.audience, enroller.rate, enroller.burst)
+    assert values["initTimeoutS"] == enroll.timeout_s

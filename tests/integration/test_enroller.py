@@ -203,6 +203,11 @@ def test_the_enroller_refuses_what_the_cluster_does_not_vouch_for(enroller, tmp_
         assert http.post("/v1/enroll", headers={"Authorization": "Bearer " + "x" * 9000}).status_code == 403
         assert http.post("/v1/enroll", headers={"Authorization": "Bearer t"}, content=b"{}").status_code == 413
         assert http.get("/v1/enroll").status_code == 404 and http.get("/healthz").status_code == 200
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as raw:
+        raw.sendall(b"POST /v1/enroll HTTP/1.0\r\nAuthorization: Bearer t\r\nContent-Length: x\r\n\r\n")
+        assert raw.recv(64).startswith(b"HTTP/1.0 400")
+    assert httpx.get(f"{url}/healthz", timeout=WAIT_S).status_code == 200  # and it serves on
 
 
 def test_asks_past_the_rate_are_refused_before_the_cluster_is_asked(keys, tmp_path):
