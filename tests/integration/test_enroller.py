@@ -210,16 +210,34 @@ def test_the_enroller_refuses_what_the_cluster_does_not_vouch_for(enroller, tmp_
     assert httpx.get(f"{url}/healthz", timeout=WAIT_S).status_code == 200  # and it serves on
 
 
-def test_asks_past_the_rate_are_refused_before_the_cluster_is_asked(keys, tmp_path):
+def test_asks_past_the_rate_or_the_connection_bound_are_refused_cheaply(keys, tmp_path):
     api = FakeKubeAPI()
-    process, url = _start(_enroller_argv(keys, api.start(), "--rate", "0.001", "--burst", "2"),
-                          "pdserve enroller ready")
+    process, url = _start(_enroller_argv(keys, api.start(), "--rate", "0.001", "--burst", "2",
+                                         "--max-connections", "2"), "pdserve enroller ready")
     try:
         sa_token = api.add_pod("d-busy", "decode")
         with httpx.Client(base_url=url, timeout=WAIT_S) as http:
             codes = [http.post("/v1/enroll", headers={"Authorization": f"Bearer {sa_token}"}).status_code
                      for _ in range(4)]
             assert codes == [200, 200, 429, 429] and api.num_reviews == 2
+        # two silent connections hold both slots: a third is closed unserved
+        host, port = url.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=WAIT_S) for _ in range(2)]
+        for held in idle:
+            held.sendall(b"GET /healthz HTTP/1.0\r\n")  # headers begun, never finished
+        try:
+            def refused() -> bool:
+                with socket.create_connection((host, int(port)), timeout=WAIT_S) as third:
+                    try:
+                        third.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+                        return third.recv(64) == b""
+                    except (ConnectionResetError, BrokenPipeError):  # closed with our bytes unread
+                        return True
+            wait_until(refused, "a connection past the bound closed unserved")
+        finally:
+            for held in idle:
+                held.close()
+        wait_until(lambda: httpx.get(f"{url}/healthz", timeout=WAIT_S).status_code == 200, "the slots back")
     finally:
         _stop(process)
         api.server.shutdown()
