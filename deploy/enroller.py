@@ -15,11 +15,13 @@ into a private file the worker reads with `--enrollment-token-file`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -50,6 +52,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--rate", type=float, default=10.0, help="enrollments a second, at most (burst: --burst)")
     p.add_argument("--burst", type=int, default=20)
     p.add_argument("--max-connections", type=int, default=64, help="connections served at once")
+    p.add_argument("--connection-deadline-s", type=float, default=10.0,
+                   help="a connection is closed this long after it opened, answered or not")
     p.add_argument("--tls-cert", default="", help="PEM certificate: serve HTTPS (the chart: the internal TLS one)")
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--log-level", default="INFO")
@@ -128,9 +132,9 @@ class KubeCluster:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address, enroller, limit, max_connections: int) -> None:
+    def __init__(self, address, enroller, limit, max_connections: int, deadline_s: float) -> None:
         super().__init__(address, _Handler)
-        self.enroller, self.limit = enroller, limit
+        self.enroller, self.limit, self.deadline_s = enroller, limit, deadline_s
         self._slots = threading.BoundedSemaphore(max_connections)
 
     def process_request(self, request, client_address) -> None:
@@ -154,7 +158,27 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("%s " + fmt, self.client_address[0], *args)
 
+    def setup(self) -> None:
+        super().setup()
+        # the whole connection has a deadline too: a client that drips bytes frees its slot, and
+        # what it sent before the cut is not taken for a whole request
+        self._expired = threading.Event()
+        self._cut = threading.Timer(self.server.deadline_s, self._close)
+        self._cut.daemon = True
+        self._cut.start()
+
+    def _close(self) -> None:
+        self._expired.set()
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        self._cut.cancel()
+        super().finish()
+
     def do_GET(self) -> None:
+        if self._expired.is_set():
+            return
         if self.path == "/healthz":
             self._answer(200, {"status": "ok"})
         else:
@@ -163,6 +187,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         from pdserve.security.enroller import EnrollRefused
 
+        if self._expired.is_set():
+            return None
         if self.path != ENROLL_PATH:
             return self._answer(404, {"error": f"no such path (POST {ENROLL_PATH})"})
         length = self.headers.get("Content-Length") or "0"
@@ -226,7 +252,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pdserve enroller: {exc}", file=sys.stderr)
         return 2
     server = _Server((args.host, args.port), Enroller(issuer, policy, cluster),
-                     RateLimit(args.rate, args.burst), args.max_connections)
+                     RateLimit(args.rate, args.burst), args.max_connections, args.connection_deadline_s)
     scheme = "https" if args.tls_cert else "http"
     if args.tls_cert:
         import ssl

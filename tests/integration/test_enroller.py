@@ -213,7 +213,8 @@ def test_the_enroller_refuses_what_the_cluster_does_not_vouch_for(enroller, tmp_
 def test_asks_past_the_rate_or_the_connection_bound_are_refused_cheaply(keys, tmp_path):
     api = FakeKubeAPI()
     process, url = _start(_enroller_argv(keys, api.start(), "--rate", "0.001", "--burst", "2",
-                                         "--max-connections", "2"), "pdserve enroller ready")
+                                         "--max-connections", "2", "--connection-deadline-s", "2"),
+                          "pdserve enroller ready")
     try:
         sa_token = api.add_pod("d-busy", "decode")
         with httpx.Client(base_url=url, timeout=WAIT_S) as http:
@@ -234,6 +235,8 @@ def test_asks_past_the_rate_or_the_connection_bound_are_refused_cheaply(keys, tm
                     except (ConnectionResetError, BrokenPipeError):  # closed with our bytes unread
                         return True
             wait_until(refused, "a connection past the bound closed unserved")
+            for held in idle:  # the connection deadline closes them, and frees their slots
+                assert held.recv(64) == b""
         finally:
             for held in idle:
                 held.close()
