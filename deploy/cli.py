@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 # these modules import neither torch nor grpc.
 from pdserve.bench import cli as bench_cli
 from pdserve.common.errors import PdserveError
-from pdserve.deploy import prepare, router_keys
+from pdserve.deploy import enroller, prepare, router_keys
 from pdserve.deploy import up as up_defaults
 from pdserve.deploy.supervisor import RestartPolicy
 from pdserve.planner import cli as planner_cli
@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_table(planner, PlannerSettings, "planner", "kubernetes", "kubernetes")
     prepare.add_parser(sub)
     router_keys.add_parser(sub)
+    enroller.add_parsers(sub)
     planner_cli.add_profile_parser(sub)
     planner_cli.add_plan_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
@@ -262,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return prepare.main(args)
     if args.command == "router-keys":
         return router_keys.main(args)
+    if args.command in ("enroller", "enroll", "enrollment-keygen"):
+        return enroller.main(args)
     if args.command == "plan":
         return planner_cli.run_plan(args)
     if args.command == "profile":

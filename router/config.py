@@ -86,6 +86,8 @@ class RouterConfig:
                                       "makes one per start): a Register then needs the worker's own token, "
                                       "naming its id, role and host; the cluster secret alone admits no worker",
                                       "workers")
+    enrollment_public_key_file: str = _opt("", "file holding --enrollment-public-key: hex, a PEM public key or "
+                                           "a PEM certificate of the key (the chart's enrollment Secret)", "workers")
     revoked_workers_file: str = _opt("", "file of revoked worker ids, one a line, read again when it changes: "
                                      "each is removed and refused (needs --enrollment-public-key)", "routing")
     api_keys_file: str = _opt("", "file of client keys, one 'TENANT KEY [requests_per_minute=N] "

@@ -1,5 +1,5 @@
 """The router's edge of enrollment (`security.enrollment` keeps the rule): the verifier of
-`--enrollment-public-key`, and `--revoked-workers-file` (one worker id a line, `#`
+`--enrollment-public-key` (or `--enrollment-public-key-file`), and `--revoked-workers-file` (one worker id a line, `#`
 comments), read again when it changes: each id in it is revoked (refused at Register) and
 removed from the registry at once."""
 from __future__ import annotations
@@ -16,15 +16,28 @@ log = logging.getLogger("pdserve.router.enrollment")
 MAX_REVOKED_FILE_BYTES = 1 << 20
 
 
+MAX_PUBLIC_KEY_FILE_BYTES = 8192
+
+
 def enrollment_verifier(config: RouterConfig) -> EnrollmentVerifier | None:
-    if not config.enrollment_public_key:
+    text, flag = config.enrollment_public_key, "--enrollment-public-key"
+    if config.enrollment_public_key_file:
+        if text:
+            raise ConfigError("--enrollment-public-key and --enrollment-public-key-file: give one")
+        flag = "--enrollment-public-key-file"
+        try:
+            with open(config.enrollment_public_key_file, "rb") as f:  # a public key: no secrecy to check
+                text = f.read(MAX_PUBLIC_KEY_FILE_BYTES).decode("ascii", "replace")
+        except OSError as exc:
+            raise ConfigError(f"{flag}: cannot read {config.enrollment_public_key_file}: {exc.strerror}") from None
+    if not text:
         if config.revoked_workers_file:
             raise ConfigError("--revoked-workers-file needs --enrollment-public-key")
         return None
     try:
-        return EnrollmentVerifier.from_hex(config.enrollment_public_key)
+        return EnrollmentVerifier.from_hex(text)
     except ValueError as exc:
-        raise ConfigError(f"--enrollment-public-key: {exc}") from None
+        raise ConfigError(f"{flag}: {exc}") from None
 
 
 class Revocations:

@@ -12,6 +12,7 @@ adapters that ask these modules. Depends only on `common` and `cryptography`.
 * `client_keys`    the API and admin keys, and what each caller may see
 * `tenants`        the tenants' keys file, their cache namespaces and limits
 * `enrollment`     a worker's own enrollment token: who may join, revocation
+* `enroller`       which pod of a Kubernetes release gets which token (the chart's enroller)
 * `slow_clients`   an HTTP port's header deadline and connection bound
 
 The transfer session (`transfer_session`) and the gloo listener filters

@@ -8,7 +8,8 @@ identities; a worker that must be shut out for good without rotating anything el
 Rule: with enrollment on (the router's `--enrollment-public-key`), Register is accepted
 only with an enrollment token (`pdserve-enrollment` metadata) signed by the deployment's
 enrollment key, an Ed25519 key that only the launcher (`pdserve up`, which makes one per
-start and keeps it in memory) holds: the router holds its public half, which verifies
+start and keeps it in memory) or, in the chart, the enroller (`security.enroller`, its key
+in a Secret no other pod mounts) holds: the router holds its public half, which verifies
 tokens and mints none. A token names one worker id, its role and the host its address must
 be on ("*": any host); a Register whose worker id, role or address differ is refused
 (`EnrollmentVerifier.check`). One token registers at most `max_registrations` times (a
@@ -23,8 +24,10 @@ import secrets
 import threading
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import (Encoding, NoEncryption, PrivateFormat, PublicFormat,
+                                                          load_pem_private_key, load_pem_public_key)
 
 from pdserve.common.errors import AuthError
 from pdserve.common.util import encode_fields
@@ -36,6 +39,7 @@ DEFAULT_MAX_REGISTRATIONS = 64
 _TOKEN_ID_BYTES = 16
 _KIND = "e1"
 ANY_HOST = "*"
+MAX_KEY_FILE_BYTES = 8192
 
 
 class EnrollmentError(AuthError):
@@ -47,11 +51,29 @@ def _signed(worker_id: str, role: str, host: str, token_id: str) -> bytes:
 
 
 class EnrollmentIssuer:
-    """The launcher's enrollment key (made here, never written down) and the tokens it issues."""
+    """The enrollment key and the tokens it issues. `pdserve up` makes one per start and never
+    writes it down; the chart's enroller loads one from its Secret (`load`)."""
 
-    def __init__(self) -> None:
-        self._private = Ed25519PrivateKey.generate()
+    def __init__(self, private: Ed25519PrivateKey | None = None) -> None:
+        self._private = private or Ed25519PrivateKey.generate()
         self.public_key = self._private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    @classmethod
+    def load(cls, path: str) -> "EnrollmentIssuer":
+        """The key of a private file holding a PEM (PKCS#8) Ed25519 private key; ValueError else."""
+        from pdserve.security.secret import ClusterSecretError, read_private_file
+
+        try:
+            data = read_private_file(path, "enrollment key", max_bytes=MAX_KEY_FILE_BYTES)
+            key = load_pem_private_key(data, password=None)
+        except (ClusterSecretError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: not a readable PEM Ed25519 private key ({exc})") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ValueError(f"{path}: the enrollment key must be Ed25519")
+        return cls(key)
+
+    def private_pem(self) -> bytes:
+        return self._private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
 
     def __repr__(self) -> str:
         return f"EnrollmentIssuer(public={self.public_key.hex()[:16]}...)"
@@ -63,6 +85,25 @@ class EnrollmentIssuer:
         token_id = secrets.token_hex(_TOKEN_ID_BYTES)
         signature = self._private.sign(_signed(worker_id, role, host, token_id)).hex()
         return f"{_KIND} {worker_id} {role} {host} {token_id} {signature}"
+
+
+def load_public_key(text: str) -> bytes:
+    """The raw enrollment public key written as hex, as a PEM public key or inside a PEM
+    certificate (what the chart's Secret holds: Helm can make a certificate of a key, not
+    print its public half). ValueError unless it is an Ed25519 key."""
+    text = text.strip()
+    try:
+        if "-----BEGIN CERTIFICATE-----" in text:
+            key = x509.load_pem_x509_certificate(text.encode("ascii")).public_key()
+        elif "-----BEGIN PUBLIC KEY-----" in text:
+            key = load_pem_public_key(text.encode("ascii"))
+        else:
+            return public_key_of(bytes.fromhex(text)).public_bytes(Encoding.Raw, PublicFormat.Raw)
+    except (TypeError, ValueError, UnicodeEncodeError):
+        raise ValueError("the enrollment public key is hex, a PEM public key or a PEM certificate") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise ValueError("the enrollment public key must be Ed25519")
+    return key.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
 def _host_of(address: str) -> str:
@@ -83,11 +124,8 @@ class EnrollmentVerifier:
 
     @classmethod
     def from_hex(cls, text: str, max_registrations: int = DEFAULT_MAX_REGISTRATIONS) -> "EnrollmentVerifier":
-        try:
-            raw = bytes.fromhex(text.strip())
-        except ValueError:
-            raise ValueError("the enrollment public key is hex") from None
-        return cls(raw, max_registrations)
+        """From the key as hex, a PEM public key or a PEM certificate (`load_public_key`)."""
+        return cls(load_public_key(text), max_registrations)
 
     def revoke(self, worker_id: str) -> None:
         """Refuse every later Register of `worker_id` (the registry removes the live one)."""

@@ -219,13 +219,22 @@ def cli_settings(container: dict[str, Any]) -> tuple[argparse.Namespace, dict[st
 def with_secret_files(docs, workload: dict[str, Any], settings: dict[str, Any], root: Path) -> dict[str, Any]:
     """`settings` as the pod's process sees them: each path that lies on one of its Secret
     volumes is remapped to a private file under `root` holding what the chart put in that
-    Secret (or a stand-in, for a Secret the user brings)."""
+    Secret (or a stand-in, for a Secret the user brings); the enrollment token its init step
+    writes is a stand-in."""
     import base64
 
     secrets = {d["metadata"]["name"]: d.get("data") or {} for d in docs if d.get("kind") == "Secret"}
     volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
     out = dict(settings)
     for mount in main_container(workload).get("volumeMounts") or []:
+        if mount["name"] == "enrollment":  # the pod's init step writes its enrollment token there
+            for key, value in list(out.items()):
+                if isinstance(value, str) and value.startswith(mount["mountPath"] + "/"):
+                    local = root / "enrollment" / Path(value).name
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    local.write_text("e1 stand-in-token\n")
+                    local.chmod(0o600)
+                    out[key] = str(local)
         secret = volumes[mount["name"]].get("secret")
         for item in (secret or {}).get("items") or []:
             data = secrets.get(secret["secretName"], {}).get(item["key"])
@@ -453,7 +462,7 @@ def test_an_init_container_prepares_the_workers_model_and_kernel_in_its_cache(pr
     m = render(profile)
     pod = m.workload(role)["spec"]["template"]["spec"]
     main = main_container(m.workload(role))
-    (init,) = pod["initContainers"]
+    (init,) = [c for c in pod["initContainers"] if c["name"] == "prepare"]
     argv = expand_args(init)
     assert argv[0] == "prepare" and init["image"] == main["image"]
     prepared = cli.build_parser().parse_args(argv)
@@ -468,7 +477,7 @@ def test_an_init_container_prepares_the_workers_model_and_kernel_in_its_cache(pr
     assert mounts(init).get("model") == mounts(main).get("model")
     off_manifests = render_values({"buildCache": {"prepare": False}})
     off = off_manifests.workload(role)["spec"]["template"]["spec"]
-    assert "initContainers" not in off
+    assert [c["name"] for c in off["initContainers"]] == ["enroll"]  # the enrollment step stays
     off_main = main_container(off_manifests.workload(role))
     assert not read_only(off_main)["cache"] and "PDSERVE_CACHE_SEED" not in container_env(off_main)
 
@@ -502,12 +511,15 @@ def test_services_select_one_workload_and_its_ports(profile: str, render) -> Non
 def test_every_pod_is_probed_and_runs_as_non_root(profile: str, render) -> None:
     m = render(profile)
     components = {pod_labels(d)["app.kubernetes.io/component"] for d in m.of_kind("Deployment")}
-    assert components == set(ROLES) | ({"redis"} if m.values["redis"]["mode"] == "internal" else set())
+    assert components == set(ROLES) | ({"redis"} if m.values["redis"]["mode"] == "internal" else set()) | (
+        {"enroller"} if m.values["enrollment"]["enabled"] else set())
     for deployment in m.of_kind("Deployment"):
         pod, name = deployment["spec"]["template"]["spec"], deployment["metadata"]["name"]
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, name
-        # No API token; no service-link variables (they would collide with PDSERVE_*).
-        assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False, name
+        # No API token (but the enroller's: TokenReview); no service-link variables (they would
+        # collide with PDSERVE_*).
+        calls_the_api = pod_labels(deployment)["app.kubernetes.io/component"] == "enroller"
+        assert pod["automountServiceAccountToken"] is calls_the_api and pod["enableServiceLinks"] is False, name
         for container in pod["containers"]:
             assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container), name
             sc = container["securityContext"]

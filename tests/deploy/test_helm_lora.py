@@ -83,7 +83,7 @@ def test_an_init_step_can_write_the_adapters_first(chart):
     for role in checks.WORKERS:
         pod = manifests.workload(role)["spec"]["template"]["spec"]
         init = {c["name"]: c for c in pod["initContainers"]}
-        assert list(init) == ["lora-adapters", "prepare"]  # adapters first, then the build cache
+        assert list(init) == ["enroll", "lora-adapters", "prepare"]  # the token, the adapters, the build cache
         step = init["lora-adapters"]
         assert step["command"] == INIT["lora"]["init"]["command"]
         assert {"name": "PDSERVE_LORA_DIR", "value": "/adapters"} in step["env"]
@@ -93,7 +93,7 @@ def test_an_init_step_can_write_the_adapters_first(chart):
         assert _worker_settings(manifests, role).lora().modules == (LoraModule("sql", "/adapters/sql"),)
     no_prepare = _render(chart, {**INIT, "buildCache": {"prepare": False}})
     pod = no_prepare.workload("decode")["spec"]["template"]["spec"]
-    assert [c["name"] for c in pod["initContainers"]] == ["lora-adapters"]
+    assert [c["name"] for c in pod["initContainers"]] == ["enroll", "lora-adapters"]
     for doc in manifests.docs + no_prepare.docs:
         checks.kubernetes_validate.validate(doc, checks.KUBE_VERSION, strict=True)
 

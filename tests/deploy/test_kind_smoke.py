@@ -62,7 +62,7 @@ def test_smoke_script_installs_what_the_chart_renders() -> None:
     deployments = [d for d in docs if d["kind"] == "Deployment"]
     pdserve_containers = [c for d in deployments for c in d["spec"]["template"]["spec"]["containers"]
                           if c["image"] == image]
-    assert len(pdserve_containers) == 3  # router, prefill, decode
+    assert len(pdserve_containers) == 4  # router, prefill, decode, enroller
     assert all(c["imagePullPolicy"] == "Never" for c in pdserve_containers)
     assert 'app.kubernetes.io/instance="$RELEASE"' in text
     assert all(d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] == release

@@ -150,12 +150,12 @@ class FakeWorker:
         return common_pb2.WorkerLoad(num_free_blocks=64, num_total_blocks=64)
 
     async def register(self, router_address: str, signer: CallSigner | None = None,
-                       tls: InternalTLS | None = None) -> None:
+                       tls: InternalTLS | None = None, enrollment_token: str = "") -> None:
         """Through the real worker-side client (register, heartbeat, re-register on NOT_FOUND);
         `peers` learns the router's key; its KV events go to the router as a worker's do."""
         self.peers = PeerKeys()
         self.client = RegistryClient(router_address, self.info(), self.load, rpc_timeout_s=WAIT_S, retry_s=0.05,
-                                     signer=signer, tls=tls, peers=self.peers)
+                                     signer=signer, tls=tls, peers=self.peers, enrollment_token=enrollment_token)
         self.client.start()
         self._fanout = KVEventFanout(self.kv, flush_s=0.02, probe_s=self.probe_s)
         self._fanout.start()

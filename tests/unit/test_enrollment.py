@@ -44,3 +44,55 @@ def test_registrations_per_token_are_capped_and_a_worker_can_be_revoked() -> Non
     verifier.revoke("prefill-1")
     with pytest.raises(EnrollmentError, match="revoked"):
         verifier.check(fresh, "prefill-1", "prefill", "127.0.0.1:1")
+
+
+def test_the_public_key_is_read_as_hex_pem_or_a_certificate_as_helm_makes_it(tmp_path) -> None:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, generate_private_key
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_private_key
+    from cryptography.x509.oid import NameOID
+
+    from pdserve.security.enrollment import load_public_key
+
+    issuer = EnrollmentIssuer()
+    (tmp_path / "private.pem").write_bytes(issuer.private_pem())
+    (tmp_path / "private.pem").chmod(0o600)
+    loaded = EnrollmentIssuer.load(str(tmp_path / "private.pem"))
+    assert loaded.public_key == issuer.public_key
+    private = load_pem_private_key(issuer.private_pem(), None)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdserve-enrollment")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(private, None))
+    pem = private.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo).decode()
+    for text in (issuer.public_key.hex(), pem, cert.public_bytes(Encoding.PEM).decode()):
+        assert load_public_key(text) == issuer.public_key
+        verifier = EnrollmentVerifier.from_hex(text)
+        verifier.check(loaded.issue("decode-0", "decode"), "decode-0", "decode", "10.0.0.1:1")
+    ec_pem = generate_private_key(SECP256R1()).public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    for bad in ("zz", "00" * 31, ec_pem.decode(), "-----BEGIN CERTIFICATE-----\nnope\n-----END CERTIFICATE-----"):
+        with pytest.raises(ValueError):
+            load_public_key(bad)
+    (tmp_path / "shared.pem").write_bytes(issuer.private_pem())
+    (tmp_path / "shared.pem").chmod(0o644)
+    with pytest.raises(ValueError, match="readable by others"):
+        EnrollmentIssuer.load(str(tmp_path / "shared.pem"))
+
+
+def test_the_router_reads_the_public_key_from_a_file_and_not_from_two_places(tmp_path) -> None:
+    from pdserve.router.config import ConfigError, RouterConfig
+    from pdserve.router.enrollment import enrollment_verifier
+
+    issuer = EnrollmentIssuer()
+    (tmp_path / "public").write_text(issuer.public_key.hex() + "\n")
+    verifier = enrollment_verifier(RouterConfig(enrollment_public_key_file=str(tmp_path / "public")))
+    verifier.check(issuer.issue("decode-0", "decode"), "decode-0", "decode", "10.0.0.1:1")
+    for config, reason in ((RouterConfig(enrollment_public_key_file=str(tmp_path / "public"),
+                                         enrollment_public_key=issuer.public_key.hex()), "give one"),
+                           (RouterConfig(enrollment_public_key_file=str(tmp_path / "missing")), "cannot read"),
+                           (RouterConfig(revoked_workers_file=str(tmp_path / "revoked")), "needs")):
+        with pytest.raises(ConfigError, match=reason):
+            enrollment_verifier(config)

@@ -279,3 +279,29 @@ the router's HTTP /metrics) answers only `Authorization: Bearer <it>`. */}}
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* Enrollment (enrollment.yaml): the Secret of the enrollment key (private.pem: the
+enroller's; public.pem: the routers'), the user's or the one the chart makes. */}}
+{{- define "pdserve.enrollmentKeySecretName" -}}
+{{- .Values.enrollment.keySecret | default (printf "%s-enrollment-key" (include "pdserve.fullname" .)) }}
+{{- end }}
+
+{{/* The ServiceAccount a worker role's pods run as: its own with enrollment on (the enroller
+maps it to the role), else the release's. Call with (dict "ctx" $ "role" "prefill"|"decode"). */}}
+{{- define "pdserve.workerServiceAccountName" -}}
+{{- if .ctx.Values.enrollment.enabled }}
+{{- printf "%s-%s" (include "pdserve.fullname" .ctx) .role }}
+{{- else }}
+{{- include "pdserve.serviceAccountName" .ctx }}
+{{- end }}
+{{- end }}
+
+{{/* The enroller's URL: HTTPS under the internal certificate when internal TLS is on. */}}
+{{- define "pdserve.enrollerUrl" -}}
+{{- $scheme := ternary "https" "http" (not (empty (include "pdserve.internalTlsSecretName" .))) }}
+{{- printf "%s://%s-enroller:%d" $scheme (include "pdserve.fullname" .) (int .Values.enrollment.port) }}
+{{- end }}
+
+{{/* Where a worker's init container puts its enrollment token, and the projected token it shows. */}}
+{{- define "pdserve.enrollmentTokenDir" -}}/etc/pdserve/enrollment{{- end }}
+{{- define "pdserve.enrollSaTokenDir" -}}/var/run/secrets/pdserve-enroll{{- end }}

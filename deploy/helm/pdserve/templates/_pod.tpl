@@ -1,8 +1,9 @@
 {{/* Pieces shared by the router, prefill and decode pod templates. */}}
 
-{{/* Pod-level fields. Call with (dict "ctx" $ "cfg" .Values.<role>). */}}
+{{/* Pod-level fields. Call with (dict "ctx" $ "cfg" .Values.<role>), and "serviceAccount" to
+run as another ServiceAccount than the release's. */}}
 {{- define "pdserve.podSpec" -}}
-serviceAccountName: {{ include "pdserve.serviceAccountName" .ctx }}
+serviceAccountName: {{ .serviceAccount | default (include "pdserve.serviceAccountName" .ctx) }}
 # pdserve never talks to the API server.
 automountServiceAccountToken: false
 # Service links would inject PDSERVE_*_PORT variables, and the CLI reads PDSERVE_* variables.

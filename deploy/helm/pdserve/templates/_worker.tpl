@@ -44,9 +44,42 @@ spec:
     metadata:
       {{- include "pdserve.podMetadata" $meta | nindent 6 }}
     spec:
-      {{- include "pdserve.podSpec" $meta | nindent 6 }}
-      {{- if or $values.buildCache.prepare (and $lora.enabled (eq $lora.source "init")) }}
+      {{- include "pdserve.podSpec" (set (deepCopy $meta) "serviceAccount" (include "pdserve.workerServiceAccountName" (dict "ctx" $ctx "role" $role))) | nindent 6 }}
+      {{- $enroll := $values.enrollment }}
+      {{- if or $values.buildCache.prepare (and $lora.enabled (eq $lora.source "init")) $enroll.enabled }}
       initContainers:
+      {{- end }}
+      {{- if $enroll.enabled }}
+        # First: this pod's own enrollment token (security.enroller), fetched with its projected
+        # ServiceAccount token, which no other container mounts; the worker reads the file.
+        - name: enroll
+          image: {{ include "pdserve.image" $ctx | quote }}
+          imagePullPolicy: {{ $values.image.pullPolicy }}
+          command: ["pdserve"]
+          args:
+            - enroll
+            - {{ printf "--enroller-url=%s" (include "pdserve.enrollerUrl" $ctx) | quote }}
+            - {{ printf "--service-account-token-file=%s/token" (include "pdserve.enrollSaTokenDir" $ctx) | quote }}
+            - {{ printf "--out=%s/token" (include "pdserve.enrollmentTokenDir" $ctx) | quote }}
+            - {{ printf "--timeout-s=%v" $enroll.initTimeoutS | quote }}
+            {{- if include "pdserve.internalTlsSecretName" $ctx }}
+            - "--ca-file=/etc/pdserve/internal-tls/ca.crt"
+            - "--server-name=pdserve-internal"
+            {{- end }}
+          env:
+            {{- include "pdserve.baseEnv" $ctx | nindent 12 }}
+          resources:
+            requests: {cpu: 10m, memory: 64Mi}
+            limits: {memory: 256Mi}
+          securityContext:
+            {{- toYaml $values.securityContext | nindent 12 }}
+          volumeMounts:
+            - name: enroll-sa-token
+              mountPath: {{ include "pdserve.enrollSaTokenDir" $ctx }}
+              readOnly: true
+            - name: enrollment
+              mountPath: {{ include "pdserve.enrollmentTokenDir" $ctx }}
+            {{- include "pdserve.internalTlsMount" $ctx | nindent 12 }}
       {{- end }}
       {{- if and $lora.enabled (eq $lora.source "init") }}
         # Before the worker starts: the LoRA adapters written into their emptyDir.
@@ -116,6 +149,9 @@ spec:
             - {{ printf "--log-level=%s" $values.logLevel | quote }}
             - {{ printf "--metrics-port=%d" (int $values.metrics.port) | quote }}
             - {{ include "pdserve.metricsTokenArg" $ctx }}
+            {{- if $enroll.enabled }}
+            - {{ printf "--enrollment-token-file=%s/token" (include "pdserve.enrollmentTokenDir" $ctx) | quote }}
+            {{- end }}
             {{- include "pdserve.redisArgs" $ctx | nindent 12 }}
             - {{ printf "--model=%s" $modelArg | quote }}
             {{- with $model.servedModelName }}
@@ -242,6 +278,11 @@ spec:
             {{- include "pdserve.clusterSecretMount" $ctx | nindent 12 }}
             {{- include "pdserve.metricsTokenMount" $ctx | nindent 12 }}
             {{- include "pdserve.redisKeyMount" $ctx | nindent 12 }}
+            {{- if $enroll.enabled }}
+            - name: enrollment
+              mountPath: {{ include "pdserve.enrollmentTokenDir" $ctx }}
+              readOnly: true
+            {{- end }}
             {{- if ne $model.source "image" }}
             - name: model
               mountPath: {{ $model.mountPath }}
@@ -275,6 +316,19 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $values.shm.sizeLimit }}
+        {{- if $enroll.enabled }}
+        - name: enroll-sa-token
+          projected:
+            sources:
+              - serviceAccountToken:
+                  audience: {{ $enroll.audience | quote }}
+                  expirationSeconds: {{ int $enroll.tokenExpirationSeconds }}
+                  path: token
+        - name: enrollment
+          emptyDir:
+            medium: Memory
+            sizeLimit: 1Mi
+        {{- end }}
         {{- if eq $model.source "pvc" }}
         - name: model
           persistentVolumeClaim:
