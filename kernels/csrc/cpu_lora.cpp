@@ -31,65 +31,101 @@ struct LoraRun {
   int64_t slot, begin, end, rank;
 };
 
-constexpr int64_t kTokenTile = 4;      // rows sharing one pass over an A row
+// rows of x sharing one pass over A's rows: the accumulators must fit the vector registers
+constexpr int64_t kTokenTile = kLanes == 16 ? 4 : 2;
+constexpr int64_t kRowTile = 4;        // A rows per shrink task (independent FMA chains)
 constexpr int64_t kColumnBlock = 64;   // output columns per expand task
-constexpr int64_t kMinTaskMacs = 1 << 15;  // below this a task is not worth a thread
+constexpr int64_t kMinTaskMacs = 1 << 16;  // less work than this stays on one thread
 
-// out[j] = a . x_j for the NT rows x_j = x + j * sx, each n long (a is read once for all)
-template <int64_t NT>
+// out[k * NT + j] = a_k . x_j for the KR rows a_k = a + k * n and the NT rows x_j = x + j * sx
+template <int64_t KR, int64_t NT>
 inline void dot_rows(const float* a, const float* x, int64_t sx, int64_t n, float* out) {
-  vf acc[NT];
-  for (int64_t j = 0; j < NT; ++j) acc[j] = pdvec::vzero();
+  vf acc[KR][NT];
+  for (int64_t k = 0; k < KR; ++k)
+    for (int64_t j = 0; j < NT; ++j) acc[k][j] = pdvec::vzero();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    const vf w = pdvec::vload(a + i);
-    for (int64_t j = 0; j < NT; ++j) acc[j] = pdvec::vfma(w, pdvec::vload(x + j * sx + i), acc[j]);
+    vf xv[NT];
+    for (int64_t j = 0; j < NT; ++j) xv[j] = pdvec::vload(x + j * sx + i);
+    for (int64_t k = 0; k < KR; ++k) {
+      const vf w = pdvec::vload(a + k * n + i);
+      for (int64_t j = 0; j < NT; ++j) acc[k][j] = pdvec::vfma(w, xv[j], acc[k][j]);
+    }
   }
-  for (int64_t j = 0; j < NT; ++j) {
-    float sum = pdvec::vsum(acc[j]);
-    for (int64_t k = i; k < n; ++k) sum += a[k] * x[j * sx + k];
-    out[j] = sum;
+  for (int64_t k = 0; k < KR; ++k) {
+    for (int64_t j = 0; j < NT; ++j) {
+      float sum = pdvec::vsum(acc[k][j]);
+      for (int64_t e = i; e < n; ++e) sum += a[k * n + e] * x[j * sx + e];
+      out[k * NT + j] = sum;
+    }
   }
 }
 
-// out[j] = a . x_j for nt <= kTokenTile rows
-inline void dot_tile(const float* a, const float* x, int64_t sx, int64_t nt, int64_t n, float* out) {
+template <int64_t KR>
+inline void dot_rows_nt(const float* a, const float* x, int64_t sx, int64_t nt, int64_t n, float* out) {
   switch (nt) {
-    case 4: dot_rows<4>(a, x, sx, n, out); break;
-    case 3: dot_rows<3>(a, x, sx, n, out); break;
-    case 2: dot_rows<2>(a, x, sx, n, out); break;
-    default: dot_rows<1>(a, x, sx, n, out); break;
+    case 4: dot_rows<KR, 4>(a, x, sx, n, out); break;
+    case 3: dot_rows<KR, 3>(a, x, sx, n, out); break;
+    case 2: dot_rows<KR, 2>(a, x, sx, n, out); break;
+    default: dot_rows<KR, 1>(a, x, sx, n, out); break;
   }
 }
 
-// y[o0..o1) += sum_r v[r] * b[r * ldb + o], r < rank (the update summed first, then added)
-inline void expand_row(const float* v, const float* b, int64_t ldb, int64_t rank, int64_t o0, int64_t o1,
-                       float* y) {
+// out[k * nt + j] = a_k . x_j for kr <= kRowTile rows of A and nt <= kTokenTile rows of x
+inline void dot_tile(const float* a, const float* x, int64_t sx, int64_t kr, int64_t nt, int64_t n, float* out) {
+  switch (kr) {
+    case 4: dot_rows_nt<4>(a, x, sx, nt, n, out); break;
+    case 3: dot_rows_nt<3>(a, x, sx, nt, n, out); break;
+    case 2: dot_rows_nt<2>(a, x, sx, nt, n, out); break;
+    default: dot_rows_nt<1>(a, x, sx, nt, n, out); break;
+  }
+}
+
+// y_j[o0..o1) += sum_r v_j[r] * b[r * ldb + o], r < rank, for the NT rows v_j = v + j * ldv,
+// y_j = y + j * ldy (each update summed first, then added; b is read once for all rows)
+template <int64_t NT>
+inline void expand_rows(const float* v, int64_t ldv, const float* b, int64_t ldb, int64_t rank, int64_t o0,
+                        int64_t o1, float* y, int64_t ldy) {
   int64_t o = o0;
   for (; o + 4 * kLanes <= o1; o += 4 * kLanes) {
-    vf u0 = pdvec::vzero(), u1 = pdvec::vzero(), u2 = pdvec::vzero(), u3 = pdvec::vzero();
+    vf u[NT][4];
+    for (int64_t j = 0; j < NT; ++j)
+      for (int64_t q = 0; q < 4; ++q) u[j][q] = pdvec::vzero();
     for (int64_t r = 0; r < rank; ++r) {
-      const vf vr = pdvec::vset(v[r]);
       const float* br = b + r * ldb + o;
-      u0 = pdvec::vfma(vr, pdvec::vload(br), u0);
-      u1 = pdvec::vfma(vr, pdvec::vload(br + kLanes), u1);
-      u2 = pdvec::vfma(vr, pdvec::vload(br + 2 * kLanes), u2);
-      u3 = pdvec::vfma(vr, pdvec::vload(br + 3 * kLanes), u3);
+      const vf b0 = pdvec::vload(br), b1 = pdvec::vload(br + kLanes);
+      const vf b2 = pdvec::vload(br + 2 * kLanes), b3 = pdvec::vload(br + 3 * kLanes);
+      for (int64_t j = 0; j < NT; ++j) {
+        const vf vr = pdvec::vset(v[j * ldv + r]);
+        u[j][0] = pdvec::vfma(vr, b0, u[j][0]);
+        u[j][1] = pdvec::vfma(vr, b1, u[j][1]);
+        u[j][2] = pdvec::vfma(vr, b2, u[j][2]);
+        u[j][3] = pdvec::vfma(vr, b3, u[j][3]);
+      }
     }
-    pdvec::vstore(y + o, pdvec::vadd(pdvec::vload(y + o), u0));
-    pdvec::vstore(y + o + kLanes, pdvec::vadd(pdvec::vload(y + o + kLanes), u1));
-    pdvec::vstore(y + o + 2 * kLanes, pdvec::vadd(pdvec::vload(y + o + 2 * kLanes), u2));
-    pdvec::vstore(y + o + 3 * kLanes, pdvec::vadd(pdvec::vload(y + o + 3 * kLanes), u3));
+    for (int64_t j = 0; j < NT; ++j) {
+      float* yo = y + j * ldy + o;
+      for (int64_t q = 0; q < 4; ++q) {
+        pdvec::vstore(yo + q * kLanes, pdvec::vadd(pdvec::vload(yo + q * kLanes), u[j][q]));
+      }
+    }
   }
   for (; o + kLanes <= o1; o += kLanes) {
-    vf u = pdvec::vzero();
-    for (int64_t r = 0; r < rank; ++r) u = pdvec::vfma(pdvec::vset(v[r]), pdvec::vload(b + r * ldb + o), u);
-    pdvec::vstore(y + o, pdvec::vadd(pdvec::vload(y + o), u));
+    for (int64_t j = 0; j < NT; ++j) {
+      vf u = pdvec::vzero();
+      for (int64_t r = 0; r < rank; ++r) {
+        u = pdvec::vfma(pdvec::vset(v[j * ldv + r]), pdvec::vload(b + r * ldb + o), u);
+      }
+      float* yo = y + j * ldy + o;
+      pdvec::vstore(yo, pdvec::vadd(pdvec::vload(yo), u));
+    }
   }
   for (; o < o1; ++o) {
-    float u = 0.0f;
-    for (int64_t r = 0; r < rank; ++r) u += v[r] * b[r * ldb + o];
-    y[o] += u;
+    for (int64_t j = 0; j < NT; ++j) {
+      float u = 0.0f;
+      for (int64_t r = 0; r < rank; ++r) u += v[j * ldv + r] * b[r * ldb + o];
+      y[j * ldy + o] += u;
+    }
   }
 }
 
@@ -153,20 +189,26 @@ at::Tensor lora_add(at::Tensor y, at::Tensor x, at::Tensor slots, at::Tensor ran
   const int64_t sx = x.stride(0), sy = y.stride(0);
   std::vector<float> v(static_cast<size_t>(T * K));  // v[t, i*R + r]; only adapted rows' ranks are set
 
-  // shrink: one task per (run, A row); a row of A is read once for all its run's rows
+  // shrink: one task per (run, slice, kRowTile rows of A); A's rows are read once for all
+  // the run's rows, kTokenTile rows of x at a time
   const int64_t num_runs = static_cast<int64_t>(runs.size());
-  const int64_t shrink_grain = std::max<int64_t>(1, kMinTaskMacs * num_runs / std::max<int64_t>(1, rows * IN));
-  at::parallel_for(0, num_runs * K, shrink_grain, [&](int64_t begin, int64_t end) {
+  const int64_t row_tiles = (R + kRowTile - 1) / kRowTile;  // per slice
+  const int64_t tasks_per_run = N * row_tiles;
+  const int64_t shrink_grain =
+      std::max<int64_t>(1, kMinTaskMacs * num_runs / std::max<int64_t>(1, rows * IN * kRowTile));
+  at::parallel_for(0, num_runs * tasks_per_run, shrink_grain, [&](int64_t begin, int64_t end) {
+    float out[kRowTile * kTokenTile];
     for (int64_t task = begin; task < end; ++task) {
-      const LoraRun& run = runs[task / K];
-      const int64_t k = task % K;
-      if (k % R >= run.rank) continue;  // zero padding up to R
-      const float* a_row = as + (run.slot * K + k) * IN;
-      float out[kTokenTile];
+      const LoraRun& run = runs[task / tasks_per_run];
+      const int64_t i = (task % tasks_per_run) / row_tiles, r0 = (task % row_tiles) * kRowTile;
+      if (r0 >= run.rank) continue;  // zero padding up to R
+      const int64_t kr = std::min(kRowTile, run.rank - r0), k0 = i * R + r0;
+      const float* a_rows = as + (run.slot * K + k0) * IN;
       for (int64_t t = run.begin; t < run.end; t += kTokenTile) {
         const int64_t nt = std::min(kTokenTile, run.end - t);
-        dot_tile(a_row, xs + t * sx, sx, nt, IN, out);
-        for (int64_t j = 0; j < nt; ++j) v[(t + j) * K + k] = out[j];
+        dot_tile(a_rows, xs + t * sx, sx, kr, nt, IN, out);
+        for (int64_t k = 0; k < kr; ++k)
+          for (int64_t j = 0; j < nt; ++j) v[(t + j) * K + k0 + k] = out[k * nt + j];
       }
     }
   });
@@ -187,9 +229,11 @@ at::Tensor lora_add(at::Tensor y, at::Tensor x, at::Tensor slots, at::Tensor ran
       const int64_t o1 = std::min(o0 + kColumnBlock, bounds[i + 1]);
       for (const LoraRun& run : runs) {
         const float* b = bs + run.slot * R * OUT;
-        for (int64_t t = run.begin; t < run.end; ++t) {
-          expand_row(v.data() + t * K + i * R, b, OUT, run.rank, o0, o1, ys + t * sy);
+        int64_t t = run.begin;
+        for (; t + 2 <= run.end; t += 2) {
+          expand_rows<2>(v.data() + t * K + i * R, K, b, OUT, run.rank, o0, o1, ys + t * sy, sy);
         }
+        if (t < run.end) expand_rows<1>(v.data() + t * K + i * R, K, b, OUT, run.rank, o0, o1, ys + t * sy, sy);
       }
     }
   });
