@@ -93,7 +93,6 @@ def kernel_times(model_config, path: str, num_adapters: int, rank: int, max_rank
                  repeats: int) -> float:
     """Seconds the LoRA updates of one decode step take on `path` (``torch`` or ``native``):
     every (layer, fused linear), `rows` rows spread over the base model (-1) and the adapters."""
-    import os
     import time
 
     import torch
@@ -101,10 +100,7 @@ def kernel_times(model_config, path: str, num_adapters: int, rank: int, max_rank
     from pdserve.engine.lora.adapter import module_shapes
     from pdserve.engine.lora.slots import GROUPS, SlotWeights
 
-    os.environ["PDSERVE_CPU_ATTENTION"] = "torch" if path == "torch" else "native"
-    weights = SlotWeights(model_config, max(1, num_adapters), max_rank, torch.device("cpu"), torch.float32)
-    if weights.path != path:
-        raise RuntimeError(f"asked for the {path} path, got {weights.path}")
+    weights = SlotWeights(model_config, max(1, num_adapters), max_rank, torch.device("cpu"), torch.float32, path)
     for slot in range(num_adapters):
         weights.write(slot, random_adapter(model_config, rank, seed=slot))
     row_slots = sorted(i % (num_adapters + 1) - 1 for i in range(rows))  # the engine sorts rows by slot

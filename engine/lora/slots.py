@@ -53,12 +53,15 @@ class SlotWeights:
     """The device stacks of `num_slots` adapters (engine thread)."""
 
     def __init__(self, model_config: ModelConfig, num_slots: int, max_rank: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, path: str | None = None) -> None:
+        """`path`: ``native``, ``triton`` or ``torch`` (None: `choose_path`'s)."""
         shapes = module_shapes(model_config)
         self.num_slots, self.rank, self.dtype = num_slots, max_rank, dtype
         self.device = device
-        self.path = choose_path(device, dtype)
+        self.path = path or choose_path(device, dtype)
         self.op = cpu_native.lora_op() if self.path == "native" else None
+        if self.path == "native" and self.op is None:
+            raise RuntimeError("the native LoRA path needs the native CPU kernels (PDSERVE_CPU_ATTENTION)")
         # each group's slice column offsets in its output: 0, n_0, n_0 + n_1, ..., out
         self.bounds = {g: [sum(shapes[m][1] for m in mods[:i]) for i in range(len(mods) + 1)]
                        for g, mods in GROUPS.items()}

@@ -145,3 +145,50 @@ def test_avx2_build_in_a_child_process():
                            "-k", "not child_process"], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout
+
+
+def _tiny_config():
+    from pdserve.engine.config import ModelConfig
+
+    return ModelConfig(architecture="llama", vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=12, max_position_embeddings=128, rms_norm_eps=1e-5,
+                       rope_theta=10000.0)
+
+
+def _adapter(config, targets, rank: int, layers, seed: int):
+    from pdserve.engine.lora.adapter import LoraAdapter, module_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(config)
+    weights = {(layer, m): (torch.randn(rank, shapes[m][0], generator=g) * 0.2,
+                            torch.randn(shapes[m][1], rank, generator=g) * 0.2) for layer in layers for m in targets}
+    return LoraAdapter(f"a{seed}", "", rank, 2.0 * rank, 2.0, tuple(targets), weights)
+
+
+@pytest.mark.parametrize("rows", [8, 150])
+def test_slot_weights_native_layout_equals_the_torch_path(op, rows):
+    """SlotWeights on the native path (bt, per-linear ranks) adds what the torch path adds, for
+    adapters of lower rank than the stacks, over some modules and layers only, and after a
+    slot is rewritten by an adapter that adapts less than the one before."""
+    from pdserve.engine.lora.adapter import TARGET_MODULES, module_shapes
+    from pdserve.engine.lora.slots import GROUPS, SlotWeights
+
+    config = _tiny_config()
+    cpu = torch.device("cpu")
+    paths = {p: SlotWeights(config, 3, 8, cpu, torch.float32, p) for p in ("native", "torch")}
+    for weights in paths.values():
+        weights.write(0, _adapter(config, TARGET_MODULES, 8, (0, 1), seed=1))
+        weights.write(1, _adapter(config, ("q_proj", "v_proj", "down_proj"), 3, (1,), seed=2))
+        weights.write(2, _adapter(config, TARGET_MODULES, 8, (0, 1), seed=3))
+        weights.write(2, _adapter(config, ("up_proj",), 5, (0,), seed=4))  # rewritten: less than before
+    row_slots = sorted(t % 4 - 1 for t in range(rows))
+    shapes = module_shapes(config)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(config.num_layers):
+        for group, mods in GROUPS.items():
+            x = torch.randn(rows, shapes[mods[0]][0], generator=g)
+            y = torch.randn(rows, sum(shapes[m][1] for m in mods), generator=g)
+            outs = {p: w.batch(row_slots, cpu).apply(layer, group, x, y.clone()) for p, w in paths.items()}
+            torch.testing.assert_close(outs["native"], outs["torch"], **TOL)
+            base = [t for t, s in enumerate(row_slots) if s < 0]
+            assert torch.equal(outs["native"][base], y[base])
