@@ -35,6 +35,7 @@ struct LoraRun {
 constexpr int64_t kTokenTile = kLanes == 16 ? 4 : 2;
 constexpr int64_t kRowTile = 4;        // A rows per shrink task (independent FMA chains)
 constexpr int64_t kColumnBlock = 64;   // output columns per expand task
+constexpr int64_t kPrefetchFloats = 256;  // how far ahead a stream of weights is fetched (past the end: harmless)
 constexpr int64_t kMinTaskMacs = 1 << 16;  // less work than this stays on one thread
 
 // out[k * NT + j] = a_k . x_j for the KR rows a_k = a + k * n and the NT rows x_j = x + j * sx
@@ -48,6 +49,7 @@ inline void dot_rows(const float* a, const float* x, int64_t sx, int64_t n, floa
     vf xv[NT];
     for (int64_t j = 0; j < NT; ++j) xv[j] = pdvec::vload(x + j * sx + i);
     for (int64_t k = 0; k < KR; ++k) {
+      __builtin_prefetch(a + k * n + i + kPrefetchFloats);
       const vf w = pdvec::vload(a + k * n + i);
       for (int64_t j = 0; j < NT; ++j) acc[k][j] = pdvec::vfma(w, xv[j], acc[k][j]);
     }
@@ -93,6 +95,7 @@ inline void expand_rows(const float* v, int64_t ldv, const float* b, int64_t ldb
       for (int64_t q = 0; q < 4; ++q) u[j][q] = pdvec::vzero();
     for (int64_t r = 0; r < rank; ++r) {
       const float* br = b + r * ldb + o;
+      for (int64_t q = 0; q < 4 * kLanes; q += 16) __builtin_prefetch(br + kPrefetchFloats + q);  // a line each
       const vf b0 = pdvec::vload(br), b1 = pdvec::vload(br + kLanes);
       const vf b2 = pdvec::vload(br + 2 * kLanes), b3 = pdvec::vload(br + 3 * kLanes);
       for (int64_t j = 0; j < NT; ++j) {
