@@ -5,6 +5,10 @@ on the base model, then spread round-robin over the base model and `--adapters` 
 (random PEFT adapters of `--rank` over every projection, written to a temporary directory,
 or the PEFT directories given with `--adapter-dir`). Prints generated tokens per second of
 each run and their ratio; issue 47 asks the mixed run to keep at least 0.8x of base-only.
+
+`--kernels` times only the LoRA updates of one decode step instead (every adapted linear of
+the model, `--concurrency` rows spread over the base model and the adapters as the engine
+sorts them), on each CPU path (`torch`, `native`) in this process, and prints their ratio.
 """
 from __future__ import annotations
 
@@ -71,6 +75,62 @@ def run(engine, names: list[str | None], concurrency: int, num_requests: int, pr
     return generated / elapsed
 
 
+def random_adapter(model_config, rank: int, seed: int):
+    """A LoraAdapter over every projection with random non-zero A and B, in memory."""
+    import torch
+
+    from pdserve.engine.lora.adapter import TARGET_MODULES, LoraAdapter, module_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(model_config)
+    weights = {(layer, m): (torch.randn(rank, shapes[m][0], generator=g) * 0.02,
+                            torch.randn(shapes[m][1], rank, generator=g) * 0.02)
+               for layer in range(model_config.num_layers) for m in TARGET_MODULES}
+    return LoraAdapter(f"random-{seed}", "", rank, 2.0 * rank, 2.0, TARGET_MODULES, weights)
+
+
+def kernel_times(model_config, path: str, num_adapters: int, rank: int, max_rank: int, rows: int,
+                 repeats: int) -> float:
+    """Seconds the LoRA updates of one decode step take on `path` (``torch`` or ``native``):
+    every (layer, fused linear), `rows` rows spread over the base model (-1) and the adapters."""
+    import time
+
+    import torch
+
+    from pdserve.engine.lora.adapter import module_shapes
+    from pdserve.engine.lora.slots import GROUPS, SlotWeights
+
+    weights = SlotWeights(model_config, max(1, num_adapters), max_rank, torch.device("cpu"), torch.float32, path)
+    for slot in range(num_adapters):
+        weights.write(slot, random_adapter(model_config, rank, seed=slot))
+    row_slots = sorted(i % (num_adapters + 1) - 1 for i in range(rows))  # the engine sorts rows by slot
+    shapes = module_shapes(model_config)
+    g = torch.Generator().manual_seed(0)
+    ins = {grp: torch.randn(rows, shapes[mods[0]][0], generator=g) for grp, mods in GROUPS.items()}
+    outs = {grp: torch.randn(rows, sum(shapes[m][1] for m in mods), generator=g) for grp, mods in GROUPS.items()}
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        batch = weights.batch(row_slots, torch.device("cpu"))
+        for layer in range(model_config.num_layers):
+            for grp in GROUPS:
+                batch.apply(layer, grp, ins[grp], outs[grp])
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def kernels_main(model_config, args) -> int:
+    times = {path: kernel_times(model_config, path, args.adapters, args.rank, max(args.rank, 16),
+                                args.concurrency, args.repeats) for path in ("torch", "native")}
+    linears = model_config.num_layers * 4
+    print(f"LoRA updates of one decode step: {args.concurrency} rows over the base model and {args.adapters} "
+          f"adapters of rank {args.rank}, {linears} fused linears, best of {args.repeats}")
+    for path, seconds in times.items():
+        print(f"{path:>7}: {seconds * 1e3:8.2f} ms a step, {seconds / linears * 1e6:7.1f} us a linear")
+    print(f"native / torch: {times['native'] / times['torch']:.2f}x the time")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     from pdserve.bench.cli import HelpFormatter
 
@@ -88,6 +148,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--kernels", action="store_true", help="time only the LoRA updates of a step, per CPU path")
+    parser.add_argument("--repeats", type=int, default=20, help="steps timed with --kernels (the best counts)")
     args = parser.parse_args(argv)
 
     from pdserve.engine.config import EngineConfig
@@ -98,6 +160,8 @@ def main(argv: list[str]) -> int:
                           num_threads=args.threads, enable_lora=True, max_loras=max(1, num_adapters),
                           max_lora_rank=max(args.rank, 16))
     engine = LLMEngine(config)
+    if args.kernels:
+        return kernels_main(engine.model_config, args)
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-lora-") as tmp:
         dirs = [Path(d) for d in args.adapter_dir] or [
             write_random_adapter(Path(tmp) / f"a{i}", engine.model_config, args.rank, seed=i)

@@ -1,5 +1,6 @@
 """Native (C++) CPU kernels, compiled on first use and cached: decode attention, the
-fused small steps of a decoder layer (`csrc/cpu_fused_layer.cpp`, see `kernels.fused`), and
+fused small steps of a decoder layer (`csrc/cpu_fused_layer.cpp`, see `kernels.fused`), batched
+LoRA updates (`csrc/cpu_lora.cpp`, see `kernels.lora`), and
 linears over a GGUF file's quantized blocks (`csrc/cpu_quant_gemm.cpp`, see `kernels.quant`).
 
 `csrc/cpu_decode_attention.cpp` reads K/V in place through the block table; the torch path
@@ -32,9 +33,9 @@ log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                  for name in ("cpu_vectors.cpp", "cpu_decode_attention.cpp", "cpu_fused_layer.cpp",
-                              "cpu_quant_gemm.cpp"))
+                              "cpu_quant_gemm.cpp", "cpu_lora.cpp"))
 _FUNCTIONS = ["paged_decode_attention", "add_rms_norm", "rope_store_kv", "quant_linear", "dequantize_rows",
-              "dequantize_rows_into", "has_bf16_gemm", "quant_linear_bf16"]
+              "dequantize_rows_into", "has_bf16_gemm", "quant_linear_bf16", "lora_add"]
 # PDSERVE_CPU_ISA -> flags after -march=native for the float kernels; the integer-dot build
 # holds every path and takes the name itself (`kernels.int8_dot`)
 _ISAS = {"native": [], "avx512vnni": [], "avxvnni": ["-mno-avx512f"], "avx2": ["-mno-avx512f"],
@@ -75,6 +76,12 @@ def fused_layer_module() -> object | None:
     """The extension's fused layer ops (`add_rms_norm`, `rope_store_kv`), or None where the
     torch path must run (same rules as `decode_attention_op`)."""
     return None if decode_attention_op() is None else _load()
+
+
+def lora_op() -> Callable[..., torch.Tensor] | None:
+    """The batched LoRA update `lora_add` (`csrc/cpu_lora.cpp`, see `kernels.lora`), or None
+    where the torch path must run (same rules as `decode_attention_op`)."""
+    return None if decode_attention_op() is None else _load().lora_add
 
 
 def quant_module() -> object:

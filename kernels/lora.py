@@ -11,6 +11,10 @@ adapter's scaling folded in; slot -1 marks a row with no adapter (y unchanged). 
 R are zero-padded in both, so they add nothing. `groups` lists the runs of equal slot as
 (slot, first row, end row), slots >= 0 only: the torch path runs two small GEMMs per run,
 the Triton path one program per (row, block) reading `slots`.
+
+On CPU in float32 the native op (`csrc/cpu_lora.cpp`, `add_lora_native`) does the same in one
+call, with the B slices side by side and transposed: `bt` `[S, R, out]`, slice i's columns
+holding `bs[i][s].T` (`transposed_slices`); `ranks[s]` bounds the rows of slot s it reads.
 """
 from __future__ import annotations
 
@@ -36,6 +40,23 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: Sequence[tor
     else:
         _add_lora_grouped(y, x, a, bs, groups)
     return y
+
+
+def add_lora_native(op, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor,
+                    a: torch.Tensor, bt: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """y += each row's update through the native op `op` (`cpu_native.lora_op()`), in place;
+    returns y. `bounds` are the slices' column offsets (0, n_0, n_0 + n_1, ..., out); rows
+    of a slot whose rank is 0 are left alone. The op checks every argument: a bad one is a
+    KernelArgumentError."""
+    try:
+        return op(y, x, slots, ranks, a, bt, bounds)
+    except RuntimeError as e:
+        raise KernelArgumentError(str(e).splitlines()[0]) from None
+
+
+def transposed_slices(bs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`add_lora_native`'s `bt` [S, R, out] from the slices `bs[i]` [S, n_i, R]."""
+    return torch.cat([b.transpose(1, 2) for b in bs], dim=2).contiguous()
 
 
 def add_lora_dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_full: torch.Tensor,

@@ -82,12 +82,16 @@ def test_each_adapter_alone_equals_merged_transformers(model_dir, adapters, refs
     llm.engine.assert_no_leaks()
 
 
-@pytest.mark.parametrize("budget", [40, 256], ids=["dense", "grouped"])
-def test_batch_mixing_base_and_two_adapters(model_dir, adapters, refs, budget):
-    """One step runs rows of the base model and of two adapters, prefill and decode alike;
-    a step of more than DENSE_MAX_ROWS rows (the whole batch's prompts at once under the
-    256 budget) takes the grouped torch path, smaller ones the dense one."""
+@pytest.mark.parametrize("budget", [40, 256], ids=["decode_sized", "prefill_sized"])
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_batch_mixing_base_and_two_adapters(model_dir, adapters, refs, budget, path, monkeypatch):
+    """One step runs rows of the base model and of two adapters, prefill and decode alike,
+    on each CPU path: the native op for every step, and the torch fallback (PDSERVE_CPU_ATTENTION
+    =torch), whose steps of more than DENSE_MAX_ROWS rows (the whole batch's prompts at once
+    under the 256 budget) take the grouped GEMMs, smaller ones the dense ops."""
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", path)
     llm = make_llm(model_dir, adapters, ("all", "qv"), max_loras=2, max_num_tokens=budget)
+    assert llm.engine.loras.slots.path == path
     names = [None, "all", "qv", "qv", None, "all"]
     prompts = PROMPTS * 2
     outs = llm.generate(prompts, GREEDY, lora_name=names)

@@ -5,8 +5,9 @@ Exact GGUF blocks (`gguf`) and float32 weights give transformers' greedy text wi
 adapter merged in, base and adapter requests in one batch. The approximate modes (int8,
 gguf-fast, gguf-int8dot, gguf-int16dot) change the base linears' numbers, not the LoRA
 update, which is added on their float outputs: the change the adapter makes to the
-log-probabilities of the base model's greedy text is the change it makes in float32, within
-the mode's own error (int8 errs more on weights with the adapter merged into them than
+log-probabilities of the base model's greedy text is the change it makes in float32: at the
+same scale (a least-squares fit), and within the mode's own error token by token where that
+error is small (not int8's; int8 errs more on weights with the adapter merged into them than
 with the adapter applied beside them).
 """
 from __future__ import annotations
@@ -108,7 +109,14 @@ def test_approximate_modes_apply_the_same_update(loaded, gentle_dir, hf, prompts
     error = (change - wanted).abs().mean().item()
     moved = wanted.abs().mean().item()
     assert moved > 0.5, moved
-    # an update left out, or applied at twice or half its scale, errs by half `moved` or
-    # more; int8's own error (dynamic activation scales) stays under that on this text
-    assert error < 0.45 * moved, (error, moved)
+    # the least-squares scale of our change against the float one: 1 for the update applied
+    # once at its scale, 0 for one left out, 0.5 or 2 for one at half or twice its scale
+    scale = float((change * wanted).sum() / (wanted * wanted).sum())
+    assert 0.8 < scale < 1.25, scale
+    # and per token: an update left out, or applied at twice or half its scale, errs by half
+    # `moved` or more. Not for int8: its own error (dynamic activation scales) is as large as
+    # the change on some tokens, and its mean moves across that bound with the summation
+    # order of any kernel in the forward; the fitted scale above does not
+    if quantization != "int8":
+        assert error < 0.45 * moved, (error, moved)
     llm.engine.assert_no_leaks()
