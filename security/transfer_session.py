@@ -49,7 +49,7 @@ from pdserve.common.errors import TransferError
 PROOF_BYTES = 32
 TAG_BYTES = 32  # a control frame's HMAC-SHA256
 PAYLOAD_TAG_BYTES = 16  # a payload chunk's AES-GCM tag
-PAYLOAD_CHUNK_BYTES = 2 << 20  # plaintext per sealed chunk: part of the wire format
+PAYLOAD_CHUNK_BYTES = 8 << 20  # plaintext per sealed chunk: part of the wire format
 _KEYLESS = b"pdserve-v1/keyless-transfer"  # public: without a key, tags only catch corruption
 _PAYLOAD_KEY_INFO = b"pdserve-v1/transfer-payload-aead s2r"  # payloads go sender -> receiver only
 
@@ -112,35 +112,40 @@ class Session:
                                      info=_PAYLOAD_KEY_INFO).derive(self._key))
         return self._aead
 
-    def payload_sealer(self, seq: int, header: bytes, index: bytes, payload_len: int) -> "PayloadCipher":
+    def payload_sealer(self, seq: int, header: bytes, index: bytes, payload_len: int,
+                       chunk_bytes: int | None = None) -> "PayloadCipher":
         """Sender: the cipher of the payload announced by the request frame we seal next (call
         it right before sealing that request). Keyed sessions only."""
         if not self.is_keyed:
             raise TransferError("a payload is sealed on a keyed link only")
-        return PayloadCipher(self._payload_aead(), self._num_sent, seq, header, index, payload_len)
+        return PayloadCipher(self._payload_aead(), self._num_sent, seq, header, index, payload_len, chunk_bytes)
 
-    def payload_opener(self, seq: int, header: bytes, index: bytes, payload_len: int) -> "PayloadCipher":
+    def payload_opener(self, seq: int, header: bytes, index: bytes, payload_len: int,
+                       chunk_bytes: int | None = None) -> "PayloadCipher":
         """Receiver: the cipher of the payload announced by the request frame we opened last."""
         if not self.is_keyed or not self._num_received:
             raise TamperedPayload("a payload is opened on a keyed link, after its request")
         return PayloadCipher(self._payload_aead(), self._num_received - 1, seq, header, index,
-                             payload_len)
+                             payload_len, chunk_bytes)
 
 
-def num_payload_chunks(payload_len: int) -> int:
-    """How many chunks a payload of `payload_len` bytes is sealed in (an empty one: one)."""
-    return max(1, -(-payload_len // PAYLOAD_CHUNK_BYTES))
+def num_payload_chunks(payload_len: int, chunk_bytes: int | None = None) -> int:
+    """How many chunks a payload of `payload_len` bytes is sealed in (an empty one: one);
+    `chunk_bytes`: plaintext per chunk (None: PAYLOAD_CHUNK_BYTES)."""
+    return max(1, -(-payload_len // (chunk_bytes or PAYLOAD_CHUNK_BYTES)))
 
 
-def payload_chunks(payload_len: int) -> list[tuple[slice, slice]]:
+def payload_chunks(payload_len: int, chunk_bytes: int | None = None) -> list[tuple[slice, slice]]:
     """(plaintext bytes, sealed bytes) of each chunk of a payload of `payload_len`: chunk k is
     plaintext [k * C, min(len, (k + 1) * C)) and sealed [k * (C + T), + its length + T), where
-    C = PAYLOAD_CHUNK_BYTES and T = PAYLOAD_TAG_BYTES (its ciphertext, then its tag)."""
+    C = `chunk_bytes` (None: PAYLOAD_CHUNK_BYTES) and T = PAYLOAD_TAG_BYTES (its ciphertext,
+    then its tag)."""
+    size = chunk_bytes or PAYLOAD_CHUNK_BYTES
     spans = []
-    for k in range(num_payload_chunks(payload_len)):
-        start = k * PAYLOAD_CHUNK_BYTES
-        stop = min(payload_len, start + PAYLOAD_CHUNK_BYTES)
-        at = k * (PAYLOAD_CHUNK_BYTES + PAYLOAD_TAG_BYTES)
+    for k in range(num_payload_chunks(payload_len, size)):
+        start = k * size
+        stop = min(payload_len, start + size)
+        at = k * (size + PAYLOAD_TAG_BYTES)
         spans.append((slice(start, stop), slice(at, at + stop - start + PAYLOAD_TAG_BYTES)))
     return spans
 
@@ -149,10 +154,10 @@ class PayloadCipher:
     """One payload's chunks (`payload_chunks`) under its request's frame number."""
 
     def __init__(self, aead: AESGCM, frame_number: int, seq: int, header: bytes, index: bytes,
-                 payload_len: int) -> None:
+                 payload_len: int, chunk_bytes: int | None = None) -> None:
         self._aead, self._frame_number = aead, frame_number
         self.payload_len = payload_len
-        self.num_chunks = num_payload_chunks(payload_len)
+        self.num_chunks = num_payload_chunks(payload_len, chunk_bytes)
         self._context = b"pdserve-payload-chunks" + struct.pack("<QI", seq, self.num_chunks) + header + index
 
     def _nonce_and_context(self, chunk: int) -> tuple[bytes, bytes]:

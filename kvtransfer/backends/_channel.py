@@ -88,6 +88,9 @@ class Channel(ABC):
     """One link's payload channel (see the module docstring for the contract)."""
 
     max_seq: int = 0xFFFFFFFF  # request numbers wrap past this (a channel's tag space)
+    # Plaintext per sealed chunk (None: transfer_session.PAYLOAD_CHUNK_BYTES). Part of the wire
+    # format: both ends of a link are channels of one class, so they agree.
+    sealed_chunk_bytes: int | None = None
 
     def outgoing(self, payload: object) -> object:
         """What `send` takes for `payload` (a sealed chunk is a flat host buffer)."""

@@ -64,8 +64,9 @@ class _Link:
 
     def exchange(self, message: BlockMessage, deadline: float) -> None:
         session, nbytes = self.control.session, message.payload_nbytes
-        seq = self._next_seq(len(_payload.chunk_spans(session, nbytes)))
-        cipher = (session.payload_sealer(seq, message.header, message.index, nbytes)
+        chunk_bytes = self.channel.sealed_chunk_bytes
+        seq = self._next_seq(len(_payload.chunk_spans(session, nbytes, chunk_bytes)))
+        cipher = (session.payload_sealer(seq, message.header, message.index, nbytes, chunk_bytes)
                   if session.is_keyed else None)  # bound to the request sealed next
         request = _p2p.encode_request(session, seq, message, deadline)
         _p2p.send_all(self.control.sock, request, deadline)
@@ -354,10 +355,10 @@ class ControlServer:
         if not session.is_keyed:
             return channel.landing(self.sink, header), None
         staging = self.sink.staging(header)
-        spans = _payload.chunk_spans(session, header.payload_len)
+        spans = _payload.chunk_spans(session, header.payload_len, channel.sealed_chunk_bytes)
         buffer = scratch.take(spans[-1][1].stop)
         opening = _payload.Opening(session, seq, body[:HEADER_SIZE], index, header.payload_len,
-                                   buffer, staging)
+                                   buffer, staging, channel.sealed_chunk_bytes)
         return Landing(staging, buffer), opening
 
     def _answer_probe(self, sock: socket.socket, session: _p2p.Session, channel: Channel,

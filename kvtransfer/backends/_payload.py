@@ -29,11 +29,12 @@ from pdserve.security.transfer_session import PayloadCipher, Session, payload_ch
 SEND_WINDOW = 4  # sealed chunks a sender keeps moving on the channel at once
 
 
-def chunk_spans(session: Session, payload_len: int) -> list[tuple[slice, slice]]:
-    """(plaintext bytes, channel bytes) of each piece of a payload of `payload_len` on this link."""
+def chunk_spans(session: Session, payload_len: int, chunk_bytes: int | None = None) -> list[tuple[slice, slice]]:
+    """(plaintext bytes, channel bytes) of each piece of a payload of `payload_len` on this link
+    (`chunk_bytes`: its channel's `sealed_chunk_bytes`)."""
     if not session.is_keyed:
         return [(slice(0, payload_len), slice(0, payload_len))]
-    return payload_chunks(payload_len)
+    return payload_chunks(payload_len, chunk_bytes)
 
 
 def seal_chunk(cipher: PayloadCipher, chunk: int, plaintext: memoryview, out: memoryview) -> None:
@@ -49,7 +50,7 @@ def send_payload(channel: Channel, session: Session, payload: object, cipher: Pa
         channel.send(channel.outgoing(payload), seq, deadline)
         return
     plaintext = flat_bytes(payload)
-    spans = chunk_spans(session, len(plaintext))
+    spans = chunk_spans(session, len(plaintext), channel.sealed_chunk_bytes)
     sealed = scratch.take(spans[-1][1].stop)
     moving: collections.deque = collections.deque()
     try:
@@ -72,9 +73,9 @@ class Opening:
     fails, the rest are only received (the stream stays in step) and `check` raises."""
 
     def __init__(self, session: Session, seq: int, header: bytes, index: bytes, payload_len: int,
-                 landing: object, staging: object) -> None:
-        self.cipher = session.payload_opener(seq, header, index, payload_len)
-        self.spans = chunk_spans(session, payload_len)
+                 landing: object, staging: object, chunk_bytes: int | None = None) -> None:
+        self.cipher = session.payload_opener(seq, header, index, payload_len, chunk_bytes)
+        self.spans = chunk_spans(session, payload_len, chunk_bytes)
         self.landing, self.staging = landing, staging
         self._out: memoryview | None = None
         self._failure: Exception | None = None

@@ -22,6 +22,7 @@ import xxhash
 from pdserve.lab.child import Child, serve_commands
 from pdserve.common.errors import TransferError
 from pdserve.kvtransfer.backends import _p2p, _payload
+from pdserve.kvtransfer.backends.ucx import _UcxChannel
 from pdserve.kvtransfer.base import BlockMessage
 from pdserve.security import transfer_session
 from pdserve.kvtransfer.wire import (
@@ -38,6 +39,7 @@ DEADLINE_S = 10.0
 SLACK_S = 4.0  # how far past its deadline a call may return on a loaded 2-core box
 NUM_IDLE = 300  # idle connections per port (the full 1,000 was measured by hand: README)
 CHUNK_BYTES = transfer_session.PAYLOAD_CHUNK_BYTES
+UCX_CHUNK_BYTES = _UcxChannel.sealed_chunk_bytes
 
 
 def limits() -> WireLimits:
@@ -151,6 +153,7 @@ def peer_main(backend: str) -> None:
             return {"endpoint": transport.open_receiver(sink)}
         if cmd["cmd"] == "chunk_bytes":  # small, so that a test's few blocks span many chunks
             transfer_session.PAYLOAD_CHUNK_BYTES = cmd["value"] or CHUNK_BYTES
+            _UcxChannel.sealed_chunk_bytes = cmd["value"] or UCX_CHUNK_BYTES  # ucx too
             return {}
         if cmd["cmd"] == "digests":
             return {"digests": sink.digests(cmd["blocks"])}
@@ -527,6 +530,7 @@ def test_a_payload_of_many_sealed_chunks_lands_and_a_chunk_altered_or_moved_is_r
     endpoint = link.peer.call("open", key=key.hex())["endpoint"]
     link.peer.call("chunk_bytes", value=chunk)
     monkeypatch.setattr(transfer_session, "PAYLOAD_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(_UcxChannel, "sealed_chunk_bytes", chunk)  # whole by default
     sender = make_transport(link.backend)
     sender.key = key
     seal, faults = _payload.seal_chunk, []
