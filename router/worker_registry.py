@@ -13,6 +13,7 @@ router's directory of workers' keys).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -31,6 +32,9 @@ log = logging.getLogger("pdserve.router.worker_registry")
 FORGET_AFTER_TIMEOUTS = 3
 REFUSAL_PENALTY_S = 2.0  # a first refusal after reading a request: last choice this long
 MAX_REFUSAL_PENALTY_S = 60.0
+# A report arriving now may have been taken before a request routed this recently reached
+# the worker: such requests keep counting beside it. Older ones are in the report (or done).
+ROUTED_SETTLE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +87,10 @@ class WorkerRecord:
     last_seen: float
     kv: KVIndex = field(default_factory=KVIndex)
     suspect: bool = False
-    num_routed_since_report: int = 0  # requests sent since the last load report
+    # (when, prompt tokens for it to compute) of each request sent since the last report, or
+    # within ROUTED_SETTLE_S before it
+    routed_since_report: collections.deque = field(default_factory=collections.deque)
     num_streams: int = 0  # this router's Decode streams open to it now
-    num_routed_prompt_tokens: int = 0  # prompt tokens sent to it to compute since the last report
     lease: bytes = b""  # what the worker must show to heartbeat, deregister or register again (b"": none asked)
     public_key: bytes = b""  # what verifies the worker's own call credentials (b"": none given)
     num_refusals: int = 0  # requests it refused after reading them, since it last finished one
@@ -94,6 +99,14 @@ class WorkerRecord:
     @property
     def worker_id(self) -> str:
         return self.worker.worker_id
+
+    @property
+    def num_routed_since_report(self) -> int:
+        return len(self.routed_since_report)
+
+    @property
+    def num_routed_prompt_tokens(self) -> int:
+        return sum(tokens for _, tokens in self.routed_since_report)
 
     def load_score(self) -> int:
         """Work queued or running, counting what this router sent since the last report; at
@@ -180,7 +193,9 @@ class WorkerRegistry:
         if load.draining and not record.load.draining:
             log.info("worker %s is draining: no new work goes to it", worker_id)
         record.load, record.last_seen, record.suspect = load, self._clock(), False
-        record.num_routed_since_report = record.num_routed_prompt_tokens = 0
+        routed, settled = record.routed_since_report, record.last_seen - ROUTED_SETTLE_S
+        while routed and routed[0][0] < settled:
+            routed.popleft()
         return True
 
     def deregister(self, worker_id: str, *, lease: bytes | None = None) -> bool:
@@ -220,8 +235,7 @@ class WorkerRegistry:
         if record is not None:
             if self._check_claims:
                 self.routed.note(worker_id, block_hashes)
-            record.num_routed_since_report += 1
-            record.num_routed_prompt_tokens += prompt_tokens
+            record.routed_since_report.append((self._clock(), prompt_tokens))
 
     def note_adapter(self, worker_id: str, state) -> None:
         """A LoRA adapter the router just had the worker load (its next report confirms it)."""

@@ -11,7 +11,7 @@ from pdserve.router.link_probes import LinkProbes
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import RoutePlanner
 from pdserve.router.policies import RouteQuery, make_policy
-from pdserve.router.worker_registry import KVBackendState, Load, Worker, WorkerRegistry
+from pdserve.router.worker_registry import ROUTED_SETTLE_S, KVBackendState, Load, Worker, WorkerRegistry
 from support import FakeClock
 
 from pdserve.proto.pdserve.v1 import kv_events_pb2
@@ -268,7 +268,7 @@ def counters(transfers: int = 0, tail_s: float = 0.0, peer: str = "p", blocks: i
         tail_s=tail_s)])
 
 
-def test_planner_routes_by_predicted_time_to_first_token(registry):
+def test_planner_routes_by_predicted_time_to_first_token(registry, clock):
     """Between the static bounds, each prompt goes where its first token is predicted
     sooner: queued prompt tokens (reported, plus those routed since) over each side's prefill
     rate, the transfer on the remote side, the stall of the decode's streams on the local one.
@@ -286,8 +286,13 @@ def test_planner_routes_by_predicted_time_to_first_token(registry):
     assert decisions(metrics, "prefill", "round_robin", "predicted_faster_local") == 4
     assert registry.get("d").queued_prompt_tokens() == registry.get("p").queued_prompt_tokens() == 800
 
-    # Reports replace the guesses: a long queue on the prefill worker sends the next prompt
-    # local; a decode that prefills 4x slower keeps it remote.
+    # A report taken before the burst arrived keeps it counted beside the report; once the
+    # burst has settled, reports replace the guesses.
+    registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=0))
+    assert registry.get("p").queued_prompt_tokens() == 800
+    # A long queue on the prefill worker sends the next prompt local; a decode that
+    # prefills 4x slower keeps it remote.
+    clock.now += ROUTED_SETTLE_S + 0.1
     registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=2000))
     registry.heartbeat("d", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=0))
     plan = planner.plan("r8", "m", 200, 4, [7], "")
@@ -297,14 +302,17 @@ def test_planner_routes_by_predicted_time_to_first_token(registry):
     # A decode with 8 streams decoding pauses them all for the prompt's 0.5 s, side by side:
     # the stall is charged once, so it takes the prompt once the prefill queue ahead is
     # longer than that stall plus its own compute.
+    clock.now += ROUTED_SETTLE_S + 0.1  # what was routed since has reached its worker
     registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=200))
     registry.heartbeat("d", Load(prefill_tokens_per_s=400.0, num_decoding=8))
     plan = planner.plan("r8b", "m", 200, 4, [70], "")
     assert plan.prefill.worker_id == "p" and plan.prediction.num_stalled == 8
     assert plan.prediction.local_s + plan.prediction.stall_s == pytest.approx(plan.prediction.remote_s)
+    clock.now += ROUTED_SETTLE_S + 0.1  # what was routed since has reached its worker
     registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=400))
     registry.heartbeat("d", Load(prefill_tokens_per_s=400.0, num_decoding=8))
     assert planner.plan("r8c", "m", 200, 4, [71], "").prefill_reason == "predicted_faster_local"
+    clock.now += ROUTED_SETTLE_S + 0.1  # what was routed since has reached its worker
     registry.heartbeat("p", Load(prefill_tokens_per_s=400.0, queued_prompt_tokens=200))
     registry.heartbeat("d", Load(prefill_tokens_per_s=100.0, queued_prompt_tokens=0))
     plan = planner.plan("r9", "m", 200, 4, [8], "")
@@ -312,7 +320,7 @@ def test_planner_routes_by_predicted_time_to_first_token(registry):
     assert plan.prediction.local_s == pytest.approx(2.0) and plan.prediction.remote_s == pytest.approx(1.0)
 
 
-def test_the_link_between_a_pair_is_charged_on_the_remote_side(registry):
+def test_the_link_between_a_pair_is_charged_on_the_remote_side(registry, clock):
     """What the decode received from the prefill worker prices the transfer: its mean tail
     past the forward, or, on a link too slow for the stream to keep up with the forward, the
     time the link needs for this prompt's bytes beyond the forward. On a fast link a 2,048-
@@ -326,6 +334,7 @@ def test_the_link_between_a_pair_is_charged_on_the_remote_side(registry):
     registry.register(worker("d"), Load(prefill_tokens_per_s=1600.0, counters=fast))
     plan = planner.plan("r1", "m", 2048, 16, [1], "")
     assert plan.prefill.worker_id == "p" and plan.prediction.transfer_s == pytest.approx(0.01)
+    clock.now += ROUTED_SETTLE_S + 0.1  # the next reports come after r1 reached "p"
     registry.heartbeat("p", Load(prefill_tokens_per_s=2000.0))
     registry.heartbeat("d", Load(prefill_tokens_per_s=1600.0, counters=slow))
     plan = planner.plan("r2", "m", 2048, 16, [2], "")
@@ -518,3 +527,19 @@ def test_a_prefix_only_the_decode_holds_is_priced_as_recomputed_remotely(registr
     assert plan.prediction.remote_s == pytest.approx(64 / 400.0)
     assert plan.prediction.local_s == pytest.approx(128 / 400.0)
     assert plan.prefill.worker_id == "p"
+
+
+def test_a_report_forgets_only_what_was_routed_before_it_settled(registry, clock):
+    """A report may have been taken before the requests routed just now reached the worker:
+    those keep counting beside it (load and prompt tokens) until ROUTED_SETTLE_S has passed,
+    and the next report after that replaces them."""
+    registry.register(worker("d"), Load())
+    registry.note_routed("d", 300)
+    clock.now += ROUTED_SETTLE_S + 0.1
+    registry.note_routed("d", 200)
+    registry.heartbeat("d", Load(num_running=1, queued_prompt_tokens=300))  # has the first only
+    record = registry.get("d")
+    assert (record.load_score(), record.queued_prompt_tokens()) == (2, 500)
+    clock.now += ROUTED_SETTLE_S + 0.1
+    registry.heartbeat("d", Load(num_running=2, queued_prompt_tokens=500))
+    assert (record.load_score(), record.queued_prompt_tokens()) == (2, 500)
