@@ -15,19 +15,18 @@ into a private file the worker reads with `--enrollment-token-file`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import logging
 import os
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from pdserve.common.bounded_http import BoundedHandler, BoundedServer
+from pdserve.security.secret import write_private_file
 
 log = logging.getLogger("pdserve.enroller")
 
@@ -129,55 +128,24 @@ class KubeCluster:
 
 # --- the HTTP endpoint ---------------------------------------------------------------------
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
+class _Server(BoundedServer):
     def __init__(self, address, enroller, limit, max_connections: int, deadline_s: float) -> None:
-        super().__init__(address, _Handler)
-        self.enroller, self.limit, self.deadline_s = enroller, limit, deadline_s
-        self._slots = threading.BoundedSemaphore(max_connections)
-
-    def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):  # full: this connection is closed unserved
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+        # a connection's deadline is its whole life: what a client that drips bytes sent before
+        # the cut is not taken for a whole request
+        super().__init__(address, _Handler, max_connections, deadline_s, io_timeout_s=5.0,
+                         name="pdserve-enroller")
+        self.enroller, self.limit = enroller, limit
 
 
-class _Handler(BaseHTTPRequestHandler):
-    timeout = 5.0  # every read and write of a connection; a slow client loses its slot
+class _Handler(BoundedHandler):
     protocol_version = "HTTP/1.0"
     server: _Server
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("%s " + fmt, self.client_address[0], *args)
 
-    def setup(self) -> None:
-        super().setup()
-        # the whole connection has a deadline too: a client that drips bytes frees its slot, and
-        # what it sent before the cut is not taken for a whole request
-        self._expired = threading.Event()
-        self._cut = threading.Timer(self.server.deadline_s, self._close)
-        self._cut.daemon = True
-        self._cut.start()
-
-    def _close(self) -> None:
-        self._expired.set()
-        with contextlib.suppress(OSError):
-            self.connection.shutdown(socket.SHUT_RDWR)
-
-    def finish(self) -> None:
-        self._cut.cancel()
-        super().finish()
-
     def do_GET(self) -> None:
-        if self._expired.is_set():
+        if self.expired.is_set():
             return
         if self.path == "/healthz":
             self._answer(200, {"status": "ok"})
@@ -187,7 +155,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         from pdserve.security.enroller import EnrollRefused
 
-        if self._expired.is_set():
+        if self.expired.is_set():
             return None
         if self.path != ENROLL_PATH:
             return self._answer(404, {"error": f"no such path (POST {ENROLL_PATH})"})
@@ -213,15 +181,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(200, {"token": issued, "worker_id": worker_id, "role": role})
 
     def _answer(self, code: int, body: dict, retry_after: int = 0) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Cache-Control", "no-store")
+        headers = {"Cache-Control": "no-store"}
         if retry_after:
-            self.send_header("Retry-After", str(retry_after))
-        self.end_headers()
-        self.wfile.write(data)
+            headers["Retry-After"] = str(retry_after)
+        self.reply(code, json.dumps(body).encode(), "application/json", headers)
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -328,18 +291,6 @@ def _ask(url: str, sa_token: str, timeout_s: float, ca_file: str = "", server_na
     return token
 
 
-def _write_private(path: str, text: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".enrollment-")
-    try:
-        with os.fdopen(fd, "w") as f:  # mkstemp made it 0600
-            f.write(text + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def enroll(args: argparse.Namespace) -> int:
     """Ask until the deadline; a refusal ends it at once (exit 2), the deadline with exit 1."""
     deadline = time.monotonic() + args.timeout_s
@@ -358,7 +309,7 @@ def enroll(args: argparse.Namespace) -> int:
             with open(args.service_account_token_file, encoding="ascii") as f:
                 sa_token = f.read(16384).strip()
             token = _ask(args.enroller_url, sa_token, min(10.0, left), args.ca_file, args.server_name)
-            _write_private(args.out, token)
+            write_private_file(args.out, (token + "\n").encode("ascii"))
             print(f"pdserve enroll: enrollment token written to {args.out}", flush=True)
             return 0
         except _Refused as exc:
@@ -371,17 +322,13 @@ def enroll(args: argparse.Namespace) -> int:
 
 
 def keygen(args: argparse.Namespace) -> int:
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_private_key
-
     from pdserve.security.enrollment import EnrollmentIssuer
 
     issuer = EnrollmentIssuer()
     os.makedirs(args.out_dir, exist_ok=True)
-    private = os.path.join(args.out_dir, "private.pem")
-    _write_private(private, issuer.private_pem().decode("ascii").strip())
-    public = load_pem_private_key(issuer.private_pem(), None).public_key()
+    write_private_file(os.path.join(args.out_dir, "private.pem"), issuer.private_pem())
     with open(os.path.join(args.out_dir, "public.pem"), "wb") as f:
-        f.write(public.public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo))
+        f.write(issuer.public_pem())
     print(f"enrollment key pair in {args.out_dir}: private.pem (the enroller's), public.pem (the routers'); "
           f"public key {issuer.public_key.hex()}")
     return 0

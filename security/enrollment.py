@@ -75,6 +75,9 @@ class EnrollmentIssuer:
     def private_pem(self) -> bytes:
         return self._private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
 
+    def public_pem(self) -> bytes:
+        return self._private.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+
     def __repr__(self) -> str:
         return f"EnrollmentIssuer(public={self.public_key.hex()[:16]}...)"
 

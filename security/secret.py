@@ -15,6 +15,7 @@ a `KeyRing` file of those instead of the secret (`pdserve up` gives its router R
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -123,13 +124,23 @@ class KeyRing(ClusterSecret):
         return self._keys[use]
 
 
-def write_key_ring(secret: ClusterSecret, uses: tuple[str, ...], path: str | os.PathLike) -> None:
-    """Write `secret`'s keys for `uses` to `path` (0600, replaced whole if it exists)."""
+def write_private_file(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path`, 0600, replacing it whole if it exists (a reader never sees part)."""
     tmp = f"{path}.tmp-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secret.key_ring(uses))
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_key_ring(secret: ClusterSecret, uses: tuple[str, ...], path: str | os.PathLike) -> None:
+    """Write `secret`'s keys for `uses` to `path` (0600, replaced whole if it exists)."""
+    write_private_file(path, secret.key_ring(uses))
 
 
 def derive_key(key: bytes, label: bytes, *parts: bytes) -> bytes:

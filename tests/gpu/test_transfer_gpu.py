@@ -179,34 +179,29 @@ def _send_and_flip(sender, receiver, sink, layout, source, pairs, match: str) ->
     assert sink.is_complete(tid) and block_digests(sink.kv_caches, [3]) == block_digests(source, [6])
 
 
-def test_nccl_device_direct_lands_on_the_gpu_and_refuses_a_flipped_bit(loopback):
-    """Keyless (`--insecure-internal`): device to device, the sink's checksum catches a flip."""
+def _gpu_pair_flip(loopback, key: bytes | None, match: str) -> None:
+    """A GPU cache sent over an nccl pair (keyed or not) lands; a flipped bit is refused."""
     layout = tiny_layout(num_blocks=16, dtype="bfloat16")
     source = [c.cuda() for c in make_caches(layout, seed=3)]
     sink = CacheSink([c.cuda() for c in make_caches(layout)], layout)
-    receiver, sender = nccl.NcclTransport(backend="nccl"), nccl.NcclTransport(backend="nccl")
-    assert sender.device_direct
+    receiver, sender = nccl.NcclTransport(backend="nccl", key=key), nccl.NcclTransport(backend="nccl", key=key)
+    assert sender.device_direct == (key is None)
     try:
-        _send_and_flip(sender, receiver, sink, layout, source, loopback, "checksum")
+        _send_and_flip(sender, receiver, sink, layout, source, loopback, match)
     finally:
         sender.close()
         receiver.close()
+
+
+def test_nccl_device_direct_lands_on_the_gpu_and_refuses_a_flipped_bit(loopback):
+    """Keyless (`--insecure-internal`): device to device, the sink's checksum catches a flip."""
+    _gpu_pair_flip(loopback, None, "checksum")
 
 
 def test_nccl_keyed_seals_on_the_host_lands_on_the_gpu_and_refuses_a_flipped_bit(sealed_loopback):
     """With a transfer key, a GPU payload is sealed on the host (AEAD), only ciphertext crosses
     NCCL, it lands in the GPU cache; a flipped bit fails its tag and nothing lands."""
-    layout = tiny_layout(num_blocks=16, dtype="bfloat16")
-    source = [c.cuda() for c in make_caches(layout, seed=3)]
-    sink = CacheSink([c.cuda() for c in make_caches(layout)], layout)
-    key = os.urandom(32)
-    receiver, sender = nccl.NcclTransport(backend="nccl", key=key), nccl.NcclTransport(backend="nccl", key=key)
-    assert not sender.device_direct
-    try:
-        _send_and_flip(sender, receiver, sink, layout, source, sealed_loopback, "AEAD")
-    finally:
-        sender.close()
-        receiver.close()
+    _gpu_pair_flip(sealed_loopback, os.urandom(32), "AEAD")
 
 
 def test_a_gpu_message_through_a_host_path_is_checked_on_the_gpu(monkeypatch):
